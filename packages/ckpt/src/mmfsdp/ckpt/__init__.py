@@ -1,0 +1,1 @@
+"""mmfsdp.ckpt"""

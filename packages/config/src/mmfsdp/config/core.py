@@ -1,0 +1,199 @@
+"""Dataclass-from-mapping builder with key-path errors, typo hints and dotted overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: `key` is the dotted path, `message` says what is wrong."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> "ConfigError":
+        """The same error with `prefix` put in front of its key path."""
+        if not prefix:
+            return self
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return repr(tp).replace("typing.", "")
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", repr(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` against annotation `tp`, converting where YAML is looser than Python."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        return build(tp, value, path)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            hint = ""
+            if isinstance(value, str):
+                close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(path, f"{value!r} is not one of {', '.join(repr(c) for c in choices)}{hint}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _convert(arg, value, path)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(path, f"expected null, got {value!r}")
+        return None
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        (item_tp,) = get_args(tp)[:1] or (Any,)
+        return [_convert(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        return {_convert(key_tp, k, path): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)  # YAML 1.1 reads "1e-5" as a string
+                except ValueError:
+                    pass
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+        return value
+    return value
+
+
+def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
+    """Build dataclass `cls` from `data`, strictly: unknown keys and wrong types are `ConfigError`s."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean '{_join(path, close[0])}'?)" if close else ""
+            valid = ", ".join(fields)
+            raise ConfigError(_join(path, str(key)), f"unknown key{hint}; valid keys here: {valid}")
+    kwargs = {key: _convert(hints[key], value, _join(path, key)) for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(path) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain YAML-ready structure of a (nested) config dataclass."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=False)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.lr=1e-5` -> (['training', 'lr'], 1e-05); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError("", f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("", f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot read override value {raw!r}: {err}") from None
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in "eE.") and value.lstrip("+-")[:1].isdigit() else value
+        except ValueError:
+            pass
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `a.b.c=value` in the nested mapping `data` (in place) and return it."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is {child!r}, not a section, so {text!r} cannot set a key under it")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Read a YAML config file into a mapping and apply dotted overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("", f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError("", f"{path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return apply_overrides(data, overrides or [])
+

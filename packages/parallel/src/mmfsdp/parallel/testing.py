@@ -1,0 +1,120 @@
+"""Spawn N gloo ranks on the CPU for tests and report a failure from any rank.
+
+`run_distributed(fn, world_size, *args)` starts `world_size` fresh processes, each
+of which joins a gloo process group and calls `fn(rank, world_size, *args)`.
+It returns the per-rank return values (rank order). If any rank raises, the
+others are terminated and an `AssertionError` carrying that rank's traceback is
+raised in the caller, so a failing assertion on rank 1 never hangs rank 0.
+
+`fn` is located by its source file and name rather than pickled by module
+path, because pytest's importlib import mode gives test modules names that a
+spawned child cannot import. `fn` must therefore be a module-level function;
+`args` and return values must be picklable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_distributed", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _load_function(path: str, name: str) -> Callable[..., Any]:
+    module_name = f"_mmfsdp_dist_{abs(hash(path))}"
+    if module_name in sys.modules:
+        return getattr(sys.modules[module_name], name)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tuple, env: dict, results) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn = _load_function(path, name)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's value."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    path = fn.__code__.co_filename
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, path, fn.__name__, args, dict(env or {}), results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    try:
+        while len(values) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                failure = (-1, f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(values))}")
+                break
+            if status == "error":
+                failure = (rank, payload)
+                break
+            values[rank] = payload
+    finally:
+        if failure is not None:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if failure is not None:
+        rank, text = failure
+        where = f"rank {rank}" if rank >= 0 else "run_distributed"
+        raise AssertionError(f"{where} failed:\n{text}")
+    return [values[rank] for rank in range(world_size)]
