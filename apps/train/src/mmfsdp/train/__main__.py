@@ -1,0 +1,5 @@
+"""`python -m mmfsdp.train [CONFIG] [key.path=value ...]`."""
+
+from mmfsdp.train.cli import main
+
+raise SystemExit(main())

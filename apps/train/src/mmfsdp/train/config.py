@@ -1,0 +1,159 @@
+"""The one YAML: six sections composed from the packages that own them.
+
+`parallel`, `model`, `features` and `data` are defined by their packages;
+`training` and `tools` belong to the trainer and live here. `load_config`
+reads the file, applies dotted overrides, builds every section strictly and then
+runs the checks that span sections and the world size — all before any process
+group exists, so a user's mistake is one line naming the key, never a traceback
+from rank 3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mmfsdp.config import ConfigError, build, dump_yaml, load_yaml
+from mmfsdp.data import DataConfig
+from mmfsdp.model import FeaturesConfig, ModelConfig
+from mmfsdp.parallel import MeshPlan, ParallelConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    lr: float = 1.0e-5
+    """Peak learning rate (reached at the end of warm-up)."""
+    lr_min: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    """Shape of the decay after warm-up."""
+    lr_warmup_ratio: float = 0.0
+    """Fraction of `train_iters` spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    optimizer: Literal["adamw"] = "adamw"
+    """Optimizer; AdamW uses the fused kernel on CUDA/NPU and foreach on the CPU."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1.0e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    micro_batch_size: int = 1
+    """Samples per data-parallel rank per forward pass."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    train_iters: int = 100
+    """Number of optimizer steps."""
+    seed: int = 1234
+    """Seed for model init, data order and dropout; the same seed gives the same run."""
+    init_model_with_meta_device: bool = False
+    """Build the model on the meta device, shard it, then materialise and load (needs `training.load`)."""
+    load: str | None = None
+    """Directory to resume from (holding `latest_checkpointed_iteration.txt`) or, with `load_format: hf`, an HF model directory."""
+    load_format: Literal["dcp", "hf"] = "dcp"
+    """Format of `load`: a DCP checkpoint directory, or HF safetensors loaded straight into the sharded model."""
+    save: str | None = None
+    """Directory for DCP checkpoints (`iter_0000100/` and the tracker file)."""
+    save_interval: int = 0
+    """Save every N steps (0: only at the end when `save` is set)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints."""
+    save_async: bool = False
+    """Write checkpoints in the background with DCP async save."""
+    no_save_optim: bool = False
+    """Do not save the optimizer state."""
+    no_load_optim: bool = False
+    """Do not load the optimizer state on resume."""
+    no_load_rng: bool = False
+    """Do not restore RNG states on resume."""
+    log_interval: int = 1
+    """Log a line and a metrics record every N steps."""
+    output_dir: str = "outputs/run"
+    """Where `config.yaml`, `metrics.jsonl` and `eval.json` are written."""
+    eval_batch_size: int = 8
+    """Samples per rank per forward pass during the final evaluation."""
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ConfigError("lr", f"must be a positive number, got {self.lr}")
+        if not 0.0 <= self.lr_min <= self.lr:
+            raise ConfigError("lr_min", f"must be between 0 and lr ({self.lr}), got {self.lr_min}")
+        if not 0.0 <= self.lr_warmup_ratio < 1.0:
+            raise ConfigError("lr_warmup_ratio", f"must be in [0, 1), got {self.lr_warmup_ratio}")
+        if self.clip_grad < 0:
+            raise ConfigError("clip_grad", f"must be >= 0, got {self.clip_grad}")
+        if self.save_interval < 0:
+            raise ConfigError("save_interval", f"must be >= 0, got {self.save_interval}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError("save_total_limit", f"must be >= 1 or null, got {self.save_total_limit}")
+        if self.init_model_with_meta_device and not self.load:
+            raise ConfigError(
+                "init_model_with_meta_device",
+                "true needs training.load (a DCP directory from `mm-convert ... hf_to_dcp`, or an HF directory with load_format: hf)",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    enable: bool = False
+    """Record a torch.profiler trace."""
+    start_step: int = 2
+    """First profiled step."""
+    end_step: int = 3
+    """Last profiled step."""
+    output_dir: str | None = None
+    """Trace directory (default `<output_dir>/profile`)."""
+
+    def __post_init__(self) -> None:
+        if self.enable and not 1 <= self.start_step <= self.end_step:
+            raise ConfigError("start_step", f"need 1 <= start_step <= end_step, got {self.start_step}..{self.end_step}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ToolsConfig:
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler settings."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Devices, mesh, FSDP2 plan, recompute, context parallel."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset, template, image plugin, collator, loader."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model and how to build it."""
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    """Loss features: chunk loss and loss normalisation."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimisation, schedule, checkpoints, logging."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Profiling and other tools."""
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override and build the config; raises `ConfigError` for any user mistake."""
+    return build(Config, load_yaml(path, overrides), "")
+
+
+def check_world(cfg: Config, world_size: int) -> MeshPlan:
+    """Checks that need the world size; returns the mesh plan. Runs before process groups start."""
+    plan = MeshPlan.from_config(cfg.parallel, world_size)
+    return plan
+
+
+def save_resolved(cfg: Config, output_dir: str | Path) -> Path:
+    """Write the resolved config as `<output_dir>/config.yaml`."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(dump_yaml(cfg))
+    return path

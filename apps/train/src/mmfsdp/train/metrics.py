@@ -1,0 +1,50 @@
+"""One human line per logged step on rank 0, and the same numbers as JSONL.
+
+`metrics.jsonl` is appended to (a resumed run continues the same file); `step`
+counts optimizer steps from 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from mmfsdp.config import current_rank, get_logger
+
+log = get_logger("mmfsdp.train")
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    hours, rem = divmod(seconds, 3600)
+    minutes, secs = divmod(rem, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str | Path, total_steps: int):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.total_steps = total_steps
+        self._started = time.perf_counter()
+        self._first_step: int | None = None
+
+    def log_step(self, record: dict) -> None:
+        """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb."""
+        if current_rank() != 0:
+            return
+        step = record["step"]
+        if self._first_step is None:
+            self._first_step = step - 1
+        done = step - self._first_step
+        elapsed = time.perf_counter() - self._started
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        width = len(str(self.total_steps))
+        log.info(
+            f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f}"
+            f" | lr {record['lr']:.3e} | {record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step"
+            f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")

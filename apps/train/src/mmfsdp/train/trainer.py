@@ -1,0 +1,330 @@
+"""The trainer: the one place that knows the order of a run.
+
+    config → mesh → model (meta or CPU) → activation checkpointing → FSDP2
+           → materialise + load → data → train loop → checkpoints → eval
+
+One optimizer step takes `gradient_accumulation_steps` micro-batches from the
+loader. Before any forward, the loss weights of every token of the step are
+computed from the labels of all its micro-batches, with the normalisers reduced
+over the data-parallel group (`mmfsdp.model.compute_loss_weights`), so the
+summed loss is the global-batch loss whatever the split into ranks and
+micro-batches. FSDP2 averages gradients over its shard group, so each
+micro-batch's backward uses `loss × world_size` to turn that average into the
+sum of the per-rank contributions. Under context parallel every rank of a CP
+group sees the same batch; the model splits the sequence after the vision tower
+and each rank's loss is its shard's part of the same weighted sum.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mmfsdp.ckpt import load_checkpoint, load_hf_weights, read_tracker, save_checkpoint
+from mmfsdp.config import ConfigError, dump_yaml, get_logger
+from mmfsdp.data import build_dataloader, build_dataset, build_processor
+from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
+from mmfsdp.parallel import (
+    MeshPlan,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_parallel_dims,
+    clip_grad_norm,
+    detect_device_type,
+    device_for_local_rank,
+    init_process_group,
+    peak_memory_gb,
+    reset_peak_memory,
+)
+from mmfsdp.train.config import Config, save_resolved
+from mmfsdp.train.metrics import MetricsWriter
+from mmfsdp.train.schedule import Scheduler
+
+log = get_logger("mmfsdp.train")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_sizes", "cu_seq_lens", "max_length")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, unusable checkpoint); the message says why and what to do."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states, as tensors and plain lists so `weights_only` loading works."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.optim.Optimizer:
+    """AdamW; decay on matrices only; fused on CUDA/NPU, foreach on the CPU."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if not groups:
+        raise ConfigError("model.freeze", "every parameter is frozen; nothing would be trained")
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+    if device_type in ("cuda", "npu"):
+        kwargs["fused"] = True
+    else:
+        kwargs["foreach"] = True
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device_type: str):
+        self.cfg = cfg
+        self.device_type = device_type
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.plan = MeshPlan.from_config(cfg.parallel, self.world_size)
+        self.dims = build_parallel_dims(self.plan, device_type)
+        self.device = device_for_local_rank(device_type)
+        self.output_dir = Path(cfg.training.output_dir)
+        if self.rank == 0:
+            save_resolved(cfg, self.output_dir)
+            log.info("resolved config:\n" + dump_yaml(cfg))
+        seed_everything(cfg.training.seed)
+
+        self.entry = get_model_entry(cfg.model.model_id)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.training, device_type)
+        t = cfg.training
+        self.scheduler = Scheduler(
+            self.optimizer, lr=t.lr, lr_min=t.lr_min, total_steps=t.train_iters,
+            warmup_ratio=t.lr_warmup_ratio, style=t.lr_decay_style,
+        )
+        self.processor = build_processor(cfg.data)
+        self.train_dataset = build_dataset(cfg.data, self.processor, split="train")
+        self.loader = build_dataloader(
+            self.train_dataset, cfg.data,
+            micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
+            seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
+        )
+        self.step = 0
+        self._maybe_resume()
+        self.metrics = MetricsWriter(self.output_dir, t.train_iters)
+
+    # -- build -------------------------------------------------------------------------------
+    def _pad_multiple(self) -> int:
+        from mmfsdp.parallel.cp import required_multiple
+
+        configured = self.cfg.data.dataloader_param.collate_param.pad_to_multiple_of
+        needed = required_multiple(self.plan.ring, self.plan.ulysses)
+        return math.lcm(configured, needed)
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.cfg
+        on_meta = cfg.training.init_model_with_meta_device
+        dtype = _DTYPES[cfg.model.dtype]
+        model = self.entry.build(cfg.model, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
+        if cfg.model.freeze:
+            freeze_modules(model, cfg.model.freeze)
+        if cfg.parallel.recompute:
+            apply_activation_checkpointing(model, cfg.parallel.recompute_plan.apply_modules or self.entry.recompute_modules)
+        apply_fsdp(model, cfg.parallel.fsdp_plan, self.dims.fsdp_mesh, self.entry.fsdp_modules)
+        if on_meta:
+            model.to_empty(device=self.device)
+            self._load_weights_into_empty(model)
+            self.entry.init_non_persistent_buffers(model)
+        else:
+            model.to(self.device)
+        if self.dims.cp_size > 1:
+            model.enable_context_parallel(self.dims)
+        model.train()
+        num_params = sum(p.numel() for p in model.parameters())
+        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info(f"model {cfg.model.model_id}: {num_params / 1e6:.2f}M parameters, {num_trainable / 1e6:.2f}M trainable")
+        return model
+
+    def _load_weights_into_empty(self, model: torch.nn.Module) -> None:
+        t = self.cfg.training
+        if t.load_format == "hf":
+            load_hf_weights(model, t.load, key_map=self.entry.hf_key_map)
+            log.info(f"loaded HF weights from {t.load} into the sharded model")
+        else:
+            loaded = load_checkpoint(t.load, model=model, optimizer=None, load_optim=False, load_rng=False)
+            log.info(f"loaded model weights from {t.load} ({loaded.iteration})")
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.training
+        if not t.load or t.load_format != "dcp" or read_tracker(t.load) is None:
+            return
+        loaded = load_checkpoint(
+            t.load, model=self.model, optimizer=None if t.no_load_optim else self.optimizer,
+            load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
+        )
+        if loaded.iteration == "release":
+            log.info(f"loaded released weights from {t.load}; training starts at step 1")
+            return
+        self.step = int(loaded.app_state["step"])
+        self.scheduler.load_state_dict(loaded.app_state["scheduler"])
+        if loaded.rank_state is not None:
+            self.loader.load_state_dict(loaded.rank_state["loader"])
+            if not t.no_load_rng:
+                set_rng_state(loaded.rank_state["rng"])
+        else:
+            self.loader.load_state_dict(loaded.app_state["loader_rank0"], resharded_from=loaded.app_state["dp_size"])
+        log.info(f"resumed from {t.load} at step {self.step}")
+
+    # -- train -------------------------------------------------------------------------------
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def train_step(self) -> StepResult:
+        t = self.cfg.training
+        micro_batches = [next(self.loader) for _ in range(t.gradient_accumulation_steps)]
+        targets = [shift_labels(mb["labels"], mb.get("position_ids")) for mb in micro_batches]
+        weights = compute_loss_weights(
+            targets, loss_type=self.cfg.features.loss_cfg.loss_type,
+            position_ids=[mb.get("position_ids") for mb in micro_batches],
+            group=self.dims.dp_group, num_micro_batches=t.gradient_accumulation_steps,
+        )
+        local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        last = len(micro_batches) - 1
+        for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
+            self.model.set_requires_gradient_sync(i == last)
+            inputs = self._to_device({k: mb[k] for k in _MODEL_INPUTS if k in mb})
+            out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
+            (out.loss * self.world_size).backward()
+            local_loss += out.loss.detach().float()
+            num_tokens += mb["attention_mask"].sum().to(self.device)
+        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
+        dist.all_reduce(local_loss)
+        dist.all_reduce(num_tokens, group=self.dims.dp_group)
+        return StepResult(loss=local_loss.item(), grad_norm=float(grad_norm), num_tokens=int(num_tokens.item()))
+
+    def train(self) -> None:
+        t = self.cfg.training
+        last_finite: tuple[int, float] | None = None
+        if self.step >= t.train_iters:
+            log.info(f"nothing to train: resumed at step {self.step} of {t.train_iters}")
+        profiler = self._profiler()
+        while self.step < t.train_iters:
+            reset_peak_memory(self.device)
+            started = time.perf_counter()
+            result = self.train_step()
+            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                last = f"last finite loss {last_finite[1]:.6f} at step {last_finite[0]}" if last_finite else "no finite loss yet"
+                raise TrainingError(
+                    f"loss {result.loss} / grad norm {result.grad_norm} is not finite at step {self.step + 1} ({last}); "
+                    "lower training.lr, check the data, or resume from the last checkpoint"
+                )
+            lr = self.scheduler.lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.step += 1
+            last_finite = (self.step, result.loss)
+            step_time = time.perf_counter() - started
+            if profiler is not None:
+                profiler.step()
+            if self.step % t.log_interval == 0 or self.step == t.train_iters:
+                self.metrics.log_step({
+                    "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                    "num_tokens": result.num_tokens, "tokens_per_s": result.num_tokens / step_time,
+                    "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
+                })
+            if t.save and t.save_interval and self.step % t.save_interval == 0:
+                self.save()
+        if profiler is not None:
+            profiler.stop()
+        if t.save and (not t.save_interval or self.step % t.save_interval != 0):
+            self.save()
+
+    def _profiler(self):
+        p = self.cfg.tools.profile
+        if not p.enable:
+            return None
+        out = p.output_dir or str(self.output_dir / "profile")
+        prof = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=max(p.start_step - 1 - self.step, 0), warmup=0, active=p.end_step - p.start_step + 1, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{self.rank}"),
+            record_shapes=True, profile_memory=True,
+        )
+        prof.start()
+        return prof
+
+    def save(self) -> None:
+        t = self.cfg.training
+        save_checkpoint(
+            t.save, self.step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,
+            app_state={
+                "step": self.step, "scheduler": self.scheduler.state_dict(), "dp_size": self.dims.dp_size,
+                "loader_rank0": self.loader.state_dict() if self.dims.dp_rank == 0 else None,
+            },
+            rank_state={"loader": self.loader.state_dict(), "rng": rng_state()},
+            async_save=t.save_async, keep_last=t.save_total_limit,
+        )
+        log.info(f"saved checkpoint at step {self.step} under {t.save}")
+
+    def close(self) -> None:
+        from mmfsdp.ckpt import finalize_pending
+
+        finalize_pending()
+
+
+def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
+    """Body of one rank: process group, train, evaluate, close. Returns the exit code."""
+    device_type = detect_device_type()
+    init_process_group(device_type)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, device_type)
+        trainer.train()
+        trainer.close()
+        from mmfsdp.train.evaluate import evaluate_and_report
+
+        evaluate_and_report(trainer)
+    except (TrainingError, ConfigError) as err:
+        # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
+        print(f"[rank {dist.get_rank()}] error: {err}", flush=True)
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
