@@ -1,0 +1,92 @@
+"""Held-out evaluation at the end of a run: exact-match accuracy of the trained span.
+
+A sample counts as correct when, under teacher forcing, the argmax prediction
+equals the target at every trained position (the assistant answer and its EOS).
+That is the same as greedy decoding producing the answer exactly, without a
+generation loop. Each data-parallel rank scores a strided share of the eval set;
+every rank runs the same number of forward passes (FSDP2 gathers parameters
+collectively), repeating its last batch uncounted where its share is shorter.
+Counts are summed over the data-parallel group. Rank 0 writes
+`<output_dir>/eval.json` with `accuracy`, `chance` (when the dataset declares
+it), `num_samples` and `num_correct`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mmfsdp.config import get_logger
+from mmfsdp.data import build_collator, build_dataset, dataset_chance, has_eval_split
+from mmfsdp.model import shift_labels
+
+if TYPE_CHECKING:
+    from mmfsdp.train.trainer import Trainer
+
+log = get_logger("mmfsdp.train")
+_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_sizes")
+
+
+@torch.no_grad()
+def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row: True when every position with a target (!= -100) is predicted exactly."""
+    predicted = logits.argmax(dim=-1)
+    trained = targets != -100
+    wrong = (predicted != targets) & trained
+    return (~wrong.any(dim=-1)) & trained.any(dim=-1)
+
+
+@torch.no_grad()
+def evaluate(trainer: "Trainer") -> dict:
+    cfg = trainer.cfg
+    dims = trainer.dims
+    dataset = build_dataset(cfg.data, trainer.processor, split="eval")
+    collate = build_collator(cfg.data, trainer.processor, pad_to_multiple_of=trainer._pad_multiple())
+    indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
+    batch_size = cfg.training.eval_batch_size
+    num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
+    model = trainer.model
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64)
+    counted = torch.zeros((), dtype=torch.int64)
+    for b in range(num_batches):
+        chunk = indices[b * batch_size : (b + 1) * batch_size]
+        real = bool(chunk)
+        if not real:
+            chunk = indices[-batch_size:] or [0]
+        batch = collate([dataset[i] for i in chunk])
+        inputs = trainer._to_device({k: batch[k] for k in _INPUTS if k in batch})
+        logits = model(**inputs).logits.float()
+        hits = exact_match(logits.cpu(), shift_labels(batch["labels"]))
+        if real:
+            correct += hits.sum()
+            counted += hits.numel()
+    model.train()
+    totals = torch.stack([correct, counted]).to(trainer.device)
+    dist.all_reduce(totals, group=dims.dp_group)
+    num_correct, num_samples = (int(v) for v in totals.tolist())
+    return {
+        "accuracy": num_correct / max(num_samples, 1),
+        "chance": dataset_chance(cfg.data),
+        "num_samples": num_samples,
+        "num_correct": num_correct,
+        "step": trainer.step,
+    }
+
+
+def evaluate_and_report(trainer: "Trainer") -> dict | None:
+    if not has_eval_split(trainer.cfg.data):
+        return None
+    result = evaluate(trainer)
+    chance = result["chance"]
+    chance_text = f" (chance {chance:.3f})" if chance is not None else ""
+    log.info(f"eval: accuracy {result['accuracy']:.3f}{chance_text} on {result['num_samples']} held-out samples")
+    if trainer.rank == 0:
+        path = trainer.output_dir / "eval.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        log.info(f"wrote {path}")
+    return result
