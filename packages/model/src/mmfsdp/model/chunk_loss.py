@@ -1,0 +1,168 @@
+"""Chunked lm_head + cross-entropy: the loss without the `[tokens, vocab]` logits.
+
+Flow, step by step (shapes: T tokens, C chunk, H hidden, V vocab):
+1. The model's forward stops at the final hidden states `[B, S, H]` and calls
+   the `lm_head` *module* with a `LinearCrossEntropy` — the loss function,
+   holding the targets, the per-token weights and the chunk size.
+2. `ChunkLossLinear.forward` (the class `lm_head` gets) hands its own weight
+   and bias to that loss function and returns the loss instead of the logits.
+3. The loss function keeps only the trained tokens (target ≠ -100, weight ≠ 0)
+   and runs `_ChunkedLinearCrossEntropy`, which, for each chunk of C tokens:
+   computes the logits `[C, V]` in fp32, the weighted CE, and at once its
+   gradient `w · (softmax − onehot)` in place of the logits; from it the
+   chunk's gradient w.r.t. the hidden states (`[C, H]`, stored) and the
+   weight (accumulated in fp32 into one `[V, H]` buffer). The chunk's logits
+   are then freed. Nothing is recomputed later.
+4. Backward only scales the stored gradients by the incoming gradient (e.g.
+   the trainer's `× world_size`) and returns them to autograd.
+So the forward and backward hold one `[C, V]` chunk of logits at a time, and
+cost one forward + backward matmul pass, like the plain path.
+
+FSDP2: because `lm_head` is called as a module, FSDP's pre-forward hook has
+all-gathered its weight, and `self.weight` inside the forward is the unsharded
+parameter; the weight gradient returned by the Function lands on it, so FSDP's
+post-backward reduce-scatters it as for any module. The targets and weights
+travel inside the loss-function object, not as tensor arguments, so FSDP's
+mixed-precision input cast leaves them alone (the hidden states are cast to
+`param_dtype`, as they would be for the plain `lm_head`). With bf16
+parameters the matmuls run in bf16 and the softmax / CE / weight-gradient
+accumulation in fp32. A frozen `lm_head` skips the weight gradient; a tied one
+(weight shared with the embedding) receives it through the shared parameter.
+
+Context parallel: each CP rank holds one shard of the sequence and its own
+targets and weights; its loss is the shard's part of the weighted sum, and the
+shard losses add up (no all-reduce inside the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from mmfsdp.model.loss import IGNORE_INDEX
+
+__all__ = ["ChunkLossLinear", "LinearCrossEntropy", "chunked_linear_cross_entropy", "use_chunk_loss_head"]
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Σ_t w_t · CE(h_t Wᵀ + b, y_t) over rows of `hidden_TH`, gradients computed chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, weights_T, chunk_size, with_grads):
+        need_h, need_w, need_b = (with_grads and flag for flag in ctx.needs_input_grad[:3])
+        num_tokens = hidden_TH.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
+        grad_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
+        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
+        grad_bias_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
+        for start in range(0, num_tokens, chunk_size):
+            end = min(start + chunk_size, num_tokens)
+            hidden_CH = hidden_TH[start:end]
+            targets_C1 = targets_T[start:end, None]
+            weights_C1 = weights_T[start:end, None]
+            logits_CV = F.linear(hidden_CH, weight_VH, bias_V).float()
+            target_logit_C1 = logits_CV.gather(1, targets_C1)
+            row_max_C1 = logits_CV.amax(dim=1, keepdim=True)
+            logits_CV.sub_(row_max_C1).exp_()
+            sum_exp_C1 = logits_CV.sum(dim=1, keepdim=True)
+            log_sum_exp_C1 = row_max_C1 + sum_exp_C1.log()
+            loss += (weights_C1 * (log_sum_exp_C1 - target_logit_C1)).sum()
+            if not (need_h or need_w or need_b):
+                continue
+            # logits_CV becomes d loss / d logits = w · (softmax − onehot(y))
+            logits_CV.mul_(weights_C1 / sum_exp_C1)
+            logits_CV.scatter_add_(1, targets_C1, -weights_C1)
+            grad_logits_CV = logits_CV.to(weight_VH.dtype)
+            if need_h:
+                torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_TH[start:end])
+            if need_w:
+                if grad_weight_VH.dtype == grad_logits_CV.dtype == hidden_CH.dtype:
+                    grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_CH)
+                else:
+                    grad_weight_VH += torch.mm(grad_logits_CV.t(), hidden_CH)
+            if need_b:
+                grad_bias_V += logits_CV.sum(dim=0)
+            del logits_CV, grad_logits_CV
+        ctx.grads = (
+            grad_hidden_TH,
+            None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype),
+            None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype),
+        )
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grads = ctx.grads
+        ctx.grads = None
+        scaled = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return (*scaled, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shift_labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Σ_t w_t · CE(hidden_t · Wᵀ + b, y_t) in fp32, chunk by chunk; equals `weighted_cross_entropy` of the logits."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets_T = shift_labels.reshape(-1).to(hidden_TH.device)
+    weights_T = loss_weights.reshape(-1).to(device=hidden_TH.device, dtype=torch.float32)
+    if targets_T.shape[0] != hidden_TH.shape[0] or weights_T.shape[0] != hidden_TH.shape[0]:
+        raise ValueError(
+            f"{hidden_TH.shape[0]} hidden states but {targets_T.shape[0]} targets and {weights_T.shape[0]} loss weights"
+        )
+    trained = ((targets_T != IGNORE_INDEX) & (weights_T != 0)).nonzero().squeeze(1)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden_TH.index_select(0, trained),
+        weight,
+        bias,
+        targets_T.index_select(0, trained),
+        weights_T.index_select(0, trained),
+        chunk_size,
+        torch.is_grad_enabled(),
+    )
+
+
+class LinearCrossEntropy:
+    """The loss function `lm_head` receives under chunk loss: targets, weights and chunk size.
+
+    A plain object on purpose: FSDP2 casts floating tensors found in a module's
+    arguments (and in lists, dicts, dataclasses) to its `param_dtype`; the fp32
+    loss weights must not be.
+    """
+
+    __slots__ = ("shift_labels", "loss_weights", "chunk_size")
+
+    def __init__(self, shift_labels: torch.Tensor, loss_weights: torch.Tensor, chunk_size: int):
+        self.shift_labels = shift_labels
+        self.loss_weights = loss_weights
+        self.chunk_size = chunk_size
+
+    def __call__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return chunked_linear_cross_entropy(hidden_states, weight, bias, self.shift_labels, self.loss_weights, self.chunk_size)
+
+
+class ChunkLossLinear(nn.Linear):
+    """`nn.Linear` that, given a loss function, returns the loss of its output instead of the output."""
+
+    def forward(self, input: torch.Tensor, loss_function: LinearCrossEntropy | None = None) -> torch.Tensor:
+        if loss_function is None:
+            return super().forward(input)
+        return loss_function(input, self.weight, self.bias)
+
+
+def use_chunk_loss_head(linear: nn.Linear) -> None:
+    """Give a plain `nn.Linear` the `ChunkLossLinear` class in place (same parameters, hooks and state-dict keys)."""
+    if type(linear) is ChunkLossLinear:
+        return
+    if type(linear) is not nn.Linear:
+        raise TypeError(f"expected a plain nn.Linear lm_head (before FSDP wraps it), got {type(linear).__name__}")
+    linear.__class__ = ChunkLossLinear

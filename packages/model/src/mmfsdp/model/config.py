@@ -1,0 +1,79 @@
+"""The `model:` and `features:` config sections.
+
+`ModelConfig` says which registered model family to build, from where, with
+which attention backend and storage dtype, and which modules to freeze.
+`FeaturesConfig` switches the chunked loss on and picks the loss normalisation
+(the formulas are in `mmfsdp.model.loss` and docs/model.md).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mmfsdp.config import ConfigError
+from mmfsdp.model.attention import attention_backend_names
+from mmfsdp.model.registry import registered_model_ids
+
+__all__ = ["ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig"]
+
+
+def _unknown(value: str, known: list[str], what: str) -> str:
+    close = difflib.get_close_matches(value, known, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{value!r} is not a registered {what}{hint}; registered: {', '.join(sorted(known))}"
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    model_id: str = "mistral3"
+    """Registered model family to build (see `mmfsdp.model.get_model_entry`)."""
+    model_name_or_path: str | None = None
+    """Directory with the HF config.json (and safetensors weights unless random_init)."""
+    random_init: bool = False
+    """Build from the config.json in model_name_or_path with random weights instead of loading them."""
+    attn_implementation: str = "sdpa"
+    """Attention backend: sdpa, eager or flash_attention_2 (flash-attn on CUDA, fused attention on Ascend NPU)."""
+    freeze: list[str] = field(default_factory=list)
+    """Module name patterns ({*} and {a-b} allowed) whose parameters are not trained."""
+    trust_remote_code: bool = False
+    """Passed to transformers when reading the config and weights."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Storage dtype of the built model's parameters."""
+
+    def __post_init__(self) -> None:
+        ids = registered_model_ids()
+        if self.model_id not in ids:
+            raise ConfigError("model_id", _unknown(self.model_id, ids, "model id"))
+        names = attention_backend_names()
+        if self.attn_implementation not in names:
+            raise ConfigError("attn_implementation", _unknown(self.attn_implementation, names, "attention backend"))
+        if self.model_name_or_path is not None and not self.model_name_or_path.strip():
+            raise ConfigError("model_name_or_path", "is empty; give a directory holding config.json or leave it null")
+
+
+@dataclass(kw_only=True, slots=True)
+class ChunkLossPlanConfig:
+    chunk_size: int = 1024
+    """Tokens per chunk of the lm_head + cross-entropy computation."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError("chunk_size", f"{self.chunk_size} must be a positive number of tokens")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    loss_type: Literal["default", "per_sample", "per_token"] = "default"
+    """default: mean over the global batch's trained tokens; per_sample: mean of per-sample means; per_token: sum / average trained tokens per micro-batch and rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FeaturesConfig:
+    enable_chunk_loss: bool = False
+    """Compute lm_head + loss chunk by chunk inside lm_head, never materialising the full logits."""
+    chunkloss_plan: ChunkLossPlanConfig = field(default_factory=ChunkLossPlanConfig)
+    """Chunked-loss settings."""
+    loss_cfg: LossConfig = field(default_factory=LossConfig)
+    """Loss normalisation settings."""

@@ -1,0 +1,148 @@
+"""Targets, per-token loss weights with global normalisers, and the weighted cross-entropy.
+
+The model's training loss for one micro-batch on one rank is
+
+    loss = Σ_t w_t · CE(logits_t, y_t)          (fp32; tokens with y_t = -100 add 0)
+
+where `y = shift_labels(labels)` is the next-token target of every position and
+`w = compute_loss_weights(...)` holds the normalisation. The weights of a step
+are computed once, before any forward, from the targets of all `M` micro-batches
+of the step, with the counts summed over the `D` ranks of the data-parallel
+group, so that the sum of `loss` over the step's micro-batches and ranks is the
+step's objective, independent of how the global batch is split:
+
+- `default`    — mean over all trained tokens of the global batch:
+                 w_t = 1 / N,   N = Σ_{micro-batches, dp ranks} #{t : y_t ≠ -100}
+- `per_sample` — mean over samples of each sample's mean token loss:
+                 w_t = 1 / (S · n_s(t)),   n_s = trained tokens of sample s,
+                 S = number of samples with n_s > 0 in the global batch
+                 (a sample is a batch row, or a packed sequence when
+                 `position_ids` restart at 0)
+- `per_token`  — sum over tokens divided by the average trained-token count of
+                 one micro-batch on one rank in this step:
+                 w_t = 1 / N̄,   N̄ = N / (M · D)
+                 (so the step objective is Σ CE / N̄ = M·D × the `default` one;
+                 each micro-batch's loss is on the scale of a per-micro-batch mean)
+
+When the normaliser is 0 (no trained token anywhere) every weight is 0, so the
+loss and gradients are 0, not NaN.
+
+Gradients: FSDP2 averages gradients over its shard group, so the trainer
+backpropagates `loss × fsdp_group_size` to turn that average into the sum over
+ranks. Under context parallel the weights are computed on the full sequences
+(before the split, with the dp group, which excludes CP), each CP rank sums
+its shard's `w_t · CE_t`, and the shard losses add up to the sample's loss.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["IGNORE_INDEX", "shift_labels", "compute_loss_weights", "weighted_cross_entropy", "LossType"]
+
+IGNORE_INDEX = -100
+LossType = Literal["default", "per_sample", "per_token"]
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token targets: `out[b, t] = labels[b, t + 1]`, -100 at the last position.
+
+    With packed rows (`position_ids` restarting at 0 where a sample starts), the
+    last token of every sample gets -100 too, so no sample predicts the next one's first token.
+    """
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[..., :-1] = labels[..., 1:]
+    if position_ids is not None:
+        out[..., :-1].masked_fill_(position_ids[..., 1:] == 0, IGNORE_INDEX)
+    return out
+
+
+def weighted_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
+    """Σ_t w_t · CE(logits_t, y_t) in fp32 over all positions; targets -100 contribute 0."""
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return (per_token * loss_weights.reshape(-1).to(torch.float32)).sum()
+
+
+def _sample_ids(shape: torch.Size, position_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A distinct id per sample of a micro-batch: per row, and per packed sequence within a row."""
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    if position_ids is not None:
+        starts |= position_ids.to(device).expand(shape) == 0
+    starts[..., 0] = True
+    return starts.reshape(-1).cumsum(0).reshape(shape) - 1
+
+
+def _all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return values
+    device = torch.device("cpu")
+    if "gloo" not in str(dist.get_backend(group)):
+        device = torch.accelerator.current_accelerator()
+    reduced = values.to(device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    return reduced.to(values.device)
+
+
+def compute_loss_weights(
+    shift_labels: Sequence[torch.Tensor],
+    *,
+    loss_type: LossType = "default",
+    position_ids: Sequence[torch.Tensor | None] | None = None,
+    group: dist.ProcessGroup | None = None,
+    num_micro_batches: int | None = None,
+) -> list[torch.Tensor]:
+    """The fp32 per-token loss weights of every micro-batch of one step (formulas in the module docstring).
+
+    `shift_labels` holds the targets of all micro-batches of the step on this
+    rank; `position_ids` (one per micro-batch, or None) marks packed samples for
+    `per_sample`; `group` is the data-parallel group over which counts are summed
+    (None: this process alone). Every rank of `group` must call this with the
+    same number of micro-batches.
+    """
+    num_micro = len(shift_labels)
+    if num_micro_batches is not None and num_micro_batches != num_micro:
+        raise ValueError(f"num_micro_batches={num_micro_batches} but {num_micro} micro-batches of targets were given")
+    if position_ids is None:
+        position_ids = [None] * num_micro
+    if len(position_ids) != num_micro:
+        raise ValueError(f"{len(position_ids)} position_ids for {num_micro} micro-batches")
+    trained = [targets != IGNORE_INDEX for targets in shift_labels]
+    device = shift_labels[0].device if num_micro else torch.device("cpu")
+
+    if loss_type in ("default", "per_token"):
+        local = torch.stack([mask.sum() for mask in trained]).sum() if num_micro else torch.zeros((), dtype=torch.int64)
+        num_trained = int(_all_reduce_sum(local.to(torch.int64).reshape(1), group).item())
+        if num_trained == 0:
+            return [torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for mask in trained]
+        if loss_type == "default":
+            weight = 1.0 / num_trained
+        else:
+            dp_size = 1 if group is None else dist.get_world_size(group)
+            weight = (num_micro * dp_size) / num_trained
+        return [mask.to(torch.float32) * weight for mask in trained]
+
+    if loss_type != "per_sample":
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected default, per_sample or per_token")
+    per_sample_counts = []
+    local_samples = torch.zeros((), dtype=torch.int64, device=device)
+    for mask, pos in zip(trained, position_ids):
+        ids = _sample_ids(mask.shape, pos, mask.device)
+        counts = torch.bincount(ids.reshape(-1), weights=mask.reshape(-1).to(torch.float64), minlength=int(ids.max()) + 1)
+        per_sample_counts.append((ids, counts))
+        local_samples += (counts > 0).sum().to(device)
+    num_samples = int(_all_reduce_sum(local_samples.reshape(1), group).item())
+    weights = []
+    for mask, (ids, counts) in zip(trained, per_sample_counts):
+        if num_samples == 0:
+            weights.append(torch.zeros(mask.shape, dtype=torch.float32, device=mask.device))
+            continue
+        token_counts = counts[ids]
+        per_token = torch.where(mask, 1.0 / (token_counts.clamp(min=1) * num_samples), 0.0)
+        weights.append(per_token.to(torch.float32))
+    return weights

@@ -1,0 +1,161 @@
+"""Config sections, the registry, the mistral3 entry: build paths, plans, meta init, freezing, key map."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Mistral3ForConditionalGeneration
+
+from mmfsdp.config import ConfigError, build
+from mmfsdp.model import (
+    FeaturesConfig,
+    Mistral3ForConditionalGenerationFSDP,
+    ModelConfig,
+    freeze_modules,
+    get_model_entry,
+)
+from mmfsdp.model.chunk_loss import ChunkLossLinear
+from mmfsdp.model.testing import model_inputs, rel_diff, tiny_batch
+from mmfsdp.parallel.patterns import match_module_names
+
+ENTRY = get_model_entry("mistral3")
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_defaults_build():
+    model = build(ModelConfig, {}, "model")
+    assert (model.model_id, model.attn_implementation, model.dtype, model.freeze) == ("mistral3", "sdpa", "fp32", [])
+    features = build(FeaturesConfig, {}, "features")
+    assert not features.enable_chunk_loss
+    assert features.chunkloss_plan.chunk_size == 1024 and features.loss_cfg.loss_type == "default"
+
+
+@pytest.mark.parametrize(
+    "section, data, key, hint",
+    [
+        (ModelConfig, {"model_id": "mistral33"}, "model.model_id", "did you mean 'mistral3'"),
+        (ModelConfig, {"attn_implementation": "spda"}, "model.attn_implementation", "did you mean 'sdpa'"),
+        (ModelConfig, {"dtype": "bf32"}, "model.dtype", "is not one of"),
+        (FeaturesConfig, {"chunkloss_plan": {"chunk_size": 0}}, "features.chunkloss_plan.chunk_size", "positive"),
+        (FeaturesConfig, {"loss_cfg": {"loss_type": "per_samples"}}, "features.loss_cfg.loss_type", "did you mean 'per_sample'"),
+    ],
+)
+def test_config_mistakes_name_their_key(section, data, key, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)) as err:
+        build(section, data, section is ModelConfig and "model" or "features")
+    assert err.value.key == key
+
+
+def test_unknown_model_id_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'mistral3'"):
+        get_model_entry("mistral")
+
+
+# -- the entry --------------------------------------------------------------------------------
+
+
+def test_plans_name_real_modules(tiny_config):
+    model = Mistral3ForConditionalGenerationFSDP(tiny_config)
+    layers = tiny_config.text_config.num_hidden_layers + tiny_config.vision_config.num_hidden_layers
+    assert len(match_module_names(model, list(ENTRY.fsdp_modules))) == layers + 3
+    assert len(match_module_names(model, list(ENTRY.recompute_modules))) == layers
+    assert match_module_names(model, list(ENTRY.vision_modules)) == list(ENTRY.vision_modules)
+    assert isinstance(model.get_submodule(ENTRY.lm_head_name), ChunkLossLinear)
+
+
+def test_tiny_config_is_tiny_and_overridable():
+    config = ENTRY.tiny_config(vocab_size=300, image_token_index=7, text_config={"num_hidden_layers": 3})
+    assert config.text_config.vocab_size == 300 and config.image_token_index == 7
+    assert config.text_config.num_hidden_layers == 3 and config.vision_config.patch_size == 8
+    assert sum(p.numel() for p in Mistral3ForConditionalGeneration(config).parameters()) < 5_000_000
+
+
+def _apply_key_map(key: str) -> str:
+    for pattern, replacement in ENTRY.hf_key_map:
+        if re.match(pattern, key):
+            return re.sub(pattern, replacement, key, count=1)
+    return key
+
+
+def test_hf_key_map_renames_the_original_checkpoint_layout(tiny_config):
+    keys = Mistral3ForConditionalGenerationFSDP(tiny_config).state_dict().keys()
+    for key in keys:
+        old = re.sub(r"^model\.language_model\.", "language_model.model.", key)
+        old = re.sub(r"^lm_head\.", "language_model.lm_head.", old)
+        old = re.sub(r"^model\.(vision_tower|multi_modal_projector)\.", r"\1.", old)
+        assert _apply_key_map(old) == key
+        assert _apply_key_map(key) == key
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_config):
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(tiny_config)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path, model
+
+
+def test_build_loads_safetensors_weights(saved):
+    path, reference = saved
+    model_cfg = build(ModelConfig, {"model_name_or_path": str(path)}, "model")
+    features = build(FeaturesConfig, {"enable_chunk_loss": True, "chunkloss_plan": {"chunk_size": 8}}, "features")
+    model = ENTRY.build(model_cfg, features)
+    assert isinstance(model, Mistral3ForConditionalGenerationFSDP) and model.chunk_loss_size == 8
+    assert model.config._attn_implementation == "mmfsdp_sdpa"
+    ref_state = reference.state_dict()
+    assert all(torch.equal(value, ref_state[key]) for key, value in model.state_dict().items())
+
+
+def test_build_refuses_a_checkpoint_with_missing_weights(saved):
+    path, _ = saved
+    (weights_file,) = path.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    dropped = next(key for key in tensors if "layers.1" in key)
+    del tensors[dropped]
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="missing keys"):
+        ENTRY.build(build(ModelConfig, {"model_name_or_path": str(path)}, "model"))
+
+
+def test_build_with_random_init_and_dtype(saved):
+    path, reference = saved
+    model_cfg = build(ModelConfig, {"model_name_or_path": str(path), "random_init": True, "dtype": "bf16"}, "model")
+    model = ENTRY.build(model_cfg)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not torch.equal(model.lm_head.weight.float(), reference.lm_head.weight.bfloat16().float())
+    assert model.chunk_loss_size is None
+
+
+def test_meta_build_then_load_gives_the_hf_logits(saved):
+    path, reference = saved
+    model = ENTRY.build(build(ModelConfig, {"model_name_or_path": str(path)}, "model"), device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
+    assert not missing and not unexpected
+    ENTRY.init_non_persistent_buffers(model)
+    batch = model_inputs(tiny_batch(reference.config, seq_len=24))
+    with torch.no_grad():
+        assert rel_diff(model(**batch).logits, reference(**batch).logits) <= 1e-5
+
+
+def test_missing_model_directory_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="model_name_or_path") as err:
+        ENTRY.build(build(ModelConfig, {}, "model"))
+    assert err.value.key == "model.model_name_or_path"
+    with pytest.raises(ConfigError, match="no config.json"):
+        ENTRY.build(build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model"))
+
+
+def test_freeze_modules_by_pattern(tiny_config):
+    model = Mistral3ForConditionalGenerationFSDP(tiny_config)
+    names = freeze_modules(model, ["model.vision_tower", "model.language_model.layers.{0-0}"])
+    assert names == ["model.vision_tower", "model.language_model.layers.0"]
+    for name, param in model.named_parameters():
+        frozen = name.startswith("model.vision_tower.") or name.startswith("model.language_model.layers.0.")
+        assert param.requires_grad is not frozen, name
+    with pytest.raises(ConfigError, match=re.escape("model.freeze[0]")):
+        freeze_modules(model, ["model.vision_towr"])
