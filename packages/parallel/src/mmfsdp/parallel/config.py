@@ -1,0 +1,91 @@
+"""The `parallel:` config section: mesh sizes, the FSDP2 plan and the recompute plan.
+
+Only per-field checks live here. Whether the sizes fit a world size is checked by
+`mmfsdp.parallel.mesh.MeshPlan.from_config`, which needs the world size and runs
+before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mmfsdp.config import ConfigError
+
+__all__ = ["ParallelConfig", "FSDPPlanConfig", "RecomputePlanConfig"]
+
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPPlanConfig:
+    """Which modules `fully_shard` wraps and how (YAML `parallel.fsdp_plan:`)."""
+
+    apply_modules: list[str] | None = None
+    """Module name patterns to wrap with `fully_shard`, e.g. `model.language_model.layers.{*}`; null = the model's default list."""
+    ignored_modules: list[str] = field(default_factory=list)
+    """Module name patterns whose parameters FSDP leaves unsharded and unsynchronised (freeze them)."""
+    param_dtype: DType | None = None
+    """Dtype the parameters are all-gathered in for compute; null = keep the parameters' own dtype."""
+    reduce_dtype: DType | None = "fp32"
+    """Dtype gradients are reduce-scattered in; null = the compute dtype."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward and gather again in backward (less memory, more communication)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states on the CPU."""
+    num_to_forward_prefetch: int = 0
+    """How many following wrapped modules each wrapped module starts gathering during forward."""
+    num_to_backward_prefetch: int = 0
+    """How many preceding wrapped modules each wrapped module starts gathering during backward."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_to_forward_prefetch", "num_to_backward_prefetch"):
+            value = getattr(self, key)
+            if value < 0:
+                raise ConfigError(key, f"must be >= 0, got {value}; 0 turns explicit prefetching off")
+
+
+@dataclass(kw_only=True, slots=True)
+class RecomputePlanConfig:
+    """Which modules recompute their activations in backward (YAML `parallel.recompute_plan:`)."""
+
+    apply_modules: list[str] | None = None
+    """Module name patterns to checkpoint, e.g. `model.language_model.layers.{*}`; null = the model's default list."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Process layout and sharding (YAML `parallel:`)."""
+
+    fully_shard_parallel_size: int | Literal["auto"] = "auto"
+    """Ranks in one FSDP shard group (data-parallel shards × context-parallel size); auto = world size / data_parallel_replicate_size."""
+    data_parallel_replicate_size: int = 1
+    """Number of HSDP replicas; each holds a full copy of the sharded model."""
+    ulysses_parallel_size: int = 1
+    """Ulysses (all-to-all over heads) context-parallel size."""
+    ring_attention_size: int = 1
+    """Ring-attention context-parallel size."""
+    tensor_parallel_size: int = 1
+    """Must be 1: tensor parallelism is not supported."""
+    fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
+    """How FSDP2 wraps the model."""
+    recompute: bool = False
+    """Recompute activations of the modules in `recompute_plan` during backward."""
+    recompute_plan: RecomputePlanConfig = field(default_factory=RecomputePlanConfig)
+    """Which modules recompute their activations when `recompute` is true."""
+
+    def __post_init__(self) -> None:
+        fully_shard = self.fully_shard_parallel_size
+        if fully_shard != "auto" and (isinstance(fully_shard, bool) or not isinstance(fully_shard, int) or fully_shard < 1):
+            raise ConfigError("fully_shard_parallel_size", f"must be 'auto' or an integer >= 1, got {fully_shard!r}")
+        for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}; use 1 to turn this axis off")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                "tensor_parallel_size",
+                f"{self.tensor_parallel_size} is not supported: tensor parallelism is not implemented; "
+                "set it to 1 and scale with fully_shard_parallel_size (FSDP) or "
+                "ulysses_parallel_size / ring_attention_size (context parallel)",
+            )

@@ -1,0 +1,66 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from mmfsdp.config import ConfigError
+from mmfsdp.parallel import (
+    backend_for,
+    detect_device_type,
+    device_count,
+    device_for_local_rank,
+    init_process_group,
+    peak_memory_gb,
+    reset_peak_memory,
+    synchronize,
+)
+
+
+def test_parallel_detect_device_type_on_this_machine(monkeypatch):
+    monkeypatch.delenv("MMFSDP_DEVICE", raising=False)
+    expected = "cuda" if torch.cuda.is_available() else None
+    found = detect_device_type()
+    assert found in ("cuda", "npu", "cpu")
+    if expected:
+        assert found == expected
+
+
+def test_parallel_device_override(monkeypatch):
+    monkeypatch.setenv("MMFSDP_DEVICE", "CPU")
+    assert detect_device_type() == "cpu"
+    monkeypatch.setenv("MMFSDP_DEVICE", "tpu")
+    with pytest.raises(ConfigError, match="MMFSDP_DEVICE: 'tpu' is not one of cuda, npu, cpu"):
+        detect_device_type()
+
+
+def test_parallel_backends_and_local_devices(monkeypatch):
+    assert [backend_for(t) for t in ("cuda", "npu", "cpu")] == ["nccl", "hccl", "gloo"]
+    with pytest.raises(ValueError, match="unknown device type 'xpu2'"):
+        backend_for("xpu2")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_for_local_rank("cuda") == torch.device("cuda", 3)
+    assert device_for_local_rank("cpu") == torch.device("cpu")
+    assert device_count("cpu") == 1
+    assert device_count("cuda") == torch.cuda.device_count()
+
+
+def test_parallel_cpu_memory_helpers():
+    device = torch.device("cpu")
+    reset_peak_memory(device)
+    synchronize(device)
+    before = peak_memory_gb(device)
+    block = torch.ones(64, 1024, 1024, dtype=torch.uint8)  # 64 MiB, touched
+    after = peak_memory_gb(device)
+    assert 0 < before <= after
+    assert after >= block.numel() / (1 << 30)
+
+
+def test_parallel_init_process_group_single_process(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    try:
+        assert init_process_group("cpu") == torch.device("cpu")
+        assert (dist.get_world_size(), dist.get_rank(), dist.get_backend()) == (1, 0, "gloo")
+        assert init_process_group("cpu") == torch.device("cpu")  # a second call keeps the group
+    finally:
+        dist.destroy_process_group()
