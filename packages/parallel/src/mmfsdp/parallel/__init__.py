@@ -1,1 +1,60 @@
-"""mmfsdp.parallel"""
+"""Devices, process layout and sharding for mmfsdp — nothing model-specific.
+
+The trainer uses this package in this order:
+1. `ParallelConfig` (YAML `parallel:`) → `MeshPlan.from_config(cfg, world_size)`
+   validates the layout before any process group exists.
+2. `detect_device_type()` → `init_process_group(device_type)` →
+   `build_parallel_dims(plan, device_type)`: the 4-D mesh
+   `(dp_replicate, dp_shard, ring, ulysses)` with its flattened views
+   (`cp`, `dp_shard_cp`, `dp`, `dp_cp`), ranks and groups.
+3. The model entry declares which modules to shard and checkpoint; this package
+   applies that: `apply_activation_checkpointing(model, patterns)` and then
+   `apply_fsdp(model, plan, parallel_dims.fsdp_mesh, default_modules)`, both
+   selecting modules with the `{*}` / `{a-b}` patterns of `match_module_names`.
+4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients.
+
+Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
+`ulysses` groups of `ParallelDims`.
+"""
+
+from mmfsdp.parallel.checkpointing import apply_activation_checkpointing, is_checkpointed
+from mmfsdp.parallel.config import FSDPPlanConfig, ParallelConfig, RecomputePlanConfig
+from mmfsdp.parallel.device import (
+    backend_for,
+    detect_device_type,
+    device_count,
+    device_for_local_rank,
+    init_process_group,
+    peak_memory_gb,
+    reset_peak_memory,
+    synchronize,
+)
+from mmfsdp.parallel.fsdp import apply_fsdp
+from mmfsdp.parallel.grad import clip_grad_norm
+from mmfsdp.parallel.mesh import MESH_AXES, MeshPlan, ParallelDims, build_parallel_dims
+from mmfsdp.parallel.patterns import ModulePattern, compile_module_pattern, match_module_names
+
+__all__ = [
+    "ParallelConfig",
+    "FSDPPlanConfig",
+    "RecomputePlanConfig",
+    "detect_device_type",
+    "backend_for",
+    "init_process_group",
+    "device_for_local_rank",
+    "device_count",
+    "reset_peak_memory",
+    "peak_memory_gb",
+    "synchronize",
+    "MESH_AXES",
+    "MeshPlan",
+    "ParallelDims",
+    "build_parallel_dims",
+    "ModulePattern",
+    "compile_module_pattern",
+    "match_module_names",
+    "apply_activation_checkpointing",
+    "is_checkpointed",
+    "apply_fsdp",
+    "clip_grad_norm",
+]

@@ -1,0 +1,109 @@
+"""Apply FSDP2 (`torch.distributed.fsdp.fully_shard`) to a model by module name patterns.
+
+Flow of `apply_fsdp(model, plan, mesh, default_modules)`:
+1. Resolve `plan.apply_modules` (or the model entry's `default_modules`) and
+   `plan.ignored_modules` to module names with `match_module_names`.
+2. `fully_shard` every matched module, deepest first, so each becomes one
+   parameter group that is all-gathered just before its forward and
+   reduce-scattered right after its backward; then `fully_shard` the root,
+   which takes every parameter not already in a group (embeddings, final norm...).
+3. Every call gets the same `MixedPrecisionPolicy(param_dtype, reduce_dtype)`,
+   offload policy, `reshard_after_forward` and the ignored parameters. (FSDP2
+   keeps the root's parameters gathered after forward regardless, since
+   backward needs them first.)
+4. With `num_to_forward_prefetch` / `num_to_backward_prefetch` > 0, each matched
+   module is told to start gathering the next / previous N matched modules
+   (model order is taken as execution order).
+
+Activation checkpointing (`apply_activation_checkpointing`) must run before
+this, on the unsharded model; it wraps `forward` in place, so the FSDP groups
+and the parameter names are the same with or without it.
+
+Gradients: FSDP2 averages gradients over all ranks of `mesh` (for HSDP, over
+replicas × shards). With context parallel the shard group is `dp_shard_cp`, so
+the ranks of one CP group, which see different tokens of the same samples,
+are averaged in too; the trainer's loss normalisation accounts for that.
+
+Ignored modules: their parameters stay whole on every rank and their gradients
+are not synchronised, so they should be frozen (a warning says so otherwise).
+Frozen parameters elsewhere are sharded like the others and get no gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from mmfsdp.config import ConfigError, get_logger, warn_once
+from mmfsdp.parallel.config import FSDPPlanConfig
+from mmfsdp.parallel.patterns import match_module_names
+
+__all__ = ["apply_fsdp", "DTYPES"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_KEY = "parallel.fsdp_plan"
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else DTYPES[name]
+
+
+def _ignored_params(model: nn.Module, plan: FSDPPlanConfig) -> set[nn.Parameter]:
+    if not plan.ignored_modules:
+        return set()
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ConfigError(
+            f"{_KEY}.ignored_modules",
+            f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...); "
+            "remove ignored_modules (freeze those modules instead) or upgrade torch",
+        )
+    names = match_module_names(model, plan.ignored_modules, key=f"{_KEY}.ignored_modules")
+    params = {param for name in names for param in model.get_submodule(name).parameters()}
+    if any(param.requires_grad for param in params):
+        warn_once(
+            "parallel.fsdp_plan.ignored_modules holds trainable parameters; FSDP does not synchronise "
+            "their gradients across ranks, so the replicas drift apart unless those modules are frozen"
+        )
+    return params
+
+
+def apply_fsdp(model: nn.Module, plan: FSDPPlanConfig, mesh: DeviceMesh, default_modules: list[str]) -> nn.Module:
+    """Shard `model` in place with FSDP2 following `plan` on `mesh` (1-D FSDP or 2-D HSDP); return it."""
+    if plan.apply_modules is not None:
+        names = match_module_names(model, plan.apply_modules, key=f"{_KEY}.apply_modules")
+    else:
+        names = match_module_names(model, default_modules, key=f"{_KEY}.apply_modules (model default)")
+    ignored = _ignored_params(model, plan)
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=plan.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(plan.param_dtype), reduce_dtype=_dtype(plan.reduce_dtype)),
+        # pinned host memory needs an accelerator; on a CPU mesh offloading only keeps the same placement
+        offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if plan.cpu_offload else OffloadPolicy(),
+    )
+    if ignored:
+        options["ignored_params"] = ignored
+    modules = [model.get_submodule(name) for name in names]
+    by_depth = sorted(range(len(names)), key=lambda i: names[i].count("."), reverse=True)
+    for i in by_depth:
+        fully_shard(modules[i], **options)
+    fully_shard(model, **options)
+    _set_prefetch(modules, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
+    get_logger(__name__).info(
+        "FSDP2: %d modules + root on mesh %s, param_dtype=%s reduce_dtype=%s",
+        len(names), tuple(mesh.shape), plan.param_dtype, plan.reduce_dtype,
+    )
+    return model
+
+
+def _set_prefetch(modules: list[nn.Module], num_forward: int, num_backward: int) -> None:
+    fsdp_modules: list[FSDPModule] = [module for module in modules if isinstance(module, FSDPModule)]
+    for i, module in enumerate(fsdp_modules):
+        if num_forward > 0 and i + 1 < len(fsdp_modules):
+            module.set_modules_to_forward_prefetch(fsdp_modules[i + 1 : i + 1 + num_forward])
+        if num_backward > 0 and i > 0:
+            module.set_modules_to_backward_prefetch(fsdp_modules[max(0, i - num_backward) : i][::-1])
