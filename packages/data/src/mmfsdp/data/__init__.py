@@ -1,1 +1,78 @@
-"""mmfsdp.data"""
+"""Training data for multimodal chat models: templates, image plugins, collators, datasets, the loader.
+
+The trainer uses it in this order (YAML section `data:` = `DataConfig`):
+
+1. `prepare_dataset(data_cfg)` on every rank before process groups exist: generates
+   synthetic data if asked, caches the raw rows with HF datasets.
+2. `build_processor(data_cfg)`: tokenizer + HF image processor of the model.
+3. `build_dataset(data_cfg, processor, split)`: tokenized samples (template + image
+   plugin, cached), images decoded lazily per item; bad rows skipped and counted.
+4. `build_dataloader(dataset, data_cfg, micro_batch_size=, dp_rank=, dp_size=, seed=,
+   pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
+   batches (`input_ids`, `labels`, `attention_mask`, `position_ids`, `pixel_values`,
+   `image_sizes`, and with packing `cu_seq_lens`, `max_length`).
+
+Each of templates (`mistral`), image plugins (`pixtral`), collators (`pixtral`) and
+dataset types (`huggingface`, `synthetic_shapes`) is a registry keyed by the name
+written in YAML. See docs/data.md.
+"""
+
+from mmfsdp.data.collators import PixtralCollator, get_collator, register_collator
+from mmfsdp.data.config import (
+    AttrConfig,
+    BasicParametersConfig,
+    CollateParamConfig,
+    DataConfig,
+    DataloaderParamConfig,
+    DatasetParamConfig,
+    PreprocessParametersConfig,
+    SyntheticConfig,
+)
+from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
+from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, prepare_dataset, register_dataset_type
+from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
+from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
+from mmfsdp.data.plugins import PixtralPlugin, get_plugin, register_plugin
+from mmfsdp.data.processor import MMProcessor, build_processor
+from mmfsdp.data.templates import IGNORE_INDEX, TemplateEncoder, TemplateSpec, get_template, register_template
+
+__all__ = [
+    "AttrConfig",
+    "BAD_REASONS",
+    "BadSample",
+    "BasicParametersConfig",
+    "CollateParamConfig",
+    "Conversation",
+    "DataConfig",
+    "DataError",
+    "DataloaderParamConfig",
+    "DatasetParamConfig",
+    "DatasetType",
+    "IGNORE_INDEX",
+    "IMAGE_PLACEHOLDER",
+    "MMProcessor",
+    "PixtralCollator",
+    "PixtralPlugin",
+    "PreprocessParametersConfig",
+    "SFTDataset",
+    "SampleEncoder",
+    "StatefulDataLoader",
+    "SyntheticConfig",
+    "TemplateEncoder",
+    "TemplateSpec",
+    "build_dataloader",
+    "build_dataset",
+    "build_processor",
+    "dataset_files",
+    "get_collator",
+    "get_plugin",
+    "get_template",
+    "pack_rows",
+    "parse_row",
+    "plan_epoch",
+    "prepare_dataset",
+    "register_collator",
+    "register_dataset_type",
+    "register_plugin",
+    "register_template",
+]

@@ -1,0 +1,138 @@
+"""`mm-data`: look at the data exactly as the model will see it.
+
+    mm-data inspect CONFIG.yaml [data.key.path=value ...] --index N [--split eval] [--json]
+
+Reads the whole YAML but uses only its `data:` section; dotted overrides apply first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from mmfsdp.config import ConfigError, build, load_yaml
+
+__all__ = ["main"]
+
+TRAIN_OPEN, TRAIN_CLOSE = "⟦", "⟧"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mm-data", description="Inspect mmfsdp training data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser(
+        "inspect",
+        help="show one preprocessed sample",
+        description=(
+            "Show one sample exactly as the model will see it: the decoded text with the trained "
+            f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image block shown as its grid, the token "
+            "count and each image's grid and processed size. Builds (or reuses) the tokenized cache."
+        ),
+    )
+    inspect.add_argument("config", help="training YAML file; only its data: section is used")
+    inspect.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied to the YAML first, e.g. data.dataset_param.preprocess_parameters.cutoff_len=2048")
+    inspect.add_argument("--index", type=int, default=0, help="sample index after bad rows are removed (default 0); negative counts from the end")
+    inspect.add_argument("--split", choices=("train", "eval"), default="train", help="which dataset: train = basic_parameters.dataset, eval = basic_parameters.eval_dataset (default train)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object with input_ids, labels, image_sizes (and grids, source file and row) instead of text")
+    return parser
+
+
+def _render(ids: list[int], labels: list[int], processor: Any, image_ids: frozenset[int], end_id: int, break_id: int) -> str:
+    """Decoded text; image blocks collapse to `<image ROWSxCOLS>`; trained runs are bracketed."""
+    out: list[str] = []
+    run: list[int] = []
+    run_trained = False
+
+    def flush() -> None:
+        if run:
+            text = processor.decode(run)
+            out.append(f"{TRAIN_OPEN}{text}{TRAIN_CLOSE}" if run_trained else text)
+            run.clear()
+
+    i = 0
+    while i < len(ids):
+        if ids[i] in image_ids:
+            flush()
+            j = i
+            while ids[j] != end_id:
+                j += 1
+            block = ids[i : j + 1]
+            rows = sum(1 for t in block if t in (break_id, end_id))
+            out.append(f"<image {rows}x{(len(block) - rows) // rows}>")
+            i = j + 1
+            continue
+        trained = labels[i] != -100
+        if trained != run_trained:
+            flush()
+            run_trained = trained
+        run.append(ids[i])
+        i += 1
+    flush()
+    return "".join(out)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from mmfsdp.data.config import DataConfig
+    from mmfsdp.data.dataset import build_dataset, prepare_dataset
+    from mmfsdp.data.processor import build_processor
+
+    raw = load_yaml(args.config, args.overrides)
+    data_cfg = build(DataConfig, raw.get("data"), "data")
+    prepare_dataset(data_cfg)
+    processor = build_processor(data_cfg)
+    dataset = build_dataset(data_cfg, processor, args.split)
+    if not -len(dataset) <= args.index < len(dataset):
+        raise ConfigError("--index", f"{args.index} is out of range: the {args.split} dataset has {len(dataset)} samples")
+    index = args.index % len(dataset)
+    record = dataset.record(index)
+    item = dataset[index]
+    source, row = dataset.location(index)
+    ids, labels = list(record["input_ids"]), list(record["labels"])
+    image_sizes = item["image_sizes"].tolist() if "image_sizes" in item else []
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "index": index,
+                    "source": source,
+                    "row": row,
+                    "num_tokens": len(ids),
+                    "input_ids": ids,
+                    "labels": labels,
+                    "image_sizes": image_sizes,
+                    "image_grids": record["image_grids"],
+                    "images": record["images"],
+                    **({"bad_reason": item["bad_reason"], "bad_detail": item["bad_detail"]} if "bad_reason" in item else {}),
+                }
+            )
+        )
+        return 0
+    plugin = dataset.encoder.plugin
+    trained = sum(1 for t in labels if t != -100)
+    print(f"sample {index} of {len(dataset)} ({args.split}): {source} row {row}")
+    print(f"tokens: {len(ids)} (trained: {trained}, cutoff_len: {dataset.encoder.cutoff_len})")
+    if "bad_reason" in item:
+        print(f"images: cannot be loaded: {item['bad_reason']}: {item['bad_detail']}")
+    for k, (path, (rows, cols)) in enumerate(zip(record["images"], record["image_grids"])):
+        size = f", processed to {image_sizes[k][0]}x{image_sizes[k][1]} px" if image_sizes else ""
+        print(f"image {k}: {path}: grid {rows}x{cols} -> {rows * cols} [IMG] + {rows} break/end = {rows * (cols + 1)} tokens{size}")
+    print(f"text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
+    print(_render(ids, labels, dataset.processor, plugin.image_token_ids, plugin.end_id, plugin.break_id))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from mmfsdp.data.errors import DataError
+
+    try:
+        return _inspect(args)
+    except (ConfigError, DataError) as err:
+        print(f"mm-data: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The `data:` config section: where the conversations are, how they are tokenized and batched.
+
+The layout follows MindSpeed-MM's FSDP2 data section (itself LLaMA-Factory's data
+arguments): `data.dataset_param` describes the dataset and its preprocessing,
+`data.dataloader_param` the batching. Only per-field checks live here; whether the
+padding multiple fits the context-parallel split is the trainer's cross-section
+check (it passes the multiple into `build_dataloader`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mmfsdp.config import ConfigError
+
+__all__ = [
+    "AttrConfig",
+    "BasicParametersConfig",
+    "CollateParamConfig",
+    "DataConfig",
+    "DataloaderParamConfig",
+    "DatasetParamConfig",
+    "PreprocessParametersConfig",
+    "SyntheticConfig",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class AttrConfig:
+    """Column and role names of the dataset rows (YAML `data.dataset_param.attr:`)."""
+
+    formatting: Literal["sharegpt"] = "sharegpt"
+    """Row layout: a list of role-tagged messages per row (the mllm and sharegpt formats are both this layout)."""
+    messages: str = "messages"
+    """Column holding the list of messages (`conversations` for sharegpt files)."""
+    images: str | None = "images"
+    """Column holding the image paths (a list, or one string), relative to `basic_parameters.dataset_dir`; null = text only."""
+    system: str | None = None
+    """Column holding a per-row system prompt; null = only a leading system message counts."""
+    role_tag: str = "role"
+    """Key of a message's role (`from` for sharegpt)."""
+    content_tag: str = "content"
+    """Key of a message's text (`value` for sharegpt)."""
+    user_tag: str = "user"
+    """Role value of a user turn (`human` for sharegpt)."""
+    assistant_tag: str = "assistant"
+    """Role value of an assistant turn (`gpt` for sharegpt)."""
+    system_tag: str | None = "system"
+    """Role value of a system message (allowed only as the first message); null = none."""
+
+    def __post_init__(self) -> None:
+        for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag"):
+            if not getattr(self, key):
+                raise ConfigError(key, "must be a non-empty string")
+        if self.user_tag == self.assistant_tag or self.system_tag in (self.user_tag, self.assistant_tag):
+            raise ConfigError("assistant_tag", "user_tag, assistant_tag and system_tag must all differ")
+
+
+@dataclass(kw_only=True, slots=True)
+class PreprocessParametersConfig:
+    """Tokenizer, image processor, template and label masking (YAML `data.dataset_param.preprocess_parameters:`)."""
+
+    model_name_or_path: str | None = None
+    """Local directory of the HF model (tokenizer.json or tekken.json, image processor config); required."""
+    template: str = "mistral"
+    """Chat template name (registry: mistral)."""
+    image_plugin: str | None = None
+    """Image plugin name (registry: pixtral); null = the template's default."""
+    cutoff_len: int = 4096
+    """Maximum tokens per sample (and per packed row); longer samples are cut in text only or dropped."""
+    fix_mistral_regex: bool | None = None
+    """Passed to `AutoTokenizer.from_pretrained` to repair the pre-tokenizer regex of older Mistral tokenizer.json files; null = not passed."""
+    use_fast_tokenizer: bool = True
+    """Passed to `AutoTokenizer.from_pretrained` as `use_fast`."""
+    trust_remote_code: bool = False
+    """Allow code shipped with the model directory to run while loading the tokenizer/processor."""
+    image_max_pixels: int | None = None
+    """Downscale images with more pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
+    image_min_pixels: int | None = None
+    """Upscale images with fewer pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
+    train_on_prompt: bool = False
+    """Also train on system and user text (image tokens stay masked)."""
+    mask_history: bool = False
+    """Train only on the last assistant turn of each conversation."""
+
+    def __post_init__(self) -> None:
+        if self.cutoff_len < 1:
+            raise ConfigError("cutoff_len", f"must be >= 1, got {self.cutoff_len}")
+        for key in ("image_max_pixels", "image_min_pixels"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(key, f"must be >= 1 or null, got {value}")
+        if self.image_max_pixels is not None and self.image_min_pixels is not None and self.image_min_pixels > self.image_max_pixels:
+            raise ConfigError("image_min_pixels", f"{self.image_min_pixels} is larger than image_max_pixels {self.image_max_pixels}")
+        if self.train_on_prompt and self.mask_history:
+            raise ConfigError("mask_history", "cannot be combined with train_on_prompt; set one of them to false")
+
+
+@dataclass(kw_only=True, slots=True)
+class BasicParametersConfig:
+    """Which files, caching, order and sample handling (YAML `data.dataset_param.basic_parameters:`)."""
+
+    dataset_dir: str = "./data"
+    """Root directory that image paths (and relative dataset paths not found as given) are resolved against."""
+    dataset: str | None = None
+    """Training data: a JSON/JSONL file, or a comma-separated list of them."""
+    eval_dataset: str | None = None
+    """Evaluation data, same form as `dataset`; null = no evaluation set."""
+    cache_dir: str | None = None
+    """Where HF datasets and the tokenized cache are stored; null = ~/.cache/mmfsdp/data. Use a node-local path on multi-node runs."""
+    overwrite_cache: bool = False
+    """Rebuild the tokenized cache even if a matching one exists."""
+    max_samples: int | None = None
+    """Use only the first N rows of each file (before bad rows are removed); null = all."""
+    shuffle: bool = True
+    """Reshuffle the sample order every epoch (deterministically from the seed and the epoch)."""
+    seed: int | None = None
+    """Seed of the data order; null = the training seed."""
+    packing: bool = False
+    """Pack several samples into each row of up to `cutoff_len` tokens (positions restart per sample, `cu_seq_lens` marks them)."""
+    strict: bool = False
+    """Stop at the first bad row with an error naming the file, row and reason, instead of skipping and counting it."""
+    num_proc: int | None = None
+    """Processes for the one-time tokenization pass (HF datasets `num_proc`); null = one."""
+
+    def __post_init__(self) -> None:
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError("max_samples", f"must be >= 1 or null, got {self.max_samples}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ConfigError("num_proc", f"must be >= 1 or null, got {self.num_proc}")
+        if self.dataset is not None and not [p for p in self.dataset.split(",") if p.strip()]:
+            raise ConfigError("dataset", "is empty; give a JSON/JSONL path or a comma-separated list of them")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyntheticConfig:
+    """Generated coloured-shapes data for `dataset_type: synthetic_shapes` (YAML `data.dataset_param.synthetic:`)."""
+
+    num_train: int = 512
+    """Training samples to generate."""
+    num_eval: int = 64
+    """Evaluation samples to generate."""
+    image_size: int = 64
+    """Side of the square PNG images in pixels."""
+    seed: int = 0
+    """Seed of the generator."""
+    patch_size: int = 8
+    """Vision patch size of the tiny processor written when `model_name_or_path` does not exist yet."""
+    spatial_merge_size: int = 2
+    """Spatial merge size of the tiny processor written when `model_name_or_path` does not exist yet."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_train", "num_eval", "image_size", "patch_size", "spatial_merge_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.image_size < self.patch_size * self.spatial_merge_size:
+            raise ConfigError("image_size", f"{self.image_size} is smaller than patch_size × spatial_merge_size")
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetParamConfig:
+    """The dataset and its preprocessing (YAML `data.dataset_param:`)."""
+
+    dataset_type: str = "huggingface"
+    """Dataset source (registry: huggingface = JSON/JSONL files read with HF datasets; synthetic_shapes = generated)."""
+    attr: AttrConfig = field(default_factory=AttrConfig)
+    """Column and role names of the rows."""
+    preprocess_parameters: PreprocessParametersConfig = field(default_factory=PreprocessParametersConfig)
+    """Tokenizer, template, image plugin and masking."""
+    basic_parameters: BasicParametersConfig = field(default_factory=BasicParametersConfig)
+    """Files, cache, order, packing and bad-row handling."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Generator settings, used only by `dataset_type: synthetic_shapes`."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CollateParamConfig:
+    """How samples become a batch (YAML `data.dataloader_param.collate_param:`)."""
+
+    model_name: str = "pixtral"
+    """Collator name (registry: pixtral)."""
+    pad_to_multiple_of: int = 1
+    """Pad the sequence dimension to a multiple of this (the trainer also applies 2 × ring × ulysses for context parallel)."""
+
+    def __post_init__(self) -> None:
+        if self.pad_to_multiple_of < 1:
+            raise ConfigError("pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataloaderParamConfig:
+    """Batching and worker processes (YAML `data.dataloader_param:`)."""
+
+    collate_param: CollateParamConfig = field(default_factory=CollateParamConfig)
+    """Collator settings."""
+    num_workers: int = 2
+    """DataLoader worker processes that decode images and collate; 0 = in the training process."""
+    pin_memory: bool = True
+    """Pin batch memory for faster host-to-device copies (ignored without an accelerator)."""
+    drop_last: bool = True
+    """Drop the incomplete last global batch of an epoch; false = fill it by repeating the epoch's first rows."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (only with num_workers > 0)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError("num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.prefetch_factor < 1:
+            raise ConfigError("prefetch_factor", f"must be >= 1, got {self.prefetch_factor}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Training data (YAML `data:`)."""
+
+    dataset_param: DatasetParamConfig = field(default_factory=DatasetParamConfig)
+    """The dataset and its preprocessing."""
+    dataloader_param: DataloaderParamConfig = field(default_factory=DataloaderParamConfig)
+    """Batching and worker processes."""

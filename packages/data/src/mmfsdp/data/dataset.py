@@ -1,0 +1,455 @@
+"""Datasets: JSON/JSONL conversations -> a cached, tokenized, map-style torch Dataset.
+
+The flow for one file:
+
+1. *Raw rows* — the file is parsed with `json` (a JSON list, or one object per JSONL
+   line) and stored with HF `datasets` (`Dataset.from_generator`, under `cache_dir`) as
+   one JSON string per row, so rows of any shape — including broken ones — load.
+   `max_samples` keeps the first N rows.
+2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
+   `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
+   header for its size, expand placeholders into the plugin's token grid, apply the
+   template and labels, truncate at `cutoff_len`. A bad row keeps its reason instead
+   of tokens. The result is cached as an Arrow file named by a fingerprint of the
+   file, the tokenizer and every setting that changes tokens, built under a file
+   lock, so concurrent ranks build it once and later runs reuse it.
+3. *`SFTDataset`* — the good rows; `dataset[i]` decodes and processes that sample's
+   images (the only pixel work, done lazily in DataLoader workers) and returns
+   `input_ids`, `labels`, `pixel_values` (list of `[3, h, w]`) and `image_sizes`.
+
+`prepare_dataset(data_cfg)` does the work that needs no tokenizer (generating
+synthetic data, step 1) and is safe to run on every rank at once before process
+groups exist; `build_dataset` does steps 2–3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from mmfsdp.config import ConfigError, get_logger, to_dict
+
+from mmfsdp.data.config import DataConfig
+from mmfsdp.data.conversation import parse_row
+from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, format_counts
+from mmfsdp.data.plugins import get_plugin
+from mmfsdp.data.processor import MMProcessor
+from mmfsdp.data.templates import IGNORE_INDEX, TemplateEncoder, get_template
+
+__all__ = [
+    "SFTDataset",
+    "SampleEncoder",
+    "build_dataset",
+    "dataset_files",
+    "dataset_type_names",
+    "prepare_dataset",
+    "register_dataset_type",
+]
+
+log = get_logger(__name__)
+
+_PREPROCESS_VERSION = 1
+"""Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
+_KEY = "data.dataset_param"
+_INVALID = "__mmfsdp_invalid__"
+
+
+# ---------------------------------------------------------------- dataset types
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetType:
+    """A dataset source: `prepare(data_cfg)` makes its files exist, `files(data_cfg, split)` lists them."""
+
+    name: str
+    prepare: Callable[[DataConfig], None]
+    files: Callable[[DataConfig, str], list[Path]]
+
+
+_DATASET_TYPES: dict[str, DatasetType] = {}
+
+
+def register_dataset_type(dataset_type: DatasetType) -> DatasetType:
+    _DATASET_TYPES[dataset_type.name] = dataset_type
+    return dataset_type
+
+
+def dataset_type_names() -> list[str]:
+    return sorted(_DATASET_TYPES)
+
+
+def _dataset_type(data_cfg: DataConfig) -> DatasetType:
+    name = data_cfg.dataset_param.dataset_type
+    if name not in _DATASET_TYPES:
+        raise ConfigError(f"{_KEY}.dataset_type", f"unknown dataset type {name!r}; registered: {', '.join(dataset_type_names())}")
+    return _DATASET_TYPES[name]
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def _json_files(data_cfg: DataConfig, split: str) -> list[Path]:
+    basic = data_cfg.dataset_param.basic_parameters
+    key = "dataset" if split == "train" else "eval_dataset"
+    value = basic.dataset if split == "train" else basic.eval_dataset
+    if not value:
+        what = "training data" if split == "train" else "evaluation data (or turn evaluation off)"
+        raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"is not set; give the JSON/JSONL file(s) of the {what}")
+    files = []
+    for item in (p.strip() for p in value.split(",")):
+        if not item:
+            continue
+        path = Path(item).expanduser()
+        if not path.is_file() and not path.is_absolute() and (Path(basic.dataset_dir).expanduser() / path).is_file():
+            path = Path(basic.dataset_dir).expanduser() / path
+        if not path.is_file():
+            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} is not a file (looked for it as given and under dataset_dir {basic.dataset_dir!r})")
+        if path.suffix not in (".json", ".jsonl"):
+            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} must be a .json or .jsonl file")
+        files.append(path.resolve())
+    return files
+
+
+def _prepare_json(data_cfg: DataConfig) -> None:
+    del data_cfg  # the files are the user's; nothing to generate
+
+
+def _prepare_synthetic(data_cfg: DataConfig) -> None:
+    from mmfsdp.data.synthetic import make_shapes_dataset, write_tiny_processor
+
+    syn = data_cfg.dataset_param.synthetic
+    dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
+    if not (dataset_dir / "meta.json").is_file():
+        make_shapes_dataset(dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed)
+    model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
+    if model_dir and not Path(model_dir).expanduser().exists():
+        write_tiny_processor(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
+
+
+def _synthetic_files(data_cfg: DataConfig, split: str) -> list[Path]:
+    dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
+    path = dataset_dir / f"{split}.jsonl"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; call mmfsdp.data.prepare_dataset(data_cfg) first to generate the synthetic_shapes data")
+    return [path.resolve()]
+
+
+register_dataset_type(DatasetType("huggingface", _prepare_json, _json_files))
+register_dataset_type(DatasetType("synthetic_shapes", _prepare_synthetic, _synthetic_files))
+
+
+def dataset_files(data_cfg: DataConfig, split: str = "train") -> list[Path]:
+    """The JSON/JSONL files of `split` ("train" or "eval")."""
+    _check_split(split)
+    return _dataset_type(data_cfg).files(data_cfg, split)
+
+
+def _has_eval(data_cfg: DataConfig) -> bool:
+    return data_cfg.dataset_param.dataset_type != "huggingface" or bool(data_cfg.dataset_param.basic_parameters.eval_dataset)
+
+
+# ---------------------------------------------------------------- raw rows
+
+
+def _cache_dir(data_cfg: DataConfig) -> Path:
+    cache_dir = data_cfg.dataset_param.basic_parameters.cache_dir
+    return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "mmfsdp" / "data"
+
+
+def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None) -> Iterator[dict[str, str]]:
+    """One `{"row": json}` per row of `path`; an unparsable JSONL line becomes an invalid marker, not an error."""
+    del size, mtime_ns  # in the signature so HF datasets' cache key changes when the file does
+    count = 0
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if max_samples is not None and count >= max_samples:
+                    return
+                count += 1
+                try:
+                    yield {"row": json.dumps(json.loads(line), ensure_ascii=False)}
+                except json.JSONDecodeError as err:
+                    yield {"row": json.dumps({_INVALID: f"line {line_no} is not valid JSON ({err})"})}
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} is not valid JSON ({err}); fix the file or convert it to JSONL (one row per line)") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path} must hold a JSON list of rows, got {type(rows).__name__}")
+    for row in rows[:max_samples]:
+        yield {"row": json.dumps(row, ensure_ascii=False)}
+
+
+def _raw_rows(path: Path, data_cfg: DataConfig) -> Any:
+    import datasets
+
+    stat = path.stat()
+    gen_kwargs = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "max_samples": data_cfg.dataset_param.basic_parameters.max_samples}
+    features = datasets.Features({"row": datasets.Value("string")})
+    return datasets.Dataset.from_generator(_iter_json_rows, features=features, gen_kwargs=gen_kwargs, cache_dir=str(_cache_dir(data_cfg) / "raw"))
+
+
+def prepare_dataset(data_cfg: DataConfig) -> None:
+    """One-time work before training starts: generate synthetic data and cache the raw rows.
+
+    Safe to call from several ranks at once (writes go to temporary paths that are
+    renamed into place; HF datasets locks its own cache) and deterministic.
+    """
+    _dataset_type(data_cfg).prepare(data_cfg)
+    for split in ("train", "eval") if _has_eval(data_cfg) else ("train",):
+        for path in dataset_files(data_cfg, split):
+            _raw_rows(path, data_cfg)
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+class SampleEncoder:
+    """Turns a raw row into a tokenized sample (preprocessing) and a sample's image paths into pixels (workers)."""
+
+    def __init__(self, data_cfg: DataConfig, processor: MMProcessor):
+        pp = data_cfg.dataset_param.preprocess_parameters
+        spec = get_template(pp.template)
+        self.processor = processor
+        self.attr = data_cfg.dataset_param.attr
+        self.cutoff_len = pp.cutoff_len
+        self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
+        self.template = TemplateEncoder(spec, processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history)
+        self.plugin = get_plugin(pp.image_plugin or spec.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
+
+    def image_path(self, path: str) -> str:
+        p = Path(path).expanduser()
+        return str(p if p.is_absolute() else self.dataset_dir / p)
+
+    def encode_row(self, row: Any) -> dict[str, Any]:
+        """Tokenize one row (a parsed JSON value); raises `BadSample`."""
+        if not isinstance(row, dict):
+            raise BadSample("bad_content", f"a row must be a JSON object, got {type(row).__name__}")
+        if _INVALID in row:
+            raise BadSample("bad_content", row[_INVALID])
+        conversation = parse_row(row, self.attr)
+        paths = [self.image_path(p) for p in conversation.images]
+        grids = [self.plugin.read_grid(p) for p in paths]
+        blocks = [self.plugin.image_tokens(rows, cols) for rows, cols in grids]
+        input_ids, labels = self.template.encode(conversation, blocks)
+        input_ids, labels = self.truncate(input_ids, labels)
+        return {"input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids]}
+
+    def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+        """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
+        n = len(input_ids)
+        if n <= self.cutoff_len:
+            return input_ids, labels
+        image_ids = self.plugin.image_token_ids
+        last_image = max((i for i in range(n - 1, -1, -1) if input_ids[i] in image_ids), default=-1)
+        if last_image >= self.cutoff_len:
+            raise BadSample("too_long", f"{n} tokens > cutoff_len {self.cutoff_len} and the cut would go through image tokens (the last ends at {last_image + 1})")
+        input_ids, labels = input_ids[: self.cutoff_len], labels[: self.cutoff_len]
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            raise BadSample("too_long", f"{n} tokens > cutoff_len {self.cutoff_len} and nothing trained is left before the cut")
+        return input_ids, labels
+
+    def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
+        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "images", "image_grids", "length", "bad_reason", "bad_detail")}
+        for text in batch["row"]:
+            try:
+                sample = self.encode_row(json.loads(text))
+                bad_reason = bad_detail = ""
+            except BadSample as bad:
+                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": []}
+                bad_reason, bad_detail = bad.reason, bad.detail
+            for key, value in sample.items():
+                out[key].append(value)
+            out["length"].append(len(sample["input_ids"]))
+            out["bad_reason"].append(bad_reason)
+            out["bad_detail"].append(bad_detail)
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the tokens: tokenizer, image processor, template and options."""
+        tok = self.processor.tokenizer
+        h = hashlib.sha256()
+        h.update(type(tok).__name__.encode())
+        h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
+        probe = ["Hello, wörld! 12345  tabs\tand\nnew lines... ¿Qué tal? 日本語 [INST] <s>", " leading", "trailing "]
+        h.update(json.dumps(self.processor.encode_texts(probe)).encode())
+        h.update(json.dumps(self.processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
+        plugin = self.plugin
+        template = self.template
+        h.update(
+            json.dumps(
+                [
+                    _PREPROCESS_VERSION,
+                    template.spec.name,
+                    template.train_on_prompt,
+                    template.mask_history,
+                    type(plugin).__name__,
+                    plugin.cell,
+                    plugin.longest_edge,
+                    plugin.image_max_pixels,
+                    plugin.image_min_pixels,
+                    self.cutoff_len,
+                    str(self.dataset_dir),
+                    to_dict(self.attr),
+                ]
+            ).encode()
+        )
+        return h.hexdigest()
+
+
+def _features() -> Any:
+    import datasets
+
+    seq = getattr(datasets, "List", None) or datasets.Sequence
+    return datasets.Features(
+        {
+            "input_ids": seq(datasets.Value("int32")),
+            "labels": seq(datasets.Value("int32")),
+            "images": seq(datasets.Value("string")),
+            "image_grids": seq(seq(datasets.Value("int32"))),
+            "length": datasets.Value("int32"),
+            "bad_reason": datasets.Value("string"),
+            "bad_detail": datasets.Value("string"),
+        }
+    )
+
+
+def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> Any:
+    from filelock import FileLock
+
+    basic = data_cfg.dataset_param.basic_parameters
+    stat = path.stat()
+    fp = hashlib.sha256(json.dumps([encoder_fp, str(path), stat.st_size, stat.st_mtime_ns, basic.max_samples]).encode()).hexdigest()[:24]
+    out_dir = _cache_dir(data_cfg) / "tokenized"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_file = out_dir / f"{path.stem}-{fp}.arrow"
+    with FileLock(str(cache_file) + ".lock"):
+        raw = _raw_rows(path, data_cfg)
+        return raw.map(
+            encoder.encode_batch,
+            batched=True,
+            batch_size=64,
+            remove_columns=["row"],
+            features=_features(),
+            num_proc=basic.num_proc if basic.num_proc and basic.num_proc > 1 and len(raw) > 1 else None,
+            cache_file_name=str(cache_file),
+            load_from_cache_file=not basic.overwrite_cache,
+            new_fingerprint=fp,
+            desc=f"tokenizing {path.name}",
+        )
+
+
+# ---------------------------------------------------------------- the dataset
+
+
+def _column(table: Any, name: str) -> list[Any]:
+    """One column of a (map-output, so unindexed) HF dataset as a Python list, read straight from Arrow."""
+    return table.data.column(name).to_pylist()
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors."""
+
+    def __init__(self, tables: list[Any], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
+        self.encoder = encoder
+        self.sources = [str(s) for s in sources]
+        self.strict = strict
+        self._tables = [t.select_columns(["input_ids", "labels", "images", "image_grids"]) for t in tables]
+        refs, lengths = [], []
+        counts: Counter[str] = Counter()
+        self.num_rows = 0
+        for source_idx, table in enumerate(tables):
+            reasons = _column(table, "bad_reason")
+            self.num_rows += len(reasons)
+            good = np.flatnonzero(np.asarray([not r for r in reasons], dtype=bool))
+            counts.update(r for r in reasons if r)
+            refs.append(np.stack([np.full(len(good), source_idx), good], axis=1))
+            lengths.append(np.asarray(_column(table, "length"), dtype=np.int64)[good])
+        self._refs = np.concatenate(refs) if refs else np.zeros((0, 2), dtype=np.int64)
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        """Token count of every sample (what packing and batching plan with)."""
+        self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
+        """Rows skipped while preprocessing, by reason."""
+
+    @property
+    def processor(self) -> MMProcessor:
+        return self.encoder.processor
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def location(self, index: int) -> tuple[str, int]:
+        """(file, row index in that file) of sample `index`."""
+        source, row = self._refs[index]
+        return self.sources[int(source)], int(row)
+
+    def record(self, index: int) -> dict[str, Any]:
+        """The stored tokenized row of sample `index` (lists; no pixels)."""
+        source, row = self._refs[index]
+        return self._tables[int(source)][int(row)]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self.record(index)
+        item: dict[str, Any] = {
+            "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
+            "labels": torch.tensor(record["labels"], dtype=torch.long),
+        }
+        if record["images"]:
+            try:
+                item["pixel_values"], item["image_sizes"] = self.encoder.plugin.load_images(record["images"], [tuple(g) for g in record["image_grids"]])
+            except BadSample as bad:
+                source, row = self.location(index)
+                if self.strict:
+                    raise DataError(f"{source} row {row}: {bad.reason}: {bad.detail}") from None
+                return {"bad_reason": bad.reason, "bad_detail": bad.detail}
+        return item
+
+
+def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "train") -> SFTDataset:
+    """The tokenized, filtered dataset of `split`; images are decoded only when an item is read."""
+    _check_split(split)
+    files = dataset_files(data_cfg, split)
+    encoder = SampleEncoder(data_cfg, processor)
+    encoder_fp = encoder.fingerprint()
+    tables = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
+    strict = data_cfg.dataset_param.basic_parameters.strict
+    if strict:
+        for path, table in zip(files, tables):
+            reasons = _column(table, "bad_reason")
+            first = next((i for i, r in enumerate(reasons) if r), None)
+            if first is not None:
+                raise DataError(f"{path} row {first}: {reasons[first]}: {table[first]['bad_detail']} (strict: true stops at the first bad row; set it false to skip and count bad rows)")
+    dataset = SFTDataset(tables, files, encoder, strict=strict)
+    names = ", ".join(p.name for p in files)
+    if len(dataset) == 0:
+        raise DataError(
+            f"every one of the {dataset.num_rows} rows of {names} is bad ({format_counts(dataset.bad_row_counts) or 'no rows'}); "
+            f"nothing to train on. Check basic_parameters.dataset_dir (images are resolved against it) and dataset_param.attr (column and role names)"
+        )
+    skipped = dataset.num_rows - len(dataset)
+    log.info(
+        "data: %s: %d samples from %s (%d rows%s), %d tokens, longest %d",
+        split,
+        len(dataset),
+        names,
+        dataset.num_rows,
+        f"; skipped {skipped}: {format_counts(dataset.bad_row_counts)}" if skipped else "",
+        int(dataset.lengths.sum()),
+        int(dataset.lengths.max()),
+    )
+    return dataset
+

@@ -1,0 +1,357 @@
+"""The endless, stateful, data-parallel loader.
+
+Every epoch has a *plan*, computed the same way on every rank from
+`(seed, epoch, lengths)` alone (`plan_epoch`, pure):
+
+1. the sample order: a permutation drawn from `numpy.random.default_rng(seed + epoch)`
+   (or the file order with `shuffle: false`);
+2. rows: one sample each, or with packing samples placed first-fit (in that order,
+   over a window of recently opened rows) into rows of at most `cutoff_len` tokens;
+3. global batches of `dp_size × micro_batch_size` rows; data-parallel rank `r` takes
+   rows `[r·mbs, (r+1)·mbs)` of each. Ranks therefore never share a row. With
+   `drop_last: false` the last global batch is filled by repeating the epoch's first
+   rows — the only case in which a sample is seen twice in an epoch.
+
+Context parallel: all ranks of one CP group are given the same `dp_rank`, so they
+load the same batches and the model splits the sequence.
+
+The loader yields batch after batch forever; `epoch` counts up. Its state is just
+`(epoch, batches consumed in this epoch)` — counted when a batch is handed out, not
+when a worker prefetches it — so `load_state_dict` recomputes the plan and continues
+with exactly the batch the original would have yielded next, whatever
+`num_workers` is. Workers (`num_workers > 0`) read items and collate; a sample whose
+images fail to decode is dropped from its batch and counted (a batch left empty is
+skipped), and the counts, with the rows dropped while preprocessing, are logged at
+the end of every epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmfsdp.config import get_logger, warn_once
+
+from mmfsdp.data.collators import get_collator
+from mmfsdp.data.config import DataConfig
+from mmfsdp.data.errors import BAD_REASONS, DataError, format_counts
+
+__all__ = ["StatefulDataLoader", "build_dataloader", "pack_rows", "plan_epoch"]
+
+log = get_logger(__name__)
+
+BatchKey = tuple[tuple[int, ...], ...]
+"""One micro-batch: its rows, each a tuple of dataset indices."""
+
+_PACK_WINDOW = 64
+"""How many recently opened rows first-fit packing tries before opening a new one."""
+
+
+def pack_rows(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[tuple[int, ...]]:
+    """First-fit packing of samples (taken in `order`) into rows of at most `capacity` tokens."""
+    rows: list[list[int]] = []
+    space: list[int] = []
+    open_rows: list[int] = []
+    for idx in order.tolist():
+        n = int(lengths[idx])
+        assert n <= capacity, f"sample {idx} has {n} tokens > packing capacity {capacity}"
+        for r in open_rows:
+            if space[r] >= n:
+                rows[r].append(idx)
+                space[r] -= n
+                break
+        else:
+            rows.append([idx])
+            space.append(capacity - n)
+            open_rows.append(len(rows) - 1)
+            if len(open_rows) > _PACK_WINDOW:
+                open_rows.pop(0)
+    return [tuple(r) for r in rows]
+
+
+def plan_epoch(
+    lengths: np.ndarray,
+    *,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    packing: bool,
+    capacity: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    drop_last: bool,
+) -> list[BatchKey]:
+    """The micro-batches rank `dp_rank` loads in `epoch`, in order."""
+    assert 0 <= dp_rank < dp_size and micro_batch_size >= 1
+    num_samples = len(lengths)
+    order = np.random.default_rng(seed + epoch).permutation(num_samples) if shuffle else np.arange(num_samples)
+    rows = pack_rows(order, lengths, capacity) if packing else [(int(i),) for i in order]
+    per_step = dp_size * micro_batch_size
+    num_steps = len(rows) // per_step if drop_last else math.ceil(len(rows) / per_step)
+    if num_steps * per_step > len(rows):
+        rows = [rows[i % len(rows)] for i in range(num_steps * per_step)]
+    first = dp_rank * micro_batch_size
+    return [tuple(rows[s * per_step + first : s * per_step + first + micro_batch_size]) for s in range(num_steps)]
+
+
+class _BatchView(torch.utils.data.Dataset):
+    """Indexed by a whole `BatchKey`: reads its samples and collates them (inside a worker)."""
+
+    def __init__(self, dataset: Any, collator: Any):
+        self.dataset = dataset
+        self.collator = collator
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: BatchKey) -> tuple[dict[str, Any] | None, dict[str, int]]:
+        bad: Counter[str] = Counter()
+        rows = []
+        for row in key:
+            samples = []
+            for idx in row:
+                item = self.dataset[idx]
+                if "bad_reason" in item:
+                    bad[item["bad_reason"]] += 1
+                else:
+                    samples.append(item)
+            if samples:
+                rows.append(samples)
+        return (self.collator(rows) if rows else None), dict(bad)
+
+
+def _passthrough(item: Any) -> Any:
+    return item
+
+
+def _pin_memory_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+class StatefulDataLoader:
+    """Endless iterator over collated micro-batches with exact `state_dict()` / `load_state_dict()`."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        collator: Any,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool,
+        packing: bool,
+        capacity: int,
+        drop_last: bool,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
+    ):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.dataset = dataset
+        self.collator = collator
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.packing = packing
+        self.capacity = capacity
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory and _pin_memory_available()
+        self.prefetch_factor = prefetch_factor
+        self.epoch = 0
+        """The epoch the next batch comes from."""
+        self.batch_in_epoch = 0
+        """Micro-batches of this epoch already handed out (including skipped empty ones)."""
+        self._plan: list[BatchKey] | None = None
+        self._iter: Any = None
+        self._yielded_in_epoch = 0
+        self._runtime_bad: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ planning
+
+    def _epoch_plan(self, epoch: int) -> list[BatchKey]:
+        plan = plan_epoch(
+            np.asarray(self.dataset.lengths),
+            epoch=epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            packing=self.packing,
+            capacity=self.capacity,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            drop_last=self.drop_last,
+        )
+        if not plan:
+            what = "packed rows" if self.packing else "samples"
+            raise DataError(
+                f"the dataset has too few {what} for one global batch of dp_size {self.dp_size} × micro_batch_size "
+                f"{self.micro_batch_size}; lower micro_batch_size or set dataloader_param.drop_last: false"
+            )
+        return plan
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches this rank loads in the current epoch (with packing it can change between epochs)."""
+        if self._plan is None:
+            self._plan = self._epoch_plan(self.epoch)
+        return len(self._plan)
+
+    @property
+    def bad_row_counts(self) -> dict[str, int]:
+        """Rows skipped this epoch by reason: those dropped while preprocessing plus decode failures this rank met."""
+        counts = Counter(getattr(self.dataset, "bad_row_counts", {})) + self._runtime_bad
+        return {r: counts[r] for r in BAD_REASONS if counts[r]}
+
+    # ------------------------------------------------------------ iteration
+
+    def _start_iter(self) -> None:
+        if self._plan is None:
+            self._plan = self._epoch_plan(self.epoch)
+        keys = self._plan[self.batch_in_epoch :]
+        kwargs: dict[str, Any] = {}
+        if self.num_workers > 0:
+            # Workers only decode images; keep HF tokenizers from warning (and
+            # disabling themselves) in every forked worker.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        loader = torch.utils.data.DataLoader(
+            _BatchView(self.dataset, self.collator),
+            sampler=keys,
+            batch_size=None,
+            collate_fn=_passthrough,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            **kwargs,
+        )
+        self._iter = iter(loader)
+
+    def _end_epoch(self) -> None:
+        counts = self.bad_row_counts
+        if self._yielded_in_epoch == 0:
+            raise DataError(f"epoch {self.epoch} produced no batch: every sample was bad ({format_counts(counts)})")
+        log.info(
+            "data: epoch %d done: %d batches%s",
+            self.epoch,
+            self._yielded_in_epoch,
+            f"; skipped rows: {format_counts(counts)}" if counts else "",
+        )
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        self._yielded_in_epoch = 0
+        self._runtime_bad = Counter()
+        self._plan = None
+        self._iter = None
+
+    def __iter__(self) -> "StatefulDataLoader":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        while True:
+            if self._iter is None:
+                self._start_iter()
+            try:
+                batch, bad = next(self._iter)
+            except StopIteration:
+                self._end_epoch()
+                continue
+            self.batch_in_epoch += 1
+            self._runtime_bad.update(bad)
+            if batch is None:
+                continue
+            self._yielded_in_epoch += 1
+            return batch
+
+    def close(self) -> None:
+        """Stop the worker processes (a later `next` starts new ones where this left off)."""
+        self._iter = None
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "yielded_in_epoch": self._yielded_in_epoch,
+            "runtime_bad": dict(self._runtime_bad),
+            "seed": self.seed,
+            "dp_size": self.dp_size,
+            "micro_batch_size": self.micro_batch_size,
+            "num_samples": len(self.dataset),
+            "packing": self.packing,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: exactly where it was if seed, dataset and batch layout are unchanged."""
+        self.close()
+        batch_in_epoch = int(state["batch_in_epoch"])
+        changed = [k for k in ("seed", "num_samples", "packing") if state.get(k) != self.state_dict()[k]]
+        old_rows = int(state.get("dp_size", self.dp_size)) * int(state.get("micro_batch_size", self.micro_batch_size))
+        new_rows = self.dp_size * self.micro_batch_size
+        if old_rows != new_rows:
+            changed.append("dp_size × micro_batch_size")
+            batch_in_epoch = batch_in_epoch * old_rows // new_rows
+        if changed:
+            warn_once(f"data loader resumed with a different {', '.join(changed)}; the sample order will not continue exactly", log)
+        self.epoch = int(state["epoch"])
+        self._plan = self._epoch_plan(self.epoch)
+        self.batch_in_epoch = min(batch_in_epoch, len(self._plan))
+        self._yielded_in_epoch = int(state.get("yielded_in_epoch", self.batch_in_epoch))
+        self._runtime_bad = Counter(state.get("runtime_bad", {}))
+
+
+def build_dataloader(
+    dataset: Any,
+    data_cfg: DataConfig,
+    *,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    pad_to_multiple_of: int = 1,
+) -> StatefulDataLoader:
+    """The endless loader of `dataset` for one data-parallel rank.
+
+    `pad_to_multiple_of` (e.g. 2 × ring × ulysses for context parallel) is combined
+    with `collate_param.pad_to_multiple_of` by least common multiple. `seed` is the
+    training seed; `basic_parameters.seed`, when set, takes its place.
+    """
+    basic = data_cfg.dataset_param.basic_parameters
+    loader_cfg = data_cfg.dataloader_param
+    collate = loader_cfg.collate_param
+    collator = get_collator(collate.model_name)(
+        pad_token_id=dataset.processor.pad_token_id,
+        pad_to_multiple_of=math.lcm(collate.pad_to_multiple_of, pad_to_multiple_of),
+        packing=basic.packing,
+    )
+    return StatefulDataLoader(
+        dataset,
+        collator,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=basic.seed if basic.seed is not None else seed,
+        shuffle=basic.shuffle,
+        packing=basic.packing,
+        capacity=data_cfg.dataset_param.preprocess_parameters.cutoff_len,
+        drop_last=loader_cfg.drop_last,
+        num_workers=loader_cfg.num_workers,
+        pin_memory=loader_cfg.pin_memory,
+        prefetch_factor=loader_cfg.prefetch_factor,
+    )

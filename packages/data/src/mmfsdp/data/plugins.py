@@ -1,0 +1,206 @@
+"""Image plugins: how a model family turns an image into tokens and pixels, registry keyed by name.
+
+`pixtral` (Pixtral / Mistral3 / Magistral):
+
+1. Optional pre-resize: `image_max_pixels` / `image_min_pixels` scale the image (aspect
+   ratio kept, `int()` of the scaled sides, bicubic) before anything else sees it.
+2. The HF Pixtral image processor resizes so the longest edge is at most
+   `size.longest_edge` (floor of the scaled sides), then rounds each side *up* to a
+   multiple of `patch_size × spatial_merge_size` (= `P`), exactly as
+   `PixtralProcessor` calls it. `grid(height, width)` reproduces that arithmetic from
+   the image's header size, so token counts are known without decoding pixels.
+3. An image of `rows × cols` cells (`rows = H // P`, `cols = W // P`) becomes, row by
+   row, `[IMG] × cols` then `[IMG_BREAK]`, with the very last token replaced by
+   `[IMG_END]`: `rows × (cols + 1)` tokens, of which `rows × cols` are `[IMG]` — one per
+   image feature the vision tower + patch merger produce.
+
+Pixels are decoded only in `load_images`, i.e. in DataLoader workers; the returned
+per-image tensors are unpadded, the collator pads them the way the HF image
+processor pads a batch (zeros at the bottom/right up to the batch's largest side).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mmfsdp.config import ConfigError
+
+from mmfsdp.data.errors import BadSample
+from mmfsdp.data.processor import MMProcessor
+
+__all__ = ["PixtralPlugin", "get_plugin", "pixtral_resized_size", "plugin_names", "register_plugin", "scale_to_pixel_limits"]
+
+_PLUGINS: dict[str, type] = {}
+
+
+def register_plugin(cls: type) -> type:
+    _PLUGINS[cls.name] = cls
+    return cls
+
+
+def plugin_names() -> list[str]:
+    return sorted(_PLUGINS)
+
+
+def get_plugin(name: str) -> type:
+    if name not in _PLUGINS:
+        raise ConfigError("data.dataset_param.preprocess_parameters.image_plugin", f"unknown image plugin {name!r}; registered: {', '.join(plugin_names())}")
+    return _PLUGINS[name]
+
+
+def scale_to_pixel_limits(width: int, height: int, max_pixels: int | None, min_pixels: int | None) -> tuple[int, int]:
+    """(width, height) after the optional pre-resize: scaled by sqrt(limit / area), sides truncated to ints."""
+    if max_pixels is not None and width * height > max_pixels:
+        factor = math.sqrt(max_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    if min_pixels is not None and width * height < min_pixels:
+        factor = math.sqrt(min_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    return width, height
+
+
+def pixtral_resized_size(height: int, width: int, longest_edge: int, patch: int) -> tuple[int, int]:
+    """(height, width) the HF Pixtral image processor resizes an image to (`patch` = patch size × merge size)."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    return ((height - 1) // patch + 1) * patch, ((width - 1) // patch + 1) * patch
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _size_value(size: Any, key: str) -> int | None:
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return int(value) if value else None
+
+
+@register_plugin
+class PixtralPlugin:
+    """Pixtral's image grid: `[IMG]` per cell, `[IMG_BREAK]` after each row, `[IMG_END]` last."""
+
+    name = "pixtral"
+    image_token = "[IMG]"
+    image_break_token = "[IMG_BREAK]"
+    image_end_token = "[IMG_END]"
+
+    @classmethod
+    def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
+        """A `PixtralProcessor` around `tokenizer`, configured from the model directory.
+
+        The image processor comes from `preprocessor_config.json` when there is one, else
+        from `tekken.json`'s image section or `config.json`'s vision config (Mistral ships
+        some checkpoints with only those); patch and merge sizes likewise from
+        `processor_config.json`, `config.json` or `tekken.json`.
+        """
+        from transformers import AutoImageProcessor, PixtralImageProcessor, PixtralProcessor
+
+        processor_cfg = _read_json(model_dir / "processor_config.json")
+        model_cfg = _read_json(model_dir / "config.json")
+        vision_cfg = model_cfg.get("vision_config") or {}
+        tekken = _read_json(model_dir / "tekken.json")
+        tekken_image = tekken.get("image") or tekken.get("multimodal") or {}
+        patch_size = processor_cfg.get("patch_size") or vision_cfg.get("patch_size") or tekken_image.get("image_patch_size")
+        merge = processor_cfg.get("spatial_merge_size") or model_cfg.get("spatial_merge_size") or tekken_image.get("spatial_merge_size") or 1
+        if (model_dir / "preprocessor_config.json").is_file():
+            image_processor = AutoImageProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+            patch_size = patch_size or _size_value(image_processor.patch_size, "height")
+        else:
+            longest_edge = tekken_image.get("max_image_size") or vision_cfg.get("image_size")
+            if not (patch_size and longest_edge):
+                raise ConfigError(
+                    "data.dataset_param.preprocess_parameters.model_name_or_path",
+                    f"{str(model_dir)!r} has no preprocessor_config.json and no image settings in tekken.json or config.json; "
+                    "the pixtral plugin cannot build an image processor for it",
+                )
+            image_processor = PixtralImageProcessor(patch_size={"height": patch_size, "width": patch_size}, size={"longest_edge": longest_edge})
+        if not patch_size:
+            raise ConfigError("data.dataset_param.preprocess_parameters.model_name_or_path", f"cannot find the vision patch size in {str(model_dir)!r}")
+        return PixtralProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=int(patch_size),
+            spatial_merge_size=int(merge),
+            image_token=processor_cfg.get("image_token", cls.image_token),
+            image_break_token=processor_cfg.get("image_break_token", cls.image_break_token),
+            image_end_token=processor_cfg.get("image_end_token", cls.image_end_token),
+        )
+
+    def __init__(self, processor: MMProcessor, *, image_max_pixels: int | None = None, image_min_pixels: int | None = None):
+        hf = processor.hf_processor
+        self.image_processor = processor.image_processor
+        self.cell = int(hf.patch_size) * int(hf.spatial_merge_size)
+        """Pixels per image token along each side: patch size × spatial merge size."""
+        longest_edge = _size_value(self.image_processor.size, "longest_edge")
+        if longest_edge is None:
+            raise ConfigError("data.dataset_param.preprocess_parameters.model_name_or_path", "the Pixtral image processor has no size.longest_edge")
+        self.longest_edge = longest_edge
+        self.image_max_pixels = image_max_pixels
+        self.image_min_pixels = image_min_pixels
+        self.image_id = processor.token_id(getattr(hf, "image_token", self.image_token))
+        self.break_id = processor.token_id(getattr(hf, "image_break_token", self.image_break_token))
+        self.end_id = processor.token_id(getattr(hf, "image_end_token", self.image_end_token))
+        self.image_token_ids = frozenset((self.image_id, self.break_id, self.end_id))
+        """Ids that belong to image blocks (never trained, never cut)."""
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of image tokens for an image of this original size."""
+        width, height = scale_to_pixel_limits(width, height, self.image_max_pixels, self.image_min_pixels)
+        if width < 1 or height < 1:
+            return 0, 0
+        resized_h, resized_w = pixtral_resized_size(height, width, self.longest_edge, self.cell)
+        return resized_h // self.cell, resized_w // self.cell
+
+    def image_tokens(self, rows: int, cols: int) -> list[int]:
+        tokens = ([self.image_id] * cols + [self.break_id]) * rows
+        tokens[-1] = self.end_id
+        return tokens
+
+    def read_grid(self, path: str) -> tuple[int, int]:
+        """Grid of the image file at `path` from its header only; `BadSample` if missing/unreadable."""
+        if not Path(path).is_file():
+            raise BadSample("missing_image", f"{path} does not exist")
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except Exception as err:  # PIL raises many types for unreadable files
+            raise BadSample("corrupt_image", f"{path} is not a readable image ({type(err).__name__}: {err})") from None
+        rows, cols = self.grid(width, height)
+        if rows < 1 or cols < 1:
+            raise BadSample("corrupt_image", f"{path} is {width}x{height}, too thin to resize to at least one image token")
+        return rows, cols
+
+    def _decode(self, path: str) -> Image.Image:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except FileNotFoundError:
+            raise BadSample("missing_image", f"{path} does not exist") from None
+        except Exception as err:
+            raise BadSample("corrupt_image", f"{path} cannot be decoded ({type(err).__name__}: {err})") from None
+        width, height = scale_to_pixel_limits(image.width, image.height, self.image_max_pixels, self.image_min_pixels)
+        if (width, height) != image.size:
+            if image.mode != "RGB":
+                image = image.convert("RGB")
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
+        return image
+
+    def load_images(self, paths: list[str], grids: list[tuple[int, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Decode and process one sample's images: unpadded `[3, h, w]` float tensors and `image_sizes` `[n, 2]`."""
+        images = [self._decode(p) for p in paths]
+        out = self.image_processor(images, patch_size=self.cell, return_tensors="pt")
+        sizes = torch.as_tensor(out["image_sizes"], dtype=torch.long).reshape(-1, 2)
+        pixel_values = []
+        for i, (path, (rows, cols)) in enumerate(zip(paths, grids)):
+            h, w = int(sizes[i, 0]), int(sizes[i, 1])
+            if (h // self.cell, w // self.cell) != (rows, cols):
+                raise BadSample("corrupt_image", f"{path} now gives a {h // self.cell}x{w // self.cell} grid, not the {rows}x{cols} it was tokenized with; clear the cache")
+            pixel_values.append(out["pixel_values"][i, :, :h, :w].contiguous())
+        return pixel_values, sizes

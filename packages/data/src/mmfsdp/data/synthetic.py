@@ -1,0 +1,178 @@
+"""Synthetic data for the project's tiny end-to-end run: coloured shapes and a tiny offline processor.
+
+`make_shapes_dataset` draws one shape (circle / square / triangle) in one colour
+(red / green / blue / yellow) per PNG, at a random position and size over a noisy
+grey background, so a model must really look at the pixels to answer
+"What shape and colour is this?" with e.g. "a red circle" (chance: 1/12).
+
+`write_tiny_processor` writes a word-level `tokenizer.json` with Mistral's control
+tokens and the few words of that dataset, plus the Pixtral image-processor and
+processor configs, so `AutoTokenizer` and `build_processor` load it offline and the
+`mistral` template + `pixtral` plugin work on it.
+
+Both write into a temporary sibling directory and rename it into place, so several
+ranks may call them at once: one rename wins, the others find the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = ["COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "make_shapes_dataset", "tiny_processor_ids", "write_tiny_processor"]
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
+SHAPES = ("circle", "square", "triangle")
+PROMPT = "<image>What shape and colour is this?"
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")
+"""Control tokens of the tiny tokenizer, with ids 0, 1, ... in this order."""
+_WORDS = ("a", *COLOURS, *SHAPES, "What", "shape", "and", "colour", "is", "this", "?")
+
+
+def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` on a fresh temporary sibling of `out_dir`, then rename it to `out_dir` unless someone already did."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not out_dir.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _draw(rng: np.random.Generator, colour: str, shape: str, image_size: int) -> Image.Image:
+    grey = int(rng.integers(70, 180))
+    background = np.clip(grey + rng.normal(0, 12, (image_size, image_size, 3)), 0, 255).astype(np.uint8)
+    image = Image.fromarray(background)
+    side = int(rng.integers(int(image_size * 0.3), int(image_size * 0.6) + 1))
+    x0 = int(rng.integers(0, image_size - side + 1))
+    y0 = int(rng.integers(0, image_size - side + 1))
+    fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLOURS[colour])
+    draw = ImageDraw.Draw(image)
+    box = (x0, y0, x0 + side - 1, y0 + side - 1)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x0 + side / 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill)
+    pixels = np.asarray(image).astype(np.int16) + rng.integers(-10, 11, (image_size, image_size, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def make_shapes_dataset(out_dir: str | Path, *, num_train: int, num_eval: int, image_size: int, seed: int) -> dict[str, Any]:
+    """Write `images/*.png`, `train.jsonl`, `eval.jsonl` (mllm format) and `meta.json` into `out_dir`; returns the meta.
+
+    Deterministic in its arguments. If `out_dir/meta.json` already exists nothing is written.
+    """
+    out_dir = Path(out_dir)
+    classes = [(c, s) for c in COLOURS for s in SHAPES]
+    meta = {
+        "chance": 1 / len(classes),
+        "num_classes": len(classes),
+        "colours": list(COLOURS),
+        "shapes": list(SHAPES),
+        "prompt": PROMPT,
+        "num_train": num_train,
+        "num_eval": num_eval,
+        "image_size": image_size,
+        "seed": seed,
+    }
+    if (out_dir / "meta.json").is_file():
+        return json.loads((out_dir / "meta.json").read_text())
+
+    def write(tmp: Path) -> None:
+        (tmp / "images").mkdir()
+        rng = np.random.default_rng(seed)
+        for split, count in (("train", num_train), ("eval", num_eval)):
+            labels = rng.permutation(np.arange(count) % len(classes))
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for i, label in enumerate(labels.tolist()):
+                    colour, shape = classes[label]
+                    name = f"images/{split}_{i:06d}.png"
+                    _draw(rng, colour, shape, image_size).save(tmp / name)
+                    row = {
+                        "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": f"a {colour} {shape}"}],
+                        "images": [name],
+                    }
+                    f.write(json.dumps(row) + "\n")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    _publish(out_dir, write)
+    return json.loads((out_dir / "meta.json").read_text())
+
+
+def tiny_processor_ids() -> dict[str, int]:
+    """Token ids of the tiny tokenizer (the tiny model config needs `image_token_index` and `vocab_size`)."""
+    ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    return {
+        "vocab_size": len(SPECIAL_TOKENS) + len(_WORDS),
+        "unk_token_id": ids["<unk>"],
+        "bos_token_id": ids["<s>"],
+        "eos_token_id": ids["</s>"],
+        "pad_token_id": ids["<pad>"],
+        "image_token_index": ids["[IMG]"],
+        "image_break_token_id": ids["[IMG_BREAK]"],
+        "image_end_token_id": ids["[IMG_END]"],
+    }
+
+
+def write_tiny_processor(out_dir: str | Path, *, image_size: int, patch_size: int, spatial_merge_size: int) -> dict[str, int]:
+    """Write a tiny offline tokenizer + Pixtral processor into `out_dir` (unless it exists); returns `tiny_processor_ids()`."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and (out_dir / "tokenizer.json").is_file():
+        return tiny_processor_ids()
+
+    def write(tmp: Path) -> None:
+        vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *_WORDS))}
+        tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+        files = {
+            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False, **special},
+            "special_tokens_map.json": special,
+            "preprocessor_config.json": {
+                "image_processor_type": "PixtralImageProcessor",
+                "processor_class": "PixtralProcessor",
+                "patch_size": {"height": patch_size, "width": patch_size},
+                "size": {"longest_edge": image_size},
+                "do_resize": True,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "do_convert_rgb": True,
+                "resample": 3,
+            },
+            "processor_config.json": {
+                "processor_class": "PixtralProcessor",
+                "patch_size": patch_size,
+                "spatial_merge_size": spatial_merge_size,
+                "image_token": "[IMG]",
+                "image_break_token": "[IMG_BREAK]",
+                "image_end_token": "[IMG_END]",
+            },
+        }
+        for name, content in files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2))
+
+    _publish(out_dir, write)
+    return tiny_processor_ids()

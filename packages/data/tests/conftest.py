@@ -1,0 +1,142 @@
+"""Shared, session-scoped fixtures of the data tests: real tokenizer files, a tiny processor, small images.
+
+The Mistral tokenizer is the real Tekken vocabulary that `mistral-common` ships
+(`tekken_240911.json`, Pixtral's, with an image section). That file declares chat
+format v3, which folds the system prompt into the last user message; Magistral-class
+models use v7+ (`[SYSTEM_PROMPT]` tokens), so the fixture writes the same file with
+`config.version = "v7"` — vocabulary, merges and special tokens untouched — and
+mistral-common then encodes with its v7 instruct tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import mistral_common
+from mmfsdp.config import build
+from mmfsdp.data import DataConfig, build_processor
+from mmfsdp.data.synthetic import write_tiny_processor
+
+TEKKEN_SOURCE = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+
+
+def data_config(model_dir: str | Path, tmp: Path, **sections: dict[str, Any]) -> DataConfig:
+    """A DataConfig for tests: `sections` are merged into preprocess_parameters / basic_parameters / attr / dataloader_param."""
+    pp = {"model_name_or_path": str(model_dir), **sections.get("preprocess", {})}
+    basic = {"dataset_dir": str(tmp), "cache_dir": str(tmp / "cache"), **sections.get("basic", {})}
+    raw = {
+        "dataset_param": {"preprocess_parameters": pp, "basic_parameters": basic, "attr": sections.get("attr", {})},
+        "dataloader_param": {"num_workers": 0, **sections.get("loader", {})},
+    }
+    return build(DataConfig, raw, "data")
+
+
+@pytest.fixture(scope="session")
+def tekken_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory holding only `tekken.json` (v7 chat format), as Mistral ships tokenizers."""
+    out = tmp_path_factory.mktemp("tekken")
+    raw = json.loads(TEKKEN_SOURCE.read_text())
+    raw["config"]["version"] = "v7"
+    (out / "tekken.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tekken_processor(tekken_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    return build_processor(data_config(tekken_dir, tmp_path_factory.mktemp("unused")))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json_dir(tekken_processor, tekken_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tokenizer saved by HF as `tokenizer.json` (+ the tekken image settings the plugin reads)."""
+    out = tmp_path_factory.mktemp("tokjson")
+    tekken_processor.tokenizer.save_pretrained(str(out))
+    assert (out / "tokenizer.json").is_file()
+    raw = json.loads((tekken_dir / "tekken.json").read_text())
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "PixtralImageProcessor",
+                "patch_size": {"height": raw["image"]["image_patch_size"], "width": raw["image"]["image_patch_size"]},
+                "size": {"longest_edge": raw["image"]["max_image_size"]},
+            }
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "processor"
+    write_tiny_processor(out, image_size=64, patch_size=4, spatial_merge_size=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_processor(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    return build_processor(data_config(tiny_dir, tmp_path_factory.mktemp("unused")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir: Path):
+    """A tiny `Mistral3ForConditionalGeneration` (fp32, eval) matching the tiny processor: 4-px patches, merge 2."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from mmfsdp.data.synthetic import tiny_processor_ids
+
+    ids = tiny_processor_ids()
+    config = Mistral3Config(
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8, "patch_size": 4, "image_size": 64},
+        text_config={
+            "model_type": "mistral",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "vocab_size": ids["vocab_size"],
+            "max_position_embeddings": 1024,
+        },
+        image_token_index=ids["image_token_index"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return Mistral3ForConditionalGeneration(config).eval()
+
+
+def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = "RGB") -> str:
+    """A random-noise image file; returns its path."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode).save(path)
+    return str(path)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+class Helpers:
+    """Test helpers, reached through the `h` fixture (conftest modules cannot be imported under importlib mode)."""
+
+    data_config = staticmethod(data_config)
+    write_image = staticmethod(write_image)
+    write_jsonl = staticmethod(write_jsonl)
+
+
+@pytest.fixture(scope="session")
+def h() -> type[Helpers]:
+    return Helpers
