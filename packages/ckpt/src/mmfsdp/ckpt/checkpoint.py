@@ -1,0 +1,419 @@
+"""Save and resume training state with PyTorch Distributed Checkpoint (DCP).
+
+Save (`save_checkpoint`, collective: every rank calls it with the same arguments)
+1. Wait for a pending async save (`finalize_pending`).
+2. Rank 0 creates `<save>/iter_NNNNNNN.tmp-<token>/` (removing leftovers of
+   interrupted saves first); the token is broadcast so all ranks use one directory.
+3. Every rank writes `rank_<r>.pt` (its RNG states and `rank_state`); rank 0
+   writes `app_state.pt` and `checkpoint.json` (iteration, world size).
+4. Model (+ optimizer) state from `torch.distributed.checkpoint.state_dict.get_state_dict`
+   goes through `dcp.save` (or `dcp.async_save` on a dedicated gloo group, so the
+   background thread's collectives never interleave with training's).
+5. After every rank has finished (a barrier; for async saves the completion of
+   DCP's own final gather on rank 0), rank 0 renames the directory to
+   `iter_NNNNNNN`, atomically rewrites the tracker, then prunes to `keep_last`.
+
+Load (`load_checkpoint`, collective) resolves the tracker, loads the model (and the
+optimizer) in place through `dcp.load` + `set_state_dict`, which reshards when the
+number of processes changed, and returns the global `app_state` and this rank's
+`rank_state`. Per-rank state (RNG, data position) is only restored when the
+world size is the one the checkpoint was saved with.
+
+DCP keys are `model.<name>` for every entry of the model's `state_dict()` and
+`optimizer.state.<name>.<slot>` / `optimizer.param_groups.*` for the optimizer
+(DCP's flattening of `get_state_dict`'s output). With FSDP2 the entries are
+DTensors and each rank writes and reads only its shards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from mmfsdp.ckpt._log import info_rank0, warn_once
+from mmfsdp.ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, quiet_single_process
+from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.layout import (
+    RELEASE,
+    iteration_dirname,
+    make_tmp_dir_name,
+    prune_checkpoints,
+    publish_dir,
+    remove_stale_tmp_dirs,
+    resolve_checkpoint,
+    write_file_atomic,
+    write_tracker,
+)
+from mmfsdp.ckpt.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["save_checkpoint", "load_checkpoint", "finalize_pending", "SaveHandle", "LoadedCheckpoint"]
+
+MODEL_PREFIX = "model."
+OPTIMIZER_PREFIX = "optimizer."
+INFO_FILENAME = "checkpoint.json"
+APP_STATE_FILENAME = "app_state.pt"
+FORMAT_NAME = "mmfsdp-dcp"
+FORMAT_VERSION = 1
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _broadcast_token() -> str:
+    token = [uuid.uuid4().hex[:8]]
+    if _dist_on():
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+_async_groups: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    """A gloo group for DCP's background-thread collectives (created once, collectively)."""
+    if not _dist_on():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _async_groups:
+        _async_groups[key] = dist.new_group(backend="gloo")
+    return _async_groups[key]
+
+
+def _serialise(obj: Any, what: str) -> bytes:
+    """torch.save `obj`, checking that `torch.load(weights_only=True)` gives it back."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # the pickler's / unpickler's own error names the offending type
+        raise CheckpointError(
+            f"{what} cannot be reloaded with torch.load(weights_only=True): {e}\n"
+            "Store only tensors, numbers, strings, None and lists/tuples/dicts of them "
+            "(convert NumPy arrays with torch.from_numpy; RNG states are captured by save_checkpoint itself)."
+        ) from None
+    return data
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class SaveHandle:
+    """A save in flight (async) or finished. `wait()` blocks until the checkpoint is published."""
+
+    def __init__(self, iteration: int, path: Path, future: Any | None = None, finalize: Any | None = None) -> None:
+        self.iteration = iteration
+        self.path = path
+        self._future = future
+        self._finalized = threading.Event()
+        self._error: BaseException | None = None
+        if future is None:
+            self._finalized.set()
+        else:
+            future.add_done_callback(lambda fut: self._complete(fut, finalize))
+
+    def _complete(self, future: Any, finalize: Any | None) -> None:
+        try:
+            future.result()
+            if finalize is not None:
+                finalize()
+        except BaseException as e:  # re-raised by wait() in the caller's thread
+            self._error = e
+        finally:
+            self._finalized.set()
+
+    def done(self) -> bool:
+        """True once the save (and, on rank 0, the publication) has finished or failed."""
+        return self._finalized.is_set()
+
+    def wait(self) -> Path:
+        """Block until published; return the final checkpoint path. Raises the save's error."""
+        self._finalized.wait()
+        if self._error is not None:
+            raise CheckpointError(f"async save of {self.path} failed: {self._error!r}") from self._error
+        return self.path
+
+
+_pending: SaveHandle | None = None
+
+
+def finalize_pending() -> Path | None:
+    """Wait until the pending async save, if any, is published on rank 0; return its path.
+
+    Collective when a save is pending (all ranks have one): it ends with a
+    barrier, so afterwards every rank sees the moved tracker. Call it before the
+    process group is destroyed; `save_checkpoint` and `load_checkpoint` call it.
+    """
+    global _pending
+    handle, _pending = _pending, None
+    if handle is None:
+        return None
+    try:
+        return handle.wait()
+    finally:
+        _barrier()
+
+
+def _publish(save_dir: Path, tmp_dir: Path, iteration: int, keep_last: int | None) -> None:
+    final_dir = save_dir / iteration_dirname(iteration)
+    publish_dir(tmp_dir, final_dir)
+    write_tracker(save_dir, iteration)
+    if keep_last is not None:
+        for path in prune_checkpoints(save_dir, keep_last):
+            info_rank0(f"removed old checkpoint {path}")
+    info_rank0(f"saved checkpoint {final_dir}")
+
+
+def _state_for_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    app_state: dict | None = None,
+    rank_state: dict | None = None,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> SaveHandle:
+    """Save `<save_dir>/iter_{iteration:07d}` and move the tracker to it once complete.
+
+    Collective. `optimizer=None` saves the model only (`no_save_optim`).
+    `app_state` must be identical on all ranks (scheduler, counters, global data
+    position); `rank_state` is this rank's own (e.g. its loader state). Both must
+    round-trip through `torch.load(weights_only=True)`. This rank's RNG states
+    are saved with `rank_state`. With `async_save`, the state is staged to CPU
+    memory before this returns and written in the background; the checkpoint is
+    published when that finishes (see `SaveHandle.wait` and `finalize_pending`).
+    `keep_last` keeps only that many newest `iter_*` directories.
+    """
+    finalize_pending()
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    name = iteration_dirname(iteration)
+    if iteration == RELEASE:
+        raise ValueError("save_checkpoint saves training iterations; `release` is written by mm-convert")
+    rank, world_size = _rank_world()
+    save_dir = Path(save_dir)
+    app_bytes = _serialise(dict(app_state or {}), "app_state")
+    rank_bytes = _serialise({"rank": rank, "rng": capture_rng_state(), "state": rank_state}, f"rank_state (rank {rank})")
+
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp_dirs(save_dir)
+    tmp_dir = save_dir / make_tmp_dir_name(name, _broadcast_token())
+    if rank == 0:
+        tmp_dir.mkdir()
+    _barrier()
+    _write_bytes(tmp_dir / rank_filename(rank), rank_bytes)
+    if rank == 0:
+        _write_bytes(tmp_dir / APP_STATE_FILENAME, app_bytes)
+        info = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": iteration,
+                "world_size": world_size, "has_optimizer": optimizer is not None}
+        _write_bytes(tmp_dir / INFO_FILENAME, json.dumps(info, indent=1).encode())
+
+    state = _state_for_save(model, optimizer)
+    final_dir = save_dir / name
+    if not async_save:
+        with quiet_single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(tmp_dir))
+        _barrier()
+        if rank == 0:
+            _publish(save_dir, tmp_dir, iteration, keep_last)
+        _barrier()
+        return SaveHandle(iteration, final_dir)
+
+    global _pending
+    # The writer stages the state into fresh CPU copies before async_save returns (tested), so
+    # training may update parameters at once.
+    response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp_dir), process_group=_async_group())
+    future = getattr(response, "upload_completion", response)
+    finalize = (lambda: _publish(save_dir, tmp_dir, iteration, keep_last)) if rank == 0 else None
+    _pending = SaveHandle(iteration, final_dir, future, finalize)
+    return _pending
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """What `load_checkpoint` restored."""
+
+    iteration: int | str
+    """The iteration loaded, or "release" for converted weights."""
+    path: Path
+    """The checkpoint directory that was read."""
+    app_state: dict
+    """The global state saved with `app_state` ({} for release)."""
+    rank_state: dict | None
+    """This rank's `rank_state`; None for release or when the world size changed."""
+    saved_world_size: int | None
+    """Number of processes that saved it (None when unknown, e.g. release)."""
+    rng_restored: bool
+    """Whether this rank's RNG states were restored."""
+
+
+def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state-dict keys that name the same tensor (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            by_id.setdefault(id(value), []).append(key)
+    return [keys for keys in by_id.values() if len(keys) > 1]
+
+
+def _check_model_keys(model: torch.nn.Module, model_sd: dict[str, Any], metadata: Any, path: Path) -> bool:
+    """Validate names and shapes against the checkpoint; drop tied aliases it lacks. True if any were dropped."""
+    saved = metadata.state_dict_metadata
+    dropped = False
+    for group in _alias_groups(model):
+        present = [key for key in group if MODEL_PREFIX + key in saved]
+        if present:
+            for key in group:
+                if key not in present and key in model_sd:
+                    del model_sd[key]
+                    dropped = True
+    missing = [key for key in model_sd if MODEL_PREFIX + key not in saved]
+    mismatched = []
+    for key, value in model_sd.items():
+        entry = saved.get(MODEL_PREFIX + key)
+        if isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
+            if tuple(value.shape) != tuple(entry.size):
+                mismatched.append(f"{key}: model {tuple(value.shape)}, checkpoint {tuple(entry.size)}")
+    if missing or mismatched:
+        lines = []
+        if missing:
+            lines.append(f"{len(missing)} model keys missing from the checkpoint: {_preview(missing)}")
+        if mismatched:
+            lines.append(f"{len(mismatched)} shape mismatches: {_preview(mismatched)}")
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model:\n  " + "\n  ".join(lines)
+            + "\nCheck that the model config matches the one the checkpoint was saved or converted from."
+        )
+    return dropped
+
+
+def _preview(items: list[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _read_info(path: Path) -> dict:
+    info_path = path / INFO_FILENAME
+    if not info_path.is_file():
+        return {}
+    try:
+        return json.loads(info_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{info_path} is not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+def load_checkpoint(
+    load_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> LoadedCheckpoint:
+    """Load the checkpoint `load_dir`'s tracker names (or `load_dir` itself if it is iter_*/release).
+
+    Collective. Loads in place into `model` (plain or FSDP2, already materialised)
+    and, unless `load_optim` is False or the checkpoint is `release`, `optimizer`.
+    Restores this rank's RNG states when `load_rng` and the world size is unchanged.
+    """
+    finalize_pending()
+    path, iteration = resolve_checkpoint(load_dir)
+    rank, world_size = _rank_world()
+    reader = SafeFileSystemReader(os.fspath(path))
+    metadata = reader.read_metadata()
+    has_optimizer = any(key.startswith(OPTIMIZER_PREFIX) for key in metadata.state_dict_metadata)
+    with_optim = optimizer is not None and load_optim and iteration != RELEASE
+    if with_optim and not has_optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} has no optimizer state (saved with no_save_optim?); "
+            "set no_load_optim to load the model only"
+        )
+    if with_optim:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    else:
+        model_sd = get_model_state_dict(model)
+        state = {"model": model_sd}
+    dropped_aliases = _check_model_keys(model, model_sd, metadata, path)
+    with quiet_single_process():
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    options = StateDictOptions(strict=not dropped_aliases)
+    if with_optim:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=state["optimizer"], options=options)
+    else:
+        set_model_state_dict(model, model_sd, options=options)
+
+    info = _read_info(path)
+    saved_world_size = info.get("world_size")
+    app_state: dict = {}
+    rank_state = None
+    rng_restored = False
+    if iteration != RELEASE:
+        app_path = path / APP_STATE_FILENAME
+        if app_path.is_file():
+            app_state = torch.load(app_path, weights_only=True)
+        if saved_world_size == world_size:
+            rank_path = path / rank_filename(rank)
+            if not rank_path.is_file():
+                raise CheckpointError(f"{rank_path} is missing; the checkpoint is incomplete")
+            payload = torch.load(rank_path, weights_only=True)
+            rank_state = payload["state"]
+            if load_rng:
+                restore_rng_state(payload["rng"])
+                rng_restored = True
+        else:
+            warn_once(
+                f"checkpoint {path} was saved by {saved_world_size} processes, this run has {world_size}: "
+                "model and optimizer are resharded, per-rank state (RNG, data position) is not restored "
+                "(see docs/checkpoints.md, 'Changing the number of processes')"
+            )
+    what = "model + optimizer" if with_optim else "model"
+    info_rank0(f"loaded {what} from {path} (iteration {iteration})")
+    return LoadedCheckpoint(iteration, path, app_state, rank_state, saved_world_size, rng_restored)

@@ -1,0 +1,366 @@
+"""`mm-convert`: HF safetensors <-> DCP conversion, one tensor (or one output shard) in memory at a time.
+
+```
+mm-convert GenericDCPConverter hf_to_dcp --hf_dir HF --dcp_dir DCP [--force]
+mm-convert GenericDCPConverter dcp_to_hf --load_dir DIR --save_dir OUT --model_assets_dir HF
+                                         [--max_shard_size 5GB] [--force]
+```
+
+hf_to_dcp
+    Reads the safetensors headers, builds a state dict of *meta* tensors named
+    `model.<state_dict name>` (file names renamed by the family's key map, e.g.
+    `legacy_mistral3_key_map`), and saves it with one `dcp.save` whose planner
+    (`LazySavePlanner`) reads each tensor from its file only when DCP writes it,
+    through `FileSystemWriter(single_file_per_rank=False)` which writes one file
+    per tensor and drops it before the next. Peak memory is about the largest
+    tensor. The result is `DCP/release/` plus `DCP/latest_checkpointed_iteration.txt`
+    = `release`, exactly what `load_checkpoint` of a release expects.
+
+dcp_to_hf
+    Reads the DCP metadata, splits the `model.*` tensors into output shards of at
+    most `--max_shard_size`, and for each shard loads just those tensors with
+    `dcp.load` (DCP reassembles tensors saved as FSDP shards by any number of
+    ranks) and writes them with safetensors. Peak memory is about one output
+    shard. Names are mapped back to the file naming of `--model_assets_dir`,
+    validated against its safetensors headers (keys and shapes) and its
+    `config.json`, and its non-weight files (config, tokenizer, processor, chat
+    template, ...) are copied.
+
+Both write to a temporary directory and move it into place at the end, so an
+interrupted conversion never leaves a complete-looking output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemWriter
+from tqdm import tqdm
+
+from mmfsdp.ckpt.checkpoint import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX
+from mmfsdp.ckpt.dcp_io import (
+    LazySavePlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    quiet_single_process,
+    read_dcp_metadata,
+    tensor_entries,
+)
+from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.hf import INDEX_FILENAME, SafetensorsDir, parse_size, plan_shards, read_config, shard_filename
+from mmfsdp.ckpt.keymaps import KeyMap, identity_key_map, key_maps_for, legacy_mistral3_key_map, mistral3_to_legacy_key_map
+from mmfsdp.ckpt.layout import RELEASE, make_tmp_dir_name, publish_dir, resolve_checkpoint, write_tracker
+
+__all__ = ["hf_to_dcp", "dcp_to_hf", "main", "KEY_MAP_CHOICES"]
+
+KEY_MAP_CHOICES = ("auto", "identity", "mistral3")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".distcp")
+
+
+def _progress(total: int, desc: str, show: bool | None) -> tqdm:
+    enabled = sys.stderr.isatty() if show is None else show
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+
+
+def _to_model_map(choice: str, config: dict | None) -> KeyMap:
+    if choice == "identity":
+        return identity_key_map
+    if choice == "mistral3":
+        return legacy_mistral3_key_map
+    return key_maps_for(config.get("model_type") if config else None)[0]
+
+
+def _check_output_dir(path: Path, force: bool, flag: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{flag} {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise CheckpointError(f"{flag} {path} is not empty; choose an empty directory or pass --force to replace it")
+
+
+def hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    dcp_dir: str | os.PathLike,
+    *,
+    force: bool = False,
+    key_map: str = "auto",
+    progress: bool | None = None,
+) -> Path:
+    """Convert a HF safetensors directory into `dcp_dir/release/` + tracker; return the release path.
+
+    With `force`, an existing `release/` and tracker in `dcp_dir` are replaced;
+    other files there are kept.
+    """
+    weights = SafetensorsDir(hf_dir)
+    to_model = _to_model_map(key_map, weights.config)
+    source_of: dict[str, str] = {}
+    for file_key in weights.tensors:
+        name = to_model(file_key)
+        if name in source_of:
+            raise CheckpointError(f"file keys {source_of[name]} and {file_key} both map to {name}; use --key_map identity")
+        source_of[name] = file_key
+    dcp_dir = Path(dcp_dir)
+    _check_output_dir(dcp_dir, force, "--dcp_dir")
+    dcp_dir.mkdir(parents=True, exist_ok=True)
+    tmp_dir = dcp_dir / make_tmp_dir_name(RELEASE, uuid.uuid4().hex[:8])
+
+    state = {"model": {name: torch.empty(weights.tensors[src].shape, dtype=weights.tensors[src].dtype, device="meta")
+                       for name, src in source_of.items()}}
+    total = sum(info.nbytes for info in weights.tensors.values())
+    with _progress(total, "hf_to_dcp", progress) as bar:
+        def load(fqn: str) -> torch.Tensor:
+            source = source_of[fqn[len(MODEL_PREFIX):]]
+            tensor = weights.read(source)
+            bar.update(weights.tensors[source].nbytes)
+            return tensor
+
+        try:
+            with quiet_single_process():
+                dcp.save(state, storage_writer=FileSystemWriter(tmp_dir, single_file_per_rank=False),
+                         planner=LazySavePlanner(load), no_dist=True)
+            info = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": RELEASE, "world_size": None,
+                    "has_optimizer": False, "source": os.fspath(Path(hf_dir).resolve())}
+            (tmp_dir / INFO_FILENAME).write_text(json.dumps(info, indent=1))
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+    release_dir = dcp_dir / RELEASE
+    publish_dir(tmp_dir, release_dir)
+    write_tracker(dcp_dir, RELEASE)
+    return release_dir
+
+
+def _choose_hf_names(names: list[str], choice: str, config: dict, asset_keys: set[str] | None) -> dict[str, str]:
+    """state_dict name -> file name, matching the assets' own file naming when they have weights."""
+    if choice == "identity":
+        candidates = [identity_key_map]
+    elif choice == "mistral3":
+        candidates = [mistral3_to_legacy_key_map]
+    else:
+        candidates = [key_maps_for(config.get("model_type"))[1], identity_key_map]
+    mappings = [{name: to_hf(name) for name in names} for to_hf in candidates]
+    if asset_keys is not None:
+        for mapping in mappings:
+            if set(mapping.values()) >= asset_keys:
+                return mapping
+    return mappings[0]
+
+
+def _tied(config: dict) -> bool:
+    return bool(config.get("tie_word_embeddings", False))
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, assets: Path) -> None:
+    """Checks that need only config.json: embedding/lm_head shapes and layer indices."""
+    text = config.get("text_config") or config
+    vision = config.get("vision_config")
+    problems = []
+    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+    for name, shape in shapes.items():
+        if vocab and hidden and (name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight")):
+            if shape != (vocab, hidden):
+                problems.append(f"{name}: shape {shape}, config says ({vocab}, {hidden}) (vocab_size, hidden_size)")
+        match = _LAYER_RE.search(name)
+        if match:
+            if "vision" in name and vision:
+                section, what = vision, "vision_config.num_hidden_layers"
+            else:
+                section, what = text, "text_config.num_hidden_layers" if "text_config" in config else "num_hidden_layers"
+            num_layers = section.get("num_hidden_layers")
+            if num_layers is not None and int(match.group(1)) >= num_layers:
+                problems.append(f"{name}: layer {match.group(1)} but {what} = {num_layers}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint does not match {assets / 'config.json'}:\n  " + "\n  ".join(problems[:10])
+            + ("\n  ..." if len(problems) > 10 else "")
+            + "\nPass the --model_assets_dir of the model this checkpoint was trained from."
+        )
+
+
+def _check_against_assets(shapes: dict[str, tuple[int, ...]], assets_weights: SafetensorsDir) -> None:
+    expected = {key: info.shape for key, info in assets_weights.tensors.items()}
+    missing = [key for key in expected if key not in shapes]
+    unexpected = [key for key in shapes if key not in expected]
+    mismatched = [f"{key}: checkpoint {shapes[key]}, assets {expected[key]}"
+                  for key in shapes if key in expected and shapes[key] != expected[key]]
+    if missing or unexpected or mismatched:
+        lines = []
+        if missing:
+            lines.append(f"{len(missing)} tensors of the assets are not in the checkpoint: {', '.join(missing[:10])}")
+        if unexpected:
+            lines.append(f"{len(unexpected)} checkpoint tensors are not in the assets: {', '.join(unexpected[:10])}")
+        if mismatched:
+            lines.append(f"{len(mismatched)} shape mismatches: {', '.join(mismatched[:10])}")
+        raise CheckpointError(
+            f"checkpoint does not match the weights in {assets_weights.path}:\n  " + "\n  ".join(lines)
+            + "\nPass the --model_assets_dir of the model this checkpoint was trained from, or --key_map if names differ."
+        )
+
+
+def _copy_assets(assets: Path, out: Path) -> list[str]:
+    copied = []
+    for entry in sorted(assets.iterdir()):
+        if not entry.is_file() or entry.name.startswith("."):
+            continue
+        if entry.name.endswith(_WEIGHT_SUFFIXES) or entry.name.endswith(".index.json"):
+            continue
+        shutil.copy2(entry, out / entry.name)
+        copied.append(entry.name)
+    return copied
+
+
+def dcp_to_hf(
+    load_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    model_assets_dir: str | os.PathLike,
+    *,
+    max_shard_size: str | int = "5GB",
+    force: bool = False,
+    key_map: str = "auto",
+    progress: bool | None = None,
+) -> Path:
+    """Export the model of a DCP checkpoint as a HF directory (safetensors shards + index + assets)."""
+    max_shard_bytes = parse_size(max_shard_size)
+    path, iteration = resolve_checkpoint(load_dir)
+    entries = tensor_entries(read_dcp_metadata(path), MODEL_PREFIX)
+    if not entries:
+        raise CheckpointError(f"{path} holds no model tensors (keys {MODEL_PREFIX}*); is it an mmfsdp checkpoint?")
+    assets = Path(model_assets_dir)
+    if not assets.is_dir():
+        raise CheckpointError(f"--model_assets_dir {assets} does not exist; pass the original HF model directory")
+    config = read_config(assets)
+    if config is None:
+        raise CheckpointError(f"--model_assets_dir {assets} has no config.json; pass the original HF model directory")
+    has_asset_weights = any(assets.glob("*.safetensors"))
+    assets_weights = SafetensorsDir(assets) if has_asset_weights else None
+    asset_keys = set(assets_weights.tensors) if assets_weights else None
+
+    hf_name = _choose_hf_names(list(entries), key_map, config, asset_keys)
+    if _tied(config):
+        for name in [n for n in entries if n.endswith("lm_head.weight")]:
+            if asset_keys is None or hf_name[name] not in asset_keys:
+                del hf_name[name]  # tied to the input embedding; transformers does not store it
+    shapes = {hf_name[name]: tuple(entries[name].size) for name in hf_name}
+    if len(set(hf_name.values())) != len(hf_name):
+        raise CheckpointError("two checkpoint tensors map to the same HF name; use --key_map identity")
+    if assets_weights is not None:
+        _check_against_assets(shapes, assets_weights)
+    _check_against_config(shapes, config, assets)
+
+    save_dir = Path(save_dir)
+    for other, flag in ((assets, "--model_assets_dir"), (path, "--load_dir")):
+        if save_dir.resolve() == other.resolve():
+            raise CheckpointError(f"--save_dir {save_dir} is the same directory as {flag}; choose a new directory")
+    _check_output_dir(save_dir, force, "--save_dir")
+    save_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = save_dir.parent / f".{save_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp_dir.mkdir()
+
+    def nbytes(name: str) -> int:
+        return entries[name].size.numel() * entries[name].properties.dtype.itemsize
+
+    names = list(hf_name)
+    shards = plan_shards([(name, nbytes(name)) for name in names], max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = sum(nbytes(name) for name in names)
+    try:
+        with _progress(total, "dcp_to_hf", progress) as bar:
+            for index, shard in enumerate(shards):
+                tensors = {name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype) for name in shard}
+                with quiet_single_process():
+                    dcp.load({"model": tensors}, storage_reader=SafeFileSystemReader(os.fspath(path)),
+                             planner=SafeLoadPlanner(), no_dist=True)
+                filename = shard_filename(index, len(shards))
+                save_file({hf_name[name]: tensor for name, tensor in tensors.items()}, tmp_dir / filename,
+                          metadata={"format": "pt"})
+                weight_map.update({hf_name[name]: filename for name in shard})
+                bar.update(sum(tensor.nbytes for tensor in tensors.values()))
+                del tensors
+        index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
+        _copy_assets(assets, tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    if save_dir.exists():
+        shutil.rmtree(save_dir)
+    os.rename(tmp_dir, save_dir)
+    return save_dir
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mm-convert",
+        description="Convert model weights between HF safetensors and PyTorch Distributed Checkpoint (DCP).",
+    )
+    converters = parser.add_subparsers(dest="converter", required=True, metavar="CONVERTER")
+    generic = converters.add_parser(
+        "GenericDCPConverter",
+        help="HF safetensors <-> DCP for any model (names renamed per config.json model_type)",
+        description="HF safetensors <-> DCP for any model; see `hf_to_dcp -h` and `dcp_to_hf -h`.",
+    )
+    commands = generic.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    key_map_help = (
+        "how HF file names map to model state_dict names: auto (by config.json model_type; "
+        "for mistral3 the original language_model.model.* naming), identity, or mistral3 (default: auto)"
+    )
+
+    to_dcp = commands.add_parser(
+        "hf_to_dcp",
+        help="HF safetensors directory -> DCP_DIR/release + latest_checkpointed_iteration.txt",
+        description="Convert a HF safetensors directory (single file or sharded with an index) into a DCP "
+        "checkpoint DCP_DIR/release/ and write DCP_DIR/latest_checkpointed_iteration.txt = release. "
+        "Point training.load at DCP_DIR.",
+    )
+    to_dcp.add_argument("--hf_dir", required=True, help="HF model directory with *.safetensors (and model.safetensors.index.json when sharded)")
+    to_dcp.add_argument("--dcp_dir", required=True, help="output directory; release/ and the tracker are written here")
+    to_dcp.add_argument("--force", action="store_true", help="replace release/ and the tracker if --dcp_dir is not empty (other files are kept)")
+    to_dcp.add_argument("--key_map", choices=KEY_MAP_CHOICES, default="auto", help=key_map_help)
+
+    to_hf = commands.add_parser(
+        "dcp_to_hf",
+        help="DCP checkpoint (release or iter_*) -> HF safetensors shards + index + assets",
+        description="Export the model weights of a DCP checkpoint as HF safetensors shards with "
+        "model.safetensors.index.json, in HF naming, dtypes preserved, and copy config, tokenizer, "
+        "processor and chat-template files from --model_assets_dir.",
+    )
+    to_hf.add_argument("--load_dir", required=True, help="a training.save / --dcp_dir directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN or release directory")
+    to_hf.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
+    to_hf.add_argument("--model_assets_dir", required=True, help="the original HF model directory: config.json, tokenizer, processor and chat template are copied from it, and its weights (if present) are used to validate names and shapes")
+    to_hf.add_argument("--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    to_hf.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
+    to_hf.add_argument("--key_map", choices=KEY_MAP_CHOICES, default="auto", help=key_map_help.replace("HF file names map to model state_dict names", "model state_dict names map back to HF file names"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "hf_to_dcp":
+            out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, key_map=args.key_map)
+            print(f"wrote {out} and {Path(args.dcp_dir) / 'latest_checkpointed_iteration.txt'} (release)")
+        else:
+            out = dcp_to_hf(args.load_dir, args.save_dir, args.model_assets_dir,
+                            max_shard_size=args.max_shard_size, force=args.force, key_map=args.key_map)
+            print(f"wrote {out}")
+    except (CheckpointError, ValueError) as e:
+        print(f"mm-convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

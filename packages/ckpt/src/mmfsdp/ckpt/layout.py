@@ -1,0 +1,205 @@
+"""The on-disk layout of a checkpoint directory and the atomic moves that keep it consistent.
+
+```
+<save>/latest_checkpointed_iteration.txt   "100" or "release"
+<save>/iter_0000100/                       one complete DCP checkpoint (+ rank_*.pt, app_state.pt)
+<save>/release/                            converted weights (model only)
+<save>/iter_0000200.tmp-<token>/           a save in progress (never read)
+```
+
+A checkpoint is written into a `.tmp-` directory, renamed to its final name once
+every rank has finished, and only then does the tracker move, by writing a
+temporary file, fsyncing it and `os.replace`-ing it over the old tracker. A crash
+at any point therefore leaves the tracker pointing at a complete checkpoint (or
+absent, before the first save). Everything here is plain file handling; callers
+decide which rank runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from mmfsdp.ckpt.errors import CheckpointError
+
+__all__ = [
+    "TRACKER_FILENAME",
+    "RELEASE",
+    "iteration_dirname",
+    "read_tracker",
+    "write_tracker",
+    "resolve_checkpoint",
+    "publish_dir",
+    "list_iterations",
+    "prune_checkpoints",
+    "remove_stale_tmp_dirs",
+]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+DCP_METADATA_FILENAME = ".metadata"
+
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_TMP_MARK = ".tmp-"
+_OLD_MARK = ".old-"
+
+
+def iteration_dirname(iteration: int | str) -> str:
+    """`iter_0000100` for 100, `release` for "release"."""
+    if iteration == RELEASE:
+        return RELEASE
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int or 'release', got {iteration!r}")
+    return f"iter_{iteration:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old or the new content, never a mix."""
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_tracker(save_dir: str | os.PathLike, iteration: int | str) -> None:
+    """Atomically point `save_dir`'s tracker at `iteration` (an int or "release")."""
+    iteration_dirname(iteration)  # validates
+    write_file_atomic(Path(save_dir) / TRACKER_FILENAME, f"{iteration}\n".encode())
+
+
+def read_tracker(save_dir: str | os.PathLike) -> int | str:
+    """The iteration (int) or "release" that `save_dir`'s tracker names."""
+    save_dir = Path(save_dir)
+    tracker = save_dir / TRACKER_FILENAME
+    if not save_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {save_dir} does not exist; check training.load / --load_dir")
+    if not tracker.is_file():
+        raise CheckpointError(
+            f"{save_dir} has no {TRACKER_FILENAME}; point at a training.save directory or an "
+            f"`mm-convert ... hf_to_dcp --dcp_dir` output, or directly at an iter_*/release directory"
+        )
+    text = tracker.read_text().strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} contains {text!r}; expected an iteration number or 'release'")
+    return int(text)
+
+
+def _iteration_from_dirname(name: str) -> int | str | None:
+    if name == RELEASE:
+        return RELEASE
+    match = _ITER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def resolve_checkpoint(load_dir: str | os.PathLike) -> tuple[Path, int | str]:
+    """(checkpoint directory, iteration) for a directory with a tracker, or an iter_*/release directory itself."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check training.load / --load_dir")
+    if (load_dir / DCP_METADATA_FILENAME).is_file() and not (load_dir / TRACKER_FILENAME).exists():
+        iteration = _iteration_from_dirname(load_dir.name)
+        if iteration is None:
+            raise CheckpointError(
+                f"{load_dir} is a DCP checkpoint but its name is neither iter_NNNNNNN nor release, "
+                "so its iteration is unknown; rename it or point at its parent directory with a tracker"
+            )
+        return load_dir, iteration
+    iteration = read_tracker(load_dir)
+    path = load_dir / iteration_dirname(iteration)
+    if not (path / DCP_METADATA_FILENAME).is_file():
+        state = "does not exist" if not path.exists() else f"has no {DCP_METADATA_FILENAME} (incomplete)"
+        raise CheckpointError(
+            f"{load_dir / TRACKER_FILENAME} points at {iteration!r} but {path} {state}; "
+            "restore that directory or edit the tracker to name a complete checkpoint"
+        )
+    return path, iteration
+
+
+def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename a finished `tmp_dir` to `final_dir`, replacing an existing `final_dir`."""
+    old = None
+    if final_dir.exists():
+        old = final_dir.with_name(f"{final_dir.name}{_OLD_MARK}{uuid.uuid4().hex[:8]}")
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def make_tmp_dir_name(final_name: str, token: str) -> str:
+    return f"{final_name}{_TMP_MARK}{token}"
+
+
+def list_iterations(save_dir: str | os.PathLike) -> list[int]:
+    """Iterations of the complete `iter_*` directories under `save_dir`, ascending."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for entry in save_dir.iterdir():
+        iteration = _iteration_from_dirname(entry.name)
+        if isinstance(iteration, int) and entry.is_dir():
+            found.append(iteration)
+    return sorted(found)
+
+
+def prune_checkpoints(save_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest `iter_*` directories; never the tracker's target or `release`.
+
+    Returns the deleted directories.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    save_dir = Path(save_dir)
+    try:
+        protected = read_tracker(save_dir)
+    except CheckpointError:
+        protected = None
+    iterations = list_iterations(save_dir)
+    keep = set(iterations[-keep_last:])
+    removed = []
+    for iteration in iterations:
+        if iteration in keep or iteration == protected:
+            continue
+        path = save_dir / iteration_dirname(iteration)
+        shutil.rmtree(path)
+        removed.append(path)
+    return removed
+
+
+def remove_stale_tmp_dirs(save_dir: str | os.PathLike) -> list[Path]:
+    """Delete leftovers of interrupted saves and replacements (`*.tmp-*`, `*.old-*`) under `save_dir`."""
+    save_dir = Path(save_dir)
+    removed = []
+    if not save_dir.is_dir():
+        return removed
+    for entry in save_dir.iterdir():
+        if _TMP_MARK in entry.name or _OLD_MARK in entry.name:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed

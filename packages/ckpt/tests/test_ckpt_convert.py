@@ -1,0 +1,266 @@
+"""`mm-convert GenericDCPConverter hf_to_dcp / dcp_to_hf`: bit-exact round trips, naming, assets, errors, help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, read_tracker, save_checkpoint
+from mmfsdp.ckpt.convert import _build_parser, main
+
+ASSETS = {
+    "config.json": json.dumps({"model_type": "toy", "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2}),
+    "generation_config.json": "{}",
+    "tokenizer.json": '{"version": "1.0"}',
+    "tokenizer_config.json": "{}",
+    "preprocessor_config.json": "{}",
+    "chat_template.jinja": "{{ messages }}",
+}
+
+
+def _toy_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"embed_tokens.weight": torch.randn(16, 8, generator=gen).to(torch.bfloat16)}
+    for layer in range(2):
+        tensors[f"layers.{layer}.attn.weight"] = torch.randn(8, 8, generator=gen)
+        tensors[f"layers.{layer}.mlp.weight"] = torch.randn(24, 8, generator=gen).to(torch.bfloat16)
+        tensors[f"layers.{layer}.norm.weight"] = torch.rand(8, generator=gen)
+    tensors["norm.weight"] = torch.ones(8)
+    tensors["lm_head.weight"] = torch.randn(16, 8, generator=gen)
+    tensors["step"] = torch.tensor(3, dtype=torch.int64)
+    return tensors
+
+
+def _write_hf(directory: Path, tensors: dict[str, torch.Tensor], shards: int = 3, assets: dict | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    weight_map = {}
+    for index in range(shards):
+        filename = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[index::shards]}
+        save_file(part, directory / filename, metadata={"format": "pt"})
+        weight_map.update({name: filename for name in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    for name, text in (ASSETS if assets is None else assets).items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def _read_all(directory: Path) -> dict[str, torch.Tensor]:
+    weights = SafetensorsDir(directory)
+    return {key: weights.read(key).clone() for key in weights.tensors}
+
+
+def _assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape and torch.equal(a[key], b[key]), key
+
+
+def _convert(*argv: str) -> int:
+    return main(["GenericDCPConverter", *map(str, argv)])
+
+
+def test_hf_dcp_hf_round_trip_is_bit_exact(tmp_path):
+    tensors = _toy_tensors()
+    hf = _write_hf(tmp_path / "hf", tensors)
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
+    assert read_tracker(tmp_path / "dcp") == "release"
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == ["latest_checkpointed_iteration.txt", "release"]
+
+    assert _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp", "--save_dir", tmp_path / "out",
+                    "--model_assets_dir", hf, "--max_shard_size", "700B") == 0
+    out = tmp_path / "out"
+    _assert_bit_exact(_read_all(out), tensors)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard_files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shard_files) > 3 and sorted(set(index["weight_map"].values())) == shard_files
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    for name in shard_files:
+        with safe_open(os.fspath(out / name), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert os.path.getsize(out / name) < 700 + 2000 or len(list(f.keys())) == 1  # 700 B of data + header
+    for name, text in ASSETS.items():
+        assert (out / name).read_text() == text
+    # --load_dir may also name the release directory itself
+    assert _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp" / "release", "--save_dir", tmp_path / "out2",
+                    "--model_assets_dir", hf) == 0
+    assert [p.name for p in (tmp_path / "out2").glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
+    _assert_bit_exact(_read_all(tmp_path / "out2"), tensors)
+
+
+def test_release_loads_into_the_model_and_training_checkpoints_export(tmp_path):
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(16, 8, dtype=torch.bfloat16)
+            self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+            for layer in self.layers:
+                layer.attn = torch.nn.Linear(8, 8, bias=False)
+                layer.mlp = torch.nn.Linear(8, 24, bias=False, dtype=torch.bfloat16)
+                layer.norm = torch.nn.Module()
+                layer.norm.weight = torch.nn.Parameter(torch.zeros(8))
+            self.norm = torch.nn.Module()
+            self.norm.weight = torch.nn.Parameter(torch.zeros(8))
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+            self.register_buffer("step", torch.tensor(0, dtype=torch.int64))
+
+    tensors = _toy_tensors()
+    hf = _write_hf(tmp_path / "hf", tensors)
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
+    model = Toy()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.dtype == torch.float32])
+    loaded = load_checkpoint(tmp_path / "dcp", model=model, optimizer=optimizer)  # release: model only
+    assert loaded.iteration == "release" and optimizer.state == {}
+    _assert_bit_exact({k: v for k, v in model.state_dict().items()}, tensors)
+
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    save_checkpoint(tmp_path / "train", 5, model=model, optimizer=optimizer)
+    assert _convert("dcp_to_hf", "--load_dir", tmp_path / "train", "--save_dir", tmp_path / "out",
+                    "--model_assets_dir", hf) == 0
+    _assert_bit_exact(_read_all(tmp_path / "out"), {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def test_mistral3_names_round_trip_through_state_dict_names(tmp_path):
+    legacy = {
+        "language_model.model.embed_tokens.weight": torch.randn(16, 8),
+        "language_model.model.layers.0.mlp.weight": torch.randn(4, 8).to(torch.bfloat16),
+        "language_model.lm_head.weight": torch.randn(16, 8),
+        "vision_tower.patch_conv.weight": torch.randn(8, 3, 2, 2),
+        "multi_modal_projector.linear_1.weight": torch.randn(8, 8),
+    }
+    config = {"model_type": "mistral3", "text_config": {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1}}
+    hf = _write_hf(tmp_path / "hf", legacy, shards=2, assets={"config.json": json.dumps(config)})
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
+    from mmfsdp.ckpt.dcp_io import read_dcp_metadata
+
+    keys = sorted(read_dcp_metadata(tmp_path / "dcp" / "release").state_dict_metadata)
+    assert keys == sorted([
+        "model.model.language_model.embed_tokens.weight", "model.model.language_model.layers.0.mlp.weight",
+        "model.lm_head.weight", "model.model.vision_tower.patch_conv.weight",
+        "model.model.multi_modal_projector.linear_1.weight",
+    ])
+    assert _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp", "--save_dir", tmp_path / "out", "--model_assets_dir", hf) == 0
+    _assert_bit_exact(_read_all(tmp_path / "out"), legacy)
+
+
+def _error(capsys, *argv) -> str:
+    assert _convert(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mm-convert: error: ") and "Traceback" not in err
+    return err
+
+
+def test_hf_to_dcp_bad_inputs(tmp_path, capsys):
+    assert "does not exist" in _error(capsys, "hf_to_dcp", "--hf_dir", tmp_path / "nope", "--dcp_dir", tmp_path / "d")
+    (tmp_path / "empty").mkdir()
+    assert "no safetensors weights" in _error(capsys, "hf_to_dcp", "--hf_dir", tmp_path / "empty", "--dcp_dir", tmp_path / "d")
+    hf = _write_hf(tmp_path / "hf", _toy_tensors())
+    (hf / "model.safetensors.index.json").unlink()
+    assert "no model.safetensors.index.json" in _error(capsys, "hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+    hf = _write_hf(tmp_path / "hf2", _toy_tensors())
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert "not empty" in _error(capsys, "hf_to_dcp", "--hf_dir", hf, "--dcp_dir", out)
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", out, "--force") == 0
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", out, "--force") == 0  # replaces release/
+    assert sorted(p.name for p in out.iterdir()) == ["latest_checkpointed_iteration.txt", "notes.txt", "release"]
+
+
+def test_dcp_to_hf_bad_inputs(tmp_path, capsys):
+    tensors = _toy_tensors()
+    hf = _write_hf(tmp_path / "hf", tensors)
+    dcp_dir = tmp_path / "dcp"
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", dcp_dir) == 0
+
+    def export(load=dcp_dir, save=tmp_path / "out", assets=hf, *extra):
+        return _error(capsys, "dcp_to_hf", "--load_dir", load, "--save_dir", save, "--model_assets_dir", assets, *extra)
+
+    assert "no latest_checkpointed_iteration.txt" in export(load=tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "latest_checkpointed_iteration.txt").write_text("100")
+    assert "points at 100" in export(load=tmp_path / "t")
+    assert "--model_assets_dir" in export(assets=tmp_path / "nope")
+    (tmp_path / "no_config").mkdir()
+    assert "has no config.json" in export(assets=tmp_path / "no_config")
+    assert "same directory as --model_assets_dir" in export(save=hf, assets=hf)
+
+    # assets whose weights disagree with the checkpoint: an extra key, a missing key and a changed shape
+    other = dict(tensors)
+    other["layers.2.attn.weight"] = other.pop("layers.1.attn.weight")
+    other["norm.weight"] = torch.ones(9)
+    err = export(assets=_write_hf(tmp_path / "other", other))
+    assert "layers.2.attn.weight" in err and "layers.1.attn.weight" in err and "norm.weight: checkpoint (8,), assets (9,)" in err
+
+    # assets with only a config: checked against vocab_size / hidden_size / num_hidden_layers
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text(json.dumps({"vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1}))
+    err = export(assets=config_only)
+    assert "embed_tokens.weight: shape (16, 8), config says (32, 8)" in err
+    assert "layers.1.attn.weight: layer 1 but num_hidden_layers = 1" in err
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    assert "not empty" in export(save=busy)
+    assert _convert("dcp_to_hf", "--load_dir", dcp_dir, "--save_dir", busy, "--model_assets_dir", hf, "--force") == 0
+    assert not (busy / "x").exists()
+    assert "cannot parse size" in export(tmp_path / "dcp", tmp_path / "o3", hf, "--max_shard_size", "lots")
+    assert not any(p.name.startswith(".o") for p in tmp_path.iterdir())  # no temporary output left behind
+
+
+def _parsers(parser: argparse.ArgumentParser, prefix: tuple = ()):
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*prefix, name))
+
+
+def test_help_documents_every_flag(capsys):
+    levels = dict(_parsers(_build_parser()))
+    assert set(levels) == {(), ("GenericDCPConverter",), ("GenericDCPConverter", "hf_to_dcp"),
+                           ("GenericDCPConverter", "dcp_to_hf")}
+    for prefix, parser in levels.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([*prefix, "-h"])
+        assert exit_info.value.code == 0
+        text = capsys.readouterr().out
+        assert parser.description and " ".join(parser.description.split()[:4]) in " ".join(text.split())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.dest in text and choice.help, choice.dest
+            elif "-h" not in action.option_strings:
+                assert action.help, action.option_strings
+                assert all(flag in text for flag in action.option_strings)
+    hf_to_dcp_flags = {a.option_strings[0] for a in levels[("GenericDCPConverter", "hf_to_dcp")]._actions}
+    dcp_to_hf_flags = {a.option_strings[0] for a in levels[("GenericDCPConverter", "dcp_to_hf")]._actions}
+    assert {"--hf_dir", "--dcp_dir", "--force"} <= hf_to_dcp_flags
+    assert {"--load_dir", "--save_dir", "--model_assets_dir", "--max_shard_size", "--force"} <= dcp_to_hf_flags
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path):
+    script = Path(sys.executable).with_name("mm-convert")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.convert"]
+    proc = subprocess.run([*command, "GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(tmp_path / "missing"),
+                           "--dcp_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mm-convert: error: weights directory") and "Traceback" not in proc.stderr
