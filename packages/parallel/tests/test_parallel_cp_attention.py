@@ -66,8 +66,17 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+_GROUPS: dict[tuple[int, int], tuple] = {}
+
+
 def _make_groups(world_size: int, ring: int, ulysses: int):
     """Ring and Ulysses groups for a CP group spanning the world (CP rank = ring_rank · U + ulysses_rank)."""
+    if (ring, ulysses) not in _GROUPS:
+        _GROUPS[ring, ulysses] = _new_groups(world_size, ring, ulysses)
+    return _GROUPS[ring, ulysses]
+
+
+def _new_groups(world_size: int, ring: int, ulysses: int):
     rank = dist.get_rank()
     ring_group = ulysses_group = None
     for r in range(ring):

@@ -64,9 +64,9 @@ def _reference_attend(lengths):
 
 
 def _run(rank, world_size, ring, ulysses, lengths, recompute):
-    ring_group = dist.new_group(list(range(world_size))) if ring > 1 else None
-    ulysses_group = dist.new_group(list(range(world_size))) if ulysses > 1 else None
     cp_group = dist.group.WORLD
+    ring_group = cp_group if ring > 1 else None
+    ulysses_group = cp_group if ulysses > 1 else None
     torch.manual_seed(0)
     model = _TinyLM()
     seq_len = sum(lengths)
@@ -102,12 +102,20 @@ def _run(rank, world_size, ring, ulysses, lengths, recompute):
     return errors
 
 
-@pytest.mark.parametrize(
-    "ring, ulysses, lengths, recompute",
-    [(2, 1, [12, 4, 16], False), (1, 2, [10, 6, 16], True)],
-    ids=["ring2", "ulysses2-checkpointed"],
-)
-def test_cp_loss_and_gradients_equal_the_unsplit_model(ring, ulysses, lengths, recompute):
-    for rank, errors in enumerate(run_distributed(_run, 2, ring, ulysses, lengths, recompute, timeout=120)):
-        for what, error in errors.items():
-            assert error <= TOLERANCE, f"rank {rank} {what}: relative error {error:.2e} > {TOLERANCE}"
+CASES = {"ring2": (2, 1, [12, 4, 16], False), "ulysses2-checkpointed": (1, 2, [10, 6, 16], True)}
+
+
+def _run_cases(rank, world_size):
+    return {name: _run(rank, world_size, *case) for name, case in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return run_distributed(_run_cases, 2, timeout=180)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cp_loss_and_gradients_equal_the_unsplit_model(errors, name):
+    for rank, per_rank in enumerate(errors):
+        for what, error in per_rank[name].items():
+            assert error <= TOLERANCE, f"{name} rank {rank} {what}: relative error {error:.2e} > {TOLERANCE}"

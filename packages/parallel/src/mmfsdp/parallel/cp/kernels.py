@@ -162,7 +162,7 @@ def _cuda_cu(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
 
 
 def _cuda_lse_to_BHS(lse: torch.Tensor, cu_q: CuSeqLens) -> torch.Tensor:
-    if cu_q is None or lse.dim() == 3 and lse.size(0) == 1:
+    if cu_q is None or (lse.dim() == 3 and lse.size(0) == 1):
         return lse.float()
     if lse.dim() == 2:  # unpadded varlen lse: (H, total)
         return lse.unsqueeze(0).float()

@@ -43,7 +43,7 @@ def validate_sequence_multiple(value: int, ring_size: int, ulysses_size: int, ke
     """A sequence length or padding multiple (named by `key`) must be a multiple of what CP splits by."""
     multiple = required_multiple(ring_size, ulysses_size)
     if value <= 0 or value % multiple:
-        how = f"2 × ring_attention_size {ring_size} × ulysses_parallel_size {ulysses_size}" if ring_size > 1 else (
-            f"ulysses_parallel_size {ulysses_size}"
-        )
+        how = f"ulysses_parallel_size {ulysses_size}"
+        if ring_size > 1:
+            how = f"2 × ring_attention_size {ring_size} × {how}"
         raise ConfigError(key, f"{value} is not a positive multiple of {multiple} ({how}), which context parallel needs")
