@@ -28,7 +28,7 @@ def _blocks(ids: list[int], image_id: int, end_id: int) -> list[int]:
     return counts
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(SIZE, min_size=1, max_size=2))
 def test_image_tokens_equal_image_features(tiny_processor, tiny_model, tmp_path, h, sizes):
     cfg = h.data_config(tiny_processor.name_or_path, tmp_path)

@@ -1,0 +1,63 @@
+"""Synthetic coloured shapes and the tiny offline processor."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mmfsdp.data.synthetic import COLOURS, PROMPT, make_shapes_dataset, tiny_processor_ids, write_tiny_processor
+
+
+def _make(out: str) -> None:
+    make_shapes_dataset(out, num_train=24, num_eval=6, image_size=32, seed=7)
+
+
+def test_shapes_dataset_layout_and_labels(tmp_path):
+    meta = make_shapes_dataset(tmp_path / "s", num_train=24, num_eval=6, image_size=32, seed=7)
+    assert meta["chance"] == 1 / 12 and meta["num_classes"] == 12
+    rows = [json.loads(line) for line in (tmp_path / "s" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and len((tmp_path / "s" / "eval.jsonl").read_text().splitlines()) == 6
+    answers = [r["messages"][1]["content"] for r in rows]
+    assert len(set(answers)) == 12 and all(a.count(" ") == 2 for a in answers)
+    assert all(r["messages"][0] == {"role": "user", "content": PROMPT} for r in rows)
+    refs = np.array(list(COLOURS.values()), dtype=np.float32)
+    for row, answer in zip(rows, answers):
+        pixels = np.asarray(Image.open(tmp_path / "s" / row["images"][0]).convert("RGB"), dtype=np.float32).reshape(-1, 3)
+        assert pixels.shape == (32 * 32, 3)
+        # The answer's colour is the reference colour most pixels are close to: the shape is really drawn.
+        close = (np.linalg.norm(pixels[:, None, :] - refs[None], axis=-1) < 60).sum(0)
+        assert list(COLOURS)[int(close.argmax())] == answer.split()[1]
+
+
+def test_concurrent_writers_produce_one_deterministic_dataset(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    target = str(tmp_path / "shared")
+    procs = [ctx.Process(target=_make, args=(target,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    _make(str(tmp_path / "serial"))
+    for name in ("train.jsonl", "eval.jsonl", "meta.json", "images/train_000003.png"):
+        assert (tmp_path / "shared" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serial", "shared"]  # no temporary directories left
+
+
+def test_tiny_processor_loads_offline(tmp_path):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    ids = write_tiny_processor(tmp_path / "tiny", image_size=48, patch_size=4, spatial_merge_size=2)
+    assert ids == tiny_processor_ids()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tiny"), local_files_only=True)
+    assert len(tokenizer) == ids["vocab_size"]
+    assert tokenizer.convert_tokens_to_ids("[IMG]") == ids["image_token_index"] and tokenizer.pad_token_id == ids["pad_token_id"]
+    assert tokenizer("a red circle", add_special_tokens=False)["input_ids"] == [tokenizer.convert_tokens_to_ids(w) for w in ("a", "red", "circle")]
+    assert "<unk>" not in tokenizer.convert_ids_to_tokens(tokenizer("What shape and colour is this?", add_special_tokens=False)["input_ids"])
+    image_processor = AutoImageProcessor.from_pretrained(str(tmp_path / "tiny"), local_files_only=True)
+    assert image_processor.size["longest_edge"] == 48
+    assert json.loads(Path(tmp_path / "tiny" / "processor_config.json").read_text())["spatial_merge_size"] == 2
