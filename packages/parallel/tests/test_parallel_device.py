@@ -4,7 +4,10 @@ import torch.distributed as dist
 
 from mmfsdp.config import ConfigError
 from mmfsdp.parallel import (
+    MeshPlan,
+    ParallelConfig,
     backend_for,
+    build_parallel_dims,
     detect_device_type,
     device_count,
     device_for_local_rank,
@@ -54,7 +57,7 @@ def test_parallel_cpu_memory_helpers():
     assert after >= block.numel() / (1 << 30)
 
 
-def test_parallel_init_process_group_single_process(monkeypatch):
+def test_parallel_single_process_group_and_mesh(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     assert not dist.is_initialized()
@@ -62,5 +65,8 @@ def test_parallel_init_process_group_single_process(monkeypatch):
         assert init_process_group("cpu") == torch.device("cpu")
         assert (dist.get_world_size(), dist.get_rank(), dist.get_backend()) == (1, 0, "gloo")
         assert init_process_group("cpu") == torch.device("cpu")  # a second call keeps the group
+        dims = build_parallel_dims(MeshPlan.from_config(ParallelConfig(), 1), "cpu")
+        assert (dims.dp_rank, dims.dp_size, dims.cp_rank, dims.cp_size) == (0, 1, 0, 1)
+        assert dims.fsdp_mesh.mesh_dim_names == ("dp_shard_cp",) and dims.fsdp_mesh.size() == 1
     finally:
         dist.destroy_process_group()
