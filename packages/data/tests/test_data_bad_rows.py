@@ -46,6 +46,7 @@ def bad_file(tmp_path: Path, h) -> tuple[Path, dict[str, int], int]:
         _conv(Q, assistant="a red circle " * 40),                                     # 14 good, truncated in text
         _conv(f"<image>{Q}", assistant="a blue square", images=["small.png"]),        # 15 good
         {"messages": [{"role": "bot", "content": "?"}]},                              # 16 wrong_role_order (unknown role)
+        _conv(f"<image>{Q}", assistant="a red circle " * 40, images=["small.png"]),   # 17 good, truncated after the image
     ]
     counts = {
         "missing_image": 1,
@@ -58,7 +59,7 @@ def bad_file(tmp_path: Path, h) -> tuple[Path, dict[str, int], int]:
         "bad_content": 2,
         "image_in_wrong_turn": 1,
     }
-    return h.write_jsonl(tmp_path / "mixed.jsonl", rows), counts, 4
+    return h.write_jsonl(tmp_path / "mixed.jsonl", rows), counts, 5
 
 
 def _cfg(h, tiny_dir, tmp_path, path, **basic):
@@ -82,15 +83,20 @@ def test_bad_rows_are_skipped_and_counted(bad_file, tiny_dir, tiny_processor, tm
     try:
         dataset = build_dataset(_cfg(h, tiny_dir, tmp_path, path), tiny_processor)
         assert dataset.bad_row_counts == counts
-        assert len(dataset) == num_good and dataset.num_rows == 17
-        assert [dataset.location(i)[1] for i in range(len(dataset))] == [0, 13, 14, 15]
+        assert len(dataset) == num_good and dataset.num_rows == 18
+        assert [dataset.location(i)[1] for i in range(len(dataset))] == [0, 13, 14, 15, 17]
         assert len(dataset[2]["input_ids"]) == 40  # truncated in text only
+        cut = dataset.record(4)
+        plugin = dataset.encoder.plugin
+        assert len(cut["input_ids"]) == 40 and cut["image_grids"] == [[2, 2]]
+        assert sum(t in plugin.image_token_ids for t in cut["input_ids"]) == 2 * 3 and plugin.end_id in cut["input_ids"]
+        assert cut["labels"][-1] != -100  # the kept part still trains on the reply
 
         cfg = _cfg(h, tiny_dir, tmp_path, path)
         cfg.dataloader_param.num_workers = 2
         loader = build_dataloader(dataset, cfg, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0)
-        assert loader.batches_per_epoch == 4
-        batches = [next(loader) for _ in range(3)]  # the truncated image's batch is empty and skipped
+        assert loader.batches_per_epoch == 5
+        batches = [next(loader) for _ in range(4)]  # the truncated image's batch is empty and skipped
         assert loader.bad_row_counts == {**counts, "corrupt_image": counts["corrupt_image"] + 1}
         assert all("input_ids" in b for b in batches)
         next(loader)  # ends epoch 0, starts epoch 1

@@ -96,3 +96,13 @@ def test_items_decode_images_only_when_read(tiny_dir, tiny_processor, tmp_path, 
     assert dataset.lengths.tolist() == [len(dataset.record(0)["input_ids"])] * 2 and not calls
     item = dataset[1]
     assert calls == [1] and item["pixel_values"][0].shape == (3, 16, 16)
+
+
+def test_num_proc_gives_the_same_samples(tiny_dir, tiny_processor, tmp_path, h):
+    h.write_image(tmp_path / "a.png", 16, 24)
+    rows = [_mllm(f"a red {s}", "a.png") for s in ("circle", "square", "triangle")] * 3 + [{"messages": []}]
+    path = h.write_jsonl(tmp_path / "d.jsonl", rows)
+    one = build_dataset(h.data_config(tiny_dir, tmp_path, basic={"dataset": str(path)}), tiny_processor)
+    two = build_dataset(h.data_config(tiny_dir, tmp_path / "other", basic={"dataset": str(path), "dataset_dir": str(tmp_path), "num_proc": 2}), tiny_processor)
+    assert len(one) == len(two) == 9 and one.bad_row_counts == two.bad_row_counts == {"empty_conversation": 1}
+    assert all(one.record(i) == two.record(i) for i in range(9))

@@ -61,3 +61,34 @@ def test_tiny_processor_loads_offline(tmp_path):
     image_processor = AutoImageProcessor.from_pretrained(str(tmp_path / "tiny"), local_files_only=True)
     assert image_processor.size["longest_edge"] == 48
     assert json.loads(Path(tmp_path / "tiny" / "processor_config.json").read_text())["spatial_merge_size"] == 2
+
+
+def _prepare(raw: dict) -> None:
+    from mmfsdp.config import build
+    from mmfsdp.data import DataConfig, prepare_dataset
+
+    prepare_dataset(build(DataConfig, raw, "data"))
+
+
+def test_prepare_dataset_from_several_ranks_at_once(tmp_path):
+    from mmfsdp.config import build
+    from mmfsdp.data import DataConfig, build_dataset, build_processor
+
+    raw = {
+        "dataset_param": {
+            "dataset_type": "synthetic_shapes",
+            "preprocess_parameters": {"model_name_or_path": str(tmp_path / "tiny")},
+            "basic_parameters": {"dataset_dir": str(tmp_path / "shapes"), "cache_dir": str(tmp_path / "cache")},
+            "synthetic": {"num_train": 12, "num_eval": 4, "image_size": 32, "patch_size": 4},
+        }
+    }
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_prepare, args=(raw,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    cfg = build(DataConfig, raw, "data")
+    assert len(build_dataset(cfg, build_processor(cfg), "train")) == 12
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

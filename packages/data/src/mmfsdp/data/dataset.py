@@ -119,8 +119,8 @@ def _json_files(data_cfg: DataConfig, split: str) -> list[Path]:
     return files
 
 
-def _prepare_json(data_cfg: DataConfig) -> None:
-    del data_cfg  # the files are the user's; nothing to generate
+def _nothing_to_prepare(data_cfg: DataConfig) -> None:
+    """JSON/JSONL files are the user's; there is nothing to generate."""
 
 
 def _prepare_synthetic(data_cfg: DataConfig) -> None:
@@ -143,7 +143,7 @@ def _synthetic_files(data_cfg: DataConfig, split: str) -> list[Path]:
     return [path.resolve()]
 
 
-register_dataset_type(DatasetType("huggingface", _prepare_json, _json_files))
+register_dataset_type(DatasetType("huggingface", _nothing_to_prepare, _json_files))
 register_dataset_type(DatasetType("synthetic_shapes", _prepare_synthetic, _synthetic_files))
 
 

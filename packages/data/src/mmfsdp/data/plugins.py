@@ -202,5 +202,5 @@ class PixtralPlugin:
             h, w = int(sizes[i, 0]), int(sizes[i, 1])
             if (h // self.cell, w // self.cell) != (rows, cols):
                 raise BadSample("corrupt_image", f"{path} now gives a {h // self.cell}x{w // self.cell} grid, not the {rows}x{cols} it was tokenized with; clear the cache")
-            pixel_values.append(out["pixel_values"][i, :, :h, :w].contiguous())
+            pixel_values.append(out["pixel_values"][i][:, :h, :w].contiguous())
         return pixel_values, sizes

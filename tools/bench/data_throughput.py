@@ -1,0 +1,164 @@
+"""Throughput of mmfsdp's data preprocessing against the bare HF image processor + tokenizer.
+
+    uv run python tools/bench/data_throughput.py [--num-samples 16] [--image-size 1024] [--workers 2]
+
+Generates JPEG images (smooth gradients plus noise, `--image-size` on the long side,
+4:3) and one-image conversations, and a Magistral-like processor: the real Tekken
+vocabulary shipped by mistral-common with Pixtral image settings (14-px patches,
+spatial merge 2, longest edge 1540). Then, in one process, alternating rounds:
+
+- ours: `SampleEncoder.encode_row` (parse, image header, template, tokenize, expand the
+  image grid) + `PixtralPlugin.load_images` (decode, resize, normalize) per sample;
+- baseline: `PIL.Image.open` + the HF image processor on the image and the tokenizer on
+  the conversation text, i.e. the work any pipeline must do.
+
+The best round of each gives samples/s and the ratio (target >= 0.9). Finally the
+DataLoader with `--workers` workers runs one epoch over the same samples; it keeps a
+training step fed if it delivers at least one micro-batch per `--step-seconds`. The
+last line printed is one JSON object with all numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def _images(out: Path, count: int, long_side: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    width, height = long_side, long_side * 3 // 4
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    paths = []
+    for i in range(count):
+        base = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
+        pixels = np.clip(np.roll(base, i * 37, axis=1) + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+        path = out / f"img_{i:04d}.jpg"
+        Image.fromarray(pixels).save(path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
+def _model_dir(out: Path) -> Path:
+    import mistral_common
+
+    raw = json.loads((Path(mistral_common.__file__).parent / "data" / "tekken_240911.json").read_text())
+    raw["config"]["version"] = "v7"
+    raw["image"] = {"image_patch_size": 14, "max_image_size": 1540, "spatial_merge_size": 2}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tekken.json").write_text(json.dumps(raw))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 14, "width": 14}, "size": {"longest_edge": 1540}})
+    )
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2}))
+    return out
+
+
+QUESTION = "<image>\nDescribe the colours in this picture and where they change. Be specific."
+ANSWER = "The picture goes from dark in the top-left corner to bright in the bottom-right, with red growing to the right and green growing downwards."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-samples", type=int, default=16, help="samples (one image each) per round (default 16)")
+    parser.add_argument("--image-size", type=int, default=1024, help="long side of the generated 4:3 images in pixels (default 1024)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours/baseline; the best of each counts (default 3)")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers for the feed check (default 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per batch in the feed check (default 1)")
+    parser.add_argument("--step-seconds", type=float, default=1.0, help="training step time the loader has to keep up with (default 1.0)")
+    parser.add_argument("--work-dir", default=None, help="where to write images and caches (default: a temporary directory)")
+    args = parser.parse_args(argv)
+
+    from mmfsdp.config import build
+    from mmfsdp.data import DataConfig, SampleEncoder, build_dataloader, build_dataset, build_processor
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmfsdp-bench-"))
+    image_dir = work / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    paths = _images(image_dir, args.num_samples, args.image_size)
+    rows = [{"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}], "images": [p]} for p in paths]
+    data_file = work / "bench.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = build(
+        DataConfig,
+        {
+            "dataset_param": {
+                "preprocess_parameters": {"model_name_or_path": str(_model_dir(work / "model")), "cutoff_len": 8192},
+                "basic_parameters": {"dataset_dir": str(work), "dataset": str(data_file), "cache_dir": str(work / "cache"), "shuffle": False},
+            },
+            "dataloader_param": {"num_workers": args.workers, "pin_memory": False},
+        },
+        "data",
+    )
+    processor = build_processor(cfg)
+    encoder = SampleEncoder(cfg, processor)
+    plugin = encoder.plugin
+    image_processor, tokenizer = processor.image_processor, processor.tokenizer
+    texts = [f"<s>[INST]{QUESTION.replace('<image>', '[IMG]')}[/INST]{ANSWER}</s>" for _ in rows]
+
+    def ours() -> int:
+        tokens = 0
+        for row in rows:
+            sample = encoder.encode_row(row)
+            plugin.load_images(sample["images"], [tuple(g) for g in sample["image_grids"]])
+            tokens += len(sample["input_ids"])
+        return tokens
+
+    def baseline() -> int:
+        tokens = 0
+        for path, text in zip(paths, texts):
+            image_processor([Image.open(path)], patch_size=plugin.cell, return_tensors="pt")
+            tokens += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return tokens
+
+    ours(), baseline()  # warm up: first-call imports and allocator growth
+    best = {"ours": 0.0, "baseline": 0.0}
+    tokens = 0
+    for _ in range(args.rounds):
+        for name, fn in (("ours", ours), ("baseline", baseline)):
+            start = time.perf_counter()
+            result = fn()
+            best[name] = max(best[name], args.num_samples / (time.perf_counter() - start))
+            if name == "ours":
+                tokens = result // args.num_samples
+    ratio = best["ours"] / best["baseline"]
+    print(f"preprocessing: ours {best['ours']:.1f} samples/s, HF image processor + tokenizer {best['baseline']:.1f} samples/s, ratio {ratio:.3f}")
+
+    dataset = build_dataset(cfg, processor)
+    loader = build_dataloader(dataset, cfg, micro_batch_size=args.micro_batch_size, dp_rank=0, dp_size=1, seed=0)
+    batches = loader.batches_per_epoch
+    next(loader)  # worker start-up is paid once per epoch, not per step
+    start = time.perf_counter()
+    for _ in range(batches - 1):
+        next(loader)
+    elapsed = time.perf_counter() - start
+    loader.close()
+    loader_rate = (batches - 1) * args.micro_batch_size / elapsed if batches > 1 else float("nan")
+    fed = loader_rate * args.step_seconds >= args.micro_batch_size
+    print(f"loader with {args.workers} workers: {loader_rate:.1f} samples/s; a {args.step_seconds:g}s step needs {args.micro_batch_size / args.step_seconds:.2f} samples/s -> {'fed' if fed else 'NOT fed'}")
+    print(
+        json.dumps(
+            {
+                "ours_samples_per_s": round(best["ours"], 2),
+                "baseline_samples_per_s": round(best["baseline"], 2),
+                "ratio": round(ratio, 3),
+                "loader_samples_per_s": round(loader_rate, 2),
+                "loader_workers": args.workers,
+                "step_seconds": args.step_seconds,
+                "keeps_step_fed": bool(fed),
+                "image_size": args.image_size,
+                "num_samples": args.num_samples,
+                "tokens_per_sample": tokens,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
