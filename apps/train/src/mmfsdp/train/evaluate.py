@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from mmfsdp.config import get_logger
-from mmfsdp.data import build_collator, build_dataset, dataset_chance, has_eval_split
+from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import shift_labels
 
 if TYPE_CHECKING:
@@ -45,7 +46,9 @@ def evaluate(trainer: "Trainer") -> dict:
     cfg = trainer.cfg
     dims = trainer.dims
     dataset = build_dataset(cfg.data, trainer.processor, split="eval")
-    collate = build_collator(cfg.data, trainer.processor, pad_to_multiple_of=trainer._pad_multiple())
+    collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
+        pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=trainer._pad_multiple(), packing=False,
+    )
     indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
     batch_size = cfg.training.eval_batch_size
     num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
@@ -76,6 +79,22 @@ def evaluate(trainer: "Trainer") -> dict:
         "num_correct": num_correct,
         "step": trainer.step,
     }
+
+
+def has_eval_split(data_cfg) -> bool:
+    try:
+        return bool(dataset_files(data_cfg, "eval"))
+    except ConfigError:
+        return False
+
+
+def dataset_chance(data_cfg) -> float | None:
+    """Chance accuracy when the dataset declares it (`meta.json` with `chance` in `dataset_dir`)."""
+    meta = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser() / "meta.json"
+    if meta.is_file():
+        value = json.loads(meta.read_text()).get("chance")
+        return float(value) if value is not None else None
+    return None
 
 
 def evaluate_and_report(trainer: "Trainer") -> dict | None:

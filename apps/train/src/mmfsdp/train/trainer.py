@@ -145,6 +145,7 @@ class Trainer:
             seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
         )
         self.step = 0
+        self.history: list[StepResult] = []
         self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, t.train_iters)
 
@@ -260,6 +261,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1
+            self.history.append(result)
             last_finite = (self.step, result.loss)
             step_time = time.perf_counter() - started
             if profiler is not None:

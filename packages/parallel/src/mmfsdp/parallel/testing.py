@@ -9,12 +9,15 @@ raised in the caller, so a failing assertion on rank 1 never hangs rank 0.
 `fn` is located by its source file and name rather than pickled by module
 path, because pytest's importlib import mode gives test modules names that a
 spawned child cannot import. `fn` must therefore be a module-level function;
-`args` and return values must be picklable.
+`args` must be picklable. Return values travel as `torch.save` bytes (tensors
+in a queue would be shared-memory handles that die with the child) and are read
+back with `weights_only=True`: tensors, numbers, strings and containers of them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -62,7 +65,9 @@ def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tu
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn = _load_function(path, name)
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion failures
@@ -117,4 +122,6 @@ def run_distributed(
         rank, text = failure
         where = f"rank {rank}" if rank >= 0 else "run_distributed"
         raise AssertionError(f"{where} failed:\n{text}")
-    return [values[rank] for rank in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(values[rank]), weights_only=True) for rank in range(world_size)]
