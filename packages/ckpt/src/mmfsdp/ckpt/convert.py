@@ -17,14 +17,17 @@ hf_to_dcp
     = `release`, exactly what `load_checkpoint` of a release expects.
 
 dcp_to_hf
-    Reads the DCP metadata, splits the `model.*` tensors into output shards of at
-    most `--max_shard_size`, and for each shard loads just those tensors with
-    `dcp.load` (DCP reassembles tensors saved as FSDP shards by any number of
-    ranks) and writes them with safetensors. Peak memory is about one output
-    shard. Names are mapped back to the file naming of `--model_assets_dir`,
-    validated against its safetensors headers (keys and shapes) and its
-    `config.json`, and its non-weight files (config, tokenizer, processor, chat
-    template, ...) are copied.
+    Reads the DCP metadata and splits the `model.*` tensors into output shards of
+    at most `--max_shard_size`. Each shard is a safetensors file whose header is
+    written first (`SafetensorsWriter`); then each tensor's bytes are appended.
+    A tensor that is alone in its DCP data file (the `hf_to_dcp` layout) is copied
+    from there with `os.copy_file_range`, inside the kernel; the others (training
+    checkpoints, FSDP-sharded by any number of ranks) are loaded with one
+    `dcp.load` per shard into a reused buffer, which reassembles the shards.
+    Peak memory is about one output shard. Names are mapped back to the file
+    naming of `--model_assets_dir`, validated against its safetensors headers
+    (keys and shapes) and its `config.json`, and its non-weight files (config,
+    tokenizer, processor, chat template, ...) are copied.
 
 Both write to a temporary directory and move it into place at the end, so an
 interrupted conversion never leaves a complete-looking output.
@@ -33,6 +36,7 @@ interrupted conversion never leaves a complete-looking output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -40,11 +44,10 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter
 from tqdm import tqdm
 
@@ -55,10 +58,19 @@ from mmfsdp.ckpt.dcp_io import (
     SafeLoadPlanner,
     quiet_single_process,
     read_dcp_metadata,
+    stored_tensor_file,
     tensor_entries,
 )
 from mmfsdp.ckpt.errors import CheckpointError
-from mmfsdp.ckpt.hf import INDEX_FILENAME, SafetensorsDir, parse_size, plan_shards, read_config, shard_filename
+from mmfsdp.ckpt.hf import (
+    INDEX_FILENAME,
+    SafetensorsDir,
+    SafetensorsWriter,
+    parse_size,
+    plan_shards,
+    read_config,
+    shard_filename,
+)
 from mmfsdp.ckpt.keymaps import KeyMap, identity_key_map, key_maps_for, legacy_mistral3_key_map, mistral3_to_legacy_key_map
 from mmfsdp.ckpt.layout import RELEASE, make_tmp_dir_name, publish_dir, resolve_checkpoint, write_tracker
 
@@ -71,6 +83,29 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 def _progress(total: int, desc: str, show: bool | None) -> tqdm:
     enabled = sys.stderr.isatty() if show is None else show
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """Skip torch.save's CRC32 of each zip record, its slowest part; torch.load does not check it.
+
+    The switch exists from torch 2.6 (`torch.utils.serialization.config`); elsewhere this does nothing.
+    """
+    try:
+        from torch.utils.serialization import config  # noqa: PLC0415
+    except ImportError:
+        yield
+        return
+    save_config = getattr(config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield
+        return
+    previous = save_config.compute_crc32
+    save_config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = previous
 
 
 def _to_model_map(choice: str, config: dict | None) -> KeyMap:
@@ -125,9 +160,11 @@ def hf_to_dcp(
             return tensor
 
         try:
-            with quiet_single_process():
-                dcp.save(state, storage_writer=FileSystemWriter(tmp_dir, single_file_per_rank=False),
-                         planner=LazySavePlanner(load), no_dist=True)
+            # One file per tensor, so DCP's writer holds one tensor at a time. No fsync per file
+            # (like cp); the directory rename and the tracker are still atomic.
+            writer = FileSystemWriter(tmp_dir, single_file_per_rank=False, sync_files=False)
+            with quiet_single_process(), _without_zip_crc32():
+                dcp.save(state, storage_writer=writer, planner=LazySavePlanner(load), no_dist=True)
             info = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": RELEASE, "world_size": None,
                     "has_optimizer": False, "source": os.fspath(Path(hf_dir).resolve())}
             (tmp_dir / INFO_FILENAME).write_text(json.dumps(info, indent=1))
@@ -222,6 +259,102 @@ def _copy_assets(assets: Path, out: Path) -> list[str]:
     return copied
 
 
+class _Arena:
+    """One reusable buffer that holds the tensors of the current output shard.
+
+    Reusing it across shards avoids faulting in fresh pages for every shard, which
+    dominates the export time on machines where page faults are expensive.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensors(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        offsets, end = {}, 0
+        for name, (shape, dtype) in specs.items():
+            offsets[name] = end
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            end += -(-numel * dtype.itemsize // self._ALIGN) * self._ALIGN
+        if self._buffer.numel() < end:
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._buffer = torch.empty(end, dtype=torch.uint8)
+        views = {}
+        for name, (shape, dtype) in specs.items():
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            start = offsets[name]
+            views[name] = self._buffer[start:start + numel * dtype.itemsize].view(dtype).view(shape)
+        return views
+
+
+class _DCPSource:
+    """Writes output shards from a DCP checkpoint's `model.*` tensors.
+
+    A tensor that is the only item of its data file (what `hf_to_dcp` writes) is
+    copied from that file into the shard with `os.copy_file_range`, inside the
+    kernel. All other tensors of the shard (FSDP-sharded or packed training
+    checkpoints) are loaded with one `dcp.load` into a reusable arena and written
+    from there.
+    """
+
+    def __init__(self, path: Path, metadata: Any) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.arena = _Arena()
+
+    def write_shard(self, out: Path, dcp_name: dict[str, str], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    bar: tqdm) -> None:
+        stored = {name: stored_tensor_file(self.path, self.metadata, MODEL_PREFIX + dcp_name[name]) for name in specs}
+        loaded: dict[str, torch.Tensor] = {}
+        to_load = [name for name in specs if stored[name] is None]
+        if to_load:
+            loaded = self.arena.tensors({name: specs[name] for name in to_load})
+            with quiet_single_process():
+                dcp.load({"model": {dcp_name[name]: loaded[name] for name in to_load}},
+                         storage_reader=SafeFileSystemReader(os.fspath(self.path)), planner=SafeLoadPlanner(), no_dist=True)
+        writer = SafetensorsWriter(out, specs, {"format": "pt"})
+        try:
+            for name in writer.order:
+                if stored[name] is None:
+                    writer.write_tensor(name, loaded[name])
+                else:
+                    _copy_file_range(stored[name], writer.file)
+                    writer.wrote_directly(name)
+                bar.update(writer.nbytes(name))
+        finally:
+            writer.close()
+
+
+def _copy_file_range(stored: tuple[Path, int, int], out: BinaryIO) -> None:
+    """Append `nbytes` at `offset` of `file` to `out`, in the kernel when the OS allows it."""
+    file, offset, nbytes = stored
+    out.flush()
+    with open(file, "rb") as src:
+        done = 0
+        copy = getattr(os, "copy_file_range", None)
+        while copy is not None and done < nbytes:
+            try:
+                step = copy(src.fileno(), out.fileno(), nbytes - done, offset + done)
+            except OSError:  # e.g. across filesystems on some kernels: fall back to read/write
+                break
+            if step == 0:
+                break
+            done += step
+        out.seek(0, os.SEEK_END)
+        src.seek(offset + done)
+        while done < nbytes:
+            chunk = src.read(min(64 << 20, nbytes - done))
+            if not chunk:
+                raise CheckpointError(f"{file} is shorter than its DCP metadata says; the checkpoint is damaged")
+            out.write(chunk)
+            done += len(chunk)
+
+
 def dcp_to_hf(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
@@ -235,7 +368,8 @@ def dcp_to_hf(
     """Export the model of a DCP checkpoint as a HF directory (safetensors shards + index + assets)."""
     max_shard_bytes = parse_size(max_shard_size)
     path, iteration = resolve_checkpoint(load_dir)
-    entries = tensor_entries(read_dcp_metadata(path), MODEL_PREFIX)
+    metadata = read_dcp_metadata(path)
+    entries = tensor_entries(metadata, MODEL_PREFIX)
     if not entries:
         raise CheckpointError(f"{path} holds no model tensors (keys {MODEL_PREFIX}*); is it an mmfsdp checkpoint?")
     assets = Path(model_assets_dir)
@@ -276,19 +410,14 @@ def dcp_to_hf(
     shards = plan_shards([(name, nbytes(name)) for name in names], max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = sum(nbytes(name) for name in names)
+    source = _DCPSource(path, metadata)
     try:
         with _progress(total, "dcp_to_hf", progress) as bar:
             for index, shard in enumerate(shards):
-                tensors = {name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype) for name in shard}
-                with quiet_single_process():
-                    dcp.load({"model": tensors}, storage_reader=SafeFileSystemReader(os.fspath(path)),
-                             planner=SafeLoadPlanner(), no_dist=True)
                 filename = shard_filename(index, len(shards))
-                save_file({hf_name[name]: tensor for name, tensor in tensors.items()}, tmp_dir / filename,
-                          metadata={"format": "pt"})
+                specs = {hf_name[name]: (tuple(entries[name].size), entries[name].properties.dtype) for name in shard}
+                source.write_shard(tmp_dir / filename, {hf_name[name]: name for name in shard}, specs, bar)
                 weight_map.update({hf_name[name]: filename for name in shard})
-                bar.update(sum(tensor.nbytes for tensor in tensors.values()))
-                del tensors
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
         _copy_assets(assets, tmp_dir)

@@ -11,6 +11,8 @@
   `FileSystemWriter(single_file_per_rank=False)` (one file per tensor, written
   and released one at a time) this writes a DCP checkpoint while holding one
   tensor in memory: how `hf_to_dcp` stays near the size of the largest tensor.
+- `stored_tensor_file` finds where a tensor's bytes lie when it is the only item
+  of a data file (that layout), so `dcp_to_hf` can copy them inside the kernel.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pathlib
 import pickle
+import struct
 import warnings
+import zipfile
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.hf import tensor_bytes
 from mmfsdp.ckpt.layout import DCP_METADATA_FILENAME
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "read_dcp_metadata",
     "tensor_entries",
     "quiet_single_process",
+    "stored_tensor_file",
 ]
 
 _DCP_MODULE = "torch.distributed.checkpoint."
@@ -71,7 +77,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             return super().read_metadata(*args, **kwargs)
-        path = pathlib.Path(self.path) / DCP_METADATA_FILENAME
+        path = Path(self.path) / DCP_METADATA_FILENAME
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
@@ -160,3 +166,60 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def stored_tensor_file(path: str | os.PathLike, metadata: Metadata, fqn: str) -> tuple[Path, int, int] | None:
+    """(file, data offset, nbytes) when tensor `fqn` is the only item of one DCP data file, stored plainly.
+
+    That is the layout `FileSystemWriter(single_file_per_rank=False)` writes (as
+    `hf_to_dcp` does): the file is one `torch.save` zip whose single data record
+    holds the tensor's bytes, uncompressed and contiguous. Its bytes can then be
+    copied to another file inside the kernel. Returns None for any other layout
+    (several chunks, e.g. FSDP shards; several items per file; stream transforms),
+    which callers read through `dcp.load` instead.
+    """
+    entry = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorStorageMetadata) or len(entry.chunks) != 1:
+        return None
+    chunk = entry.chunks[0]
+    if any(chunk.offsets) or tuple(chunk.sizes) != tuple(entry.size):
+        return None
+    storage = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets)) if metadata.storage_data else None
+    relative_path = getattr(storage, "relative_path", None)
+    if relative_path is None or getattr(storage, "offset", None) != 0 or getattr(storage, "transform_descriptors", None):
+        return None
+    file = Path(path) / relative_path
+    nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+    try:
+        if storage.length != file.stat().st_size:
+            return None
+        tensor = torch.load(file, mmap=True, weights_only=True)  # maps the file; reads no data yet
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == entry.properties.dtype
+                and tuple(tensor.shape) == tuple(entry.size) and tensor.is_contiguous()
+                and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes):
+            return None
+        data_offset = _zip_data_offset(file, nbytes)
+        if data_offset is None:
+            return None
+        head = min(nbytes, 4096)
+        with open(file, "rb") as f:
+            f.seek(data_offset)
+            if f.read(head) != bytes(tensor_bytes(tensor)[:head]):
+                return None
+    except (OSError, RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError):
+        return None
+    return file, data_offset, nbytes
+
+
+def _zip_data_offset(file: Path, nbytes: int) -> int | None:
+    with zipfile.ZipFile(file) as archive:
+        records = [info for info in archive.infolist() if "/data/" in info.filename]
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != nbytes:
+        return None
+    with open(file, "rb") as f:
+        f.seek(records[0].header_offset)
+        local_header = f.read(30)
+    if len(local_header) != 30 or local_header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack("<HH", local_header[26:30])
+    return records[0].header_offset + 30 + name_length + extra_length

@@ -17,6 +17,7 @@ Values are converted to the parameter's dtype and device by `copy_`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -41,12 +42,14 @@ __all__ = [
     "plan_shards",
     "shard_filename",
     "read_config",
+    "SafetensorsWriter",
+    "tensor_bytes",
 ]
 
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 
-_DTYPES = {
+_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -302,3 +305,70 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
 def shard_filename(index: int, count: int) -> str:
     """`model-00001-of-00003.safetensors` (index from 0)."""
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (valid while `tensor` lives)."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class SafetensorsWriter:
+    """Write one safetensors file whose tensors are known up front, streaming each tensor's bytes.
+
+    The header (names, dtypes, shapes, offsets) is written first; the caller then
+    writes every tensor's raw bytes, in `order`, to `file` (by `write_tensor` or
+    directly, e.g. with `os.copy_file_range`). Tensors are ordered by decreasing
+    element size, then name, as safetensors itself does, so every tensor starts
+    aligned to its element size. Nothing is held in memory.
+    """
+
+    def __init__(self, path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict[str, str]) -> None:
+        self.order = sorted(specs, key=lambda name: (-specs[name][1].itemsize, name))
+        header: dict[str, Any] = {"__metadata__": metadata}
+        self._nbytes: dict[str, int] = {}
+        offset = 0
+        for name in self.order:
+            shape, dtype = specs[name]
+            if dtype not in _DTYPE_NAMES:
+                raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = TensorInfo(path, shape, dtype).nbytes
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._nbytes[name] = nbytes
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.file = open(path, "wb")
+        self.file.write(len(encoded).to_bytes(8, "little"))
+        self.file.write(encoded)
+        self.file.flush()
+        self._data_start = 8 + len(encoded)
+        self._expected_end = self._data_start + offset
+        self._written = 0
+
+    def nbytes(self, name: str) -> int:
+        return self._nbytes[name]
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Write `tensor` (contiguous, on CPU) as the next tensor, `order[index]`."""
+        assert name == self.order[self._written], (name, self._written)
+        tensor = tensor.contiguous()
+        self.file.write(tensor_bytes(tensor))
+        self._written += 1
+
+    def wrote_directly(self, name: str) -> None:
+        """Record that `name`'s bytes were written to `file` by the caller."""
+        assert name == self.order[self._written], (name, self._written)
+        self._written += 1
+
+    def close(self) -> None:
+        self.file.flush()
+        end = self.file.tell()
+        self.file.close()
+        assert self._written == len(self.order) and end == self._expected_end, (self._written, end, self._expected_end)
