@@ -149,7 +149,10 @@ def test_mistral_common_backend_matches_mistral_common(mistral_common_backend_di
     ids, spans = expected
     cfg = h.data_config(mistral_common_backend_dir, tmp_path)
     processor = build_processor(cfg)
-    sample = SampleEncoder(cfg, processor).encode_row(_row(images))
+    assert type(processor.tokenizer).__name__ == "MistralCommonBackend"
+    encoder = SampleEncoder(cfg, processor)
+    assert len(encoder.fingerprint()) == 64
+    sample = encoder.encode_row(_row(images))
     assert sample["input_ids"] == ids
     _check_labels(ids, sample["labels"], spans, {0, 1, 2})
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from mmfsdp.config import ConfigError, get_logger, to_dict
+from mmfsdp.config import ConfigError, current_rank, get_logger, to_dict
 
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
@@ -193,9 +193,18 @@ def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None
         yield {"row": json.dumps(row, ensure_ascii=False)}
 
 
+def _quiet_datasets() -> None:
+    """Only rank 0 shows HF datasets' progress bars."""
+    import datasets
+
+    if current_rank() != 0:
+        datasets.disable_progress_bars()
+
+
 def _raw_rows(path: Path, data_cfg: DataConfig) -> Any:
     import datasets
 
+    _quiet_datasets()
     stat = path.stat()
     gen_kwargs = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "max_samples": data_cfg.dataset_param.basic_parameters.max_samples}
     features = datasets.Features({"row": datasets.Value("string")})
