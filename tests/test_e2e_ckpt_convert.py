@@ -1,0 +1,116 @@
+"""End to end with transformers: Mistral3 HF -> DCP -> HF, `from_pretrained` logits, and meta-device loading.
+
+A tiny `Mistral3ForConditionalGeneration` (text + Pixtral vision tower, untied
+lm_head like Magistral) is saved with `save_pretrained(max_shard_size=...)`, which
+writes several shards in the original `language_model.model.*` naming.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, load_hf_weights
+from mmfsdp.ckpt.convert import main as mm_convert
+
+IMAGE_TOKEN = 5
+
+
+def tiny_config() -> Mistral3Config:
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rope_theta=1e6, sliding_window=None,
+                tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                  image_size=32, patch_size=8, num_channels=3)
+    return Mistral3Config(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN, spatial_merge_size=2,
+                          multimodal_projector_bias=False, tie_word_embeddings=False)
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    # 32x32 image, 8x8 patches, 2x2 merge: 4 image tokens
+    ids = torch.tensor([[1, 17, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, 23, 42, 7, 64, 3, 88]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "pixel_values": torch.randn(1, 3, 32, 32, generator=gen), "image_sizes": torch.tensor([[32, 32]])}
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    return model.eval()(**inputs()).logits
+
+
+def save_tiny(path: Path, dtype: torch.dtype) -> Mistral3ForConditionalGeneration:
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(tiny_config()).to(dtype)
+    model.save_pretrained(path, max_shard_size="60KB")
+    (path / "tokenizer.json").write_text('{"model": "tiny"}')
+    (path / "chat_template.jinja").write_text("{{ messages }}")
+    return model
+
+
+def init_rotary_buffers(model: torch.nn.Module) -> None:
+    """Recompute rotary `inv_freq` after `to_empty` with the HF module's own init (it is not in checkpoints)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                setattr(module, name, buffer)
+
+
+def read_files(directory: Path) -> dict[str, torch.Tensor]:
+    weights = SafetensorsDir(directory)
+    return {key: weights.read(key).clone() for key in weights.tensors}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_dcp_hf_round_trip_and_from_pretrained_logits(tmp_path, dtype):
+    original = tmp_path / "hf"
+    save_tiny(original, dtype)
+    shards = sorted(p.name for p in original.glob("*.safetensors"))
+    assert len(shards) >= 3 and (original / "model.safetensors.index.json").is_file()
+    assert any(key.startswith("language_model.model.") for key in SafetensorsDir(original).tensors)
+
+    assert mm_convert(["GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(original), "--dcp_dir", str(tmp_path / "dcp")]) == 0
+    assert (tmp_path / "dcp" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    assert mm_convert(["GenericDCPConverter", "dcp_to_hf", "--load_dir", str(tmp_path / "dcp"), "--save_dir",
+                       str(tmp_path / "out"), "--model_assets_dir", str(original), "--max_shard_size", "100KB"]) == 0
+
+    before, after = read_files(original), read_files(tmp_path / "out")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype == dtype and torch.equal(before[key], after[key]), key
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (original / name).read_bytes()
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(before)
+
+    reference = Mistral3ForConditionalGeneration.from_pretrained(original)
+    exported = Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "out")
+    assert exported.dtype == reference.dtype == dtype
+    assert torch.equal(logits_of(exported), logits_of(reference))
+
+
+def test_meta_device_model_loaded_from_hf_or_release_matches_from_pretrained(tmp_path):
+    original = tmp_path / "hf"
+    save_tiny(original, torch.float32)
+    expected = logits_of(Mistral3ForConditionalGeneration.from_pretrained(original))
+
+    with torch.device("meta"):
+        model = Mistral3ForConditionalGeneration(tiny_config())
+    model.to_empty(device="cpu")
+    init_rotary_buffers(model)
+    result = load_hf_weights(model, original)  # key map from config.json model_type: mistral3
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(logits_of(model), expected)
+
+    assert mm_convert(["GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(original), "--dcp_dir", str(tmp_path / "dcp")]) == 0
+    with torch.device("meta"):
+        model = Mistral3ForConditionalGeneration(tiny_config())
+    model.to_empty(device="cpu")
+    init_rotary_buffers(model)
+    assert load_checkpoint(tmp_path / "dcp", model=model).iteration == "release"
+    assert torch.equal(logits_of(model), expected)
