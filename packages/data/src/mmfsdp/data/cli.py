@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
-from mmfsdp.config import ConfigError, build, load_yaml
+from mmfsdp.config import ConfigError, build, get_logger, load_yaml
 
 __all__ = ["main"]
 
@@ -127,11 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from mmfsdp.data.errors import DataError
 
+    logger = get_logger()
+    level = logger.level
+    if args.json:
+        logger.setLevel(logging.WARNING)  # keep stdout pure JSON (the log handler writes to stdout)
     try:
         return _inspect(args)
     except (ConfigError, DataError) as err:
         print(f"mm-data: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":
