@@ -54,6 +54,15 @@ def packed_attention_kwargs(cu_seq_lens: torch.Tensor, max_length: int | torch.T
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_length, "max_length_k": max_length}
 
 
+class _Uncast:
+    """Carries a tensor past FSDP2's input casting, which only looks into tensors and standard containers."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
     """HF `Mistral3ForConditionalGeneration` plus the training forward, chunk loss and per-image vision attention."""
 
@@ -69,6 +78,13 @@ class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_loss_size = chunk_size
 
+    def __call__(self, *args: Any, loss_weights: torch.Tensor | None = None, **kwargs: Any):
+        # FSDP2's root pre-forward hook casts every floating tensor argument to its param_dtype;
+        # the loss weights must reach the loss in fp32, so they pass the hooks in an opaque holder.
+        if loss_weights is not None:
+            kwargs["loss_weights"] = _Uncast(loss_weights)
+        return super().__call__(*args, **kwargs)
+
     def forward(
         self,
         *args: Any,
@@ -78,6 +94,8 @@ class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
         max_length: int | torch.Tensor | None = None,
         **kwargs: Any,
     ):
+        if isinstance(loss_weights, _Uncast):
+            loss_weights = loss_weights.tensor
         if cu_seq_lens is not None:
             kwargs.update(packed_attention_kwargs(cu_seq_lens, max_length))
             kwargs["attention_mask"] = None
