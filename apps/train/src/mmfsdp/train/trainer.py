@@ -17,7 +17,6 @@ and each rank's loss is its shard's part of the same weighted sum.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmfsdp.ckpt import load_checkpoint, load_hf_weights, read_tracker, save_checkpoint
+from mmfsdp.ckpt import TRACKER_FILENAME, CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import build_dataloader, build_dataset, build_processor
 from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
@@ -71,30 +70,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG states, as tensors and plain lists so `weights_only` loading works."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.optim.Optimizer:
@@ -192,7 +167,10 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         t = self.cfg.training
-        if not t.load or t.load_format != "dcp" or read_tracker(t.load) is None:
+        if not t.load or t.load_format != "dcp" or t.init_model_with_meta_device:
+            return  # meta init already loaded the weights (model only)
+        if t.save and Path(t.load).resolve() == Path(t.save).resolve() and not (Path(t.load) / TRACKER_FILENAME).is_file():
+            log.info(f"no checkpoint in {t.load} yet; starting from step 0")
             return
         loaded = load_checkpoint(
             t.load, model=self.model, optimizer=None if t.no_load_optim else self.optimizer,
@@ -205,11 +183,10 @@ class Trainer:
         self.scheduler.load_state_dict(loaded.app_state["scheduler"])
         if loaded.rank_state is not None:
             self.loader.load_state_dict(loaded.rank_state["loader"])
-            if not t.no_load_rng:
-                set_rng_state(loaded.rank_state["rng"])
         else:
-            self.loader.load_state_dict(loaded.app_state["loader_rank0"], resharded_from=loaded.app_state["dp_size"])
-        log.info(f"resumed from {t.load} at step {self.step}")
+            # Different world size: keep the global sample offset of the epoch (see docs/checkpoints.md).
+            self.loader.load_state_dict(loaded.app_state["loader"])
+        log.info(f"resumed from {loaded.path} at step {self.step}")
 
     # -- train -------------------------------------------------------------------------------
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -296,14 +273,17 @@ class Trainer:
         t = self.cfg.training
         save_checkpoint(
             t.save, self.step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,
-            app_state={
-                "step": self.step, "scheduler": self.scheduler.state_dict(), "dp_size": self.dims.dp_size,
-                "loader_rank0": self.loader.state_dict() if self.dims.dp_rank == 0 else None,
-            },
-            rank_state={"loader": self.loader.state_dict(), "rng": rng_state()},
+            app_state={"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self._global_loader_state()},
+            rank_state={"loader": self.loader.state_dict()},
             async_save=t.save_async, keep_last=t.save_total_limit,
         )
         log.info(f"saved checkpoint at step {self.step} under {t.save}")
+
+    def _global_loader_state(self) -> dict[str, Any]:
+        """The loader position without this rank's own counters: the same on every rank."""
+        state = dict(self.loader.state_dict())
+        state.pop("runtime_bad", None)
+        return state
 
     def close(self) -> None:
         from mmfsdp.ckpt import finalize_pending
@@ -323,7 +303,7 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
         from mmfsdp.train.evaluate import evaluate_and_report
 
         evaluate_and_report(trainer)
-    except (TrainingError, ConfigError) as err:
+    except (TrainingError, ConfigError, CheckpointError) as err:
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         print(f"[rank {dist.get_rank()}] error: {err}", flush=True)
         os._exit(1)
