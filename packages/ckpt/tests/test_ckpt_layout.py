@@ -6,6 +6,7 @@ import pytest
 
 from mmfsdp.ckpt import (
     CheckpointError,
+    find_checkpoint,
     iteration_dirname,
     legacy_mistral3_key_map,
     list_iterations,
@@ -72,6 +73,18 @@ def test_resolve_checkpoint(tmp_path):
     odd = _fake_checkpoint(tmp_path, "weights")
     with pytest.raises(CheckpointError, match="neither iter_NNNNNNN nor release"):
         resolve_checkpoint(odd)
+
+
+def test_find_checkpoint_returns_none_before_the_first_save(tmp_path):
+    assert find_checkpoint(None) is None
+    assert find_checkpoint(tmp_path / "not_yet") is None
+    assert find_checkpoint(tmp_path) is None
+    _fake_checkpoint(tmp_path, "iter_0000003")
+    write_tracker(tmp_path, 3)
+    assert find_checkpoint(tmp_path) == (tmp_path / "iter_0000003", 3)
+    write_tracker(tmp_path, 4)
+    with pytest.raises(CheckpointError, match="points at 4"):
+        find_checkpoint(tmp_path)
 
 
 def test_prune_keeps_newest_tracker_target_and_release(tmp_path):

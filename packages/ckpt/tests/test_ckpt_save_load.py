@@ -221,6 +221,11 @@ def test_model_mismatch_is_a_clear_error(tmp_path):
 
 def test_load_errors(tmp_path):
     model, _ = _build(0)
+    save_checkpoint(tmp_path / "ok", 1, model=model)
+    with torch.device("meta"):
+        meta_model = TinyNet()
+    with pytest.raises(CheckpointError, match="meta device.*to_empty"):
+        load_checkpoint(tmp_path / "ok", model=meta_model)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "missing", model=model)
     with pytest.raises(CheckpointError, match="no latest_checkpointed_iteration.txt"):

@@ -18,6 +18,7 @@ from mmfsdp.ckpt.keymaps import identity_key_map, key_maps_for, legacy_mistral3_
 from mmfsdp.ckpt.layout import (
     RELEASE,
     TRACKER_FILENAME,
+    find_checkpoint,
     iteration_dirname,
     list_iterations,
     prune_checkpoints,
@@ -52,6 +53,7 @@ __all__ = [
     "read_tracker",
     "write_tracker",
     "resolve_checkpoint",
+    "find_checkpoint",
     "list_iterations",
     "prune_checkpoints",
 ]

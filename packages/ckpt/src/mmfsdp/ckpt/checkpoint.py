@@ -365,6 +365,12 @@ def load_checkpoint(
     """
     finalize_pending()
     path, iteration = resolve_checkpoint(load_dir)
+    on_meta = [name for name, value in model.state_dict(keep_vars=True).items() if value.is_meta]
+    if on_meta:
+        raise CheckpointError(
+            f"{len(on_meta)} model tensors are on the meta device ({_preview(on_meta)}); "
+            "materialise the model first, e.g. model.to_empty(device=...)"
+        )
     rank, world_size = _rank_world()
     reader = SafeFileSystemReader(os.fspath(path))
     metadata = reader.read_metadata()

@@ -32,6 +32,7 @@ __all__ = [
     "read_tracker",
     "write_tracker",
     "resolve_checkpoint",
+    "find_checkpoint",
     "publish_dir",
     "list_iterations",
     "prune_checkpoints",
@@ -134,6 +135,23 @@ def resolve_checkpoint(load_dir: str | os.PathLike) -> tuple[Path, int | str]:
             "restore that directory or edit the tracker to name a complete checkpoint"
         )
     return path, iteration
+
+
+def find_checkpoint(load_dir: str | os.PathLike | None) -> tuple[Path, int | str] | None:
+    """Like `resolve_checkpoint`, but None when there is nothing to resume from yet.
+
+    None when `load_dir` is None, does not exist, or has no tracker (a fresh
+    `training.save` directory); a tracker that names a missing or incomplete
+    checkpoint is still an error.
+    """
+    if load_dir is None:
+        return None
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        return None
+    if not (load_dir / TRACKER_FILENAME).exists() and not (load_dir / DCP_METADATA_FILENAME).is_file():
+        return None
+    return resolve_checkpoint(load_dir)
 
 
 def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
