@@ -233,3 +233,10 @@ def test_load_errors(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     with pytest.raises(CheckpointError, match="points at 5"):
         load_checkpoint(tmp_path, model=model)
+
+
+def test_save_into_a_file_path_is_a_clear_error(tmp_path):
+    model, _ = _build(0)
+    (tmp_path / "taken").write_text("not a directory")
+    with pytest.raises(CheckpointError, match="rank 0 failed while saving a checkpoint: FileExistsError"):
+        save_checkpoint(tmp_path / "taken", 1, model=model)

@@ -3,7 +3,8 @@
 Save (`save_checkpoint`, collective: every rank calls it with the same arguments)
 1. Wait for a pending async save (`finalize_pending`).
 2. Rank 0 creates `<save>/iter_NNNNNNN.tmp-<token>/` (removing leftovers of
-   interrupted saves first); the token is broadcast so all ranks use one directory.
+   interrupted saves first); the token is broadcast so all ranks use one directory,
+   and a failure of rank 0's file operations is raised on every rank.
 3. Every rank writes `rank_<r>.pt` (its RNG states and `rank_state`); rank 0
    writes `app_state.pt` and `checkpoint.json` (iteration, world size).
 4. Model (+ optimizer) state from `torch.distributed.checkpoint.state_dict.get_state_dict`
@@ -90,6 +91,22 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if _dist_on():
         dist.barrier()
+
+
+def _on_rank0(rank: int, fn: Any) -> None:
+    """Run `fn` on rank 0 and raise its error on every rank, so no rank waits for a failed one."""
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # re-raised below on every rank
+            error = f"{type(e).__name__}: {e}"
+    if _dist_on():
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+    if error is not None:
+        raise CheckpointError(f"rank 0 failed while saving a checkpoint: {error}")
 
 
 def _broadcast_token() -> str:
@@ -241,13 +258,14 @@ def save_checkpoint(
     app_bytes = _serialise(dict(app_state or {}), "app_state")
     rank_bytes = _serialise({"rank": rank, "rng": capture_rng_state(), "state": rank_state}, f"rank_state (rank {rank})")
 
-    if rank == 0:
+    tmp_dir = save_dir / make_tmp_dir_name(name, _broadcast_token())
+
+    def prepare() -> None:
         save_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp_dirs(save_dir)
-    tmp_dir = save_dir / make_tmp_dir_name(name, _broadcast_token())
-    if rank == 0:
         tmp_dir.mkdir()
-    _barrier()
+
+    _on_rank0(rank, prepare)  # ends with a broadcast: the directory exists for every rank
     _write_bytes(tmp_dir / rank_filename(rank), rank_bytes)
     if rank == 0:
         _write_bytes(tmp_dir / APP_STATE_FILENAME, app_bytes)
@@ -261,9 +279,7 @@ def save_checkpoint(
         with quiet_single_process():
             dcp.save(state, storage_writer=FileSystemWriter(tmp_dir))
         _barrier()
-        if rank == 0:
-            _publish(save_dir, tmp_dir, iteration, keep_last)
-        _barrier()
+        _on_rank0(rank, lambda: _publish(save_dir, tmp_dir, iteration, keep_last))
         return SaveHandle(iteration, final_dir)
 
     global _pending
