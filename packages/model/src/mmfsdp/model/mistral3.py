@@ -19,10 +19,14 @@ final hidden states and `lm_head` computes the loss chunk by chunk
 (`mmfsdp.model.chunk_loss`), and the output has no logits.
 With `cu_seq_lens` the attention mask is not used: the cumulative lengths
 alone say which tokens attend to which.
+After `enable_context_parallel(parallel_dims)` the training forward runs the
+decoder and the loss on this rank's shard of the sequence and returns the
+shard's loss sum (`mmfsdp.model.context_parallel`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +39,13 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import resolve_attention_backend
 from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.config import FeaturesConfig, ModelConfig
+from mmfsdp.model.context_parallel import ContextParallel
 from mmfsdp.model.loss import weighted_cross_entropy
 from mmfsdp.model.meta_init import init_rotary_buffers
 from mmfsdp.model.registry import ModelEntry, register_model
 from mmfsdp.model.vision import install_per_image_attention
+from mmfsdp.parallel.cp import validate_ulysses_heads
+from mmfsdp.parallel.device import detect_device_type
 
 __all__ = ["Mistral3ForConditionalGenerationFSDP", "Mistral3Entry", "packed_attention_kwargs", "DTYPES"]
 
@@ -71,6 +78,11 @@ class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
         use_chunk_loss_head(self.lm_head)
         install_per_image_attention(self.model.vision_tower)
         self.chunk_loss_size: int | None = None
+        self._context_parallel: ContextParallel | None = None
+
+    def enable_context_parallel(self, parallel_dims: Any) -> None:
+        """Split the decoder's sequence over `parallel_dims`' CP group in the training forward (`mmfsdp.model.context_parallel`)."""
+        self._context_parallel = ContextParallel(self.model.language_model, parallel_dims)
 
     def set_chunk_loss(self, chunk_size: int | None) -> None:
         """Compute the training loss inside `lm_head`, `chunk_size` tokens at a time (None: plain logits + CE)."""
@@ -97,6 +109,8 @@ class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
         if isinstance(loss_weights, _Uncast):
             loss_weights = loss_weights.tensor
         if cu_seq_lens is not None:
+            if len(args) > 2:
+                raise TypeError("with cu_seq_lens pass the inputs by keyword (the attention mask is replaced)")
             kwargs.update(packed_attention_kwargs(cu_seq_lens, max_length))
             kwargs["attention_mask"] = None
         if loss_weights is None:
@@ -111,12 +125,16 @@ class Mistral3ForConditionalGenerationFSDP(Mistral3ForConditionalGeneration):
             raise ValueError("pass either labels (HF loss) or shift_labels + loss_weights (weighted loss), not both")
         kwargs.pop("labels", None)
         kwargs.setdefault("use_cache", False)
-        if self.chunk_loss_size is None:
-            outputs = super().forward(**kwargs)
-            outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
-            return outputs
-        kwargs.pop("logits_to_keep", None)
-        outputs = self.model(**kwargs)
+        split_decoder = contextlib.nullcontext()
+        if self._context_parallel is not None:
+            split_decoder, shift_labels, loss_weights = self._context_parallel.split_batch(kwargs, shift_labels, loss_weights, cu_seq_lens)
+        with split_decoder:
+            if self.chunk_loss_size is None:
+                outputs = super().forward(**kwargs)
+                outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
+                return outputs
+            kwargs.pop("logits_to_keep", None)
+            outputs = self.model(**kwargs)
         loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size)
         loss = self.lm_head(outputs.last_hidden_state, loss_function=loss_function)
         return CausalLMOutputWithPast(loss=loss)
@@ -153,21 +171,13 @@ class Mistral3Entry(ModelEntry):
         dtype: torch.dtype | None = None,
     ) -> Mistral3ForConditionalGenerationFSDP:
         """Build on `device`: "meta" reads only config.json; otherwise load safetensors weights (or random ones)."""
-        from mmfsdp.parallel.device import detect_device_type
-
         features_cfg = FeaturesConfig() if features_cfg is None else features_cfg
         device = torch.device(device)
         dtype = DTYPES[model_cfg.dtype] if dtype is None else dtype
         path = _model_dir(model_cfg)
         backend = resolve_attention_backend(model_cfg.attn_implementation, detect_device_type())
         if device.type == "meta" or model_cfg.random_init:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-            if not isinstance(config, Mistral3Config):
-                raise ConfigError(
-                    "model.model_name_or_path",
-                    f"{path}/config.json describes model_type {getattr(config, 'model_type', '?')!r}, not 'mistral3'; "
-                    "set model.model_id to the matching family",
-                )
+            config = _read_config(model_cfg)
             with torch.device(device):
                 model = self.model_class._from_config(config, attn_implementation=backend.hf_name, dtype=dtype)
         else:
@@ -185,6 +195,19 @@ class Mistral3Entry(ModelEntry):
             model.to(device)
         model.set_chunk_loss(features_cfg.chunkloss_plan.chunk_size if features_cfg.enable_chunk_loss else None)
         return model
+
+    def validate_parallel(self, model_cfg: ModelConfig, plan: Any) -> None:
+        """Context-parallel checks against config.json: Ulysses size vs. heads, no sliding window."""
+        if plan.cp == 1:
+            return
+        text = _read_config(model_cfg).text_config
+        validate_ulysses_heads(text.num_attention_heads, text.num_key_value_heads, plan.ulysses)
+        if getattr(text, "sliding_window", None) is not None:
+            raise ConfigError(
+                "model.model_name_or_path",
+                f"text_config.sliding_window is {text.sliding_window}, but context parallel computes full causal attention; "
+                "use a model without a sliding window or set ring_attention_size and ulysses_parallel_size to 1",
+            )
 
     def init_non_persistent_buffers(self, model: nn.Module) -> None:
         """After `to_empty`: recompute the text and vision rotary `inv_freq` buffers."""
@@ -221,6 +244,18 @@ def _check_loading_info(path: str, info: dict[str, Any]) -> None:
     if problems:
         detail = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(map(str, keys[:5]))}{' ...' if len(keys) > 5 else ''}" for kind, keys in problems.items())
         raise ConfigError("model.model_name_or_path", f"the weights in {path} do not fit the model ({detail}); check the checkpoint or use random_init")
+
+
+def _read_config(model_cfg: ModelConfig) -> Mistral3Config:
+    path = _model_dir(model_cfg)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if not isinstance(config, Mistral3Config):
+        raise ConfigError(
+            "model.model_name_or_path",
+            f"{path}/config.json describes model_type {getattr(config, 'model_type', '?')!r}, not 'mistral3'; "
+            "set model.model_id to the matching family",
+        )
+    return config
 
 
 def _model_dir(model_cfg: ModelConfig) -> str:

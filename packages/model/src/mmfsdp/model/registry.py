@@ -43,6 +43,10 @@ class ModelEntry:
     def init_non_persistent_buffers(self, model: nn.Module) -> None:
         raise NotImplementedError
 
+    def validate_parallel(self, model_cfg: Any, plan: Any) -> None:
+        """Checks of the parallel layout (`mmfsdp.parallel.MeshPlan`) against the model's config, before any
+        process group; raise `ConfigError`. The default checks nothing."""
+
 
 _REGISTRY: dict[str, ModelEntry] = {}
 E = TypeVar("E", bound=type[ModelEntry])

@@ -1,0 +1,209 @@
+"""Context parallel (Ulysses / Ring / Hybrid) in the `mistral3` training forward.
+
+`model.enable_context_parallel(parallel_dims)` (after FSDP) wires the
+algorithms of `mmfsdp.parallel.cp` into the decoder. One training forward
+(`model(..., shift_labels=, loss_weights=, [cu_seq_lens=])`) then runs, on
+every rank of a CP group, which all receive the same full batch:
+
+1. `plan_batch` builds one `CPLayout` for the batch: `(0, S)` per row for an
+   unpacked batch (any batch size), or the packed samples of `cu_seq_lens` —
+   a packed batch is treated as one row of `B·S` tokens (packed samples never
+   cross rows, so this is exact). The model's `shift_labels` and
+   `loss_weights`, computed on the full sequence, are split with it.
+2. The HF forward runs unchanged up to the decoder: token embeddings, the
+   vision tower and projector over all of the sample's images, and the merge
+   of image features into the embeddings — replicated on every CP rank.
+3. A forward pre-hook on the decoder (`model.language_model`) sees the full
+   `inputs_embeds`, completes `position_ids` for the full sequence (`arange`
+   when none were given), and splits both with `split_for_cp`. It hands the
+   decoder layers a `CPContext` (layout and groups) as a keyword argument, and a
+   4-D placeholder mask: HF returns an already-4-D mask as it is, so no
+   `[S_local, S_local]` mask is built; the CP attention takes the causal and
+   per-sample structure from the layout. Rotary embeddings are computed from the
+   *split* position ids, so every token keeps its global position.
+4. Every decoder attention calls the attention function registered as
+   `mmfsdp_cp_<backend>`, which, given a `CPContext`, runs
+   `context_parallel_attention` on the shard; without one (evaluation,
+   generation, any non-CP forward of the same model) it is the original
+   backend, with the original mask function.
+5. `lm_head` (plain or chunk loss) computes the loss of the local shard:
+   `Σ_t w_t · CE_t` over this rank's tokens.
+
+Loss and gradients: the returned loss is the local shard's sum, not summed over
+the CP group. The trainer backpropagates `loss × world_size` on every rank and
+sums the reported loss over all ranks; FSDP2 averages gradients over
+`dp_shard_cp` (× replicas), i.e. over all ranks, so every parameter receives
+`Σ_r ∂l_r/∂θ`, the gradient of the globally normalised loss. The gradients a
+rank's tokens cause elsewhere (its K/V feeding other ranks' queries, its image
+features feeding other ranks' tokens) flow back through the Ulysses all-to-all,
+the ring backward and the replicated vision forward. `cp_loss_reduce` would
+only add the CP sum to the *reported* loss, which the trainer's all-rank sum
+already contains, so it is not applied here.
+
+Under activation checkpointing the recomputed decoder layer receives the same
+`CPContext` keyword and repeats its communication in the same order; the
+vision tower never enters Ulysses or Ring (its attention backend is untouched).
+Padding must be on the right (the collator's): CP attention is causal over
+each row or packed sample, so right padding only changes padding positions,
+which carry no loss.
+
+Shape legend: B batch, S tokens (local: S/cp), H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from mmfsdp.model.attention import VARLEN_KEYS
+from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, split_for_cp
+
+__all__ = ["CP_CONTEXT_KEY", "CPContext", "CPBatch", "ContextParallel", "check_right_padding", "cp_attention_name"]
+
+CP_CONTEXT_KEY = "mmfsdp_cp_context"
+"""The keyword that carries the `CPContext` from the decoder's entry to every attention call."""
+_PREFIX = "mmfsdp_cp_"
+
+
+class CPContext:
+    """Layout and groups of one CP forward; a plain object so FSDP2's input casting leaves it alone."""
+
+    __slots__ = ("layout", "ring_group", "ulysses_group")
+
+    def __init__(self, layout: CPLayout, ring_group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None):
+        self.layout = layout
+        self.ring_group = ring_group
+        self.ulysses_group = ulysses_group
+
+
+@dataclass(frozen=True, slots=True)
+class CPBatch:
+    """How one batch is split: its layout, and whether its rows are flattened into one (packed)."""
+
+    layout: CPLayout
+    flatten: bool
+
+    def split(self, tensor_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a `[B, S, ...]` tensor (`[1, B·S/cp, ...]` when flattened)."""
+        if self.flatten:
+            tensor_BS = tensor_BS.reshape(1, -1, *tensor_BS.shape[2:])
+        return split_for_cp(tensor_BS, self.layout, dim=1)
+
+
+def _cp_attention(original: str):
+    def attention(module, query_BHSD, key_BKSD, value_BKSD, attention_mask, *args, **kwargs):
+        context = kwargs.pop(CP_CONTEXT_KEY, None)
+        if context is None:
+            return ALL_ATTENTION_FUNCTIONS[original](module, query_BHSD, key_BKSD, value_BKSD, attention_mask, *args, **kwargs)
+        if kwargs.get("dropout") or kwargs.get("sliding_window") is not None:
+            raise NotImplementedError("context parallel attention supports neither attention dropout nor a sliding window")
+        out_BSHD = context_parallel_attention(
+            query_BHSD.transpose(1, 2),
+            key_BKSD.transpose(1, 2),
+            value_BKSD.transpose(1, 2),
+            context.layout,
+            ring_group=context.ring_group,
+            ulysses_group=context.ulysses_group,
+            causal=True,
+            scale=kwargs.get("scaling"),
+        )
+        return out_BSHD, None
+
+    return attention
+
+
+def cp_attention_name(original: str) -> str:
+    """Register (once) and return the CP attention wrapping the registered attention `original`."""
+    name = _PREFIX + original
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        if original not in ALL_ATTENTION_FUNCTIONS:
+            raise ValueError(f"context parallel wraps a registered attention backend; {original!r} is not one")
+        AttentionInterface.register(name, _cp_attention(original))
+        if original in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name
+
+
+def _optional_group(size: int, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    return group if size > 1 else None
+
+
+class ContextParallel:
+    """The CP groups and ranks of one model, and the hook that splits the decoder's inputs."""
+
+    def __init__(self, decoder: nn.Module, parallel_dims: Any):
+        dims = parallel_dims
+        self.ring_size, self.ring_rank = dims.ring_size, dims.ring_rank
+        self.ulysses_size, self.ulysses_rank = dims.ulysses_size, dims.ulysses_rank
+        self.cp_group = dims.cp_group
+        self.ring_group = _optional_group(self.ring_size, dims.ring_group)
+        self.ulysses_group = _optional_group(self.ulysses_size, dims.ulysses_group)
+        self._pending: CPBatch | None = None
+        config = decoder.config
+        if config._attn_implementation.startswith(_PREFIX):
+            raise RuntimeError("context parallel is already enabled on this model")
+        config._attn_implementation = cp_attention_name(config._attn_implementation)
+        decoder.register_forward_pre_hook(self._split_decoder_inputs, with_kwargs=True)
+
+    def plan_batch(self, batch_size: int, seq_len: int, cu_seq_lens: torch.Tensor | None) -> CPBatch:
+        """The split of a `[batch_size, seq_len]` batch, packed when `cu_seq_lens` (over the `B·S` tokens) is given."""
+        flatten = cu_seq_lens is not None
+        layout = CPLayout.create(
+            batch_size * seq_len if flatten else seq_len,
+            None if cu_seq_lens is None else cu_seq_lens.reshape(-1),
+            ring_size=self.ring_size, ring_rank=self.ring_rank,
+            ulysses_size=self.ulysses_size, ulysses_rank=self.ulysses_rank,
+        )
+        return CPBatch(layout, flatten)
+
+    def split_batch(
+        self, model_kwargs: dict[str, Any], shift_labels: torch.Tensor, loss_weights: torch.Tensor, cu_seq_lens: torch.Tensor | None
+    ) -> tuple[contextlib.AbstractContextManager, torch.Tensor, torch.Tensor]:
+        """Plan a training batch; returns the block that splits the decoder, and this rank's targets and weights."""
+        tokens = model_kwargs.get("input_ids")
+        tokens = model_kwargs["inputs_embeds"] if tokens is None else tokens
+        if cu_seq_lens is None:
+            check_right_padding(model_kwargs.get("attention_mask"))
+        batch = self.plan_batch(tokens.shape[0], tokens.shape[1], cu_seq_lens)
+        return self.split_decoder(batch), batch.split(shift_labels), batch.split(loss_weights)
+
+    @contextlib.contextmanager
+    def split_decoder(self, batch: CPBatch) -> Iterator[None]:
+        """Within this block the decoder's next forward runs on this rank's shard of `batch`."""
+        self._pending = batch
+        try:
+            yield
+        finally:
+            self._pending = None
+
+    def _split_decoder_inputs(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        batch, self._pending = self._pending, None
+        if batch is None:
+            return None
+        assert not args, "the decoder is called with keyword arguments"
+        embeds_BSH = kwargs["inputs_embeds"]
+        B, S = embeds_BSH.shape[:2]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(S, device=embeds_BSH.device)
+        kwargs["inputs_embeds"] = batch.split(embeds_BSH)
+        kwargs["position_ids"] = batch.split(position_ids.expand(B, S))
+        # an already-4-D mask is returned as it is by HF: no mask of the local length is built
+        kwargs["attention_mask"] = embeds_BSH.new_zeros((0, 0, 0, 0), dtype=torch.bool)
+        for key in VARLEN_KEYS:
+            kwargs.pop(key, None)
+        kwargs[CP_CONTEXT_KEY] = CPContext(batch.layout, self.ring_group, self.ulysses_group)
+        return args, kwargs
+
+
+def check_right_padding(attention_mask: torch.Tensor | None) -> None:
+    """Context parallel attention is causal without a padding mask: padding must be on the right."""
+    if attention_mask is not None and attention_mask.dim() == 2 and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError("context parallel needs right padding (attention_mask 1…1 0…0 per row); this batch is padded on the left")
