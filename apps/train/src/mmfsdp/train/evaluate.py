@@ -61,7 +61,10 @@ def evaluate(trainer: "Trainer") -> dict:
         real = bool(chunk)
         if not real:
             chunk = indices[-batch_size:] or [0]
-        batch = collate([dataset[i] for i in chunk])
+        items = [item for item in (dataset[i] for i in chunk) if "bad_reason" not in item]
+        if not items:  # every image of this chunk failed to decode; keep the collective count equal
+            items, real = [next(item for item in map(dataset.__getitem__, range(len(dataset))) if "bad_reason" not in item)], False
+        batch = collate(items)
         inputs = trainer._to_device({k: batch[k] for k in _INPUTS if k in batch})
         logits = model(**inputs).logits.float()
         hits = exact_match(logits.cpu(), shift_labels(batch["labels"]))
