@@ -159,7 +159,7 @@ class Trainer:
     def _load_weights_into_empty(self, model: torch.nn.Module) -> None:
         t = self.cfg.training
         if t.load_format == "hf":
-            load_hf_weights(model, t.load, key_map=self.entry.hf_key_map)
+            load_hf_weights(model, t.load)
             log.info(f"loaded HF weights from {t.load} into the sharded model")
         else:
             loaded = load_checkpoint(t.load, model=model, optimizer=None, load_optim=False, load_rng=False)
