@@ -89,3 +89,15 @@ def test_dump_round_trips():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_yaml(tmp_path / "nope.yaml")
+
+
+def test_registry_lookup_errors_name_the_key_and_the_closest_entry():
+    from mmfsdp.config import Registry
+
+    reg = Registry("template", "data.template")
+    reg.register("mistral", 1)
+    assert reg.get("mistral") == 1 and "mistral" in reg and reg.names() == ["mistral"]
+    with pytest.raises(ConfigError, match=r"^data\.template: unknown template 'mistrl' \(did you mean 'mistral'\?\); registered: mistral$"):
+        reg.get("mistrl")
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("mistral", 2)

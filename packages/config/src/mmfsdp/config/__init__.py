@@ -8,6 +8,7 @@ key path (`parallel.fsdp_plan.param_dtype: 'bf32' is not one of ...`).
 """
 
 from mmfsdp.config.log import current_rank, get_logger, warn_once
+from mmfsdp.config.registry import Registry
 from mmfsdp.config.core import (
     ConfigError,
     apply_overrides,
@@ -18,4 +19,4 @@ from mmfsdp.config.core import (
     dump_yaml,
 )
 
-__all__ = ["current_rank", "get_logger", "warn_once", "ConfigError", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]
+__all__ = ["Registry", "current_rank", "get_logger", "warn_once", "ConfigError", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]

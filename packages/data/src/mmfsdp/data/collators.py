@@ -5,6 +5,12 @@ packing, several with packing). Per row the samples' tokens are concatenated; th
 batch is right-padded to the longest row rounded up to `pad_to_multiple_of`
 (`input_ids` with the pad id, `labels` with -100, `attention_mask` 0).
 
+`sample_multiple` (context parallel's `required_multiple`) makes every sample's
+length a multiple of it: without packing it joins the row multiple; with packing
+each sample is followed by its own padding up to the multiple (pad ids, labels
+-100, attention_mask 0, positions running on), which stays inside the sample's
+`cu_seq_lens` segment, so context parallel can split every packed sample.
+
 `position_ids` restart at 0 for every sample. Without packing a row's positions run
 on through its padding (`arange(S)`). With packing the padding of a row is a segment
 of its own (positions 0, 1, ... again), and `cu_seq_lens` lists every segment's
@@ -27,28 +33,25 @@ from typing import Any, Sequence
 
 import torch
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import Registry
 
 from mmfsdp.data.templates import IGNORE_INDEX
 
 __all__ = ["PixtralCollator", "collator_names", "get_collator", "register_collator"]
 
-_COLLATORS: dict[str, type] = {}
+_COLLATORS: Registry[type] = Registry("collator", "data.dataloader_param.collate_param.model_name")
 
 
 def register_collator(cls: type) -> type:
-    _COLLATORS[cls.name] = cls
-    return cls
+    return _COLLATORS.register(cls.name, cls)
 
 
 def collator_names() -> list[str]:
-    return sorted(_COLLATORS)
+    return _COLLATORS.names()
 
 
 def get_collator(name: str) -> type:
-    if name not in _COLLATORS:
-        raise ConfigError("data.dataloader_param.collate_param.model_name", f"unknown collator {name!r}; registered: {', '.join(collator_names())}")
-    return _COLLATORS[name]
+    return _COLLATORS.get(name)
 
 
 def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
@@ -66,18 +69,25 @@ class PixtralCollator:
 
     name = "pixtral"
 
-    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False):
-        assert pad_to_multiple_of >= 1
+    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False, sample_multiple: int = 1):
+        assert pad_to_multiple_of >= 1 and sample_multiple >= 1
         self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_multiple_of = math.lcm(pad_to_multiple_of, sample_multiple)
         self.packing = packing
+        self.sample_multiple = sample_multiple
+
+    def _span(self, num_tokens: int) -> int:
+        """Tokens a sample occupies in its row: with packing, its length rounded up to `sample_multiple`."""
+        if not self.packing:
+            return num_tokens
+        return math.ceil(num_tokens / self.sample_multiple) * self.sample_multiple
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows = [[r] if isinstance(r, dict) else list(r) for r in rows]
         assert rows and all(rows), "a batch needs at least one row and every row at least one sample"
         if not self.packing:
             assert all(len(r) == 1 for r in rows), "several samples in a row need packing=True"
-        row_lens = [sum(len(s["input_ids"]) for s in row) for row in rows]
+        row_lens = [sum(self._span(len(s["input_ids"])) for s in row) for row in rows]
         seq_len = math.ceil(max(row_lens) / self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch_size = len(rows)
 
@@ -92,15 +102,16 @@ class PixtralCollator:
             start = 0
             for sample in row:
                 n = len(sample["input_ids"])
+                span = self._span(n)
                 input_ids[b, start : start + n] = sample["input_ids"]
                 labels[b, start : start + n] = sample["labels"]
-                position_ids[b, start : start + n] = torch.arange(n)
-                segments.append(n)
-                start += n
+                attention_mask[b, start : start + n] = 1
+                position_ids[b, start : start + span] = torch.arange(span)
+                segments.append(span)
+                start += span
                 if "pixel_values" in sample:
                     images += list(sample["pixel_values"])
                     sizes.append(torch.as_tensor(sample["image_sizes"], dtype=torch.long).reshape(-1, 2))
-            attention_mask[b, :start] = 1
             pad = seq_len - start
             if self.packing:
                 position_ids[b, start:] = torch.arange(pad)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from mmfsdp.config import ConfigError, current_rank, get_logger, to_dict
+from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
 
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
@@ -73,23 +73,19 @@ class DatasetType:
     files: Callable[[DataConfig, str], list[Path]]
 
 
-_DATASET_TYPES: dict[str, DatasetType] = {}
+_DATASET_TYPES: Registry[DatasetType] = Registry("dataset type", f"{_KEY}.dataset_type")
 
 
 def register_dataset_type(dataset_type: DatasetType) -> DatasetType:
-    _DATASET_TYPES[dataset_type.name] = dataset_type
-    return dataset_type
+    return _DATASET_TYPES.register(dataset_type.name, dataset_type)
 
 
 def dataset_type_names() -> list[str]:
-    return sorted(_DATASET_TYPES)
+    return _DATASET_TYPES.names()
 
 
 def _dataset_type(data_cfg: DataConfig) -> DatasetType:
-    name = data_cfg.dataset_param.dataset_type
-    if name not in _DATASET_TYPES:
-        raise ConfigError(f"{_KEY}.dataset_type", f"unknown dataset type {name!r}; registered: {', '.join(dataset_type_names())}")
-    return _DATASET_TYPES[name]
+    return _DATASET_TYPES.get(data_cfg.dataset_param.dataset_type)
 
 
 def _check_split(split: str) -> None:

@@ -29,29 +29,26 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import ConfigError, Registry
 
 from mmfsdp.data.errors import BadSample
 from mmfsdp.data.processor import MMProcessor
 
 __all__ = ["PixtralPlugin", "get_plugin", "pixtral_resized_size", "plugin_names", "register_plugin", "scale_to_pixel_limits"]
 
-_PLUGINS: dict[str, type] = {}
+_PLUGINS: Registry[type] = Registry("image plugin", "data.dataset_param.preprocess_parameters.image_plugin")
 
 
 def register_plugin(cls: type) -> type:
-    _PLUGINS[cls.name] = cls
-    return cls
+    return _PLUGINS.register(cls.name, cls)
 
 
 def plugin_names() -> list[str]:
-    return sorted(_PLUGINS)
+    return _PLUGINS.names()
 
 
 def get_plugin(name: str) -> type:
-    if name not in _PLUGINS:
-        raise ConfigError("data.dataset_param.preprocess_parameters.image_plugin", f"unknown image plugin {name!r}; registered: {', '.join(plugin_names())}")
-    return _PLUGINS[name]
+    return _PLUGINS.get(name)
 
 
 def scale_to_pixel_limits(width: int, height: int, max_pixels: int | None, min_pixels: int | None) -> tuple[int, int]:

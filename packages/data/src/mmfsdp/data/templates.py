@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import Registry
 
 from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation
 from mmfsdp.data.processor import MMProcessor
@@ -44,22 +44,19 @@ class TemplateSpec:
     user_suffix: str
 
 
-_TEMPLATES: dict[str, TemplateSpec] = {}
+_TEMPLATES: Registry[TemplateSpec] = Registry("template", "data.dataset_param.preprocess_parameters.template")
 
 
 def register_template(spec: TemplateSpec) -> TemplateSpec:
-    _TEMPLATES[spec.name] = spec
-    return spec
+    return _TEMPLATES.register(spec.name, spec)
 
 
 def template_names() -> list[str]:
-    return sorted(_TEMPLATES)
+    return _TEMPLATES.names()
 
 
 def get_template(name: str) -> TemplateSpec:
-    if name not in _TEMPLATES:
-        raise ConfigError("data.dataset_param.preprocess_parameters.template", f"unknown template {name!r}; registered: {', '.join(template_names())}")
-    return _TEMPLATES[name]
+    return _TEMPLATES.get(name)
 
 
 register_template(

@@ -11,13 +11,12 @@ Adding a family means writing an entry and decorating it with
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import Registry
 
 __all__ = ["ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
 
@@ -48,7 +47,7 @@ class ModelEntry:
         process group; raise `ConfigError`. The default checks nothing."""
 
 
-_REGISTRY: dict[str, ModelEntry] = {}
+_REGISTRY: Registry[ModelEntry] = Registry("model id", "model.model_id")
 E = TypeVar("E", bound=type[ModelEntry])
 
 
@@ -56,25 +55,18 @@ def register_model(model_id: str) -> Callable[[E], E]:
     """Class decorator: register one instance of the decorated `ModelEntry` subclass under `model_id`."""
 
     def decorate(cls: E) -> E:
-        if model_id in _REGISTRY:
-            raise ValueError(f"model id {model_id!r} is already registered by {type(_REGISTRY[model_id]).__name__}")
         entry = cls()
         entry.model_id = model_id
-        _REGISTRY[model_id] = entry
+        _REGISTRY.register(model_id, entry)
         return cls
 
     return decorate
 
 
 def registered_model_ids() -> list[str]:
-    return list(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_model_entry(model_id: str) -> ModelEntry:
     """The entry registered under `model_id`; an unknown id is a `ConfigError` naming the closest one."""
-    try:
-        return _REGISTRY[model_id]
-    except KeyError:
-        close = difflib.get_close_matches(model_id, list(_REGISTRY), n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("model.model_id", f"{model_id!r} is not a registered model id{hint}; registered: {', '.join(sorted(_REGISTRY))}") from None
+    return _REGISTRY.get(model_id)
