@@ -153,6 +153,7 @@ class StatefulDataLoader:
         packing: bool,
         capacity: int,
         drop_last: bool,
+        sample_multiple: int = 1,
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int = 2,
@@ -170,6 +171,7 @@ class StatefulDataLoader:
         self.shuffle = shuffle
         self.packing = packing
         self.capacity = capacity
+        self.sample_multiple = sample_multiple
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.pin_memory = pin_memory and _pin_memory_available()
@@ -186,8 +188,11 @@ class StatefulDataLoader:
     # ------------------------------------------------------------ planning
 
     def _epoch_plan(self, epoch: int) -> list[BatchKey]:
+        lengths = np.asarray(self.dataset.lengths)
+        if self.packing and self.sample_multiple > 1:  # the collator pads every packed sample to the multiple
+            lengths = -(-lengths // self.sample_multiple) * self.sample_multiple
         plan = plan_epoch(
-            np.asarray(self.dataset.lengths),
+            lengths,
             epoch=epoch,
             seed=self.seed,
             shuffle=self.shuffle,
@@ -325,12 +330,15 @@ def build_dataloader(
     dp_size: int,
     seed: int,
     pad_to_multiple_of: int = 1,
+    sample_multiple: int = 1,
 ) -> StatefulDataLoader:
     """The endless loader of `dataset` for one data-parallel rank.
 
     `pad_to_multiple_of` (e.g. 2 × ring × ulysses for context parallel) is combined
-    with `collate_param.pad_to_multiple_of` by least common multiple. `seed` is the
-    training seed; `basic_parameters.seed`, when set, takes its place.
+    with `collate_param.pad_to_multiple_of` by least common multiple.
+    `sample_multiple` (context parallel's `required_multiple`) pads every packed
+    sample to a multiple of it; packing plans rows with those padded lengths.
+    `seed` is the training seed; `basic_parameters.seed`, when set, takes its place.
     """
     basic = data_cfg.dataset_param.basic_parameters
     loader_cfg = data_cfg.dataloader_param
@@ -339,6 +347,7 @@ def build_dataloader(
         pad_token_id=dataset.processor.pad_token_id,
         pad_to_multiple_of=math.lcm(collate.pad_to_multiple_of, pad_to_multiple_of),
         packing=basic.packing,
+        sample_multiple=sample_multiple,
     )
     return StatefulDataLoader(
         dataset,
@@ -350,6 +359,7 @@ def build_dataloader(
         shuffle=basic.shuffle,
         packing=basic.packing,
         capacity=data_cfg.dataset_param.preprocess_parameters.cutoff_len,
+        sample_multiple=sample_multiple,
         drop_last=loader_cfg.drop_last,
         num_workers=loader_cfg.num_workers,
         pin_memory=loader_cfg.pin_memory,
