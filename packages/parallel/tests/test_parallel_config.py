@@ -63,3 +63,12 @@ def test_parallel_config_errors_carry_the_key(data, key, words):
 def test_parallel_config_tp_message_points_to_fsdp_and_cp():
     with pytest.raises(ConfigError, match="fully_shard_parallel_size.*ulysses_parallel_size"):
         ParallelConfig(tensor_parallel_size=4)
+
+
+def test_expert_parallel_size_other_than_one_is_a_clear_error():
+    from mmfsdp.config import ConfigError, build
+    from mmfsdp.parallel import ParallelConfig
+
+    assert build(ParallelConfig, {"expert_parallel_size": 1}, "parallel").expert_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"^parallel\.expert_parallel_size: 2 is not supported"):
+        build(ParallelConfig, {"expert_parallel_size": 2}, "parallel")

@@ -67,6 +67,8 @@ class ParallelConfig:
     """Ring-attention context-parallel size."""
     tensor_parallel_size: int = 1
     """Must be 1: tensor parallelism is not supported."""
+    expert_parallel_size: int = 1
+    """Must be 1: expert parallelism is for MoE models; the registered models are dense."""
     fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
     """How FSDP2 wraps the model."""
     recompute: bool = False
@@ -88,4 +90,10 @@ class ParallelConfig:
                 f"{self.tensor_parallel_size} is not supported: tensor parallelism is not implemented; "
                 "set it to 1 and scale with fully_shard_parallel_size (FSDP) or "
                 "ulysses_parallel_size / ring_attention_size (context parallel)",
+            )
+        if self.expert_parallel_size != 1:
+            raise ConfigError(
+                "expert_parallel_size",
+                f"{self.expert_parallel_size} is not supported: expert parallelism applies to MoE models and the "
+                "registered models (mistral3) are dense; set it to 1",
             )
