@@ -17,8 +17,9 @@ from typing import Literal
 
 from mmfsdp.config import ConfigError, build, dump_yaml, load_yaml
 from mmfsdp.data import DataConfig
-from mmfsdp.model import FeaturesConfig, ModelConfig
+from mmfsdp.model import FeaturesConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
+from mmfsdp.parallel.cp import validate_sequence_multiple
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,8 +146,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def check_world(cfg: Config, world_size: int) -> MeshPlan:
-    """Checks that need the world size; returns the mesh plan. Runs before process groups start."""
+    """Checks that need the world size; returns the mesh plan. Runs before process groups start.
+
+    The mesh (CP size dividing the world, see `MeshPlan`); with context parallel
+    also the model (Ulysses size vs. attention heads, via the model entry's
+    `validate_parallel`) and, with packing, `cutoff_len`: every packed sample is
+    padded to `required_multiple(ring, ulysses)`, so rows of `cutoff_len` tokens
+    must be a multiple of it. The padding multiple needs no check: the trainer
+    takes its least common multiple with `required_multiple`.
+    """
     plan = MeshPlan.from_config(cfg.parallel, world_size)
+    if plan.cp > 1:
+        get_model_entry(cfg.model.model_id).validate_parallel(cfg.model, plan)
+        if cfg.data.dataset_param.basic_parameters.packing:
+            validate_sequence_multiple(
+                cfg.data.dataset_param.preprocess_parameters.cutoff_len, plan.ring, plan.ulysses,
+                "data.dataset_param.preprocess_parameters.cutoff_len",
+            )
     return plan
 
 

@@ -12,7 +12,9 @@ micro-batches. FSDP2 averages gradients over its shard group, so each
 micro-batch's backward uses `loss × world_size` to turn that average into the
 sum of the per-rank contributions. Under context parallel every rank of a CP
 group sees the same batch; the model splits the sequence after the vision tower
-and each rank's loss is its shard's part of the same weighted sum.
+and each rank's loss is its shard's part of the same weighted sum (summed over
+all ranks for the log; no CP all-reduce inside the model). The loader pads rows,
+and with packing every packed sample, to `required_multiple(ring, ulysses)`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import build_dataloader, build_dataset, build_processor
 from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
 from mmfsdp.parallel import (
-    MeshPlan,
     apply_activation_checkpointing,
     apply_fsdp,
     build_parallel_dims,
@@ -45,7 +46,8 @@ from mmfsdp.parallel import (
     peak_memory_gb,
     reset_peak_memory,
 )
-from mmfsdp.train.config import Config, save_resolved
+from mmfsdp.parallel.cp import required_multiple
+from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.metrics import MetricsWriter
 from mmfsdp.train.schedule import Scheduler
 
@@ -95,7 +97,7 @@ class Trainer:
         self.device_type = device_type
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.plan = MeshPlan.from_config(cfg.parallel, self.world_size)
+        self.plan = check_world(cfg, self.world_size)
         self.dims = build_parallel_dims(self.plan, device_type)
         self.device = device_for_local_rank(device_type)
         self.output_dir = Path(cfg.training.output_dir)
@@ -118,6 +120,7 @@ class Trainer:
             self.train_dataset, cfg.data,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
             seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
+            sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
         )
         self.step = 0
         self.history: list[StepResult] = []
@@ -126,8 +129,6 @@ class Trainer:
 
     # -- build -------------------------------------------------------------------------------
     def _pad_multiple(self) -> int:
-        from mmfsdp.parallel.cp import required_multiple
-
         configured = self.cfg.data.dataloader_param.collate_param.pad_to_multiple_of
         needed = required_multiple(self.plan.ring, self.plan.ulysses)
         return math.lcm(configured, needed)
