@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,10 @@ from mmfsdp.train.metrics import MetricsWriter
 from mmfsdp.train.schedule import Scheduler
 
 log = get_logger("mmfsdp.train")
+
+# FSDP2 warns when the root returns a view (HF slices logits with `logits_to_keep`); the loop never
+# modifies model outputs in place, which is the case the warning is about.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_sizes", "cu_seq_lens", "max_length")
