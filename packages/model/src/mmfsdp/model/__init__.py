@@ -8,6 +8,9 @@
   returns `.loss = Σ_t w_t · CE_t` (fp32); `shift_labels(labels, position_ids)` and
   `compute_loss_weights(...)` make its inputs (formulas in `mmfsdp.model.loss`).
 - `freeze_modules(model, patterns)`; attention backends in `mmfsdp.model.attention`.
+- `model.enable_context_parallel(parallel_dims)`: the training forward splits the decoder's
+  sequence over the CP group after the vision tower (`mmfsdp.model.context_parallel`);
+  `entry.validate_parallel(model_cfg, plan)` checks the layout against `config.json`.
 
 Importing the package registers the `mistral3` entry and the attention backends.
 """
