@@ -66,6 +66,7 @@ from mmfsdp.ckpt.hf import (
     INDEX_FILENAME,
     SafetensorsDir,
     SafetensorsWriter,
+    map_file_keys,
     parse_size,
     plan_shards,
     read_config,
@@ -138,12 +139,7 @@ def hf_to_dcp(
     """
     weights = SafetensorsDir(hf_dir)
     to_model = _to_model_map(key_map, weights.config)
-    source_of: dict[str, str] = {}
-    for file_key in weights.tensors:
-        name = to_model(file_key)
-        if name in source_of:
-            raise CheckpointError(f"file keys {source_of[name]} and {file_key} both map to {name}; use --key_map identity")
-        source_of[name] = file_key
+    source_of = map_file_keys(weights, to_model, "use --key_map identity")
     dcp_dir = Path(dcp_dir)
     _check_output_dir(dcp_dir, force, "--dcp_dir")
     dcp_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -203,6 +203,17 @@ def _copy_into(target: torch.Tensor, weights: SafetensorsDir, key: str) -> None:
         target.copy_(weights.read(key))
 
 
+def map_file_keys(weights: "SafetensorsDir", key_map: Callable[[str], str], fix: str) -> dict[str, str]:
+    """Model name → file key for every tensor in `weights`; two file keys mapping to one name is an error."""
+    source_of: dict[str, str] = {}
+    for file_key in weights.tensors:
+        name = key_map(file_key)
+        if name in source_of:
+            raise CheckpointError(f"file keys {source_of[name]} and {file_key} both map to {name}; {fix}")
+        source_of[name] = file_key
+    return source_of
+
+
 @torch.no_grad()
 def load_hf_weights(
     model: torch.nn.Module,
@@ -226,12 +237,7 @@ def load_hf_weights(
         config = weights.config
         key_map = key_maps_for(config.get("model_type") if config else None)[0]
     targets = model.state_dict(keep_vars=True)
-    source_of: dict[str, str] = {}
-    for file_key in weights.tensors:
-        name = key_map(file_key)
-        if name in source_of:
-            raise CheckpointError(f"file keys {source_of[name]} and {file_key} both map to {name}; check key_map")
-        source_of[name] = file_key
+    source_of = map_file_keys(weights, key_map, "check key_map")
     covered = set(source_of)
     for group in _alias_groups(targets):
         if covered.intersection(group):
