@@ -53,13 +53,13 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for model init, data order and dropout; the same seed gives the same run."""
     init_model_with_meta_device: bool = False
-    """Build the model on the meta device, shard it, then materialise and load (needs `training.load`)."""
+    """Build the model on the meta device, shard it, then materialise and fill it from the resume checkpoint or the initial weights (`load`, or `model.model_name_or_path`)."""
     load: str | None = None
-    """Directory to resume from (holding `latest_checkpointed_iteration.txt`) or, with `load_format: hf`, an HF model directory."""
+    """Initial weights (an HF directory with `load_format: hf`, or a DCP `release`) or a checkpoint to resume from; a checkpoint in `save` takes precedence (docs/checkpoints.md)."""
     load_format: Literal["dcp", "hf"] = "dcp"
     """Format of `load`: a DCP checkpoint directory, or HF safetensors loaded straight into the sharded model."""
     save: str | None = None
-    """Directory for DCP checkpoints (`iter_0000100/` and the tracker file)."""
+    """Directory for DCP checkpoints (`iter_0000100/` and the tracker file); a run resumes from the checkpoint found here."""
     save_interval: int = 0
     """Save every N steps (0: only at the end when `save` is set)."""
     save_total_limit: int | None = None
@@ -72,6 +72,8 @@ class TrainingConfig:
     """Do not load the optimizer state on resume."""
     no_load_rng: bool = False
     """Do not restore RNG states on resume."""
+    resume_fallback: bool = False
+    """When the checkpoint to resume from is damaged, resume from the newest whole older one instead of stopping."""
     log_interval: int = 1
     """Log a line and a metrics record every N steps."""
     output_dir: str = "outputs/run"
@@ -95,11 +97,6 @@ class TrainingConfig:
             raise ConfigError("save_interval", f"must be >= 0, got {self.save_interval}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError("save_total_limit", f"must be >= 1 or null, got {self.save_total_limit}")
-        if self.init_model_with_meta_device and not self.load:
-            raise ConfigError(
-                "init_model_with_meta_device",
-                "true needs training.load (a DCP directory from `mm-convert ... hf_to_dcp`, or an HF directory with load_format: hf)",
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,7 +139,20 @@ class Config:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override and build the config; raises `ConfigError` for any user mistake."""
-    return build(Config, load_yaml(path, overrides), "")
+    cfg = build(Config, load_yaml(path, overrides), "")
+    check_sections(cfg)
+    return cfg
+
+
+def check_sections(cfg: Config) -> None:
+    """Rules that span sections (no world size needed)."""
+    t, m = cfg.training, cfg.model
+    if t.init_model_with_meta_device and not t.load and (m.random_init or not m.model_name_or_path):
+        raise ConfigError(
+            "training.init_model_with_meta_device",
+            "true needs training.load (an HF directory with load_format: hf, or a DCP directory from "
+            "`mm-convert ... hf_to_dcp`) or model.model_name_or_path with safetensors; a meta build has no random init",
+        )
 
 
 def check_world(cfg: Config, world_size: int) -> MeshPlan:

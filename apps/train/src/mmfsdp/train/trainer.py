@@ -24,7 +24,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmfsdp.ckpt import TRACKER_FILENAME, CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
+from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import build_dataloader, build_dataset, build_processor
 from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
@@ -51,6 +51,7 @@ from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.metrics import MetricsWriter
 from mmfsdp.train.schedule import Scheduler
+from mmfsdp.train.start import plan_start
 
 log = get_logger("mmfsdp.train")
 
@@ -112,6 +113,8 @@ class Trainer:
         seed_everything(cfg.training.seed)
 
         self.entry = get_model_entry(cfg.model.model_id)
+        self.start = plan_start(cfg.training, cfg.model)
+        log.info(self.start.describe())
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg.training, device_type)
         t = cfg.training
@@ -129,7 +132,7 @@ class Trainer:
         )
         self.step = 0
         self.history: list[StepResult] = []
-        self._maybe_resume()
+        self._resume()
         self.metrics = MetricsWriter(self.output_dir, t.train_iters)
 
     # -- build -------------------------------------------------------------------------------
@@ -142,7 +145,15 @@ class Trainer:
         cfg = self.cfg
         on_meta = cfg.training.init_model_with_meta_device
         dtype = _DTYPES[cfg.model.dtype]
-        model = self.entry.build(cfg.model, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
+        if on_meta and self.start.weights == "random":
+            raise ConfigError(
+                "training.init_model_with_meta_device",
+                "a meta-device build needs weights to load (training.load, or safetensors in model.model_name_or_path); "
+                "random_init builds on the CPU: set init_model_with_meta_device: false",
+            )
+        # Weights that come from elsewhere are not read twice: the eager build is then random.
+        model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
+        model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
         if cfg.model.freeze:
             freeze_modules(model, cfg.model.freeze)
         if cfg.parallel.recompute:
@@ -150,10 +161,10 @@ class Trainer:
         apply_fsdp(model, cfg.parallel.fsdp_plan, self.dims.fsdp_mesh, self.entry.fsdp_modules)
         if on_meta:
             model.to_empty(device=self.device)
-            self._load_weights_into_empty(model)
             self.entry.init_non_persistent_buffers(model)
         else:
             model.to(self.device)
+        self._load_initial_weights(model, sharded_empty=on_meta)
         if self.dims.cp_size > 1:
             model.enable_context_parallel(self.dims)
         model.train()
@@ -162,29 +173,24 @@ class Trainer:
         log.info(f"model {cfg.model.model_id}: {num_params / 1e6:.2f}M parameters, {num_trainable / 1e6:.2f}M trainable")
         return model
 
-    def _load_weights_into_empty(self, model: torch.nn.Module) -> None:
-        t = self.cfg.training
-        if t.load_format == "hf":
-            load_hf_weights(model, t.load)
-            log.info(f"loaded HF weights from {t.load} into the sharded model")
-        else:
-            loaded = load_checkpoint(t.load, model=model, optimizer=None, load_optim=False, load_rng=False)
-            log.info(f"loaded model weights from {t.load} ({loaded.iteration})")
+    def _load_initial_weights(self, model: torch.nn.Module, *, sharded_empty: bool) -> None:
+        """Fill the sharded model from the plan's initial weights; a resumed run is filled by `_resume`."""
+        start = self.start
+        if start.weights == "hf" or (start.weights == "pretrained" and sharded_empty):
+            load_hf_weights(model, start.source)
+            log.info(f"loaded HF weights from {start.source} into the sharded model")
+        elif start.weights == "release":
+            load_checkpoint(start.source, model=model, optimizer=None, load_optim=False, load_rng=False)
 
-    def _maybe_resume(self) -> None:
-        t = self.cfg.training
-        if not t.load or t.load_format != "dcp" or t.init_model_with_meta_device:
-            return  # meta init already loaded the weights (model only)
-        if t.save and Path(t.load).resolve() == Path(t.save).resolve() and not (Path(t.load) / TRACKER_FILENAME).is_file():
-            log.info(f"no checkpoint in {t.load} yet; starting from step 0")
+    def _resume(self) -> None:
+        point = self.start.resume
+        if point is None:
             return
+        t = self.cfg.training
         loaded = load_checkpoint(
-            t.load, model=self.model, optimizer=None if t.no_load_optim else self.optimizer,
+            point.path, model=self.model, optimizer=None if t.no_load_optim else self.optimizer,
             load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
         )
-        if loaded.iteration == "release":
-            log.info(f"loaded released weights from {t.load}; training starts at step 1")
-            return
         self.step = int(loaded.app_state["step"])
         self.scheduler.load_state_dict(loaded.app_state["scheduler"])
         if loaded.rank_state is not None:

@@ -10,7 +10,17 @@
 This package imports only torch, safetensors, tqdm and the standard library.
 """
 
-from mmfsdp.ckpt.checkpoint import LoadedCheckpoint, SaveHandle, finalize_pending, load_checkpoint, save_checkpoint
+from mmfsdp.ckpt.checkpoint import (
+    LoadedCheckpoint,
+    ResumePoint,
+    SaveHandle,
+    finalize_pending,
+    find_resume_point,
+    load_checkpoint,
+    load_tensor_file,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from mmfsdp.ckpt.convert import dcp_to_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
@@ -34,6 +44,10 @@ __all__ = [
     "finalize_pending",
     "SaveHandle",
     "LoadedCheckpoint",
+    "ResumePoint",
+    "find_resume_point",
+    "verify_checkpoint",
+    "load_tensor_file",
     "load_hf_weights",
     "HFLoadResult",
     "SafetensorsDir",

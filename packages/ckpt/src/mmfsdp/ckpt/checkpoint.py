@@ -11,8 +11,14 @@ Save (`save_checkpoint`, collective: every rank calls it with the same arguments
    goes through `dcp.save` (or `dcp.async_save` on a dedicated gloo group, so the
    background thread's collectives never interleave with training's).
 5. After every rank has finished (a barrier; for async saves the completion of
-   DCP's own final gather on rank 0), rank 0 renames the directory to
-   `iter_NNNNNNN`, atomically rewrites the tracker, then prunes to `keep_last`.
+   DCP's own final gather on rank 0), rank 0 writes `complete.json` (every file
+   and its size), renames the directory to `iter_NNNNNNN`, atomically rewrites
+   the tracker, then prunes to `keep_last`.
+
+Resume (`find_resume_point`, collective) picks the checkpoint a run continues
+from: the tracker's iteration once `verify_checkpoint` found it whole on every
+rank; without a tracker, the newest whole `iter_*`; a damaged one is an error
+naming the file, or (`fallback=True`) the newest whole older one, never silence.
 
 Load (`load_checkpoint`, collective) resolves the tracker, loads the model (and the
 optimizer) in place through `dcp.load` + `set_state_dict`, which reshards when the
@@ -31,6 +37,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -55,18 +63,33 @@ from mmfsdp.ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, quiet_sing
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.layout import (
     RELEASE,
+    TRACKER_FILENAME,
+    check_complete,
     iteration_dirname,
+    list_iterations,
     make_tmp_dir_name,
     prune_checkpoints,
     publish_dir,
+    read_tracker,
     remove_stale_tmp_dirs,
     resolve_checkpoint,
+    write_complete_marker,
     write_file_atomic,
     write_tracker,
 )
 from mmfsdp.ckpt.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "finalize_pending", "SaveHandle", "LoadedCheckpoint"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "finalize_pending",
+    "SaveHandle",
+    "LoadedCheckpoint",
+    "ResumePoint",
+    "find_resume_point",
+    "verify_checkpoint",
+    "load_tensor_file",
+]
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
@@ -210,6 +233,7 @@ def finalize_pending() -> Path | None:
 
 def _publish(save_dir: Path, tmp_dir: Path, iteration: int, keep_last: int | None) -> None:
     final_dir = save_dir / iteration_dirname(iteration)
+    write_complete_marker(tmp_dir)
     publish_dir(tmp_dir, final_dir)
     write_tracker(save_dir, iteration)
     if keep_last is not None:
@@ -350,6 +374,16 @@ def _check_model_keys(model: torch.nn.Module, model_sd: dict[str, Any], metadata
     return dropped
 
 
+def _first_line(error: BaseException) -> str:
+    """A short description of `error`: DCP's gathered exceptions carry whole tracebacks."""
+    for line in str(error).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "^")) and "Error" in line:
+            return line[:300]
+    text = str(error).strip().splitlines()
+    return (text[0][:300] if text else "") or type(error).__name__
+
+
 def _preview(items: list[str], limit: int = 10) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
@@ -363,6 +397,137 @@ def _read_info(path: Path) -> dict:
         return json.loads(info_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{info_path} is not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_tensor_file(path: Path, what: str) -> Any:
+    """`torch.load(path, weights_only=True)` with a one-line `CheckpointError` for a damaged or foreign file.
+
+    A file that holds arbitrary Python objects is refused, and the message never
+    suggests lifting the restriction: mmfsdp writes only tensors and plain containers.
+    """
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} ({what}) is missing; the checkpoint is incomplete") from None
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL_RE.search(str(e))
+        detail = f" (it references {found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path} ({what}) is not a tensor file written by mmfsdp{detail}: it holds Python objects, "
+            "which are never loaded; restore the file from a copy or resume from another checkpoint"
+        ) from None
+    except Exception as e:  # torch raises RuntimeError / EOFError / zip errors for damaged files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} ({what}) is damaged and cannot be read ({first}); "
+            "restore it from a copy or resume from another checkpoint"
+        ) from None
+
+
+def _agree(problem: str | None) -> str | None:
+    """The first problem any rank found (rank order), the same on every rank."""
+    if not _dist_on():
+        return problem
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p is not None), None)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Collective: None when iteration checkpoint `path` is whole for every rank, else the first problem found.
+
+    Checks the files against `complete.json` (presence and size), that DCP's
+    metadata reads, and that `app_state.pt` and this rank's `rank_<r>.pt` load
+    (when the checkpoint was saved by this many processes). Reads no tensor data.
+    """
+    rank, world_size = _rank_world()
+    problem = check_complete(path)
+    if problem is None:
+        try:
+            SafeFileSystemReader(os.fspath(path)).read_metadata()
+            info = _read_info(path)
+            if (path / APP_STATE_FILENAME).is_file():
+                load_tensor_file(path / APP_STATE_FILENAME, "global training state")
+            if info.get("world_size") == world_size:
+                load_tensor_file(path / rank_filename(rank), f"rank {rank} state")
+        except CheckpointError as e:
+            problem = str(e)
+    return _agree(problem)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """The checkpoint a run continues from (see `find_resume_point`)."""
+
+    path: Path
+    """The `iter_NNNNNNN` directory."""
+    iteration: int
+    """Its iteration (the step the run continues after)."""
+    note: str | None = None
+    """Why this is not simply the tracker's checkpoint (missing tracker, fallback); None when it is."""
+
+
+def find_resume_point(save_dir: str | os.PathLike | None, *, fallback: bool = False) -> ResumePoint | None:
+    """Collective: the training checkpoint under `save_dir` to resume from, or None when there is none.
+
+    - The tracker names iteration N and `iter_N` is whole: N.
+    - The tracker names N but `iter_N` is damaged or gone: a `CheckpointError`
+      naming the problem, or with `fallback` the newest whole older iteration
+      (`note` says so); an error if there is none.
+    - No tracker: the newest whole `iter_*` (`note` says so); an error if
+      `iter_*` directories exist but none is whole, so a run never starts over
+      silently next to its checkpoints. None when there are no `iter_*` at all.
+    - The tracker names `release` (converted weights) or `save_dir` does not exist: None.
+    """
+    if save_dir is None:
+        return None
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return None
+    iterations = list_iterations(save_dir)
+    tracker = save_dir / TRACKER_FILENAME
+    if tracker.is_file():
+        try:
+            wanted: int | str | None = read_tracker(save_dir)
+        except CheckpointError as e:
+            if not fallback:
+                raise CheckpointError(f"{e}; or set training.resume_fallback: true to resume from the newest whole checkpoint") from None
+            wanted, damaged = None, str(e)
+        if wanted == RELEASE:
+            return None
+        if wanted is not None:
+            path = save_dir / iteration_dirname(wanted)
+            damaged = verify_checkpoint(path)
+            if damaged is None:
+                return ResumePoint(path, wanted, None)
+        older = [i for i in reversed(iterations) if wanted is None or i < wanted]
+        if not fallback:
+            hint = f" to resume from iter {older[0]}, the newest older checkpoint" if older else ""
+            raise CheckpointError(
+                f"cannot resume from {save_dir}: {damaged}. Restore the file, "
+                f"or set training.resume_fallback: true{hint}"
+            )
+        for iteration in older:
+            path = save_dir / iteration_dirname(iteration)
+            if verify_checkpoint(path) is None:
+                return ResumePoint(path, iteration, f"{damaged}; falling back to {path.name} (training.resume_fallback)")
+        raise CheckpointError(f"cannot resume from {save_dir}: {damaged}, and no older checkpoint is whole")
+    if not iterations:
+        return None
+    problems = []
+    for iteration in reversed(iterations):
+        path = save_dir / iteration_dirname(iteration)
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return ResumePoint(path, iteration, f"{tracker} is missing; resuming from the newest whole checkpoint {path.name}")
+        problems.append(problem)
+    raise CheckpointError(
+        f"{save_dir} holds iter_* checkpoints but none is whole ({problems[0]}); "
+        "restore them, or move them away to start the run over"
+    )
 
 
 def load_checkpoint(
@@ -404,8 +569,16 @@ def load_checkpoint(
         model_sd = get_model_state_dict(model)
         state = {"model": model_sd}
     dropped_aliases = _check_model_keys(model, model_sd, metadata, path)
-    with quiet_single_process():
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    try:
+        with quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP gathers every rank's read errors into one exception, raised on all ranks
+        raise CheckpointError(
+            f"reading {path} failed: {_first_line(e)}; a data file is damaged. Restore it, or resume from "
+            "an older checkpoint (training.resume_fallback, or point training.load at an iter_* directory)"
+        ) from None
     options = StateDictOptions(strict=not dropped_aliases)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=state["optimizer"], options=options)
@@ -420,12 +593,9 @@ def load_checkpoint(
     if iteration != RELEASE:
         app_path = path / APP_STATE_FILENAME
         if app_path.is_file():
-            app_state = torch.load(app_path, weights_only=True)
+            app_state = load_tensor_file(app_path, "global training state")
         if saved_world_size == world_size:
-            rank_path = path / rank_filename(rank)
-            if not rank_path.is_file():
-                raise CheckpointError(f"{rank_path} is missing; the checkpoint is incomplete")
-            payload = torch.load(rank_path, weights_only=True)
+            payload = load_tensor_file(path / rank_filename(rank), f"rank {rank} state")
             rank_state = payload["state"]
             if load_rng:
                 restore_rng_state(payload["rng"])

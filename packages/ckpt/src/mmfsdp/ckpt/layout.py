@@ -2,14 +2,17 @@
 
 ```
 <save>/latest_checkpointed_iteration.txt   "100" or "release"
-<save>/iter_0000100/                       one complete DCP checkpoint (+ rank_*.pt, app_state.pt)
+<save>/iter_0000100/                       one complete DCP checkpoint (+ rank_*.pt, app_state.pt, complete.json)
 <save>/release/                            converted weights (model only)
 <save>/iter_0000200.tmp-<token>/           a save in progress (never read)
 ```
 
 A checkpoint is written into a `.tmp-` directory, renamed to its final name once
 every rank has finished, and only then does the tracker move, by writing a
-temporary file, fsyncing it and `os.replace`-ing it over the old tracker. A crash
+temporary file, fsyncing it and `os.replace`-ing it over the old tracker. Just
+before the rename rank 0 writes `complete.json`, the name and size of every file
+of the checkpoint, so a later truncation or loss of a file is found before any
+state is loaded. A crash
 at any point therefore leaves the tracker pointing at a complete checkpoint (or
 absent, before the first save). Everything here is plain file handling; callers
 decide which rank runs it.
@@ -17,6 +20,7 @@ decide which rank runs it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -37,11 +41,15 @@ __all__ = [
     "list_iterations",
     "prune_checkpoints",
     "remove_stale_tmp_dirs",
+    "COMPLETE_FILENAME",
+    "write_complete_marker",
+    "check_complete",
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 DCP_METADATA_FILENAME = ".metadata"
+COMPLETE_FILENAME = "complete.json"
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_MARK = ".tmp-"
@@ -164,6 +172,44 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     _fsync_dir(final_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_complete_marker(ckpt_dir: Path) -> None:
+    """Record the name and size of every file in `ckpt_dir` (call once all of them are written)."""
+    files = {
+        entry.name: entry.stat().st_size
+        for entry in sorted(ckpt_dir.iterdir())
+        if entry.is_file() and entry.name != COMPLETE_FILENAME and _TMP_MARK not in entry.name
+    }
+    write_file_atomic(ckpt_dir / COMPLETE_FILENAME, json.dumps({"files": files}, indent=1).encode())
+
+
+def check_complete(ckpt_dir: Path) -> str | None:
+    """None when `ckpt_dir` holds every file its `complete.json` lists, at the recorded size; else the problem.
+
+    A directory without `complete.json` (written before markers existed) only needs
+    DCP's `.metadata`: its final name alone proves the save finished.
+    """
+    if not ckpt_dir.is_dir():
+        return f"{ckpt_dir} does not exist"
+    if not (ckpt_dir / DCP_METADATA_FILENAME).is_file():
+        return f"{ckpt_dir} has no {DCP_METADATA_FILENAME} (an incomplete save)"
+    marker = ckpt_dir / COMPLETE_FILENAME
+    if not marker.is_file():
+        return None
+    try:
+        files = json.loads(marker.read_text())["files"]
+        expected = {str(name): int(size) for name, size in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{marker} is damaged ({type(e).__name__})"
+    for name, size in expected.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is {actual} bytes but {size} were written (truncated or damaged)"
+    return None
 
 
 def make_tmp_dir_name(final_name: str, token: str) -> str:
