@@ -29,6 +29,10 @@ dcp_to_hf
     (keys and shapes) and its `config.json`, and its non-weight files (config,
     tokenizer, processor, chat template, ...) are copied.
 
+Both refuse an output directory that is, contains or lies inside one of their input
+directories (`--hf_dir`; `--load_dir`, `--model_assets_dir`), after resolving
+symlinks and `..`, with or without `--force`: the export would replace its input.
+
 Both write to a temporary directory and move it into place at the end, so an
 interrupted conversion never leaves a complete-looking output.
 """
@@ -124,6 +128,25 @@ def _check_output_dir(path: Path, force: bool, flag: str) -> None:
         raise CheckpointError(f"{flag} {path} is not empty; choose an empty directory or pass --force to replace it")
 
 
+def _refuse_overlap(output: str | os.PathLike, out_flag: str, inputs: Sequence[tuple[str | os.PathLike, str]]) -> None:
+    """Refuse an output directory that is, holds or lies inside an input directory (symlinks and `..` resolved).
+
+    Writing there would replace or mix with what is being read (`--force` or not).
+    """
+    out = Path(output).expanduser().resolve()
+    for path, flag in inputs:
+        src = Path(path).expanduser().resolve()
+        if out == src:
+            how = "is the same directory as"
+        elif out.is_relative_to(src):
+            how = "is inside"
+        elif src.is_relative_to(out):
+            how = "contains"
+        else:
+            continue
+        raise CheckpointError(f"{out_flag} {output} {how} {flag} {path}; choose an output directory outside every input (--force does not change this)")
+
+
 def hf_to_dcp(
     hf_dir: str | os.PathLike,
     dcp_dir: str | os.PathLike,
@@ -138,6 +161,7 @@ def hf_to_dcp(
     other files there are kept.
     """
     weights = SafetensorsDir(hf_dir)
+    _refuse_overlap(dcp_dir, "--dcp_dir", [(hf_dir, "--hf_dir")])
     to_model = _to_model_map(key_map, weights.config)
     source_of = map_file_keys(weights, to_model, "use --key_map identity")
     dcp_dir = Path(dcp_dir)
@@ -364,6 +388,7 @@ def dcp_to_hf(
     """Export the model of a DCP checkpoint as a HF directory (safetensors shards + index + assets)."""
     max_shard_bytes = parse_size(max_shard_size)
     path, iteration = resolve_checkpoint(load_dir)
+    _refuse_overlap(save_dir, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
     metadata = read_dcp_metadata(path)
     entries = tensor_entries(metadata, MODEL_PREFIX)
     if not entries:
@@ -391,9 +416,6 @@ def dcp_to_hf(
     _check_against_config(shapes, config, assets)
 
     save_dir = Path(save_dir)
-    for other, flag in ((assets, "--model_assets_dir"), (path, "--load_dir")):
-        if save_dir.resolve() == other.resolve():
-            raise CheckpointError(f"--save_dir {save_dir} is the same directory as {flag}; choose a new directory")
     _check_output_dir(save_dir, force, "--save_dir")
     save_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = save_dir.parent / f".{save_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
