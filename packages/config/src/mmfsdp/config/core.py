@@ -190,9 +190,18 @@ def load_yaml(path: str | Path, overrides: list[str] | None = None) -> dict[str,
     if not path.is_file():
         raise ConfigError("", f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("", f"config file {str(path)!r} is not a UTF-8 text file (byte {err.start} is {err.object[err.start:err.start + 1]!r}); pass a YAML config") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
-        raise ConfigError("", f"{path} is not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ConfigError("", f"config file {str(path)!r} is not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError("", f"config file {str(path)!r} nests too deeply to be a config") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return apply_overrides(data, overrides or [])
