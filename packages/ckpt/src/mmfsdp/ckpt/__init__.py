@@ -5,6 +5,7 @@
   `latest_checkpointed_iteration.txt` (see `checkpoint` and `layout`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
 - `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`.
+- `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
 - Key renames for HF file naming: `legacy_mistral3_key_map` and friends.
 
 This package imports only torch, safetensors, tqdm and the standard library.
@@ -36,6 +37,7 @@ from mmfsdp.ckpt.layout import (
     resolve_checkpoint,
     write_tracker,
 )
+from mmfsdp.ckpt.lock import LOCK_FILENAME, SaveDirLock
 from mmfsdp.ckpt.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
@@ -70,4 +72,6 @@ __all__ = [
     "find_checkpoint",
     "list_iterations",
     "prune_checkpoints",
+    "SaveDirLock",
+    "LOCK_FILENAME",
 ]
