@@ -70,3 +70,26 @@ def test_parallel_single_process_group_and_mesh(monkeypatch):
         assert dims.fsdp_mesh.mesh_dim_names == ("dp_shard_cp",) and dims.fsdp_mesh.size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_parallel_collective_timeout_reaches_the_process_group(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="timeout_s must be > 0 seconds, got 0"):
+        init_process_group("cpu", timeout_s=0)
+    assert not dist.is_initialized()
+    try:
+        init_process_group("cpu", timeout_s=7)
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == 7
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallel_timeout_keys_are_checked():
+    assert (ParallelConfig().collective_timeout_s, ParallelConfig().heartbeat_timeout_s) == (1800.0, 600.0)
+    assert ParallelConfig(heartbeat_timeout_s=0).heartbeat_timeout_s == 0
+    with pytest.raises(ConfigError, match="collective_timeout_s: must be > 0 seconds, got 0"):
+        ParallelConfig(collective_timeout_s=0)
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s: must be >= 0 seconds"):
+        ParallelConfig(heartbeat_timeout_s=-1)

@@ -75,8 +75,16 @@ class ParallelConfig:
     """Recompute activations of the modules in `recompute_plan` during backward."""
     recompute_plan: RecomputePlanConfig = field(default_factory=RecomputePlanConfig)
     """Which modules recompute their activations when `recompute` is true."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before it fails (the process group timeout; > 0)."""
+    heartbeat_timeout_s: float = 600.0
+    """Seconds without training-step progress after which a rank writes where it waits (stderr and `<output_dir>/hang_rank<r>.txt`) and exits; 0 = off. Not armed during start-up, the first step, saves and the final evaluation (docs/reliability.md)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.collective_timeout_s, bool) or not self.collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s", f"must be > 0 seconds, got {self.collective_timeout_s!r}")
+        if isinstance(self.heartbeat_timeout_s, bool) or not self.heartbeat_timeout_s >= 0:
+            raise ConfigError("heartbeat_timeout_s", f"must be >= 0 seconds (0 turns the heartbeat off), got {self.heartbeat_timeout_s!r}")
         fully_shard = self.fully_shard_parallel_size
         if fully_shard != "auto" and (isinstance(fully_shard, bool) or not isinstance(fully_shard, int) or fully_shard < 1):
             raise ConfigError("fully_shard_parallel_size", f"must be 'auto' or an integer >= 1, got {fully_shard!r}")

@@ -100,6 +100,8 @@ def device_count(device_type: str) -> int:
 def init_process_group(device_type: str, *, timeout_s: float = 1800.0) -> torch.device:
     """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ...) and return the local device.
 
+    `timeout_s` is how long a collective waits for the other ranks before it
+    fails (config `parallel.collective_timeout_s`).
     Binds the local accelerator first so collectives and `DeviceMesh` use it.
     Without torchrun variables it starts a one-process group, so single-process
     runs go through the same code. A group that already exists is kept.
@@ -109,6 +111,8 @@ def init_process_group(device_type: str, *, timeout_s: float = 1800.0) -> torch.
         getattr(torch, device.type).set_device(device)
     if dist.is_initialized():
         return device
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     backend = backend_for(device_type)
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
