@@ -103,6 +103,8 @@ class BasicParametersConfig:
 
     dataset_dir: str = "./data"
     """Root directory that image paths (and relative dataset paths not found as given) are resolved against."""
+    allow_paths_outside_dataset_dir: bool = False
+    """Accept relative image paths that leave `dataset_dir` (via `..` or symlinks, once resolved); false = such rows are bad (`image_outside_dataset_dir`). Absolute paths are always accepted and counted."""
     dataset: str | None = None
     """Training data: a JSON/JSONL file, or a comma-separated list of them."""
     eval_dataset: str | None = None

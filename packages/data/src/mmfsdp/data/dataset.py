@@ -2,10 +2,13 @@
 
 The flow for one file:
 
-1. *Raw rows* — the file is parsed with `json` (a JSON list, or one object per JSONL
-   line) and stored with HF `datasets` (`Dataset.from_generator`, under `cache_dir`) as
-   one JSON string per row, so rows of any shape — including broken ones — load.
-   `max_samples` keeps the first N rows.
+1. *Raw rows* — the file is read as bytes and split into rows (JSONL lines, or the
+   items of a JSON list, found by a bracket scan outside strings). Each row is checked
+   before and after `json.loads` — UTF-8, nesting depth (`_MAX_JSON_DEPTH`, scanned
+   before parsing), Python's int-str digit limit, lone surrogates — and stored with HF
+   `datasets` (`Dataset.from_generator`, under `cache_dir`) as one JSON string per row;
+   a row that fails is stored as a marker carrying its bad-row reason, so no row of any
+   shape aborts the run. `max_samples` keeps the first N rows.
 2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
    header for its size, expand placeholders into the plugin's token grid, apply the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +59,13 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_PREPROCESS_VERSION = 1
+_PREPROCESS_VERSION = 2
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
+_MAX_JSON_DEPTH = 100
+"""Deepest nesting of lists/objects a row may have (real conversations use about 4); deeper is `nested_too_deep`."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 # ---------------------------------------------------------------- dataset types
@@ -161,32 +168,84 @@ def _cache_dir(data_cfg: DataConfig) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "mmfsdp" / "data"
 
 
-def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None) -> Iterator[dict[str, str]]:
-    """One `{"row": json}` per row of `path`; an unparsable JSONL line becomes an invalid marker, not an error."""
-    del size, mtime_ns  # in the signature so HF datasets' cache key changes when the file does
-    count = 0
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if max_samples is not None and count >= max_samples:
-                    return
-                count += 1
-                try:
-                    yield {"row": json.dumps(json.loads(line), ensure_ascii=False)}
-                except json.JSONDecodeError as err:
-                    yield {"row": json.dumps({_INVALID: f"line {line_no} is not valid JSON ({err})"})}
-        return
+def _structure(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets of the brackets and commas of `data` that are outside JSON strings, and the nesting depth after each."""
+    blank = np.frombuffer(_JSON_STRING.sub(lambda m: b"_" * len(m.group()), data), dtype=np.uint8)
+    opens = (blank == ord("[")) | (blank == ord("{"))
+    closes = (blank == ord("]")) | (blank == ord("}"))
+    offsets = np.flatnonzero(opens | closes | (blank == ord(",")))
+    return offsets, np.cumsum(opens[offsets].astype(np.int32) - closes[offsets].astype(np.int32))
+
+
+def _max_depth(data: bytes) -> int:
+    if data.count(b"[") + data.count(b"{") <= _MAX_JSON_DEPTH:
+        return 0  # nesting cannot exceed the number of brackets: no scan needed
+    return int(_structure(data)[1].max(initial=0))
+
+
+def _row_json(data: bytes, where: str) -> str:
+    """One row's bytes -> its JSON text, re-serialised; `BadSample` for anything that would break a later step."""
     try:
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadSample("not_utf8", f"{where}: byte {err.start} ({data[err.start:err.start + 1]!r}) is not UTF-8") from None
+    depth = _max_depth(data)
+    if depth > _MAX_JSON_DEPTH:
+        raise BadSample("nested_too_deep", f"{where}: lists/objects nest {depth} deep (at most {_MAX_JSON_DEPTH})")
+    try:
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataError(f"{path} is not valid JSON ({err}); fix the file or convert it to JSONL (one row per line)") from None
-    if not isinstance(rows, list):
-        raise DataError(f"{path} must hold a JSON list of rows, got {type(rows).__name__}")
-    for row in rows[:max_samples]:
-        yield {"row": json.dumps(row, ensure_ascii=False)}
+        raise BadSample("bad_content", f"{where} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise BadSample("nested_too_deep", f"{where}: lists/objects nest too deep to parse") from None
+    except ValueError as err:  # json's only other error: an integer past sys.get_int_max_str_digits()
+        raise BadSample("number_too_long", f"{where}: {str(err).split(';')[0]}") from None
+    out = json.dumps(value, ensure_ascii=False)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadSample("lone_surrogate", f"{where}: a string holds the lone surrogate U+{ord(out[err.start]):04X} (an unpaired \\ud800-\\udfff escape)") from None
+    return out
+
+
+def _json_list_items(data: bytes, path: str) -> Iterator[tuple[bytes, str]]:
+    """(bytes, "item i") of each item of the JSON list in `data`, split at the list's own commas."""
+    offsets, depth = _structure(data)
+    body = data.strip()
+    if not body.startswith(b"["):
+        raise DataError(f"{path} must hold a JSON list of rows (or be a .jsonl file with one row per line)")
+    if len(offsets) == 0 or depth[-1] != 0 or data[offsets[-1]] != ord("]") or (depth[:-1] <= 0).any() or not body.endswith(b"]"):
+        raise DataError(f"{path} is not valid JSON (its brackets do not balance into one list); fix the file or convert it to JSONL (one row per line)")
+    bounds = offsets[(depth == 0) | ((depth == 1) & (np.frombuffer(data, dtype=np.uint8)[offsets] == ord(",")))]
+    bounds = np.concatenate([offsets[:1], bounds])
+    spans = [data[a + 1 : b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    if len(spans) == 1 and not spans[0].strip():
+        return  # []
+    for i, span in enumerate(spans):
+        yield span, f"item {i}"
+
+
+def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None) -> Iterator[dict[str, str]]:
+    """One `{"row": json}` per row of `path`; a row that is not usable JSON becomes an invalid marker with its reason."""
+    del size, mtime_ns  # in the signature so HF datasets' cache key changes when the file does
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            rows: Iterator[tuple[bytes, str]] = ((line, f"line {n}") for n, line in enumerate(f, 1) if line.strip())
+            yield from _rows_json(rows, max_samples)
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    yield from _rows_json(_json_list_items(data, path), max_samples)
+
+
+def _rows_json(rows: Iterator[tuple[bytes, str]], max_samples: int | None) -> Iterator[dict[str, str]]:
+    for count, (data, where) in enumerate(rows):
+        if max_samples is not None and count >= max_samples:
+            return
+        try:
+            yield {"row": _row_json(data, where)}
+        except BadSample as bad:
+            yield {"row": json.dumps({_INVALID: [bad.reason, bad.detail]})}
 
 
 def _quiet_datasets() -> None:
@@ -204,7 +263,12 @@ def _raw_rows(path: Path, data_cfg: DataConfig) -> Any:
     stat = path.stat()
     gen_kwargs = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "max_samples": data_cfg.dataset_param.basic_parameters.max_samples}
     features = datasets.Features({"row": datasets.Value("string")})
-    return datasets.Dataset.from_generator(_iter_json_rows, features=features, gen_kwargs=gen_kwargs, cache_dir=str(_cache_dir(data_cfg) / "raw"))
+    try:
+        return datasets.Dataset.from_generator(_iter_json_rows, features=features, gen_kwargs=gen_kwargs, cache_dir=str(_cache_dir(data_cfg) / "raw"))
+    except datasets.exceptions.DatasetGenerationError as err:
+        if isinstance(err.__cause__, DataError):  # a file-level problem (not a list, brackets unbalanced): one line
+            raise err.__cause__ from None
+        raise
 
 
 def prepare_dataset(data_cfg: DataConfig) -> None:
@@ -232,26 +296,41 @@ class SampleEncoder:
         self.attr = data_cfg.dataset_param.attr
         self.cutoff_len = pp.cutoff_len
         self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
+        self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
         self.template = TemplateEncoder(spec, processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history)
         self.plugin = get_plugin(pp.image_plugin or spec.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:
+        """Where image `path` of a row is read from; a relative path must stay inside `dataset_dir` once resolved.
+
+        The check resolves `..` and symlinks without opening anything, so a refused file is never read.
+        """
         p = Path(path).expanduser()
-        return str(p if p.is_absolute() else self.dataset_dir / p)
+        if p.is_absolute():
+            return str(p)
+        joined = self.dataset_dir / p
+        if not self.allow_outside and not joined.resolve().is_relative_to(self.dataset_dir):
+            raise BadSample(
+                "image_outside_dataset_dir",
+                f"{path} resolves to {joined.resolve()}, outside dataset_dir {self.dataset_dir}; "
+                "set basic_parameters.allow_paths_outside_dataset_dir: true to accept it",
+            )
+        return str(joined)
 
     def encode_row(self, row: Any) -> dict[str, Any]:
         """Tokenize one row (a parsed JSON value); raises `BadSample`."""
         if not isinstance(row, dict):
             raise BadSample("bad_content", f"a row must be a JSON object, got {type(row).__name__}")
         if _INVALID in row:
-            raise BadSample("bad_content", row[_INVALID])
+            raise BadSample(*row[_INVALID])
         conversation = parse_row(row, self.attr)
         paths = [self.image_path(p) for p in conversation.images]
         grids = [self.plugin.read_grid(p) for p in paths]
         blocks = [self.plugin.image_tokens(rows, cols) for rows, cols in grids]
         input_ids, labels = self.template.encode(conversation, blocks)
         input_ids, labels = self.truncate(input_ids, labels)
-        return {"input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids]}
+        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images)
+        return {"input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids], "absolute_images": num_absolute}
 
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
@@ -269,13 +348,13 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "images", "image_grids", "length", "bad_reason", "bad_detail")}
+        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "images", "image_grids", "absolute_images", "length", "bad_reason", "bad_detail")}
         for text in batch["row"]:
             try:
                 sample = self.encode_row(json.loads(text))
                 bad_reason = bad_detail = ""
             except BadSample as bad:
-                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": []}
+                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": [], "absolute_images": 0}
                 bad_reason, bad_detail = bad.reason, bad.detail
             for key, value in sample.items():
                 out[key].append(value)
@@ -309,6 +388,7 @@ class SampleEncoder:
                     plugin.image_min_pixels,
                     self.cutoff_len,
                     str(self.dataset_dir),
+                    self.allow_outside,
                     to_dict(self.attr),
                 ]
             ).encode()
@@ -326,6 +406,7 @@ def _features() -> Any:
             "labels": seq(datasets.Value("int32")),
             "images": seq(datasets.Value("string")),
             "image_grids": seq(seq(datasets.Value("int32"))),
+            "absolute_images": datasets.Value("int32"),
             "length": datasets.Value("int32"),
             "bad_reason": datasets.Value("string"),
             "bad_detail": datasets.Value("string"),
@@ -377,6 +458,7 @@ class SFTDataset(torch.utils.data.Dataset):
         refs, lengths = [], []
         counts: Counter[str] = Counter()
         self.num_rows = 0
+        absolute_rows = 0
         for source_idx, table in enumerate(tables):
             reasons = _column(table, "bad_reason")
             self.num_rows += len(reasons)
@@ -384,11 +466,14 @@ class SFTDataset(torch.utils.data.Dataset):
             counts.update(r for r in reasons if r)
             refs.append(np.stack([np.full(len(good), source_idx), good], axis=1))
             lengths.append(np.asarray(_column(table, "length"), dtype=np.int64)[good])
+            absolute_rows += int(np.count_nonzero(np.asarray(_column(table, "absolute_images"), dtype=np.int64)[good]))
         self._refs = np.concatenate(refs) if refs else np.zeros((0, 2), dtype=np.int64)
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         """Token count of every sample (what packing and batching plan with)."""
         self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
         """Rows skipped while preprocessing, by reason."""
+        self.absolute_image_rows = absolute_rows
+        """Usable samples with at least one absolute image path (allowed, but reported: they bypass `dataset_dir`)."""
 
     @property
     def processor(self) -> MMProcessor:
@@ -447,12 +532,13 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
         )
     skipped = dataset.num_rows - len(dataset)
     log.info(
-        "data: %s: %d samples from %s (%d rows%s), %d tokens, longest %d",
+        "data: %s: %d samples from %s (%d rows%s%s), %d tokens, longest %d",
         split,
         len(dataset),
         names,
         dataset.num_rows,
         f"; skipped {skipped}: {format_counts(dataset.bad_row_counts)}" if skipped else "",
+        f"; {dataset.absolute_image_rows} use absolute image paths" if dataset.absolute_image_rows else "",
         int(dataset.lengths.sum()),
         int(dataset.lengths.max()),
     )

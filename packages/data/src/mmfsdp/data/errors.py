@@ -12,12 +12,17 @@ from __future__ import annotations
 __all__ = ["BAD_REASONS", "BadSample", "DataError", "format_counts"]
 
 BAD_REASONS = (
+    "not_utf8",
+    "nested_too_deep",
+    "number_too_long",
+    "lone_surrogate",
     "empty_conversation",
     "bad_content",
     "wrong_role_order",
     "no_assistant_turn",
     "image_count_mismatch",
     "image_in_wrong_turn",
+    "image_outside_dataset_dir",
     "missing_image",
     "corrupt_image",
     "too_long",
