@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
-from mmfsdp.data import build_dataloader, build_dataset, build_processor
+from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
 from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
 from mmfsdp.parallel import (
     apply_activation_checkpointing,
@@ -315,7 +315,7 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
         from mmfsdp.train.evaluate import evaluate_and_report
 
         evaluate_and_report(trainer)
-    except (TrainingError, ConfigError, CheckpointError) as err:
+    except (TrainingError, ConfigError, CheckpointError, DataError) as err:
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         print(f"[rank {dist.get_rank()}] error: {err}", flush=True)
         os._exit(1)
