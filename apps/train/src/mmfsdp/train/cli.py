@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    from mmfsdp.data.dataset import check_dataset
     from mmfsdp.train.config import check_world, load_config
 
     try:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise ConfigError("--nproc-per-node", f"expected a positive integer or 'auto', got {args.nproc_per_node!r}")
         check_world(cfg, world_size)
+        check_dataset(cfg.data)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -105,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         print(dump_yaml(cfg))
         return 0
 
-    from mmfsdp.data import prepare_dataset
+    from mmfsdp.data import DataError, prepare_dataset
 
-    prepare_dataset(cfg.data)
+    try:
+        prepare_dataset(cfg.data)
+    except (ConfigError, DataError) as err:
+        print(f"data error: {err}", file=sys.stderr)
+        return 2
     if not under_torchrun and world_size > 1:
         return _launch(world_size, [str(path), *args.overrides])
     from mmfsdp.train.trainer import run

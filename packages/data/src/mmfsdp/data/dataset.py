@@ -51,6 +51,7 @@ __all__ = [
     "SFTDataset",
     "SampleEncoder",
     "build_dataset",
+    "check_dataset",
     "dataset_files",
     "dataset_type_names",
     "prepare_dataset",
@@ -115,9 +116,9 @@ def _json_files(data_cfg: DataConfig, split: str) -> list[Path]:
         if not path.is_file() and not path.is_absolute() and (Path(basic.dataset_dir).expanduser() / path).is_file():
             path = Path(basic.dataset_dir).expanduser() / path
         if not path.is_file():
-            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} is not a file (looked for it as given and under dataset_dir {basic.dataset_dir!r})")
+            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} is not a file (looked for it as given and under dataset_dir {basic.dataset_dir!r}); give the path of an existing JSON/JSONL file")
         if path.suffix not in (".json", ".jsonl"):
-            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} must be a .json or .jsonl file")
+            raise ConfigError(f"{_KEY}.basic_parameters.{key}", f"{item!r} must be a .json file (a list of rows) or a .jsonl file (one row per line); convert it to one of those")
         files.append(path.resolve())
     return files
 
@@ -158,6 +159,17 @@ def dataset_files(data_cfg: DataConfig, split: str = "train") -> list[Path]:
 
 def _has_eval(data_cfg: DataConfig) -> bool:
     return data_cfg.dataset_param.dataset_type != "huggingface" or bool(data_cfg.dataset_param.basic_parameters.eval_dataset)
+
+
+def check_dataset(data_cfg: DataConfig) -> None:
+    """Checks that read nothing but the file system, for `--check` and before any rank starts.
+
+    The dataset type must be registered (`ConfigError` with the closest name); the files
+    of a type that generates nothing (JSON/JSONL) must exist and be .json/.jsonl.
+    """
+    if _dataset_type(data_cfg).prepare is _nothing_to_prepare:
+        for split in ("train", "eval") if _has_eval(data_cfg) else ("train",):
+            dataset_files(data_cfg, split)
 
 
 # ---------------------------------------------------------------- raw rows
