@@ -51,6 +51,7 @@ from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.metrics import MetricsWriter
 from mmfsdp.train.schedule import Scheduler
+from mmfsdp.train.supervise import beat, pause
 from mmfsdp.train.start import plan_start
 
 log = get_logger("mmfsdp.train")
@@ -222,6 +223,7 @@ class Trainer:
             out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
             (out.loss * self.world_size).backward()
             local_loss += out.loss.detach().float()
+            beat(f"step {self.step + 1} micro-batch {i + 1}/{len(micro_batches)}")
             num_tokens += mb["attention_mask"].sum().to(self.device)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
         dist.all_reduce(local_loss)
@@ -255,6 +257,7 @@ class Trainer:
             step_time = time.perf_counter() - started
             if profiler is not None:
                 profiler.step()
+            beat(f"step {self.step + 1}", arm=True)
             if self.step % t.log_interval == 0 or self.step == t.train_iters:
                 self.metrics.log_step({
                     "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
@@ -288,6 +291,7 @@ class Trainer:
             app_state={"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self._global_loader_state()},
             rank_state={"loader": self.loader.state_dict()},
             async_save=t.save_async, keep_last=t.save_total_limit,
+        pause(f"saving the checkpoint of step {self.step}")
         )
         log.info(f"saved checkpoint at step {self.step} under {t.save}")
 
@@ -295,6 +299,7 @@ class Trainer:
         """The loader position without this rank's own counters: the same on every rank."""
         state = dict(self.loader.state_dict())
         state.pop("runtime_bad", None)
+        beat(f"step {self.step + 1}", arm=True)
         return state
 
     def close(self) -> None:
@@ -304,9 +309,13 @@ class Trainer:
 
 
 def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
-    """Body of one rank: process group, train, evaluate, close. Returns the exit code."""
+    """Body of one rank: process group, save lock, heartbeat, train, evaluate, close. Returns the exit code."""
+    from mmfsdp.train import supervise
+
     device_type = detect_device_type()
-    init_process_group(device_type)
+    init_process_group(device_type, timeout_s=cfg.parallel.collective_timeout_s)
+    rank = dist.get_rank()
+    supervise.start_heartbeat(cfg.parallel.heartbeat_timeout_s, rank=rank, output_dir=cfg.training.output_dir)
     trainer = None
     try:
         trainer = Trainer(cfg, device_type)
@@ -314,10 +323,13 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
         trainer.close()
         from mmfsdp.train.evaluate import evaluate_and_report
 
+        supervise.lock_save_dir_for_job(cfg.training.save)
         evaluate_and_report(trainer)
     except (TrainingError, ConfigError, CheckpointError, DataError) as err:
+        pause("the final evaluation")
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
-        print(f"[rank {dist.get_rank()}] error: {err}", flush=True)
+        # Only the first rank to fail prints, so an error every rank hits is printed once.
+        supervise.report_once(f"error: {err}", rank=rank)
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
