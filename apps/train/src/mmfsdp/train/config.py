@@ -34,8 +34,10 @@ class TrainingConfig:
     """Fraction of `train_iters` spent warming up linearly from 0."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
-    optimizer: Literal["adamw"] = "adamw"
-    """Optimizer; AdamW uses the fused kernel on CUDA/NPU and foreach on the CPU."""
+    optimizer: Literal["adamw", "adamw_swap"] = "adamw"
+    """Optimizer; AdamW uses the fused kernel on CUDA/NPU and foreach on the CPU; adamw_swap is the same AdamW with its moments in pinned host memory, streamed to the device in buckets for the update (docs/parallelism.md)."""
+    swap_optimizer_times: int = 16
+    """adamw_swap: number of buckets the optimizer state streams through the device in per step (more buckets: less device memory, more copies)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
@@ -82,7 +84,7 @@ class TrainingConfig:
     """Samples per rank per forward pass during the final evaluation."""
 
     def __post_init__(self) -> None:
-        for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size"):
+        for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size", "swap_optimizer_times"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         if self.lr <= 0 or not math.isfinite(self.lr):

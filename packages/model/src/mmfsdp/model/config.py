@@ -16,7 +16,7 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import attention_backend_names
 from mmfsdp.model.registry import registered_model_ids
 
-__all__ = ["ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig"]
+__all__ = ["ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig", "ActivationOffloadPlanConfig"]
 
 
 def _unknown(value: str, known: list[str], what: str) -> str:
@@ -70,6 +70,12 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ActivationOffloadPlanConfig:
+    apply_modules: list[str] = field(default_factory=list)
+    """Module name patterns ({*} and {a-b} allowed) whose saved activations wait in host memory for backward; empty = off (docs/parallelism.md)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class FeaturesConfig:
     enable_chunk_loss: bool = False
     """Compute lm_head + loss chunk by chunk inside lm_head, never materialising the full logits."""
@@ -77,3 +83,5 @@ class FeaturesConfig:
     """Chunked-loss settings."""
     loss_cfg: LossConfig = field(default_factory=LossConfig)
     """Loss normalisation settings."""
+    activation_offload_plan: ActivationOffloadPlanConfig = field(default_factory=ActivationOffloadPlanConfig)
+    """Which modules keep their saved activations in host memory during forward."""

@@ -11,7 +11,10 @@ The trainer uses this package in this order:
    applies that: `apply_activation_checkpointing(model, patterns)` and then
    `apply_fsdp(model, plan, parallel_dims.fsdp_mesh, default_modules)`, both
    selecting modules with the `{*}` / `{a-b}` patterns of `match_module_names`.
-4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients.
+   `apply_activation_offload(model, patterns)` (after checkpointing, before
+   FSDP) keeps the saved activations of the matched modules in host memory.
+4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients, and
+   `SwapAdamW` (`training.optimizer: adamw_swap`) keeps AdamW's moments on the host.
 
 Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
 `ulysses` groups of `ParallelDims`.
@@ -32,7 +35,9 @@ from mmfsdp.parallel.device import (
 from mmfsdp.parallel.fsdp import apply_fsdp
 from mmfsdp.parallel.grad import clip_grad_norm
 from mmfsdp.parallel.mesh import MESH_AXES, MeshPlan, ParallelDims, build_parallel_dims
+from mmfsdp.parallel.offload import ActivationOffload, apply_activation_offload, is_offloaded
 from mmfsdp.parallel.patterns import ModulePattern, compile_module_pattern, match_module_names
+from mmfsdp.parallel.swap_optimizer import SwapAdamW
 
 __all__ = [
     "ParallelConfig",
@@ -57,4 +62,8 @@ __all__ = [
     "is_checkpointed",
     "apply_fsdp",
     "clip_grad_norm",
+    "ActivationOffload",
+    "apply_activation_offload",
+    "is_offloaded",
+    "SwapAdamW",
 ]

@@ -1,0 +1,259 @@
+"""AdamW whose moment buffers live in host memory and stream through the device in buckets.
+
+`SwapAdamW` is `torch.optim.AdamW` (same constructor, same param groups, same
+state-dict layout) except where `exp_avg` and `exp_avg_sq` are kept: in host
+memory, pinned when the parameters live on an accelerator (CUDA or NPU), so
+the device holds only one window of buckets of optimizer state instead of
+two fp32 copies of every parameter shard. One `step()`:
+
+1. the parameters that have a gradient are cut, in param-group order and at
+   tensor boundaries, into `swap_times` buckets of about equal element count;
+2. bucket `b + 1`'s moments are copied host → device on a copy stream while
+   bucket `b` is updated on the compute stream (events order the two);
+3. each bucket is updated by torch's own functional AdamW
+   (`torch.optim.adam.adam`, the function `torch.optim.AdamW.step` calls) on
+   the parameters' local tensors, with the group's `foreach` / `fused`
+   settings: AdamW is elementwise and every per-tensor scalar (bias
+   corrections, step sizes) depends only on that tensor's own `step`, so
+   bucketing changes no bit of the result;
+4. the updated moments go device → host on the copy stream; at most two
+   buckets are in flight, and `step()` returns once the last copy is done, so
+   between steps (checkpointing, `state_dict()`) the host copies are current.
+
+Without an accelerator (CPU runs) the moments are already on the host: the
+buckets are updated in place and nothing is copied. `step` stays where
+torch's AdamW keeps it (a CPU scalar; on the device with `fused`).
+
+With FSDP2 the parameters are DTensors; their moments are DTensors with the
+same mesh and placements whose local tensors are on the host (as FSDP2's own
+CPU offload keeps parameters), so `get_state_dict` / `set_state_dict` and DCP
+see the standard AdamW layout and a checkpoint written with `adamw_swap`
+loads into `adamw` and back. `load_state_dict` copies loaded moments into the
+host buffers instead of letting `torch.optim.Optimizer` move them to the
+parameters' device (which would need the full state on the device at once).
+
+Streams and events come from `torch.accelerator` where this torch has it, else
+from `torch.cuda` / `torch.npu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import math
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam as functional_adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+__all__ = ["SwapAdamW", "MOMENT_KEYS"]
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MAX_IN_FLIGHT = 2
+_ADAM_KEYWORDS = set(inspect.signature(functional_adam).parameters)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` wrapped as a DTensor with `param`'s mesh and placements (or `local` itself for a plain tensor)."""
+    if isinstance(param, DTensor):
+        return DTensor(local, param._spec, requires_grad=False)
+    return local
+
+
+class _Streams:
+    """The compute stream, one copy stream and events of one accelerator."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        accelerator = getattr(torch, "accelerator", None)
+        self._generic = (
+            accelerator is not None
+            and hasattr(accelerator, "set_stream")
+            and accelerator.is_available()
+            and accelerator.current_accelerator().type == device.type
+        )
+        self._module = None if self._generic else getattr(torch, device.type)
+        self.copy = torch.Stream(device=device) if self._generic else self._module.Stream(device)
+
+    def compute(self):
+        return torch.accelerator.current_stream(self.device) if self._generic else self._module.current_stream(self.device)
+
+    def record(self, stream):
+        return stream.record_event()
+
+    @contextlib.contextmanager
+    def on(self, stream) -> Iterator[None]:
+        if not self._generic:
+            with self._module.stream(stream):
+                yield
+            return
+        previous = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+
+class SwapAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` with `exp_avg` / `exp_avg_sq` in (pinned) host memory, updated in `swap_times` buckets."""
+
+    def __init__(self, params: Any, *args: Any, swap_times: int = 16, **kwargs: Any):
+        if swap_times < 1:
+            raise ValueError(f"swap_times must be >= 1, got {swap_times}")
+        super().__init__(params, *args, **kwargs)
+        self.swap_times = swap_times
+        self._streams: dict[torch.device, _Streams] = {}
+
+    # -- state -------------------------------------------------------------------------------
+    def _host_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        local = _local(param)
+        pin = local.device.type != "cpu"
+        return torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        if state:
+            return
+        local = _local(param)
+        if group["capturable"] or group["fused"]:
+            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=local.device)
+        else:
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        keys = MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+        for key in keys:
+            state[key] = _like_param(param, self._host_buffer(param))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like `AdamW`, but keep the moments in this optimizer's host buffers."""
+        previous = {param: dict(state) for param, state in self.state.items()}
+        moments: dict[Any, dict[str, torch.Tensor]] = {}
+        rest: dict[Any, dict[str, Any]] = {}
+        for key, entry in state_dict["state"].items():
+            moments[key] = {name: value for name, value in entry.items() if name in MOMENT_KEYS}
+            rest[key] = {name: value for name, value in entry.items() if name not in MOMENT_KEYS}
+        super().load_state_dict({**state_dict, "state": rest})
+        saved_ids = itertools.chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(group["params"] for group in self.param_groups)
+        by_id = dict(zip(saved_ids, params))
+        with torch.no_grad():
+            for key, values in moments.items():
+                param = by_id[key]
+                for name, value in values.items():
+                    old = previous.get(param, {}).get(name)
+                    if value is old:
+                        self.state[param][name] = old
+                        continue
+                    buffer = _local(old) if old is not None else self._host_buffer(param)
+                    source = _local(value)
+                    if source.shape != buffer.shape:
+                        raise ValueError(
+                            f"optimizer state {name!r} has local shape {tuple(source.shape)}, "
+                            f"the parameter's shard is {tuple(buffer.shape)}"
+                        )
+                    buffer.copy_(source)
+                    self.state[param][name] = _like_param(param, buffer)
+
+    # -- step --------------------------------------------------------------------------------
+    def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        total = sum(_local(p).numel() for p in params)
+        target = max(1, math.ceil(total / self.swap_times))
+        buckets: list[list[torch.Tensor]] = [[]]
+        filled = 0
+        for param in params:
+            if filled >= target:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(param)
+            filled += _local(param).numel()
+        return buckets
+
+    def _adam_kwargs(self, group: dict[str, Any]) -> dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        kwargs = dict(
+            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+            has_complex=False, decoupled_weight_decay=group.get("decoupled_weight_decay", True),
+        )
+        return {key: value for key, value in kwargs.items() if key in _ADAM_KEYWORDS}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for param in params:
+                if param.grad.is_sparse:
+                    raise RuntimeError("SwapAdamW does not support sparse gradients")
+                if torch.is_complex(param):
+                    raise RuntimeError("SwapAdamW does not support complex parameters")
+                self._init_state(param, group)
+            keys = MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+            kwargs = self._adam_kwargs(group)
+            device = _local(params[0]).device
+            if device.type == "cpu":
+                for bucket in self._buckets(params):
+                    self._update(bucket, [[_local(self.state[p][k]) for p in bucket] for k in keys], kwargs, group)
+            else:
+                self._streamed_step(params, keys, kwargs, group, device)
+        return loss
+
+    def _update(self, bucket, moments, kwargs, group) -> None:
+        exp_avgs, exp_avg_sqs = moments[0], moments[1]
+        max_exp_avg_sqs = moments[2] if group["amsgrad"] else []
+        functional_adam(
+            [_local(p) for p in bucket], [_local(p.grad) for p in bucket], exp_avgs, exp_avg_sqs,
+            max_exp_avg_sqs, [self.state[p]["step"] for p in bucket], **kwargs,
+        )
+
+    def _streamed_step(self, params, keys, kwargs, group, device: torch.device) -> None:
+        if device not in self._streams:
+            self._streams[device] = _Streams(device)
+        streams = self._streams[device]
+        compute = streams.compute()
+        buckets = self._buckets(params)
+        host = [[[_local(self.state[p][k]) for p in bucket] for k in keys] for bucket in buckets]
+        in_flight: deque = deque()
+
+        def to_device(index: int):
+            while len(in_flight) >= _MAX_IN_FLIGHT:
+                in_flight.popleft().synchronize()  # bounds the device memory the window holds
+            with streams.on(streams.copy):
+                moments = [[tensor.to(device, non_blocking=True) for tensor in per_key] for per_key in host[index]]
+                ready = streams.record(streams.copy)
+            for tensor in itertools.chain.from_iterable(moments):
+                tensor.record_stream(compute)
+            return moments, ready
+
+        pending = to_device(0)
+        for index, bucket in enumerate(buckets):
+            moments, ready = pending
+            if index + 1 < len(buckets):
+                pending = to_device(index + 1)
+            compute.wait_event(ready)
+            self._update(bucket, moments, kwargs, group)
+            updated = streams.record(compute)
+            streams.copy.wait_event(updated)
+            with streams.on(streams.copy):
+                for per_key_host, per_key_device in zip(host[index], moments):
+                    for target, source in zip(per_key_host, per_key_device):
+                        target.copy_(source, non_blocking=True)
+                in_flight.append(streams.record(streams.copy))
+            del moments
+        while in_flight:
+            in_flight.popleft().synchronize()
