@@ -38,6 +38,7 @@ from mmfsdp.data import DataError, build_dataloader, build_dataset, build_proces
 from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
 from mmfsdp.parallel import (
     apply_activation_checkpointing,
+    apply_activation_offload,
     apply_fsdp,
     build_parallel_dims,
     clip_grad_norm,
@@ -82,7 +83,8 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.optim.Optimizer:
-    """AdamW; decay on matrices only; fused on CUDA/NPU, foreach on the CPU."""
+    """AdamW (or `adamw_swap`: `mmfsdp.parallel.SwapAdamW`, the same maths with host-resident moments);
+    decay on matrices only; fused on CUDA/NPU, foreach on the CPU."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -95,6 +97,10 @@ def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.opti
         kwargs["fused"] = True
     else:
         kwargs["foreach"] = True
+    if cfg.optimizer == "adamw_swap":
+        from mmfsdp.parallel import SwapAdamW
+
+        return SwapAdamW(groups, swap_times=cfg.swap_optimizer_times, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -159,6 +165,8 @@ class Trainer:
             freeze_modules(model, cfg.model.freeze)
         if cfg.parallel.recompute:
             apply_activation_checkpointing(model, cfg.parallel.recompute_plan.apply_modules or self.entry.recompute_modules)
+        if cfg.features.activation_offload_plan.apply_modules:
+            apply_activation_offload(model, cfg.features.activation_offload_plan.apply_modules)
         apply_fsdp(model, cfg.parallel.fsdp_plan, self.dims.fsdp_mesh, self.entry.fsdp_modules)
         if on_meta:
             model.to_empty(device=self.device)
