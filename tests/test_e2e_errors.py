@@ -60,6 +60,7 @@ def test_an_unknown_dataset_type_suggests_the_closest(capsys):
     assert "data.dataset_param.dataset_type: unknown dataset type 'huggingfac' (did you mean 'huggingface'?)" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_strict_bad_row_through_the_app_is_one_line(tmp_path):
     data = tmp_path / "data"

@@ -110,8 +110,9 @@ def test_bad_rows_are_skipped_and_counted(bad_file, tiny_dir, tiny_processor, tm
 
 def test_strict_stops_at_the_first_bad_row(bad_file, tiny_dir, tiny_processor, tmp_path, h):
     path, _, _ = bad_file
-    with pytest.raises(DataError, match=r"mixed\.jsonl row 1: missing_image: .*missing\.png does not exist"):
+    with pytest.raises(DataError, match=r"mixed\.jsonl row 1: missing_image: .*missing\.png does not exist") as err:
         build_dataset(_cfg(h, tiny_dir, tmp_path, path, strict=True), tiny_processor)
+    assert "\n" not in str(err.value)
 
 
 def test_strict_stops_at_an_image_that_fails_to_decode(tiny_dir, tiny_processor, tmp_path, h):
@@ -123,14 +124,16 @@ def test_strict_stops_at_an_image_that_fails_to_decode(tiny_dir, tiny_processor,
     cfg.dataloader_param.num_workers = 2
     loader = build_dataloader(build_dataset(cfg, tiny_processor), cfg, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0)
     next(loader)
-    with pytest.raises(DataError, match=r"t\.jsonl row 1: corrupt_image: .*truncated\.png cannot be decoded"):
+    with pytest.raises(DataError, match=r"^\S*t\.jsonl row 1: corrupt_image: .*truncated\.png cannot be decoded") as err:
         next(loader)
+    assert "\n" not in str(err.value) and "Traceback" not in str(err.value)  # one line, though raised in a worker
 
 
 def test_every_row_bad_is_a_clear_error(tiny_dir, tiny_processor, tmp_path, h):
     path = h.write_jsonl(tmp_path / "allbad.jsonl", [_conv(f"<image>{Q}", images=["nope.png"]), {"messages": []}])
-    with pytest.raises(DataError, match=r"every one of the 2 rows of allbad\.jsonl is bad \(empty_conversation=1, missing_image=1\)"):
+    with pytest.raises(DataError, match=r"every one of the 2 rows of allbad\.jsonl is bad \(empty_conversation=1, missing_image=1\)") as err:
         build_dataset(_cfg(h, tiny_dir, tmp_path, path), tiny_processor)
+    assert "\n" not in str(err.value)
 
 
 def test_every_image_failing_at_load_is_an_error_not_an_endless_loop(tiny_dir, tiny_processor, tmp_path, h):

@@ -454,6 +454,20 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
 # ---------------------------------------------------------------- the dataset
 
 
+class _StrictDecodeError(DataError):
+    """A strict-mode image decode failure, raised inside a DataLoader worker.
+
+    torch re-raises a worker's exception in the training process as `type(text)`, where
+    `text` is "Caught ... in DataLoader worker N.\nOriginal Traceback ...: <message>";
+    this type keeps only the original one-line message, so the user sees one line.
+    """
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().splitlines()[-1].partition(": ")[2] or message
+        super().__init__(message)
+
+
 def _column(table: Any, name: str) -> list[Any]:
     """One column of a (map-output, so unindexed) HF dataset as a Python list, read straight from Arrow."""
     return table.data.column(name).to_pylist()
@@ -516,7 +530,7 @@ class SFTDataset(torch.utils.data.Dataset):
             except BadSample as bad:
                 source, row = self.location(index)
                 if self.strict:
-                    raise DataError(f"{source} row {row}: {bad.reason}: {bad.detail}") from None
+                    raise _StrictDecodeError(f"{source} row {row}: {bad.reason}: {bad.detail}") from None
                 return {"bad_reason": bad.reason, "bad_detail": bad.detail}
         return item
 
