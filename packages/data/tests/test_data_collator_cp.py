@@ -1,4 +1,4 @@
-"""`sample_multiple` for context parallel: every packed sample padded to the multiple, and rows planned with it."""
+"""`sample_multiple` for context parallel: every packed sample padded to the multiple; rows planned without it."""
 
 from __future__ import annotations
 
@@ -49,14 +49,28 @@ class _Lengths:
         return len(self.lengths)
 
 
-def _plan(sample_multiple: int):
+def _plan(capacity: int):
     loader = StatefulDataLoader(
         _Lengths([5, 5, 5, 3]), None, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0, shuffle=False,
-        packing=True, capacity=16, drop_last=False, sample_multiple=sample_multiple,
+        packing=True, capacity=capacity, drop_last=False,
     )
     return [row for (row,) in loader._epoch_plan(0)]
 
 
-def test_packing_plans_rows_with_the_padded_lengths():
-    assert _plan(1) == [(0, 1, 2), (3,)]  # 15 tokens fit in 16
-    assert _plan(8) == [(0, 1), (2, 3)]  # padded to 8 each: two per row of 16
+def test_packing_plans_rows_with_the_unpadded_lengths():
+    """The plan never sees CP's padding, so every ring / Ulysses size (CP = 1 included) packs the same rows."""
+    assert _plan(16) == [(0, 1, 2), (3,)]  # 15 tokens fit in 16; CP's padding (e.g. to 8 each) is added to the row
+    assert _plan(12) == [(0, 1), (2, 3)]
+
+
+def test_cp_padding_adds_no_loss_and_keeps_the_samples():
+    """The same packed rows collated with sample_multiple 1, 4 and 8: the same real tokens, labels and trained tokens."""
+    rows = [[_text(5), _text(3, 40)], [_text(9)], [_text(2), _text(2), _text(4)]]
+    batches = {m: PixtralCollator(pad_token_id=0, packing=True, sample_multiple=m)(rows) for m in (1, 4, 8)}
+    for m, batch in batches.items():
+        real = batch["attention_mask"].bool()
+        assert [batch["input_ids"][b][real[b]].tolist() for b in range(3)] == [
+            torch.cat([s["input_ids"] for s in row]).tolist() for row in rows
+        ], m
+        assert [batch["labels"][b][real[b]].tolist() for b in range(3)] == [torch.cat([s["labels"] for s in row]).tolist() for row in rows]
+        assert batch["labels"][~real].eq(IGNORE_INDEX).all()  # padding trains nothing

@@ -6,14 +6,18 @@ Every epoch has a *plan*, computed the same way on every rank from
 1. the sample order: a permutation drawn from `numpy.random.default_rng(seed + epoch)`
    (or the file order with `shuffle: false`);
 2. rows: one sample each, or with packing samples placed first-fit (in that order,
-   over a window of recently opened rows) into rows of at most `cutoff_len` tokens;
+   over a window of recently opened rows) into rows of at most `cutoff_len` tokens,
+   counted *without* any padding, so the rows do not depend on the parallel layout;
 3. global batches of `dp_size × micro_batch_size` rows; data-parallel rank `r` takes
    rows `[r·mbs, (r+1)·mbs)` of each. Ranks therefore never share a row. With
    `drop_last: false` the last global batch is filled by repeating the epoch's first
    rows — the only case in which a sample is seen twice in an epoch.
 
 Context parallel: all ranks of one CP group are given the same `dp_rank`, so they
-load the same batches and the model splits the sequence.
+load the same batches and the model splits the sequence. The collator pads every
+packed sample to CP's multiple (`sample_multiple`) only after the rows are planned:
+a row holds the same samples for every ring / Ulysses size, CP = 1 included, and
+may be up to `sample_multiple - 1` tokens per sample longer than `cutoff_len`.
 
 The loader yields batch after batch forever; `epoch` counts up. Its state is just
 `(epoch, batches consumed in this epoch)` — counted when a batch is handed out, not
@@ -153,7 +157,6 @@ class StatefulDataLoader:
         packing: bool,
         capacity: int,
         drop_last: bool,
-        sample_multiple: int = 1,
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int = 2,
@@ -171,7 +174,6 @@ class StatefulDataLoader:
         self.shuffle = shuffle
         self.packing = packing
         self.capacity = capacity
-        self.sample_multiple = sample_multiple
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.pin_memory = pin_memory and _pin_memory_available()
@@ -188,11 +190,8 @@ class StatefulDataLoader:
     # ------------------------------------------------------------ planning
 
     def _epoch_plan(self, epoch: int) -> list[BatchKey]:
-        lengths = np.asarray(self.dataset.lengths)
-        if self.packing and self.sample_multiple > 1:  # the collator pads every packed sample to the multiple
-            lengths = -(-lengths // self.sample_multiple) * self.sample_multiple
         plan = plan_epoch(
-            lengths,
+            np.asarray(self.dataset.lengths),
             epoch=epoch,
             seed=self.seed,
             shuffle=self.shuffle,
@@ -337,7 +336,8 @@ def build_dataloader(
     `pad_to_multiple_of` (e.g. 2 × ring × ulysses for context parallel) is combined
     with `collate_param.pad_to_multiple_of` by least common multiple.
     `sample_multiple` (context parallel's `required_multiple`) pads every packed
-    sample to a multiple of it; packing plans rows with those padded lengths.
+    sample to a multiple of it. Packing plans rows with the unpadded lengths, so the
+    rows are the same whatever `sample_multiple` is (the padding is added to the row).
     `seed` is the training seed; `basic_parameters.seed`, when set, takes its place.
     """
     basic = data_cfg.dataset_param.basic_parameters
@@ -359,7 +359,6 @@ def build_dataloader(
         shuffle=basic.shuffle,
         packing=basic.packing,
         capacity=data_cfg.dataset_param.preprocess_parameters.cutoff_len,
-        sample_multiple=sample_multiple,
         drop_last=loader_cfg.drop_last,
         num_workers=loader_cfg.num_workers,
         pin_memory=loader_cfg.pin_memory,
