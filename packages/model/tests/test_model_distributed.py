@@ -192,4 +192,6 @@ def test_loss_normalisation_is_independent_of_the_split(distributed_results):
             assert report[loss_type]["loss"] == reports[0][loss_type]["loss"]
             for what, diff in report[loss_type]["diffs"].items():
                 assert diff <= TOL, (loss_type, what, diff)
-    assert len({reports[0][t]["loss"] for t in ("default", "per_sample", "per_token")}) == 3  # three objectives
+    # per_token is the global token mean on every split (MindSpeed-MM's per_token_loss, see loss.py): it equals default
+    # on 1 x 4, 2 x 2 and 4 x 1 alike (the diffs above), while per_sample is another objective
+    assert reports[0]["per_token"]["loss"] == reports[0]["default"]["loss"] != reports[0]["per_sample"]["loss"]

@@ -61,12 +61,16 @@ def test_default_weights_are_one_over_all_trained_tokens_of_the_step():
     assert abs(sum(w.sum().item() for w in weights) - 1.0) < 1e-6
 
 
-def test_per_token_weights_divide_by_the_average_count_per_micro_batch():
+def test_per_token_weights_are_mindspeed_per_micro_batch_weights_over_m_times_d():
+    """MindSpeed-MM divides each micro-batch's sum by N̄ = N / M and its trainer by M: here one weight 1 / (M · N̄)."""
     targets, _ = _micro_batches()
     weights = compute_loss_weights(targets, loss_type="per_token", num_micro_batches=3)
-    average = sum(int((t != IGNORE).sum()) for t in targets) / 3
+    average = sum(int((t != IGNORE).sum()) for t in targets) / 3  # N̄ on one rank (D = 1)
     for t, w in zip(targets, weights):
-        assert torch.allclose(w, torch.where(t != IGNORE, 1.0 / average, 0.0).float(), rtol=1e-7, atol=0)
+        assert torch.allclose(w, torch.where(t != IGNORE, 1.0 / (3 * average), 0.0).float(), rtol=1e-7, atol=0)
+    # the step objective does not grow with the number of micro-batches: it is the global token mean
+    assert abs(sum(w.sum().item() for w in weights) - 1.0) < 1e-6
+    assert all(torch.equal(w, d) for w, d in zip(weights, compute_loss_weights(targets, loss_type="default")))
 
 
 def test_per_sample_weights_average_the_sample_means():

@@ -18,11 +18,18 @@ step's objective, independent of how the global batch is split:
                  S = number of samples with n_s > 0 in the global batch
                  (a sample is a batch row, or a packed sequence when
                  `position_ids` restart at 0)
-- `per_token`  — sum over tokens divided by the average trained-token count of
-                 one micro-batch on one rank in this step:
-                 w_t = 1 / N̄,   N̄ = N / (M · D)
-                 (so the step objective is Σ CE / N̄ = M·D × the `default` one;
-                 each micro-batch's loss is on the scale of a per-micro-batch mean)
+- `per_token`  — MindSpeed-MM's `per_token_loss`: each micro-batch's token sum is
+                 divided by N̄ = N / (M · D), the average trained-token count of one
+                 micro-batch on one rank in this step (MindSpeed-MM all-reduces it
+                 with AVG over the dp group); its trainer then divides by M before
+                 backward and averages the logged loss and the gradients over the D
+                 ranks. Here the trainer sums over micro-batches and ranks, so the
+                 weight carries that 1 / (M · D):
+                 w_t = 1 / (M · D · N̄) = 1 / N
+                 The step objective is Σ CE / N whatever M and D are: the same
+                 number on 1 process and on N, and the same value as `default`
+                 (which here is already the global token mean; MindSpeed-MM's own
+                 `default` is a per-micro-batch mean, which mmfsdp does not offer)
 
 When the normaliser is 0 (no trained token anywhere) every weight is 0, so the
 loss and gradients are 0, not NaN.
@@ -120,11 +127,8 @@ def compute_loss_weights(
         num_trained = int(_all_reduce_sum(local.to(torch.int64).reshape(1), group).item())
         if num_trained == 0:
             return [torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for mask in trained]
-        if loss_type == "default":
-            weight = 1.0 / num_trained
-        else:
-            dp_size = 1 if group is None else dist.get_world_size(group)
-            weight = (num_micro * dp_size) / num_trained
+        # per_token: 1 / (M · D · N̄) with N̄ = N / (M · D), i.e. 1 / N (module docstring)
+        weight = 1.0 / num_trained
         return [mask.to(torch.float32) * weight for mask in trained]
 
     if loss_type != "per_sample":
