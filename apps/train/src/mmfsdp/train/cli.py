@@ -10,6 +10,7 @@ checked against the world size before any process group exists.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    from mmfsdp.train import supervise
+
+    if under_torchrun:
+        supervise.guard_rank()
+    else:
+        supervise.watch_launcher_parent()
     from mmfsdp.data.dataset import check_dataset
     from mmfsdp.train.config import check_world, load_config
 
@@ -107,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         print(dump_yaml(cfg))
         return 0
 
+    if not under_torchrun and cfg.training.save:
+        from mmfsdp.ckpt import CheckpointError
+
+        try:
+            supervise.take_save_lock(cfg.training.save)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        os.environ[supervise.SAVE_LOCKED_ENV] = "1"  # the ranks below run under this lock
     from mmfsdp.data import DataError, prepare_dataset
 
     try:
@@ -125,15 +141,25 @@ def _launch(world_size: int, worker_args: list[str]) -> int:
     """Start `world_size` local ranks of this same command through torch's elastic launcher."""
     from torch.distributed.run import main as torchrun_main
 
+    from mmfsdp.train import supervise
+
     script = sys.argv[0]
     if script in ("-c", "") or not Path(script).exists():
         script = str(Path(__file__).with_name("__main__.py"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     launch_args = ["--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0", script, *worker_args]
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):  # its per-rank failure report repeats what the rank printed
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun_main(launch_args)
     except Exception as err:  # the failing rank already printed its error
-        failures = getattr(err, "failures", None)
-        print(f"training failed on {len(failures) if failures else 'some'} rank(s); see the messages above", file=sys.stderr)
+        failures = getattr(err, "failures", None) or {}
+        failed = sorted((rank, f.exitcode) for rank, f in failures.items())  # keyed by global rank
+        first = [item for item in failed if item[1] > 0] or failed
+        what = ", ".join(f"rank {rank} exited with code {code}" for rank, code in first) or str(err).splitlines()[0]
+        hang = " (no progress: see hang_rank*.txt in training.output_dir)" if any(c == supervise.HANG_EXIT_CODE for _, c in first) else ""
+        print(f"training failed: {what}{hang}; the other ranks were stopped; see the messages above", file=sys.stderr)
         return 1
     return 0

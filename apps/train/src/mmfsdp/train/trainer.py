@@ -226,12 +226,12 @@ class Trainer:
         num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         last = len(micro_batches) - 1
         for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
+            beat(f"step {self.step + 1} micro-batch {i + 1}/{len(micro_batches)}")
             self.model.set_requires_gradient_sync(i == last)
             inputs = self._to_device({k: mb[k] for k in _MODEL_INPUTS if k in mb})
             out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
             (out.loss * self.world_size).backward()
             local_loss += out.loss.detach().float()
-            beat(f"step {self.step + 1} micro-batch {i + 1}/{len(micro_batches)}")
             num_tokens += mb["attention_mask"].sum().to(self.device)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
         dist.all_reduce(local_loss)
@@ -260,12 +260,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1
+            beat(f"step {self.step + 1}", arm=True)
             self.history.append(result)
             last_finite = (self.step, result.loss)
             step_time = time.perf_counter() - started
             if profiler is not None:
                 profiler.step()
-            beat(f"step {self.step + 1}", arm=True)
             if self.step % t.log_interval == 0 or self.step == t.train_iters:
                 self.metrics.log_step({
                     "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
@@ -294,20 +294,20 @@ class Trainer:
 
     def save(self) -> None:
         t = self.cfg.training
+        pause(f"saving the checkpoint of step {self.step}")
         save_checkpoint(
             t.save, self.step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,
             app_state={"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self._global_loader_state()},
             rank_state={"loader": self.loader.state_dict()},
             async_save=t.save_async, keep_last=t.save_total_limit,
-        pause(f"saving the checkpoint of step {self.step}")
         )
         log.info(f"saved checkpoint at step {self.step} under {t.save}")
+        beat(f"step {self.step + 1}", arm=True)
 
     def _global_loader_state(self) -> dict[str, Any]:
         """The loader position without this rank's own counters: the same on every rank."""
         state = dict(self.loader.state_dict())
         state.pop("runtime_bad", None)
-        beat(f"step {self.step + 1}", arm=True)
         return state
 
     def close(self) -> None:
@@ -326,15 +326,15 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
     supervise.start_heartbeat(cfg.parallel.heartbeat_timeout_s, rank=rank, output_dir=cfg.training.output_dir)
     trainer = None
     try:
+        supervise.lock_save_dir_for_job(cfg.training.save)
         trainer = Trainer(cfg, device_type)
         trainer.train()
+        pause("the final evaluation")
         trainer.close()
         from mmfsdp.train.evaluate import evaluate_and_report
 
-        supervise.lock_save_dir_for_job(cfg.training.save)
         evaluate_and_report(trainer)
     except (TrainingError, ConfigError, CheckpointError, DataError) as err:
-        pause("the final evaluation")
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         # Only the first rank to fail prints, so an error every rank hits is printed once.
         supervise.report_once(f"error: {err}", rank=rank)
