@@ -27,6 +27,7 @@ from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
 from mmfsdp.ckpt.keymaps import identity_key_map, key_maps_for, legacy_mistral3_key_map, mistral3_to_legacy_key_map
 from mmfsdp.ckpt.layout import (
+    COMPLETE_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
     find_checkpoint,
@@ -64,6 +65,7 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "TRACKER_FILENAME",
+    "COMPLETE_FILENAME",
     "RELEASE",
     "iteration_dirname",
     "read_tracker",

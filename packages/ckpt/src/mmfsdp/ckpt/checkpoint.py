@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -378,6 +379,8 @@ def _first_line(error: BaseException) -> str:
     """A short description of `error`: DCP's gathered exceptions carry whole tracebacks."""
     for line in str(error).splitlines():
         line = line.strip()
+        if "Weights only load failed" in line:  # torch's advice to lift the restriction is never passed on
+            return "a tensor file is damaged or holds Python objects (never loaded)"
         if line and not line.startswith(("Traceback", "File ", "^")) and "Error" in line:
             return line[:300]
     text = str(error).strip().splitlines()
@@ -574,7 +577,7 @@ def load_checkpoint(
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP gathers every rank's read errors into one exception, raised on all ranks
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's read errors into one exception, raised on all ranks
         raise CheckpointError(
             f"reading {path} failed: {_first_line(e)}; a data file is damaged. Restore it, or resume from "
             "an older checkpoint (training.resume_fallback, or point training.load at an iter_* directory)"

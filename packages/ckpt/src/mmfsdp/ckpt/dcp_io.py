@@ -83,7 +83,9 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
         except FileNotFoundError:
             raise CheckpointError(f"{path.parent} is not a DCP checkpoint: {DCP_METADATA_FILENAME} is missing") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        except CheckpointError:
+            raise
+        except Exception as e:  # garbage bytes fail in many ways inside the unpickler
             raise CheckpointError(f"cannot read DCP metadata {path}: {e}; the file is damaged or not a DCP checkpoint") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata (found {type(metadata).__name__})")
