@@ -150,6 +150,22 @@ def test_missing_model_directory_is_a_config_error(tmp_path):
         ENTRY.build(build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model"))
 
 
+def test_model_directory_without_safetensors_is_one_line(saved):
+    path, _ = saved
+    (weights_file,) = path.glob("*.safetensors")
+    weights_file.rename(path / "pytorch_model.bin")
+    model_cfg = build(ModelConfig, {"model_name_or_path": str(path)}, "model")
+    with pytest.raises(ConfigError) as err:
+        ENTRY.build(model_cfg)
+    text = str(err.value)
+    assert err.value.key == "model.model_name_or_path" and "\n" not in text
+    assert str(path) in text and "no safetensors" in text and ".bin" in text
+    index = path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}')
+    with pytest.raises(ConfigError, match="missing 1 of the 1 shards"):
+        ENTRY.build(model_cfg)
+
+
 def test_freeze_modules_by_pattern(tiny_config):
     model = Mistral3ForConditionalGenerationFSDP(tiny_config)
     names = freeze_modules(model, ["model.vision_tower", "model.language_model.layers.{0-0}"])

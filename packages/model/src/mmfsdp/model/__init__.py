@@ -22,10 +22,11 @@ from mmfsdp.model.loss import IGNORE_INDEX, compute_loss_weights, shift_labels, 
 from mmfsdp.model.chunk_loss import ChunkLossLinear, LinearCrossEntropy, chunked_linear_cross_entropy
 from mmfsdp.model.freeze import freeze_modules
 from mmfsdp.model.meta_init import init_rotary_buffers
-from mmfsdp.model.mistral3 import Mistral3Entry, Mistral3ForConditionalGenerationFSDP
+from mmfsdp.model.mistral3 import Mistral3Entry, Mistral3ForConditionalGenerationFSDP, safetensors_problem
 
 __all__ = [
     "ModelEntry",
+    "safetensors_problem",
     "get_model_entry",
     "register_model",
     "registered_model_ids",

@@ -26,6 +26,8 @@ shard's loss sum (`mmfsdp.model.context_parallel`).
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -181,6 +183,9 @@ class Mistral3Entry(ModelEntry):
             with torch.device(device):
                 model = self.model_class._from_config(config, attn_implementation=backend.hf_name, dtype=dtype)
         else:
+            problem = safetensors_problem(path)
+            if problem is not None:
+                raise ConfigError("model.model_name_or_path", f"{problem}; give a directory with the weights, or set model.random_init: true")
             model, info = self.model_class.from_pretrained(
                 path,
                 dtype=dtype,
@@ -256,6 +261,26 @@ def _read_config(model_cfg: ModelConfig) -> Mistral3Config:
             "set model.model_id to the matching family",
         )
     return config
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """None when HF directory `path` holds its safetensors weights (one file, an index and every shard it
+    names, or `*.safetensors`); else what is missing, in words."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{index} is not a valid safetensors index ({type(e).__name__})"
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            return f"{path} is missing {len(missing)} of the {len(shards)} shards its index names (first: {missing[0]})"
+        return None
+    if (path / "model.safetensors").is_file() or any(path.glob("*.safetensors")):
+        return None
+    found = "a .bin/.pt checkpoint (only safetensors are loaded)" if any(path.glob("*.bin")) or any(path.glob("*.pt")) else "no weight files"
+    return f"{path} has config.json but no safetensors weights (model.safetensors or model.safetensors.index.json): found {found}"
 
 
 def _model_dir(model_cfg: ModelConfig) -> str:
