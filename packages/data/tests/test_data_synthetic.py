@@ -9,7 +9,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mmfsdp.data.synthetic import COLOURS, PROMPT, make_shapes_dataset, tiny_processor_ids, write_tiny_processor
+from mmfsdp.data.synthetic import (
+    COLOURS,
+    PROMPT,
+    VARLEN_IMAGE_SIZES,
+    make_shapes_dataset,
+    make_varlen_dataset,
+    tiny_processor_ids,
+    write_tiny_processor,
+)
 
 
 def _make(out: str) -> None:
@@ -92,3 +100,33 @@ def test_prepare_dataset_from_several_ranks_at_once(tmp_path):
     cfg = build(DataConfig, raw, "data")
     assert len(build_dataset(cfg, build_processor(cfg), "train")) == 12
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_varlen_dataset_varies_and_is_deterministic(tmp_path):
+    make_varlen_dataset(tmp_path / "a", num_train=48, num_eval=4, seed=3)
+    make_varlen_dataset(tmp_path / "b", num_train=48, num_eval=4, seed=3)
+    assert (tmp_path / "a" / "train.jsonl").read_bytes() == (tmp_path / "b" / "train.jsonl").read_bytes()
+    rows = [json.loads(line) for line in (tmp_path / "a" / "train.jsonl").read_text().splitlines()]
+    assert {len(r["images"]) for r in rows} == {0, 1, 2}
+    assert {len(r["messages"]) // 2 for r in rows} == {1, 2, 3}
+    words = [len(m["content"].split()) for r in rows for m in r["messages"][1::2]]
+    assert min(words) == 1 and max(words) >= 12 and max(words) <= 15
+    sizes = {Image.open(tmp_path / "a" / p).size for r in rows for p in r["images"]}
+    assert len(sizes) >= 4 and sizes <= set(VARLEN_IMAGE_SIZES)
+    for r in rows:  # every placeholder in a user turn, one per image
+        assert sum(m["content"].count("<image>") for m in r["messages"][0::2]) == len(r["images"])
+        assert all("<image>" not in m["content"] for m in r["messages"][1::2])
+    make_varlen_dataset(tmp_path / "c", num_train=16, num_eval=0, seed=3, min_images=1)
+    assert all(json.loads(line)["images"] for line in (tmp_path / "c" / "train.jsonl").read_text().splitlines())
+
+
+def test_varlen_dataset_tokenizes_without_unknown_words(tiny_processor, tmp_path, h):
+    from mmfsdp.data import build_dataset
+
+    make_varlen_dataset(tmp_path / "v", num_train=16, num_eval=0, seed=1)
+    basic = {"dataset": str(tmp_path / "v" / "train.jsonl"), "dataset_dir": str(tmp_path / "v")}
+    cfg = h.data_config(tiny_processor.name_or_path, tmp_path, basic=basic)
+    dataset = build_dataset(cfg, tiny_processor, split="train")
+    assert len(dataset) == 16 and len(set(dataset.lengths)) >= 10
+    unk = tiny_processor_ids()["unk_token_id"]
+    assert all(unk not in dataset[i]["input_ids"].tolist() for i in range(len(dataset)))

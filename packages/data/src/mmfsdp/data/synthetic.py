@@ -5,6 +5,10 @@
 grey background, so a model must really look at the pixels to answer
 "What shape and colour is this?" with e.g. "a red circle" (chance: 1/12).
 
+`make_varlen_dataset` writes a test set of the same images and words whose rows vary:
+0-2 images of several sizes, 1-3 turns, answers of 1-15 words. Parity tests use it,
+because equal-length samples hide what padding and packing do to a batch.
+
 `write_tiny_processor` writes a word-level `tokenizer.json` with Mistral's control
 tokens and the few words of that dataset, plus the Pixtral image-processor and
 processor configs, so `AutoTokenizer` and `build_processor` load it offline and the
@@ -26,7 +30,10 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "make_shapes_dataset", "tiny_processor_ids", "write_tiny_processor"]
+__all__ = [
+    "COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "VARLEN_IMAGE_SIZES", "make_shapes_dataset", "make_varlen_dataset",
+    "tiny_processor_ids", "write_tiny_processor",
+]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -53,20 +60,20 @@ def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _draw(rng: np.random.Generator, colour: str, shape: str, image_size: int) -> Image.Image:
+def _draw(rng: np.random.Generator, colour: str, shape: str, width: int, height: int) -> Image.Image:
     """One shape, large and near the centre (a few pixels of jitter), on a random flat grey background.
 
     Colour is readable from any patch; the shape only from how the patches fit together,
     so the default run has to learn the vision path, yet a few-M-parameter model learns it
-    in a few hundred steps on a CPU.
+    in a few hundred steps on a CPU. The shape's side follows the shorter image side.
     """
     grey = int(rng.integers(70, 180))
-    image = Image.new("RGB", (image_size, image_size), (grey, grey, grey))
-    side = int(rng.integers(int(image_size * 0.5), int(image_size * 0.85) + 1))
-    centre = (image_size - side) // 2
-    jitter = max(image_size // 16, 1)
-    x0 = int(np.clip(centre + rng.integers(-jitter, jitter + 1), 0, image_size - side))
-    y0 = int(np.clip(centre + rng.integers(-jitter, jitter + 1), 0, image_size - side))
+    image = Image.new("RGB", (width, height), (grey, grey, grey))
+    short = min(width, height)
+    side = int(rng.integers(int(short * 0.5), int(short * 0.85) + 1))
+    jitter = max(short // 16, 1)
+    x0 = int(np.clip((width - side) // 2 + rng.integers(-jitter, jitter + 1), 0, width - side))
+    y0 = int(np.clip((height - side) // 2 + rng.integers(-jitter, jitter + 1), 0, height - side))
     draw = ImageDraw.Draw(image)
     box = (x0, y0, x0 + side - 1, y0 + side - 1)
     fill = COLOURS[colour]
@@ -109,12 +116,88 @@ def make_shapes_dataset(out_dir: str | Path, *, num_train: int, num_eval: int, i
                 for i, label in enumerate(labels.tolist()):
                     colour, shape = classes[label]
                     name = f"images/{split}_{i:06d}.png"
-                    _draw(rng, colour, shape, image_size).save(tmp / name)
+                    _draw(rng, colour, shape, image_size, image_size).save(tmp / name)
                     row = {
                         "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": f"a {colour} {shape}"}],
                         "images": [name],
                     }
                     f.write(json.dumps(row) + "\n")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    _publish(out_dir, write)
+    return json.loads((out_dir / "meta.json").read_text())
+
+
+VARLEN_IMAGE_SIZES = ((16, 16), (32, 48), (48, 32), (64, 64), (64, 16), (24, 40))
+"""(width, height) of the variable-length dataset's images: 2 to 20 image tokens with 16-px patches after merging."""
+VARLEN_QUESTIONS = (
+    "What shape and colour is this?", "What colour is this?", "What shape is this?", "is this a red circle?",
+)
+
+
+def make_varlen_dataset(
+    out_dir: str | Path,
+    *,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    image_sizes: tuple[tuple[int, int], ...] = VARLEN_IMAGE_SIZES,
+    min_images: int = 0,
+    max_images: int = 2,
+    max_turns: int = 3,
+    max_answer_words: int = 15,
+) -> dict[str, Any]:
+    """A variable-length test set in mllm format (`images/*.png`, `train.jsonl`, `eval.jsonl`, `meta.json`); returns meta.
+
+    Every row has `min_images` .. `max_images` images of sizes drawn from `image_sizes`,
+    1 .. `max_turns` user/assistant turns (each image placeholder in a random user
+    turn) and answers of 1 .. `max_answer_words` words, all from the tiny
+    tokenizer's vocabulary — so samples differ in length, image count and image
+    size, as real data does, while the shapes dataset's are all alike. (`min_images: 1`
+    is for data-parallel runs: a micro-batch without any image skips the FSDP-wrapped
+    vision tower on its rank only, and FSDP2's all-gathers then mismatch.) Deterministic
+    in its arguments; if `out_dir/meta.json` exists nothing is written.
+    """
+    out_dir = Path(out_dir)
+    meta = {
+        "kind": "varlen",
+        "num_train": num_train,
+        "num_eval": num_eval,
+        "seed": seed,
+        "image_sizes": [list(size) for size in image_sizes],
+        "min_images": min_images,
+        "max_images": max_images,
+        "max_turns": max_turns,
+        "max_answer_words": max_answer_words,
+    }
+    if (out_dir / "meta.json").is_file():
+        return json.loads((out_dir / "meta.json").read_text())
+    answer_words = ("a", "and", *COLOURS, *SHAPES)
+
+    def row(rng: np.random.Generator, tmp: Path, name: str) -> dict[str, Any]:
+        num_turns = int(rng.integers(1, max_turns + 1))
+        image_turns = sorted(rng.integers(0, num_turns, int(rng.integers(min_images, max_images + 1))).tolist())
+        images = []
+        for i, _ in enumerate(image_turns):
+            width, height = image_sizes[int(rng.integers(len(image_sizes)))]
+            path = f"images/{name}_{i}.png"
+            _draw(rng, str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES)), width, height).save(tmp / path)
+            images.append(path)
+        messages = []
+        for turn in range(num_turns):
+            question = VARLEN_QUESTIONS[int(rng.integers(len(VARLEN_QUESTIONS)))]
+            messages.append({"role": "user", "content": "<image>" * image_turns.count(turn) + question})
+            words = rng.choice(answer_words, int(rng.integers(1, max_answer_words + 1)))
+            messages.append({"role": "assistant", "content": " ".join(words.tolist())})
+        return {"messages": messages, "images": images}
+
+    def write(tmp: Path) -> None:
+        (tmp / "images").mkdir()
+        rng = np.random.default_rng(seed)
+        for split, count in (("train", num_train), ("eval", num_eval)):
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for i in range(count):
+                    f.write(json.dumps(row(rng, tmp, f"{split}_{i:06d}")) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
     _publish(out_dir, write)
