@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -50,14 +51,35 @@ def _parser() -> argparse.ArgumentParser:
         help="dotted overrides applied after the file, e.g. training.lr=1e-5 (values are read as YAML)",
     )
     parser.add_argument(
-        "--nproc-per-node", default="auto",
+        "--nproc-per-node", default="auto", metavar="N",
         help="processes to launch when not started by torchrun: an integer, or 'auto' = one per GPU/NPU, 2 on a CPU-only host (ignored under torchrun)",
     )
     parser.add_argument(
         "--check", action="store_true",
-        help="only load and check the config against the world size, print it, and exit",
+        help=(
+            "check without starting any process: the config and the world size, the model (built on the meta device) "
+            "against every module pattern, registry names, weights, data and output paths; prints every problem, "
+            "one line each, and exits 2, or prints the resolved config and exits 0 (see README.md, '--check')"
+        ),
+    )
+    parser.add_argument(
+        "--device-memory", default=None, type=_parse_size, metavar="SIZE",
+        help="with --check: memory of one accelerator for the memory plan, e.g. 64GiB, 80GB or plain bytes",
     )
     return parser
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _parse_size(text: str) -> int:
+    """`64GiB`, `80GB`, `1.5TiB` or plain bytes → bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 64GiB, 80GB or a number of bytes, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _resolve_config_path(args: argparse.Namespace) -> Path:
@@ -72,6 +94,11 @@ def _resolve_config_path(args: argparse.Namespace) -> Path:
     raise ConfigError("", f"no config given and the default {DEFAULT_CONFIG} was not found; pass a CONFIG path")
 
 
+def _print_errors(errors: list[ConfigError]) -> None:
+    for err in errors:
+        print(f"config error: {err}", file=sys.stderr)
+
+
 def _auto_nproc() -> int:
     from mmfsdp.parallel import detect_device_type, device_count
 
@@ -81,7 +108,7 @@ def _auto_nproc() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # options may come after CONFIG and the overrides
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     from mmfsdp.train import supervise
 
@@ -106,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         check_world(cfg, world_size)
         check_dataset(cfg.data)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        _print_errors(getattr(err, "errors", [err]))
         return 2
     if args.check:
         from mmfsdp.config import dump_yaml

@@ -10,12 +10,13 @@ from rank 3.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mmfsdp.config import ConfigError, build, dump_yaml, load_yaml
+from mmfsdp.config import ConfigError, ConfigErrors, build, dump_yaml, load_yaml
 from mmfsdp.data import DataConfig
 from mmfsdp.model import FeaturesConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
@@ -142,8 +143,65 @@ class Config:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override and build the config; raises `ConfigError` for any user mistake."""
     cfg = build(Config, load_yaml(path, overrides), "")
-    check_sections(cfg)
+    errors = check_values(cfg)
+    try:
+        check_sections(cfg)
+    except ConfigError as err:
+        errors.append(err)
+    if errors:
+        raise ConfigErrors(errors)
     return cfg
+
+
+SEED_MAX = 2**32 - 1
+
+
+def _walk_fields(obj, path: str = ""):
+    """(key path, value) of every leaf field of a nested config dataclass, lists included."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _walk_fields(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _walk_fields(item, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from _walk_fields(item, f"{path}.{key}")
+    else:
+        yield path, obj
+
+
+def check_values(cfg: Config) -> list[ConfigError]:
+    """Value ranges no single field checks: every problem found, not only the first.
+
+    No NaN or infinite number anywhere, seeds in 0 … 2**32 - 1 (what numpy and the
+    loaders accept), AdamW's betas in [0, 1), eps > 0, weight decay >= 0, and the
+    profiled steps within `training.train_iters`.
+    """
+    errors: list[ConfigError] = []
+    for key, value in _walk_fields(cfg):
+        name = key.rsplit(".", 1)[-1]
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(ConfigError(key, f"must be a finite number, got {value}"))
+        elif (name == "seed" or name.endswith("_seed")) and isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value <= SEED_MAX:
+                errors.append(ConfigError(key, f"must be in 0 ... {SEED_MAX} (2**32 - 1), got {value}"))
+    t = cfg.training
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(t, name)
+        if math.isfinite(value) and not 0.0 <= value < 1.0:
+            errors.append(ConfigError(f"training.{name}", f"must be in [0, 1), got {value}"))
+    if math.isfinite(t.adam_eps) and t.adam_eps <= 0:
+        errors.append(ConfigError("training.adam_eps", f"must be > 0, got {t.adam_eps}"))
+    if math.isfinite(t.weight_decay) and t.weight_decay < 0:
+        errors.append(ConfigError("training.weight_decay", f"must be >= 0, got {t.weight_decay}"))
+    p = cfg.tools.profile
+    if p.enable and p.end_step > t.train_iters:
+        errors.append(ConfigError(
+            "tools.profile.end_step",
+            f"{p.end_step} is past training.train_iters ({t.train_iters}); profile steps within the run",
+        ))
+    return errors
 
 
 def check_sections(cfg: Config) -> None:

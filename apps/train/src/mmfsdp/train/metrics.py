@@ -23,22 +23,26 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, total_steps: int):
+    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0):
+        """`start_step`: the step the run is at when the timer starts (the resumed step, 0 for a fresh run)."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.total_steps = total_steps
+        self.start_step = start_step
         self._started = time.perf_counter()
-        self._first_step: int | None = None
+
+    def eta_s(self, step: int) -> float:
+        """Seconds left after `step`, from the steps actually done since the timer started."""
+        done = step - self.start_step
+        if done < 1:
+            return 0.0
+        return (time.perf_counter() - self._started) / done * (self.total_steps - step)
 
     def log_step(self, record: dict) -> None:
         """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb."""
         if current_rank() != 0:
             return
         step = record["step"]
-        if self._first_step is None:
-            self._first_step = step - 1
-        done = step - self._first_step
-        elapsed = time.perf_counter() - self._started
-        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        eta = self.eta_s(step)
         width = len(str(self.total_steps))
         log.info(
             f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f}"

@@ -11,6 +11,7 @@ from mmfsdp.config.log import current_rank, get_logger, warn_once
 from mmfsdp.config.registry import Registry
 from mmfsdp.config.core import (
     ConfigError,
+    ConfigErrors,
     apply_overrides,
     build,
     load_yaml,
@@ -19,4 +20,4 @@ from mmfsdp.config.core import (
     dump_yaml,
 )
 
-__all__ = ["Registry", "current_rank", "get_logger", "warn_once", "ConfigError", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]
+__all__ = ["Registry", "current_rank", "get_logger", "warn_once", "ConfigError", "ConfigErrors", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]

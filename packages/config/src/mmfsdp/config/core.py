@@ -26,6 +26,19 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
 
 
+class ConfigErrors(ConfigError):
+    """Several configuration mistakes found together; `errors` lists each one (report one line each)."""
+
+    def __init__(self, errors: list[ConfigError]):
+        assert errors, "ConfigErrors needs at least one error"
+        self.errors = list(errors)
+        super().__init__(errors[0].key, errors[0].message)
+        self.args = ("\n".join(str(e) for e in self.errors),)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
