@@ -26,7 +26,9 @@ def _load_probe():
 def test_cli_on_cpu_reports_every_backend_and_json_last():
     run = subprocess.run(
         [sys.executable, str(PROBE), "--device", "cpu", "--trials", "1", "--max-patches", "6", "--max-seq-len", "40"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -35,7 +37,10 @@ def test_cli_on_cpu_reports_every_backend_and_json_last():
         result = summary["backends"][name]
         assert result["ok"] and max(result[c] for c in ("vision", "varlen_causal", "varlen_full")) <= 1e-5
     assert "unavailable" in summary["backends"]["flash_attention_2"]  # no CPU kernel
-    assert "usage" in subprocess.run([sys.executable, str(PROBE), "-h"], capture_output=True, text=True, timeout=300).stdout
+    assert (
+        "usage"
+        in subprocess.run([sys.executable, str(PROBE), "-h"], capture_output=True, text=True, timeout=300).stdout
+    )
 
 
 def _attends_everywhere(module, query, key, value, attention_mask, **kwargs):

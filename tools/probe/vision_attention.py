@@ -48,14 +48,30 @@ _CHECKS = ("vision", "varlen_causal", "varlen_full")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto", help="device to probe (default: auto = the accelerator found, else cpu)")
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="compute dtype on the device (default: fp32 on cpu, bf16 on an accelerator)")
-    parser.add_argument("--backends", default="all", help="comma-separated backend names to probe (default: all registered)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda", "npu"),
+        default="auto",
+        help="device to probe (default: auto = the accelerator found, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="compute dtype on the device (default: fp32 on cpu, bf16 on an accelerator)",
+    )
+    parser.add_argument(
+        "--backends", default="all", help="comma-separated backend names to probe (default: all registered)"
+    )
     parser.add_argument("--trials", type=int, default=3, help="random batches per check (default: 3)")
     parser.add_argument("--num-images", type=int, default=3, help="images per vision batch (default: 3)")
-    parser.add_argument("--patch-size", type=int, default=14, help="vision patch size in pixels, Pixtral's is 14 (default: 14)")
+    parser.add_argument(
+        "--patch-size", type=int, default=14, help="vision patch size in pixels, Pixtral's is 14 (default: 14)"
+    )
     parser.add_argument("--max-patches", type=int, default=12, help="largest image side in patches (default: 12)")
     parser.add_argument("--num-sequences", type=int, default=4, help="packed sequences per varlen batch (default: 4)")
     parser.add_argument("--max-seq-len", type=int, default=96, help="longest packed sequence in tokens (default: 96)")
@@ -71,13 +87,21 @@ def _import_npu(device_type: str) -> None:
     if device_type == "npu":
         import torch_npu  # noqa: F401  registers the npu device
 
+
 # -- vision tower ---------------------------------------------------------------------------------
 
 
 def _vision_config(patch_size: int, max_patches: int) -> PixtralVisionConfig:
     return PixtralVisionConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-        patch_size=patch_size, image_size=patch_size * max_patches, num_channels=3, hidden_act="silu",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        patch_size=patch_size,
+        image_size=patch_size * max_patches,
+        num_channels=3,
+        hidden_act="silu",
         initializer_range=0.2,  # large random weights: attention, not the residual, dominates the output
     )
 
@@ -91,7 +115,9 @@ def _vision_tower(config: PixtralVisionConfig, hf_name: str, per_image: bool, st
     return tower.eval()
 
 
-def _random_images(gen: torch.Generator, num_images: int, patch_size: int, max_patches: int) -> tuple[torch.Tensor, list[list[int]]]:
+def _random_images(
+    gen: torch.Generator, num_images: int, patch_size: int, max_patches: int
+) -> tuple[torch.Tensor, list[list[int]]]:
     sides = torch.randint(1, max_patches + 1, (num_images, 2), generator=gen)
     sides[0] = max_patches  # one image fills the padded canvas
     sizes = [[int(h) * patch_size, int(w) * patch_size] for h, w in sides]
@@ -103,7 +129,9 @@ def _random_images(gen: torch.Generator, num_images: int, patch_size: int, max_p
 
 
 @torch.no_grad()
-def _vision_diff(hf_name: str, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, gen: torch.Generator) -> float:
+def _vision_diff(
+    hf_name: str, device: torch.device, dtype: torch.dtype, args: argparse.Namespace, gen: torch.Generator
+) -> float:
     config = _vision_config(args.patch_size, args.max_patches)
     reference = _vision_tower(config, "sdpa", per_image=False, state=None)
     tested = _vision_tower(config, hf_name, per_image=True, state=reference.state_dict()).to(device=device, dtype=dtype)
@@ -111,9 +139,14 @@ def _vision_diff(hf_name: str, device: torch.device, dtype: torch.dtype, args: a
     for _ in range(args.trials):
         pixels, sizes = _random_images(gen, args.num_images, args.patch_size, args.max_patches)
         expected = torch.cat(
-            [reference(pixels[i : i + 1, :, :h, :w], image_sizes=[[h, w]]).last_hidden_state[0] for i, (h, w) in enumerate(sizes)]
+            [
+                reference(pixels[i : i + 1, :, :h, :w], image_sizes=[[h, w]]).last_hidden_state[0]
+                for i, (h, w) in enumerate(sizes)
+            ]
         )
-        got = tested(pixels.to(device=device, dtype=dtype), image_sizes=torch.tensor(sizes, device=device)).last_hidden_state[0]
+        got = tested(
+            pixels.to(device=device, dtype=dtype), image_sizes=torch.tensor(sizes, device=device)
+        ).last_hidden_state[0]
         worst = max(worst, _relative_max_diff(got, expected))
     return worst
 
@@ -139,7 +172,9 @@ def _sdpa_reference(q_HSD: torch.Tensor, k_KSD: torch.Tensor, v_KSD: torch.Tenso
 
 
 @torch.no_grad()
-def _varlen_diff(hf_name: str, device: torch.device, dtype: torch.dtype, causal: bool, args: argparse.Namespace, gen: torch.Generator) -> float:
+def _varlen_diff(
+    hf_name: str, device: torch.device, dtype: torch.dtype, causal: bool, args: argparse.Namespace, gen: torch.Generator
+) -> float:
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     attention = ALL_ATTENTION_FUNCTIONS[hf_name]
     module = _attention_module(hf_name, causal, num_heads // num_kv_heads)
@@ -153,14 +188,25 @@ def _varlen_diff(hf_name: str, device: torch.device, dtype: torch.dtype, causal:
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
-        expected_THD = torch.cat([
-            _sdpa_reference(q_BHTD[0, :, a:b], k_BKTD[0, :, a:b], v_BKTD[0, :, a:b], causal) for a, b in zip(starts, starts[1:])
-        ])
+        expected_THD = torch.cat(
+            [
+                _sdpa_reference(q_BHTD[0, :, a:b], k_BKTD[0, :, a:b], v_BKTD[0, :, a:b], causal)
+                for a, b in zip(starts, starts[1:])
+            ]
+        )
         cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=device)
         on_device = [t.to(device=device, dtype=dtype) for t in (q_BHTD, k_BKTD, v_BKTD)]
         out_BTHD = attention(
-            module, *on_device, None, scaling=head_dim**-0.5, dropout=0.0, is_causal=causal,
-            cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max(lengths), max_length_k=max(lengths),
+            module,
+            *on_device,
+            None,
+            scaling=head_dim**-0.5,
+            dropout=0.0,
+            is_causal=causal,
+            cu_seq_lens_q=cu_seq_lens,
+            cu_seq_lens_k=cu_seq_lens,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
         )[0]
         worst = max(worst, _relative_max_diff(out_BTHD.reshape(total, num_heads, head_dim), expected_THD))
     return worst
@@ -181,7 +227,11 @@ def probe(args: argparse.Namespace) -> dict:
     dtype_name = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
     dtype, tolerance = _DTYPES[dtype_name], _TOLERANCE[dtype_name]
     device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
-    names = attention_backend_names() if args.backends == "all" else [n.strip() for n in args.backends.split(",") if n.strip()]
+    names = (
+        attention_backend_names()
+        if args.backends == "all"
+        else [n.strip() for n in args.backends.split(",") if n.strip()]
+    )
     results: dict[str, dict] = {}
     worst = 0.0
     for name in names:
@@ -202,18 +252,31 @@ def probe(args: argparse.Namespace) -> dict:
             continue
         results[name] = {**diffs, "ok": max(diffs.values()) <= tolerance}
         worst = max(worst, *diffs.values())
-    ok = all(r.get("ok", True) for r in results.values()) and any("ok" in r and "error" not in r for r in results.values())
-    return {"device": str(device), "dtype": dtype_name, "tolerance": tolerance, "backends": results, "worst": worst, "ok": ok}
+    ok = all(r.get("ok", True) for r in results.values()) and any(
+        "ok" in r and "error" not in r for r in results.values()
+    )
+    return {
+        "device": str(device),
+        "dtype": dtype_name,
+        "tolerance": tolerance,
+        "backends": results,
+        "worst": worst,
+        "ok": ok,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.trials < 1 or args.num_images < 1 or args.num_sequences < 1 or args.max_patches < 1 or args.max_seq_len < 1:
-        print("error: --trials, --num-images, --num-sequences, --max-patches and --max-seq-len must be positive", file=sys.stderr)
+        print(
+            "error: --trials, --num-images, --num-sequences, --max-patches and --max-seq-len must be positive",
+            file=sys.stderr,
+        )
         return 2
     torch.manual_seed(args.seed)
     summary = probe(args)
-    print(f"device {summary['device']}, dtype {summary['dtype']}, tolerance {summary['tolerance']:g} (max |diff| / max |reference|)")
+    where = f"device {summary['device']}, dtype {summary['dtype']}"
+    print(f"{where}, tolerance {summary['tolerance']:g} (max |diff| / max |reference|)")
     print(f"{'backend':<20}" + "".join(f"{c:>16}" for c in _CHECKS) + "  result")
     for name, result in summary["backends"].items():
         if "unavailable" in result:
@@ -221,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         elif "error" in result:
             print(f"{name:<20}  FAILED: {result['error']}")
         else:
-            print(f"{name:<20}" + "".join(f"{result[c]:>16.3e}" for c in _CHECKS) + ("  ok" if result["ok"] else "  OVER TOLERANCE"))
+            print(
+                f"{name:<20}"
+                + "".join(f"{result[c]:>16.3e}" for c in _CHECKS)
+                + ("  ok" if result["ok"] else "  OVER TOLERANCE")
+            )
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 
