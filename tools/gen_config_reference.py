@@ -9,9 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmfsdp.train.config import Config
-from mmfsdp.train.reference import render
-
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
@@ -25,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help=f"regenerate {DOC.name} in place")
     mode.add_argument("--check", action="store_true", help=f"exit 1 if {DOC.name} is stale, 0 if it is current (the default)")
     args = parser.parse_args(argv)
+    from mmfsdp.train.config import Config  # after parsing: `-h` answers without importing torch
+    from mmfsdp.train.reference import render
+
     text = render(Config)
     if args.write:
         DOC.write_text(text)

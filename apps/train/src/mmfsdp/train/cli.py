@@ -99,6 +99,32 @@ def _print_errors(errors: list[ConfigError]) -> None:
         print(f"config error: {err}", file=sys.stderr)
 
 
+def _world_size(args: argparse.Namespace, under_torchrun: bool) -> int:
+    if under_torchrun:
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc_per_node == "auto":
+        return _auto_nproc()
+    if args.nproc_per_node.isdigit() and int(args.nproc_per_node) >= 1:
+        return int(args.nproc_per_node)
+    raise ConfigError("--nproc-per-node", f"expected a positive integer or 'auto', got {args.nproc_per_node!r}")
+
+
+def _print_check_report(cfg, world_size: int, device_memory: int | None) -> None:
+    """`--check` with no problems: the resolved config, one summary line, and the memory plan when available."""
+    from mmfsdp.config import dump_yaml
+    from mmfsdp.train.start import plan_start
+
+    print(dump_yaml(cfg))
+    start = plan_start(cfg.training, cfg.model).describe().removeprefix("start: ")
+    print(f"check passed: {world_size} processes, model {cfg.model.model_id}; {start}")
+    try:
+        from mmfsdp.train.memory import memory_plan_lines
+    except ImportError:
+        return
+    for line in memory_plan_lines(cfg, world_size, device_memory):
+        print(line)
+
+
 def _auto_nproc() -> int:
     from mmfsdp.parallel import detect_device_type, device_count
 
@@ -116,29 +142,25 @@ def main(argv: list[str] | None = None) -> int:
         supervise.guard_rank()
     else:
         supervise.watch_launcher_parent()
-    from mmfsdp.data.dataset import check_dataset
-    from mmfsdp.train.config import check_world, load_config
+    from mmfsdp.train.check import deep_check
+    from mmfsdp.train.config import read_config
 
     try:
         path = _resolve_config_path(args)
-        cfg = load_config(path, args.overrides)
-        if under_torchrun:
-            world_size = int(os.environ["WORLD_SIZE"])
-        elif args.nproc_per_node == "auto":
-            world_size = _auto_nproc()
-        elif args.nproc_per_node.isdigit() and int(args.nproc_per_node) >= 1:
-            world_size = int(args.nproc_per_node)
-        else:
-            raise ConfigError("--nproc-per-node", f"expected a positive integer or 'auto', got {args.nproc_per_node!r}")
-        check_world(cfg, world_size)
-        check_dataset(cfg.data)
+        cfg, errors = read_config(path, args.overrides)
+        world_size = _world_size(args, under_torchrun)
     except ConfigError as err:
         _print_errors(getattr(err, "errors", [err]))
         return 2
+    # Ranks started by this app's own launcher skip the deep check: the launcher ran it.
+    if not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):
+        errors += deep_check(cfg, world_size)
+    if errors:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same problems
+            _print_errors(errors)
+        return 2
     if args.check:
-        from mmfsdp.config import dump_yaml
-
-        print(dump_yaml(cfg))
+        _print_check_report(cfg, world_size, args.device_memory)
         return 0
 
     if not under_torchrun and cfg.training.save:

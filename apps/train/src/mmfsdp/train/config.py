@@ -141,16 +141,26 @@ class Config:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read, override and build the config; raises `ConfigError` for any user mistake."""
+    """Read, override and build the config; raises `ConfigError` for any user mistake (`ConfigErrors` for several)."""
+    cfg, errors = read_config(path, overrides)
+    if errors:
+        raise ConfigErrors(errors)
+    return cfg
+
+
+def read_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, list[ConfigError]]:
+    """The built config and every problem of its values, collected rather than raised.
+
+    A file that cannot be built (unknown key, wrong type, a section's own check)
+    still raises its `ConfigError`: there is no config to check further.
+    """
     cfg = build(Config, load_yaml(path, overrides), "")
     errors = check_values(cfg)
     try:
         check_sections(cfg)
     except ConfigError as err:
         errors.append(err)
-    if errors:
-        raise ConfigErrors(errors)
-    return cfg
+    return cfg, errors
 
 
 SEED_MAX = 2**32 - 1

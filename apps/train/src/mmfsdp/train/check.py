@@ -1,0 +1,215 @@
+"""The deep check: everything that can be checked without a process group, every problem at once.
+
+`deep_check(cfg, world_size)` returns a list of `ConfigError`s, each naming its
+key path; an empty list means the run can start. It is what `apps/train --check`
+prints, and the app runs it again before any process group starts, so a
+mistake that would fail on every rank a minute into the run is one line each,
+on the launching host, before anything is launched.
+
+What it checks, in order (a step that cannot run because an earlier one failed
+is skipped, not reported twice):
+
+1. The world size against the mesh and context parallel (`check_world`).
+2. Registry names: template, image plugin, collator, dataset type; dataset files
+   and `dataset_dir` when the data is the user's files (`check_dataset`).
+3. The attention backend on this host (`flash_attention_2` needs `flash_attn`).
+4. Where the weights come from (`plan_start`, the trainer's own rule) and that
+   they exist: safetensors in an HF directory, a DCP tracker or `.metadata`.
+5. The model, built on the meta device from `config.json` (no weights read,
+   no memory used): every pattern of `model.freeze`,
+   `parallel.fsdp_plan.apply_modules`, `parallel.recompute_plan.apply_modules`
+   and `features.activation_offload_plan.apply_modules` must match a module
+   (the same matcher the trainer uses, with the closest module names), and the
+   freeze list must leave a parameter to train.
+6. `training.output_dir`, `training.save` and the data cache directory are
+   writable, or creatable (nothing is created).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from mmfsdp.config import ConfigError
+from mmfsdp.train.config import Config, check_world
+
+__all__ = ["deep_check"]
+
+
+def deep_check(cfg: Config, world_size: int) -> list[ConfigError]:
+    """All problems of `cfg` on `world_size` processes that show without a process group."""
+    errors: list[ConfigError] = []
+    _collect(errors, check_world, cfg, world_size)
+    errors += _registry_names(cfg)
+    errors += _data_paths(cfg)
+    model_cfg = _attention(cfg, errors)
+    errors += _weights(cfg)
+    errors += _model_patterns(cfg, model_cfg)
+    errors += _writable_dirs(cfg)
+    return errors
+
+
+def _collect(errors: list[ConfigError], check, *args, **kwargs) -> object:
+    """Run `check(*args, **kwargs)`, adding its `ConfigError` (or several) to `errors`; its result, or None."""
+    try:
+        return check(*args, **kwargs)
+    except ConfigError as err:
+        errors.extend(getattr(err, "errors", [err]))
+        return None
+
+
+def _registry_names(cfg: Config) -> list[ConfigError]:
+    from mmfsdp.data import get_collator, get_plugin, get_template
+
+    errors: list[ConfigError] = []
+    pre = cfg.data.dataset_param.preprocess_parameters
+    template = _collect(errors, get_template, pre.template)
+    if pre.image_plugin is not None:
+        _collect(errors, get_plugin, pre.image_plugin)
+    elif template is not None:
+        _collect(errors, get_plugin, template.default_plugin)
+    _collect(errors, get_collator, cfg.data.dataloader_param.collate_param.model_name)
+    return errors
+
+
+def _data_paths(cfg: Config) -> list[ConfigError]:
+    """Dataset type and files (the data package's own check), and for user files their root and processor."""
+    from mmfsdp.data import DataError
+    from mmfsdp.data.dataset import check_dataset
+
+    errors: list[ConfigError] = []
+    try:
+        check_dataset(cfg.data)
+    except ConfigError as err:
+        errors.append(err)
+    except DataError as err:
+        errors.append(ConfigError("data.dataset_param.basic_parameters.dataset", str(err)))
+    param = cfg.data.dataset_param
+    basic = param.basic_parameters
+    if basic.dataset is not None:  # generated data (synthetic_shapes) creates these itself
+        if not Path(basic.dataset_dir).expanduser().is_dir():
+            errors.append(ConfigError(
+                "data.dataset_param.basic_parameters.dataset_dir",
+                f"{basic.dataset_dir} is not a directory; image paths are resolved against it",
+            ))
+        processor_dir = param.preprocess_parameters.model_name_or_path
+        if processor_dir is None or not Path(processor_dir).expanduser().is_dir():
+            errors.append(ConfigError(
+                "data.dataset_param.preprocess_parameters.model_name_or_path",
+                f"{processor_dir!r} is not a directory; give the local model directory with the tokenizer and image processor",
+            ))
+    return errors
+
+
+def _attention(cfg: Config, errors: list[ConfigError]):
+    """Check the backend on this host; the model config to build with (sdpa when the backend is missing,
+    so the pattern checks still run)."""
+    from mmfsdp.model import resolve_attention_backend
+    from mmfsdp.parallel import detect_device_type
+
+    if _collect(errors, resolve_attention_backend, cfg.model.attn_implementation, detect_device_type()) is None:
+        return dataclasses.replace(cfg.model, attn_implementation="sdpa")
+    return cfg.model
+
+
+def _weights(cfg: Config) -> list[ConfigError]:
+    """What the run will load (`plan_start`, as the trainer applies it) exists and is complete."""
+    from mmfsdp.ckpt import CheckpointError
+    from mmfsdp.model import safetensors_problem
+    from mmfsdp.train.start import plan_start
+
+    t = cfg.training
+    if t.load is not None and not Path(t.load).exists():
+        what = "an HF directory" if t.load_format == "hf" else "a DCP checkpoint directory"
+        return [ConfigError("training.load", f"{t.load} does not exist; give {what}, or remove training.load")]
+    try:
+        plan = plan_start(t, cfg.model)
+    except ConfigError as err:
+        return [err]
+    except CheckpointError as err:
+        return [ConfigError("training.load" if t.load else "training.save", str(err))]
+    key = {"hf": "training.load", "pretrained": "model.model_name_or_path"}.get(plan.weights)
+    if key is None:  # a checkpoint or release verified by plan_start, or random weights
+        return []
+    if not Path(plan.source).is_dir():
+        return [ConfigError(key, f"{plan.source} is not a directory of HF weights")]
+    problem = safetensors_problem(plan.source)
+    if problem is not None:
+        hint = "set model.random_init: true to train from random weights" if key == "model.model_name_or_path" else "point at the HF weights"
+        return [ConfigError(key, f"{problem}; {hint}")]
+    return []
+
+
+def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
+    """Build on the meta device and match every module pattern of the config against it."""
+    import torch
+
+    from mmfsdp.model import get_model_entry
+
+    errors: list[ConfigError] = []
+    entry = _collect(errors, get_model_entry, cfg.model.model_id)
+    if entry is None:
+        return errors
+    model = _collect(errors, lambda: entry.build(model_cfg, cfg.features, device=torch.device("meta")))
+    if model is None:
+        return errors
+    fsdp = cfg.parallel.fsdp_plan.apply_modules
+    recompute = cfg.parallel.recompute_plan.apply_modules
+    lists = [
+        ("model.freeze", cfg.model.freeze),
+        ("parallel.fsdp_plan.apply_modules", fsdp) if fsdp is not None
+        else ("parallel.fsdp_plan.apply_modules (model default)", list(entry.fsdp_modules)),
+        ("features.activation_offload_plan.apply_modules", cfg.features.activation_offload_plan.apply_modules or []),
+    ]
+    if cfg.parallel.recompute:
+        lists.append(("parallel.recompute_plan.apply_modules", recompute) if recompute is not None
+                     else ("parallel.recompute_plan.apply_modules (model default)", list(entry.recompute_modules)))
+    frozen: set[str] = set()
+    for key, patterns in lists:
+        for i, pattern in enumerate(patterns):
+            names = _match_one(model, pattern, f"{key}[{i}]", errors)
+            if key == "model.freeze":
+                frozen.update(names)
+    if frozen:
+        trainable = [
+            name for name, _ in model.named_parameters()
+            if not any(name == module or name.startswith(module + ".") for module in frozen)
+        ]
+        if not trainable:
+            errors.append(ConfigError("model.freeze", "freezes every parameter of the model; leave something to train"))
+    return errors
+
+
+def _match_one(model, pattern: str, key: str, errors: list[ConfigError]) -> list[str]:
+    from mmfsdp.parallel.patterns import match_module_names
+
+    names = _collect(errors, match_module_names, model, [pattern], key=key)
+    return names or []
+
+
+def _writable_dirs(cfg: Config) -> list[ConfigError]:
+    cache_dir = cfg.data.dataset_param.basic_parameters.cache_dir
+    dirs = [("training.output_dir", cfg.training.output_dir), ("training.save", cfg.training.save)]
+    dirs.append(("data.dataset_param.basic_parameters.cache_dir", cache_dir or str(Path.home() / ".cache" / "mmfsdp" / "data")))
+    errors = []
+    for key, path in dirs:
+        if path is not None and (problem := _not_writable(Path(path).expanduser())) is not None:
+            errors.append(ConfigError(key, problem))
+    return errors
+
+
+def _not_writable(path: Path) -> str | None:
+    """None when `path` is a writable directory or could be created; else why not. Creates nothing."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable; choose another directory"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be created: {parent} is not writable; choose another directory"
+    return None
