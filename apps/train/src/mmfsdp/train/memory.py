@@ -1,0 +1,243 @@
+"""The memory plan: what one rank holds on its device for a config, from `config.json` alone.
+
+`memory_plan(cfg, world_size)` builds the model on the meta device through the
+trainer's own path (the family's `build`, `model.freeze`), so no weights are read
+and no memory is used, and estimates per rank (docs/memory.md has the formulas and
+Magistral-Small-2509 worked through):
+
+- parameters: the master copy in `model.dtype`, sharded by FSDP2 over its shard group
+  (`fully_shard` = data-parallel shards × context parallel); on the host with
+  `parallel.fsdp_plan.cpu_offload`;
+- gradients: trainable parameters only, same dtype and sharding;
+- optimizer states: AdamW's two fp32 moments per trainable parameter, sharded; 0 on the
+  device for `training.optimizer: adamw_swap` (they live in pinned host memory; the bucket
+  streamed through the device during `step()` is transient and not counted);
+- compute copies: FSDP2 all-gathers each wrapped unit in `param_dtype` (or the storage
+  dtype); the largest unit × 2, for the one computing and the one being prefetched;
+- activations: tokens per micro-batch and CP rank (`micro_batch_size × cutoff_len /
+  (ring × ulysses)`) × hidden × layers × the family's bytes per token, hidden unit and
+  layer; recompute keeps only each layer's input plus one layer being recomputed,
+  offload moves the saved tensors of the matched layers to the host (one layer in flight);
+  the logits (or one chunk of them with chunk loss) come on top. A frozen vision tower
+  saves nothing.
+
+`memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
+the device memory (detected, or `--device-memory`), lists which single changes would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from mmfsdp.train.config import Config, check_world
+
+__all__ = ["MemoryPlan", "memory_plan", "memory_plan_lines"]
+
+GiB = 2**30
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _mistral_decoder_values(text: Any) -> float:
+    """Values a Mistral decoder layer saves for backward, per token, in units of `hidden_size`.
+
+    Attention: the layer input and its RMSNorm output, q/k/v, rotated q/k, the attention
+    output and o_proj's input (the flash/SDPA kernels keep no score matrix); MLP: the
+    post-attention residual and its norm, gate, up, silu(gate), silu(gate)·up. The
+    hidden-sized ones count 8, the KV-sized 3, the MLP-sized 5.
+    """
+    hidden = text.hidden_size
+    kv = text.num_key_value_heads * (getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
+    return 8 + 3 * kv / hidden + 5 * text.intermediate_size / hidden
+
+
+_FAMILIES: dict[str, Callable[[Any], float]] = {"mistral3": _mistral_decoder_values}
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    """Bytes per rank on the device (and the host part of adamw_swap / cpu_offload)."""
+
+    world_size: int
+    shard_size: int
+    num_params: int
+    num_trainable: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    compute_copies: int
+    activations: int
+    host: int
+    device_memory: int | None
+    suggestions: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def before_activations(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.before_activations + self.compute_copies + self.activations
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+
+def _detected_device_memory() -> int | None:
+    from mmfsdp.parallel import detect_device_type
+
+    device_type = detect_device_type()
+    if device_type == "cpu":
+        return None
+    return int(getattr(torch, device_type).get_device_properties(0).total_memory)
+
+
+def _build_meta(cfg: Config) -> tuple[torch.nn.Module, Any]:
+    from mmfsdp.model import freeze_modules, get_model_entry
+
+    entry = get_model_entry(cfg.model.model_id)
+    model = entry.build(cfg.model, cfg.features, device=torch.device("meta"))
+    if cfg.model.freeze:
+        freeze_modules(model, cfg.model.freeze)
+    return model, entry
+
+
+def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
+    """Parameters of the largest FSDP2 unit: a wrapped module less its wrapped children, or the root's rest."""
+    from mmfsdp.parallel.patterns import match_module_names
+
+    names = match_module_names(model, patterns, key="parallel.fsdp_plan.apply_modules")
+    owner: dict[int, str] = {}
+    for name in sorted(names, key=len):  # inner units are longer names: they take their parameters last
+        for param in model.get_submodule(name).parameters():
+            owner[id(param)] = name
+    sizes: dict[str, int] = {}
+    for param in model.parameters():
+        unit = owner.get(id(param), "")
+        sizes[unit] = sizes.get(unit, 0) + param.numel()
+    return max(sizes.values(), default=0)
+
+
+def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], float], plan: Any) -> int:
+    text = model.config.text_config
+    compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
+    tokens = cfg.training.micro_batch_size * cfg.data.dataset_param.preprocess_parameters.cutoff_len // (plan.ring * plan.ulysses)
+    per_layer = tokens * text.hidden_size * factor(text) * compute
+    layer_input = tokens * text.hidden_size * compute
+    layers = text.num_hidden_layers
+    recompute = cfg.parallel.recompute
+    offload = bool(cfg.features.activation_offload_plan.apply_modules)
+    if recompute and offload:
+        decoder = layer_input + per_layer
+    elif recompute:
+        decoder = layers * layer_input + per_layer
+    elif offload:
+        decoder = per_layer  # the one layer whose saved tensors are back on the device for backward
+    else:
+        decoder = layers * per_layer
+    if cfg.features.enable_chunk_loss:
+        logits = min(cfg.features.chunkloss_plan.chunk_size, tokens) * text.vocab_size * 4 * 2
+    else:
+        logits = tokens * text.vocab_size * (compute + 4 + 4)  # the logits, their fp32 copy and its gradient
+    vision = 0
+    vision_tower = model.get_submodule("model.vision_tower") if cfg.model.model_id == "mistral3" else None
+    if vision_tower is not None and any(p.requires_grad for p in vision_tower.parameters()):
+        vis = model.config.vision_config
+        patches = tokens * model.config.spatial_merge_size**2  # at most every token an image token
+        vision = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
+        vision *= 1 if recompute else vis.num_hidden_layers
+    return int(decoder + logits + vision)
+
+
+def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *, _suggest: bool = True) -> MemoryPlan:
+    """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json)."""
+    mesh = check_world(cfg, world_size)
+    model, entry = _build_meta(cfg)
+    master = _BYTES[cfg.model.dtype]
+    shard = mesh.fully_shard
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parameters = num_params * master // shard
+    gradients = num_trainable * master // shard
+    moments = 2 * 4 * num_trainable // shard
+    host = 0
+    if cfg.training.optimizer == "adamw_swap":
+        host += moments
+        moments = 0
+    if cfg.parallel.fsdp_plan.cpu_offload:
+        host += parameters + gradients + moments
+        parameters = gradients = moments = 0
+    patterns = cfg.parallel.fsdp_plan.apply_modules or list(entry.fsdp_modules)
+    compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
+    copies = 2 * _largest_unit(model, patterns) * compute
+    factor = _FAMILIES.get(cfg.model.model_id, _mistral_decoder_values)
+    activations = _activations(cfg, model, factor, mesh)
+    if device_memory_bytes is None:
+        device_memory_bytes = _detected_device_memory()
+    plan = MemoryPlan(
+        world_size=world_size, shard_size=shard, num_params=num_params, num_trainable=num_trainable,
+        parameters=parameters, gradients=gradients, optimizer_states=moments, compute_copies=copies,
+        activations=activations, host=host, device_memory=device_memory_bytes,
+    )
+    if _suggest and plan.fits is False:
+        plan.suggestions = _suggestions(cfg, world_size, device_memory_bytes)
+    return plan
+
+
+def _suggestions(cfg: Config, world_size: int, device_memory: int) -> list[str]:
+    """Single changes under which the plan fits `device_memory`, in the order a user would try them."""
+    p, f, t = cfg.parallel, cfg.features, cfg.training
+    layers = [f"{(cfg.parallel.recompute_plan.apply_modules or ['model.language_model.layers.{*}'])[0]}"]
+    candidates: list[tuple[str, Config, int]] = [
+        ("parallel.recompute: true", replace(cfg, parallel=replace(p, recompute=True)), world_size),
+        ("training.optimizer: adamw_swap", replace(cfg, training=replace(t, optimizer="adamw_swap")), world_size),
+        (f"features.activation_offload_plan.apply_modules: [{layers[0]}]",
+         replace(cfg, features=replace(f, activation_offload_plan=replace(f.activation_offload_plan, apply_modules=layers))),
+         world_size),
+        ("features.enable_chunk_loss: true", replace(cfg, features=replace(f, enable_chunk_loss=True)), world_size),
+        ("training.micro_batch_size: 1", replace(cfg, training=replace(t, micro_batch_size=1)), world_size),
+        (f"{2 * world_size} processes", cfg, 2 * world_size),
+        ("parallel.fsdp_plan.cpu_offload: true",
+         replace(cfg, parallel=replace(p, fsdp_plan=replace(p.fsdp_plan, cpu_offload=True))), world_size),
+    ]
+    fitting = []
+    for text, changed, size in candidates:
+        if changed is cfg and size == world_size:
+            continue
+        try:
+            plan = memory_plan(changed, size, device_memory, _suggest=False)
+        except Exception:  # a change the mesh rules out (e.g. CP sizes) is simply not suggested
+            continue
+        if plan.fits and plan.total < memory_plan(cfg, world_size, device_memory, _suggest=False).total:
+            fitting.append(f"{text} ({plan.total / GiB:.1f} GiB)")
+    return fitting
+
+
+def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | None = None) -> list[str]:
+    """The plan as the lines `--check` prints."""
+    plan = memory_plan(cfg, world_size, device_memory_bytes)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+    lines = [
+        f"memory plan per rank ({world_size} processes, FSDP shard group {plan.shard_size}; "
+        f"{plan.num_params / 1e9:.2f} B parameters, {plan.num_trainable / 1e9:.2f} B trainable; docs/memory.md):",
+        f"  parameters        {gib(plan.parameters):>10}  ({cfg.model.dtype} master copy / {plan.shard_size})",
+        f"  gradients         {gib(plan.gradients):>10}  (trainable only)",
+        f"  optimizer states  {gib(plan.optimizer_states):>10}  "
+        + ("(adamw_swap: in host memory)" if cfg.training.optimizer == "adamw_swap" else "(AdamW: 2 x fp32)"),
+        f"  before activations{gib(plan.before_activations):>10}",
+        f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
+        f"  activations       {gib(plan.activations):>10}  (estimate)",
+        f"  total             {gib(plan.total):>10}" + (f"  (+ {gib(plan.host)} in host memory)" if plan.host else ""),
+    ]
+    if plan.device_memory is None:
+        lines.append("  device memory: not detected; pass --device-memory SIZE (e.g. 64GiB) to compare")
+    elif plan.fits:
+        lines.append(f"  fits: {gib(plan.total)} of {gib(plan.device_memory)} device memory")
+    else:
+        lines.append(f"  does not fit: {gib(plan.total)} > {gib(plan.device_memory)} device memory")
+        lines.append("  would fit with: " + ("; ".join(plan.suggestions) if plan.suggestions else "none of one change; combine them"))
+    return lines
