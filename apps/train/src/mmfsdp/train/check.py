@@ -120,7 +120,8 @@ def _weights(cfg: Config) -> list[ConfigError]:
     from mmfsdp.train.start import plan_start
 
     t = cfg.training
-    if t.load is not None and not Path(t.load).exists():
+    load_is_save = t.load is not None and t.save is not None and Path(t.load).resolve() == Path(t.save).resolve()
+    if t.load is not None and not load_is_save and not Path(t.load).exists():  # load == save: the first run has none yet
         what = "an HF directory" if t.load_format == "hf" else "a DCP checkpoint directory"
         return [ConfigError("training.load", f"{t.load} does not exist; give {what}, or remove training.load")]
     try:
