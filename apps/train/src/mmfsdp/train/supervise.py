@@ -34,6 +34,9 @@ The pieces and where they run:
   evaluation: those have no bounded duration, and there the collective timeout
   (`parallel.collective_timeout_s`) is the guard. It is armed by the beat after
   each completed step (and after each save); micro-batch beats refresh it.
+  Before exiting, the hung rank SIGKILLs sibling ranks of its launcher that are
+  stopped (SIGSTOP, state T): they cannot act on the agent's SIGTERM, and the
+  agent would wait 30 s for them before its own SIGKILL.
 - `take_save_lock()` — the `mmfsdp.ckpt.SaveDirLock` on `training.save`, taken
   by the launcher (or global rank 0 under an external torchrun), released at
   exit; `MMFSDP_SAVE_LOCKED=1` tells ranks their launcher holds it.
@@ -165,7 +168,7 @@ class Heartbeat:
         self.rank = rank
         self.output_dir = Path(output_dir)
         self.watched = thread or threading.main_thread()
-        self.on_hang = on_hang or (lambda: os._exit(HANG_EXIT_CODE))
+        self.on_hang = on_hang or _exit_after_hang
         self.phase = "start-up"
         self.armed = False
         self.last = time.monotonic()
@@ -221,6 +224,35 @@ class Heartbeat:
             line += f" (could not write {path}: {err})"
         print(line, file=sys.stderr, flush=True)
         return line
+
+
+def _stopped_siblings() -> list[int]:
+    """PIDs of the other ranks of this launcher that are stopped (state T/t in `/proc/<pid>/stat`)."""
+    parent, run_id = os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+    found = []
+    for entry in Path("/proc").iterdir() if run_id else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent and fields[0] in ("T", "t") \
+                    and b"TORCHELASTIC_RUN_ID=" + run_id in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _exit_after_hang() -> None:
+    # The elastic agent stops the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank
+    # cannot act on SIGTERM, so it would hold the job for those 30 s. The job ends anyway: kill it now.
+    for pid in _stopped_siblings():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            print(f"[rank {os.environ.get('RANK', '?')}] killed stopped rank process {pid}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+    os._exit(HANG_EXIT_CODE)
 
 
 _heartbeat: Heartbeat | None = None

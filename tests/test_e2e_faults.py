@@ -1,0 +1,178 @@
+"""Faults around processes, through the real app (2 CPU ranks of examples/tiny): a SIGKILLed launcher leaves
+no rank behind; a locked `training.save` stops a second run with one line, a stale lock is taken over; a
+SIGSTOPped rank makes the others report where they wait and exit; an error every rank hits is printed once.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmfsdp.ckpt import LOCK_FILENAME
+from mmfsdp.data import prepare_dataset
+from mmfsdp.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny" / "config.yaml"
+APP = ROOT / "apps" / "train"
+
+pytestmark = pytest.mark.slow
+
+
+def _overrides(data: Path, out: Path, **extra) -> list[str]:
+    items = {
+        "data.dataset_param.basic_parameters.dataset_dir": data / "data",
+        "data.dataset_param.basic_parameters.cache_dir": data / "cache",
+        "data.dataset_param.synthetic.num_train": 32,
+        "data.dataset_param.synthetic.num_eval": 4,
+        "training.micro_batch_size": 2,
+        "training.train_iters": 10000,  # still running when the test acts
+        "training.log_interval": 1,
+        "training.save": out / "ckpt",
+        "training.save_interval": 0,
+        "training.output_dir": out,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def _command(data, out, **extra):
+    return [sys.executable, str(APP), str(TINY), *_overrides(data, out, **extra), "--nproc-per-node", "2"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(item for item in env if item.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def _start_and_wait_for_step(cmd, out: Path, step: int, stderr=subprocess.DEVNULL):
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l):
+            return proc
+        if proc.poll() is not None:
+            pytest.fail("the run ended before the test could act")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no step {step} within 300 s")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    prepare_dataset(load_config(TINY, _overrides(tmp, tmp / "unused")).data)
+    return tmp
+
+
+def test_sigkill_of_the_launcher_leaves_no_rank(data, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_and_wait_for_step(_command(data, out), out, 1)
+    ranks = [pid for pid in _children(proc.pid) if _alive(pid)]
+    assert len(ranks) == 2, ranks
+    try:
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only, as a scheduler cancelling the job would
+        proc.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert (out / "ckpt" / LOCK_FILENAME).exists()  # left behind by the SIGKILL: the next run takes it over
+
+
+def test_a_locked_save_directory_stops_a_second_run(data, tmp_path):
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": "2026-12-02 10:00:00 UTC", "command": "first run"}
+    (out / "ckpt" / LOCK_FILENAME).write_text(json.dumps(owner))
+    proc = subprocess.run(_command(data, out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"in use by another run (host {socket.gethostname()}, PID {os.getpid()}, since 2026-12-02 10:00:00 UTC" in lines[0]
+    assert "wait for it to end, stop it, or choose another training.save" in lines[0]
+    assert not (out / "metrics.jsonl").exists()
+    assert json.loads((out / "ckpt" / LOCK_FILENAME).read_text()) == owner
+
+
+def test_a_stale_lock_is_taken_over_and_an_error_on_every_rank_is_printed_once(data, tmp_path):
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / "ckpt" / LOCK_FILENAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    # One AdamW step at this lr moves every weight by ~lr: the next loss overflows on every rank, an error the
+    # launcher's own check cannot see before the ranks start.
+    diverge = {"training.lr": 1.0e30, "training.lr_min": 0.0, "training.lr_decay_style": "constant",
+               "training.lr_warmup_ratio": 0.0}
+    proc = subprocess.run(_command(data, out, **diverge), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    notices = [l for l in proc.stdout.splitlines() if "took over a stale lock" in l]
+    assert len(notices) == 1 and f"PID {dead.pid} is not running" in notices[0], proc.stdout[-2000:]
+    errors = [l for l in proc.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1, proc.stderr
+    assert "is not finite at step " in errors[0] and "lower training.lr" in errors[0]
+    assert proc.stderr.strip().splitlines()[-1].startswith("training failed: rank ")
+    assert not (out / "ckpt" / LOCK_FILENAME).exists(), "the lock is released when the run ends"
+
+
+def test_a_stopped_rank_makes_the_others_report_and_exit(data, tmp_path):
+    out = tmp_path / "run"
+    collective_timeout, heartbeat = 20, 10
+    cmd = _command(data, out, **{"parallel.collective_timeout_s": collective_timeout,
+                                 "parallel.heartbeat_timeout_s": heartbeat})
+    proc = _start_and_wait_for_step(cmd, out, 2, stderr=subprocess.PIPE)
+    ranks = {_rank_of(pid): pid for pid in _children(proc.pid) if _alive(pid)}
+    assert sorted(ranks) == [0, 1]
+    stopped = ranks[1]
+    try:
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.time()
+        try:
+            _, stderr = proc.communicate(timeout=collective_timeout + heartbeat + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the run did not end after a rank was stopped")
+        assert time.time() - started <= collective_timeout + heartbeat, "the launcher ended later than timeout + heartbeat"
+        assert proc.returncode == 1
+        assert not _alive(ranks[0]) and not _alive(stopped), "a rank outlived the run"
+        waiting = [l for l in stderr.splitlines() if l.startswith("[rank 0] no progress for ")]
+        assert len(waiting) == 1, stderr[-3000:]
+        assert "waiting in " in waiting[0] and "called from " in waiting[0] and "in step " in waiting[0]
+        report = (out / "hang_rank0.txt").read_text()
+        assert report.startswith(waiting[0]) and "torch/distributed" in report
+        assert "no progress: see hang_rank*.txt" in stderr
+    finally:
+        if _alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
