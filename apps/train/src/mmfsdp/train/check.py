@@ -183,10 +183,14 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
 
 
 def _match_one(model, pattern: str, key: str, errors: list[ConfigError]) -> list[str]:
+    """The modules `pattern` matches; none is an error under `key` naming the closest modules."""
     from mmfsdp.parallel.patterns import match_module_names
 
-    names = _collect(errors, match_module_names, model, [pattern], key=key)
-    return names or []
+    try:
+        return match_module_names(model, [pattern], key=key)
+    except ConfigError as err:
+        errors.append(ConfigError(key, err.message))
+        return []
 
 
 def _writable_dirs(cfg: Config) -> list[ConfigError]:
