@@ -249,7 +249,8 @@ def _exit_after_hang() -> None:
     for pid in _stopped_siblings():
         try:
             os.kill(pid, signal.SIGKILL)
-            print(f"[rank {os.environ.get('RANK', '?')}] killed stopped rank process {pid}", file=sys.stderr, flush=True)
+            rank = os.environ.get("RANK", "?")
+            print(f"[rank {rank}] killed stopped rank process {pid}", file=sys.stderr, flush=True)
         except OSError:
             pass
     os._exit(HANG_EXIT_CODE)
@@ -270,7 +271,7 @@ def start_heartbeat(timeout_s: float, *, rank: int, output_dir: str | os.PathLik
 
 
 def beat(phase: str, *, arm: bool = False) -> None:
-    """Progress in `phase`; `arm=True` (after a completed step or save) starts the watch. A no-op without a heartbeat."""
+    """Progress in `phase`; `arm=True` (after a completed step or save) starts the watch. No-op without a heartbeat."""
     if _heartbeat is not None:
         _heartbeat.beat(phase, arm=arm)
 
