@@ -1,0 +1,136 @@
+"""`apps/train --check`: every problem one line naming its key, all at once, exit 2, no traceback."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmfsdp.train.cli import main
+from mmfsdp.train.metrics import MetricsWriter
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "examples" / "tiny" / "config.yaml"
+ASSETS = ROOT / "examples" / "tiny" / "assets"
+
+
+def _check(capsys, tmp_path, *overrides):
+    code = main([str(TINY), "--check", f"training.output_dir={tmp_path / 'out'}", *overrides, "--nproc-per-node", "2"])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("config error: ")]
+    return code, lines, captured
+
+
+def _only(capsys, tmp_path, key, *overrides):
+    code, lines, captured = _check(capsys, tmp_path, *overrides)
+    assert code == 2 and "Traceback" not in captured.err
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {key}: "), captured.err
+    return lines[0]
+
+
+def test_tiny_config_passes(capsys, tmp_path):
+    code, lines, captured = _check(capsys, tmp_path)
+    assert code == 0 and not lines
+    assert "check passed: 2 processes" in captured.out
+
+
+def test_model_dir_without_safetensors(capsys, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(ASSETS / "config.json", model_dir / "config.json")
+    line = _only(capsys, tmp_path, "model.model_name_or_path", f"model.model_name_or_path={model_dir}", "model.random_init=false")
+    assert "no safetensors" in line
+
+
+def test_freeze_pattern_matching_nothing(capsys, tmp_path):
+    line = _only(capsys, tmp_path, r"model.freeze[0]", "model.freeze=[model.visual]")
+    assert "model.vision_tower" in line
+
+
+def test_freeze_everything(capsys, tmp_path):
+    _only(capsys, tmp_path, "model.freeze", "model.freeze=[model, lm_head]")
+
+
+def test_fsdp_pattern_matching_nothing(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "parallel.fsdp_plan.apply_modules[0]", "parallel.fsdp_plan.apply_modules=['model.layers.{*}']")
+    assert "model.language_model.layers.{*}" in line
+
+
+def test_unknown_collator(capsys, tmp_path):
+    _only(capsys, tmp_path, "data.dataloader_param.collate_param.model_name", "data.dataloader_param.collate_param.model_name=pixtrall")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("flash_attn") is not None, reason="flash_attn is installed here")
+def test_flash_attention_without_flash_attn(capsys, tmp_path):
+    _only(capsys, tmp_path, "model.attn_implementation", "model.attn_implementation=flash_attention_2")
+
+
+def test_missing_training_load(capsys, tmp_path):
+    _only(capsys, tmp_path, "training.load", f"training.load={tmp_path / 'nowhere'}")
+
+
+def test_output_dir_not_creatable(capsys, tmp_path):
+    parent = tmp_path / "a_file"
+    parent.write_text("")
+    code, lines, captured = _check(capsys, tmp_path, f"training.output_dir={parent / 'x'}")
+    assert code == 2 and lines == [f"config error: training.output_dir: {parent / 'x'} cannot be created: {parent} is a file, not a directory"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses permissions")
+def test_output_dir_not_writable(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    _only(capsys, tmp_path, "training.save", f"training.save={locked / 'ckpt'}")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("training.adam_beta1=1.0", "training.adam_beta1"),
+    ("training.adam_beta2=-0.1", "training.adam_beta2"),
+    ("training.adam_eps=0", "training.adam_eps"),
+    ("training.weight_decay=-0.01", "training.weight_decay"),
+    ("training.clip_grad=.inf", "training.clip_grad"),
+    ("training.seed=4294967296", "training.seed"),
+    ("data.dataset_param.synthetic.seed=-1", "data.dataset_param.synthetic.seed"),
+])
+def test_value_ranges(capsys, tmp_path, override, key):
+    _only(capsys, tmp_path, key, override)
+
+
+def test_profile_steps_within_train_iters(capsys, tmp_path):
+    _only(capsys, tmp_path, "tools.profile.end_step", "tools.profile.enable=true", "training.train_iters=2", "tools.profile.end_step=3")
+
+
+def test_several_problems_reported_together(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "apps/train", str(TINY), "model.freeze=[model.visual]", "--check", "training.adam_eps=0",
+         "--nproc-per-node", "2", "data.dataloader_param.collate_param.model_name=nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in out.stderr.splitlines() if line.startswith("config error: ")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "training.adam_eps", "data.dataloader_param.collate_param.model_name", "model.freeze[0]",
+    ], out.stderr
+
+
+def test_eta_counts_the_steps_done_since_the_timer_started(tmp_path, monkeypatch):
+    clock = iter([100.0, 120.0])
+    monkeypatch.setattr("mmfsdp.train.metrics.time.perf_counter", lambda: next(clock))
+    fresh = MetricsWriter(tmp_path, total_steps=100)
+    assert fresh.eta_s(20) == pytest.approx(20.0 / 20 * 80)  # 20 steps in 20 s, 80 left
+    clock = iter([100.0, 120.0])
+    resumed = MetricsWriter(tmp_path, total_steps=100, start_step=50)
+    assert resumed.eta_s(60) == pytest.approx(20.0 / 10 * 40)
+
+
+def test_gen_config_reference_help_and_check():
+    script = ROOT / "tools" / "gen_config_reference.py"
+    doc = ROOT / "docs" / "configuration.md"
+    before = doc.read_bytes()
+    helped = subprocess.run([sys.executable, str(script), "-h"], capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "--write" in helped.stdout and "--check" in helped.stdout
+    checked = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr  # docs/configuration.md is current
+    assert doc.read_bytes() == before
