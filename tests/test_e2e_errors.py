@@ -1,7 +1,8 @@
 """A user's mistake through the real app is one clear line naming the file or key, never a traceback.
 
 Config-level mistakes go through the app's `main` in-process with `--check` (what `apps/train CONFIG --check`
-runs); a strict-mode bad row goes through the real 2-process run, where the error is raised on every rank.
+runs); a strict-mode bad row and a pickle in a checkpoint go through the real 2-process run, where the error
+is raised on every rank and must be printed once.
 """
 
 import json
@@ -11,9 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
+from mmfsdp.ckpt import COMPLETE_FILENAME
+from mmfsdp.data import prepare_dataset
 from mmfsdp.train.cli import main
+from mmfsdp.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
@@ -83,5 +88,36 @@ def test_strict_bad_row_through_the_app_is_one_line(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in output, output[-4000:]
     errors = [line for line in output.splitlines() if "image_outside_dataset_dir" in line]
-    assert errors, output[-4000:]
+    assert len(errors) == 1, output[-4000:]
     assert f"{dataset} row 1: image_outside_dataset_dir: ../outside.png resolves to {tmp_path / 'outside.png'}" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_pickle_in_rank_0_pt_is_one_line_printed_once(tmp_path):
+    overrides = [
+        f"{BASIC}.dataset_dir={tmp_path / 'data'}", f"{BASIC}.cache_dir={tmp_path / 'cache'}",
+        "data.dataset_param.synthetic.num_train=8", "data.dataset_param.synthetic.num_eval=2",
+        "training.micro_batch_size=2", "training.train_iters=1", "training.save_interval=1",
+        f"training.save={tmp_path / 'ckpt'}", f"training.output_dir={tmp_path / 'out'}",
+    ]
+    prepare_dataset(load_config(TINY, overrides).data)
+    command = [sys.executable, str(APP), str(TINY), *overrides, "--nproc-per-node", "2"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-4000:]
+    (iteration,) = (tmp_path / "ckpt").glob("iter_*")
+    rank_file = iteration / "rank_0.pt"
+    torch.save({"loader": Path("/etc")}, rank_file)  # a Python object where tensors belong
+    marker = iteration / COMPLETE_FILENAME
+    listing = json.loads(marker.read_text())
+    listing["files"]["rank_0.pt"] = rank_file.stat().st_size  # the marker rewritten too: only the load can tell
+    marker.write_text(json.dumps(listing))
+
+    second = subprocess.run([*command[:-2], "training.train_iters=2", *command[-2:]], capture_output=True,
+                            text=True, timeout=180, cwd=ROOT)
+    output = second.stdout + second.stderr
+    assert second.returncode != 0
+    assert "Traceback" not in output and "weights_only" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if str(rank_file) in line]
+    assert len(errors) == 1, output[-4000:]
+    assert "is not a tensor file" in errors[0]
