@@ -1,26 +1,9 @@
 #!/usr/bin/env bash
 # Fine-tune Magistral-Small-2509 on 4 accelerators per node, AdamW moments in host memory (CUDA GPUs or Ascend NPUs: the trainer detects the device).
 # Single node: bash examples/magistral-2509/finetune_4card.sh
-# Multi-node: set MASTER_ADDR to the first node's address, NNODES to the number of nodes and NODE_RANK per node.
-# Extra arguments are config overrides, e.g. training.train_iters=100
+# Multi-node and overrides: as in finetune_8card.sh, which this runs with the 4-card defaults.
 set -euo pipefail
 
-NPUS_PER_NODE=${NPUS_PER_NODE:-4}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-CONFIG=${CONFIG:-examples/magistral-2509/config_4card.yaml}
-
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
-
-cd "$(dirname "$0")/../.."
-uv run torchrun \
-  --nproc-per-node "$NPUS_PER_NODE" \
-  --nnodes "$NNODES" \
-  --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" \
-  --master-port "$MASTER_PORT" \
-  apps/train "$CONFIG" "$@"
+export NPUS_PER_NODE=${NPUS_PER_NODE:-4}
+export CONFIG=${CONFIG:-examples/magistral-2509/config_4card.yaml}
+exec bash "$(dirname "$0")/finetune_8card.sh" "$@"
