@@ -140,7 +140,7 @@ class Trainer:
         self.step = 0
         self.history: list[StepResult] = []
         self._resume()
-        self.metrics = MetricsWriter(self.output_dir, t.train_iters)
+        self.metrics = MetricsWriter(self.output_dir, t.train_iters, start_step=self.step)
 
     # -- build -------------------------------------------------------------------------------
     def _pad_multiple(self) -> int:
