@@ -102,6 +102,42 @@ def test_profile_steps_within_train_iters(capsys, tmp_path):
     _only(capsys, tmp_path, "tools.profile.end_step", "tools.profile.enable=true", "training.train_iters=2", "tools.profile.end_step=3")
 
 
+@pytest.mark.parametrize("key,value,closest", [
+    ("data.dataset_param.preprocess_parameters.template", "mistrall", "mistral"),
+    ("data.dataset_param.preprocess_parameters.image_plugin", "pixtrall", "pixtral"),
+    ("data.dataset_param.dataset_type", "huggingfce", "huggingface"),
+])
+def test_unknown_registry_names_suggest_the_closest(capsys, tmp_path, key, value, closest):
+    line = _only(capsys, tmp_path, key, f"{key}={value}")
+    assert f"did you mean '{closest}'" in line
+
+
+def test_recompute_pattern_matching_nothing(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "parallel.recompute_plan.apply_modules[0]", "parallel.recompute=true",
+                 "parallel.recompute_plan.apply_modules=['model.layers.{*}']")
+    assert "model.language_model.layers.{*}" in line
+
+
+def test_missing_dataset_file_and_dataset_dir_are_both_named(capsys, tmp_path):
+    missing = tmp_path / "nowhere"
+    code, lines, captured = _check(capsys, tmp_path, "data.dataset_param.dataset_type=huggingface",
+                                   f"data.dataset_param.basic_parameters.dataset={missing / 'train.jsonl'}",
+                                   f"data.dataset_param.basic_parameters.dataset_dir={missing}")
+    assert code == 2 and "Traceback" not in captured.err
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "data.dataset_param.basic_parameters.dataset", "data.dataset_param.basic_parameters.dataset_dir"], captured.err
+
+
+def test_cache_dir_not_creatable(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _only(capsys, tmp_path, "data.dataset_param.basic_parameters.cache_dir", f"data.dataset_param.basic_parameters.cache_dir={blocker / 'cache'}")
+
+
+def test_nan_float(capsys, tmp_path):
+    assert "nan" in _only(capsys, tmp_path, "training.lr", "training.lr=.nan")
+
+
 def test_several_problems_reported_together(tmp_path):
     out = subprocess.run(
         [sys.executable, "apps/train", str(TINY), "model.freeze=[model.visual]", "--check", "training.adam_eps=0",
