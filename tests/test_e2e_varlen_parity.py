@@ -9,6 +9,8 @@ tokens (equal `num_tokens`):
 - packed rows (no 1-process patching: rows are planned on unpadded lengths, so
   CP's per-sample padding leaves them alone): ring 2, ring 2 + chunk loss,
   Ulysses 2 (each 2 processes, one CP group), and dp 2 × ring 2 (4 processes);
+  each also checks that planning on padded lengths (the old loader) would have
+  given other rows here, so these cases catch that bug coming back;
 - `per_token` and `per_sample` on 2 processes (FSDP dp 2), also with gradient
   accumulation 2: the logged loss and the gradient do not depend on the layout.
 
@@ -28,7 +30,7 @@ from mmfsdp.train.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 STEPS = 5
-CUTOFF = 96  # the longest sample of either dataset has 87 tokens: rows hold 1-4 samples
+CUTOFF = 136  # the longest sample has 87 tokens; at this row budget padding before planning would change the rows
 
 
 def _overrides(tmp: Path, dataset: str, name: str, **extra) -> list[str]:
@@ -63,8 +65,27 @@ def _train(rank, world_size, runs):
             "layout": {"world": world_size, "dp": trainer.dims.dp_size, "ring": plan.ring, "ulysses": plan.ulysses},
             "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
             "samples_per_row": [len(row) for key in trainer.loader._epoch_plan(0)[:STEPS] for row in key],
+            "padded_plan_differs": _padded_plan_differs(trainer.loader, plan.ring, plan.ulysses),
         }
     return results
+
+
+def _padded_plan_differs(loader, ring: int, ulysses: int) -> bool:
+    """Whether planning on lengths padded to CP's multiple (the old loader) gives other first rows than the
+    loader's unpadded plan: the CP cases below only guard that fix when it does."""
+    import numpy as np
+
+    from mmfsdp.data.loader import plan_epoch
+    from mmfsdp.parallel.cp.layout import required_multiple
+
+    multiple = required_multiple(ring, ulysses)
+    lengths = np.asarray(loader.dataset.lengths)
+    padded = -(-lengths // multiple) * multiple
+    old = plan_epoch(
+        padded, epoch=0, seed=loader.seed, shuffle=loader.shuffle, packing=loader.packing, capacity=loader.capacity,
+        micro_batch_size=loader.micro_batch_size, dp_rank=loader.dp_rank, dp_size=loader.dp_size, drop_last=loader.drop_last,
+    )
+    return old[:STEPS] != loader._epoch_plan(0)[:STEPS]
 
 
 # name: (world size, dataset, overrides); each reference is shared by the cases that compare with it
@@ -147,6 +168,8 @@ def test_varlen_references_are_varied_and_learn(results):
     packed, unpacked = results["ref_packed"]["steps"], results["ref_per_token"]["steps"]
     assert len({tokens for _, _, tokens in packed}) > 1 and len({tokens for _, _, tokens in unpacked}) > 1
     assert max(results["ref_packed"]["samples_per_row"]) > 1 and max(results["ref_packed_mbs2"]["samples_per_row"]) > 1
+    for name in ("ring2", "ring2_chunk", "ulysses2", "dp2_ring2"):
+        assert results[name]["padded_plan_differs"], f"{name}: padding before planning would give the same rows here"
     for ref in ("ref_packed", "ref_packed_mbs2", "ref_per_token", "ref_per_sample"):
         steps = results[ref]["steps"]
         assert steps[-1][0] < steps[0][0], f"{ref} should learn"
