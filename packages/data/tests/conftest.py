@@ -140,3 +140,46 @@ class Helpers:
 @pytest.fixture(scope="session")
 def h() -> type[Helpers]:
     return Helpers
+
+
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
+QWEN_PRETOKENIZE = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN_CORPUS = [
+    "You are a careful assistant.\nAnswer briefly, please.",
+    "What is in this picture? A noisy square. Compare it with this one and tell me which is wider.",
+    "The second one is wider. Thanks! Anything else? No, that's all. What shape and colour is this? a red circle",
+]
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen-VL-style model directory: a small byte-level BPE with Qwen's regex and special tokens + a 16-px, merge-2 image processor."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("qwen")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(QWEN_CORPUS, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(str(out))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "patch_size": 16,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            }
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_processor(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    return build_processor(data_config(qwen_dir, tmp_path_factory.mktemp("unused"), preprocess={"template": "qwen3_vl_nothink"}))

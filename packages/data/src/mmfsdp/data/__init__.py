@@ -9,15 +9,17 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
    plugin, cached), images decoded lazily per item; bad rows skipped and counted.
 4. `build_dataloader(dataset, data_cfg, micro_batch_size=, dp_rank=, dp_size=, seed=,
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
-   batches (`input_ids`, `labels`, `attention_mask`, `position_ids`, `pixel_values`,
-   `image_sizes`, and with packing `cu_seq_lens`, `max_length`).
+   batches: the keys the collator declares in its `batch_schema` (model inputs such as
+   `input_ids`, `attention_mask`, `pixel_values`; `labels`; with packing the
+   boundaries `cu_seq_lens`, `max_length`); `split_batch(batch, schema)` separates them.
 
-Each of templates (`mistral`), image plugins (`pixtral`), collators (`pixtral`) and
-dataset types (`huggingface`, `synthetic_shapes`) is a registry keyed by the name
-written in YAML. See docs/data.md.
+Each of templates (`mistral`, `qwen3_vl`, `qwen3_vl_nothink`), image plugins
+(`pixtral`, `qwen2_vl`), collators (`pixtral`, `qwen3vl`) and dataset types
+(`huggingface`, `synthetic_shapes`) is a registry keyed by the name written in YAML.
+See docs/data.md.
 """
 
-from mmfsdp.data.collators import PixtralCollator, get_collator, register_collator
+from mmfsdp.data.collators import Collator, KeySpec, PixtralCollator, Qwen3VLCollator, get_collator, register_collator, split_batch
 from mmfsdp.data.config import (
     AttrConfig,
     BasicParametersConfig,
@@ -32,9 +34,9 @@ from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
 from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, prepare_dataset, register_dataset_type
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
-from mmfsdp.data.plugins import PixtralPlugin, get_plugin, register_plugin
+from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, get_plugin, register_plugin
 from mmfsdp.data.processor import MMProcessor, build_processor
-from mmfsdp.data.templates import IGNORE_INDEX, TemplateEncoder, TemplateSpec, get_template, register_template
+from mmfsdp.data.templates import IGNORE_INDEX, MistralTemplate, Qwen3VLNoThinkTemplate, Qwen3VLTemplate, Template, get_template, register_template
 
 __all__ = [
     "AttrConfig",
@@ -42,6 +44,7 @@ __all__ = [
     "BadSample",
     "BasicParametersConfig",
     "CollateParamConfig",
+    "Collator",
     "Conversation",
     "DataConfig",
     "DataError",
@@ -50,16 +53,22 @@ __all__ = [
     "DatasetType",
     "IGNORE_INDEX",
     "IMAGE_PLACEHOLDER",
+    "ImagePlugin",
+    "KeySpec",
     "MMProcessor",
+    "MistralTemplate",
     "PixtralCollator",
     "PixtralPlugin",
     "PreprocessParametersConfig",
+    "Qwen2VLPlugin",
+    "Qwen3VLCollator",
+    "Qwen3VLNoThinkTemplate",
+    "Qwen3VLTemplate",
     "SFTDataset",
     "SampleEncoder",
     "StatefulDataLoader",
     "SyntheticConfig",
-    "TemplateEncoder",
-    "TemplateSpec",
+    "Template",
     "build_dataloader",
     "build_dataset",
     "build_processor",
@@ -75,4 +84,5 @@ __all__ = [
     "register_dataset_type",
     "register_plugin",
     "register_template",
+    "split_batch",
 ]

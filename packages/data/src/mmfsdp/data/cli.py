@@ -40,11 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _render(ids: list[int], labels: list[int], processor: Any, image_ids: frozenset[int], end_id: int, break_id: int) -> str:
-    """Decoded text; image blocks collapse to `<image ROWSxCOLS>`; trained runs are bracketed."""
+def _render(ids: list[int], labels: list[int], processor: Any, plugin: Any, grids: list[tuple[int, ...]]) -> str:
+    """Decoded text; each image block collapses to `<image LABEL>` (the plugin's label of its grid); trained runs are bracketed."""
     out: list[str] = []
     run: list[int] = []
     run_trained = False
+    blocks = iter(grids)
 
     def flush() -> None:
         if run:
@@ -54,15 +55,11 @@ def _render(ids: list[int], labels: list[int], processor: Any, image_ids: frozen
 
     i = 0
     while i < len(ids):
-        if ids[i] in image_ids:
+        if ids[i] in plugin.image_token_ids:
             flush()
-            j = i
-            while ids[j] != end_id:
-                j += 1
-            block = ids[i : j + 1]
-            rows = sum(1 for t in block if t in (break_id, end_id))
-            out.append(f"<image {rows}x{(len(block) - rows) // rows}>")
-            i = j + 1
+            grid = next(blocks)
+            out.append(f"<image {plugin.label(grid)}>")
+            i += len(plugin.image_tokens(grid))
             continue
         trained = labels[i] != -100
         if trained != run_trained:
@@ -116,11 +113,12 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"tokens: {len(ids)} (trained: {trained}, cutoff_len: {dataset.encoder.cutoff_len})")
     if "bad_reason" in item:
         print(f"images: cannot be loaded: {item['bad_reason']}: {item['bad_detail']}")
-    for k, (path, (rows, cols)) in enumerate(zip(record["images"], record["image_grids"])):
+    grids = [tuple(g) for g in record["image_grids"]]
+    for k, (path, grid) in enumerate(zip(record["images"], grids)):
         size = f", processed to {image_sizes[k][0]}x{image_sizes[k][1]} px" if image_sizes else ""
-        print(f"image {k}: {path}: grid {rows}x{cols} -> {rows * cols} [IMG] + {rows} break/end = {rows * (cols + 1)} tokens{size}")
+        print(f"image {k}: {path}: {plugin.describe(grid)}{size}")
     print(f"text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
-    print(_render(ids, labels, dataset.processor, plugin.image_token_ids, plugin.end_id, plugin.break_id))
+    print(_render(ids, labels, dataset.processor, plugin, grids))
     return 0
 
 

@@ -1,5 +1,19 @@
 """Collators: samples -> one padded batch dict, registry keyed by `collate_param.model_name`.
 
+Every collator implements `Collator` and declares its batch in `batch_schema`: for
+each key it may return, a `KeySpec` saying what the key is —
+
+- `"input"`: a model input, passed to the model's forward as it is (nothing
+  generic lists a family's input names; the trainer reads them from the schema);
+- `"labels"`: the targets (`-100` = not trained), for the loss, never the model;
+- `"boundary"`: sample boundaries (`cu_seq_lens`, `max_length`), for varlen attention
+  and context parallel —
+
+and how it packs and splits: `seq_dim` is its token dimension (what context parallel
+splits, what padding extends, filled with `pad_value`); `None` = not per token
+(pixels, grids, boundaries), kept whole. Keys absent from a batch (no image, no
+packing) are simply missing. VeOmni's `DataCollateInfo` is the model.
+
 A collator receives *rows*, each a list of samples (one sample per row without
 packing, several with packing). Per row the samples' tokens are concatenated; the
 batch is right-padded to the longest row rounded up to `pad_to_multiple_of`
@@ -8,28 +22,37 @@ batch is right-padded to the longest row rounded up to `pad_to_multiple_of`
 `sample_multiple` (context parallel's `required_multiple`) makes every sample's
 length a multiple of it: without packing it joins the row multiple; with packing
 each sample is followed by its own padding up to the multiple (pad ids, labels
--100, attention_mask 0, positions running on), which stays inside the sample's
-`cu_seq_lens` segment, so context parallel can split every packed sample.
-
-`position_ids` restart at 0 for every sample. Without packing a row's positions run
-on through its padding (`arange(S)`). With packing the padding of a row is a segment
-of its own (positions 0, 1, ... again), and `cu_seq_lens` lists every segment's
-boundaries over the flattened `B·S` tokens (int32, from 0 to `B·S`), so the
-boundaries derived from `position_ids` and `cu_seq_lens` always agree and varlen
+-100, attention_mask 0), which stays inside the sample's `cu_seq_lens` segment, so
+context parallel can split every packed sample. With packing the padding at the end
+of a row is a segment of its own, and `cu_seq_lens` lists every segment's
+boundaries over the flattened `B·S` tokens (int32, from 0 to `B·S`), so varlen
 attention never mixes two samples (or a sample and padding). `max_length` is the
 longest segment.
 
-Images of all samples, in row order, are padded with zeros at the bottom/right to
-the batch's tallest and widest image and stacked into `pixel_values` `[N, 3, H, W]`
-— the layout the HF Pixtral image processor returns for the same images —
-with `image_sizes` `[N, 2]` (height, width). Both keys are absent when no sample
-has an image.
+`pixtral` also returns `position_ids`, restarting at 0 for every sample (without
+packing a row's positions run on through its padding, `arange(S)`; with packing
+the end-of-row padding segment restarts too, so the boundaries derived from
+`position_ids` and `cu_seq_lens` always agree). Images of all samples, in row
+order, are padded with zeros at the bottom/right to the batch's tallest and widest
+image and stacked into `pixel_values` `[N, 3, H, W]` — the layout the HF Pixtral
+image processor returns for the same images — with `image_sizes` `[N, 2]` (height,
+width). Both keys are absent when no sample has an image.
+
+`qwen3vl` returns no `position_ids`: Qwen3-VL computes its M-RoPE positions itself
+from `input_ids`, `image_grid_thw` and `mm_token_type_ids` (0 text, 1 image token;
+transformers' `Qwen3VLModel` requires it whenever images are passed). Samples carry
+their own `mm_token_type_ids` (from the image plugin's `token_inputs`); the
+collator pads them with 0.
+`pixel_values` `[Σ t·h·w, C·T·P·P]` are the samples' flattened patches concatenated
+in row order and `image_grid_thw` `[N, 3]` their grids, as `Qwen2VLImageProcessor`
+returns them for the same images; both are absent when no sample has an image.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -37,9 +60,53 @@ from mmfsdp.config import Registry
 
 from mmfsdp.data.templates import IGNORE_INDEX
 
-__all__ = ["PixtralCollator", "collator_names", "get_collator", "register_collator"]
+__all__ = [
+    "Collator",
+    "KeySpec",
+    "PixtralCollator",
+    "Qwen3VLCollator",
+    "collator_names",
+    "get_collator",
+    "register_collator",
+    "split_batch",
+]
 
-_COLLATORS: Registry[type] = Registry("collator", "data.dataloader_param.collate_param.model_name")
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """What one key of a batch is and how it packs and splits."""
+
+    kind: Literal["input", "labels", "boundary"]
+    """`input` = passed to the model as is; `labels` = the loss targets; `boundary` = sample boundaries."""
+    seq_dim: int | None = None
+    """The key's token dimension (split by context parallel, extended by padding); None = not per token, kept whole."""
+    pad_value: int | None = None
+    """What padding positions along `seq_dim` hold."""
+
+
+@runtime_checkable
+class Collator(Protocol):
+    """Rows of samples -> one batch dict whose keys `batch_schema` declares."""
+
+    name: ClassVar[str]
+    """The name users write in `collate_param.model_name`."""
+    batch_schema: ClassVar[Mapping[str, KeySpec]]
+    """Every key the collator may return."""
+
+    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False, sample_multiple: int = 1): ...
+
+    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+def split_batch(batch: Mapping[str, Any], schema: Mapping[str, KeySpec]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(model inputs, labels, boundaries) of `batch`, by each key's `KeySpec.kind`; a key the schema lacks is a bug."""
+    out: dict[str, dict[str, Any]] = {"input": {}, "labels": {}, "boundary": {}}
+    for key, value in batch.items():
+        out[schema[key].kind][key] = value
+    return out["input"], out["labels"], out["boundary"]
+
+
+_COLLATORS: Registry[type[Collator]] = Registry("collator", "data.dataloader_param.collate_param.model_name")
 
 
 def register_collator(cls: type) -> type:
@@ -50,8 +117,11 @@ def collator_names() -> list[str]:
     return _COLLATORS.names()
 
 
-def get_collator(name: str) -> type:
+def get_collator(name: str) -> type[Collator]:
     return _COLLATORS.get(name)
+
+
+_BOUNDARIES = {"cu_seq_lens": KeySpec("boundary"), "max_length": KeySpec("boundary")}
 
 
 def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
@@ -63,11 +133,8 @@ def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-@register_collator
-class PixtralCollator:
-    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`."""
-
-    name = "pixtral"
+class _RowCollator:
+    """Text layout shared by the collators: padding, per-sample spans and packing segments."""
 
     def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False, sample_multiple: int = 1):
         assert pad_to_multiple_of >= 1 and sample_multiple >= 1
@@ -82,52 +149,121 @@ class PixtralCollator:
             return num_tokens
         return math.ceil(num_tokens / self.sample_multiple) * self.sample_multiple
 
-    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def _rows(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         rows = [[r] if isinstance(r, dict) else list(r) for r in rows]
         assert rows and all(rows), "a batch needs at least one row and every row at least one sample"
         if not self.packing:
             assert all(len(r) == 1 for r in rows), "several samples in a row need packing=True"
+        return rows
+
+    def _text(self, rows: list[list[dict[str, Any]]]) -> tuple[dict[str, Any], list[list[tuple[int, int]]], list[int]]:
+        """`input_ids`, `labels`, `attention_mask` `[B, S]`; each sample's (start, span) per row; the packing segments."""
         row_lens = [sum(self._span(len(s["input_ids"])) for s in row) for row in rows]
         seq_len = math.ceil(max(row_lens) / self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch_size = len(rows)
-
         input_ids = torch.full((batch_size, seq_len), self.pad_token_id, dtype=torch.long)
         labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((batch_size, seq_len), dtype=torch.long)
-        position_ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
+        spans: list[list[tuple[int, int]]] = []
         segments: list[int] = []
-        images: list[torch.Tensor] = []
-        sizes: list[torch.Tensor] = []
         for b, row in enumerate(rows):
             start = 0
+            spans.append([])
             for sample in row:
                 n = len(sample["input_ids"])
                 span = self._span(n)
                 input_ids[b, start : start + n] = sample["input_ids"]
                 labels[b, start : start + n] = sample["labels"]
                 attention_mask[b, start : start + n] = 1
-                position_ids[b, start : start + span] = torch.arange(span)
+                spans[b].append((start, span))
                 segments.append(span)
                 start += span
-                if "pixel_values" in sample:
-                    images += list(sample["pixel_values"])
-                    sizes.append(torch.as_tensor(sample["image_sizes"], dtype=torch.long).reshape(-1, 2))
-            pad = seq_len - start
-            if self.packing:
-                position_ids[b, start:] = torch.arange(pad)
-                if pad:
-                    segments.append(pad)
-            else:
-                position_ids[b, start:] = torch.arange(start, seq_len)
+            if self.packing and seq_len > start:
+                segments.append(seq_len - start)
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}, spans, segments
 
-        batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
-        if images:
-            batch["pixel_values"] = _pad_images(images)
-            batch["image_sizes"] = torch.cat(sizes)
+    def _boundaries(self, batch: dict[str, Any], segments: list[int]) -> None:
         if self.packing:
             cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
-            assert int(cu[-1]) == batch_size * seq_len
+            assert int(cu[-1]) == batch["input_ids"].numel()
             batch["cu_seq_lens"] = cu
             batch["max_length"] = max(segments)
+
+
+@register_collator
+class PixtralCollator(_RowCollator):
+    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`."""
+
+    name = "pixtral"
+    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
+        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
+        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
+        "position_ids": KeySpec("input", seq_dim=1, pad_value=None),
+        "pixel_values": KeySpec("input"),
+        "image_sizes": KeySpec("input"),
+        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
+        **_BOUNDARIES,
+    }
+    """`input_ids` pad with the tokenizer's pad id; `position_ids` padding continues the positions (see the module docstring)."""
+
+    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
+        rows = self._rows(rows)
+        text, spans, segments = self._text(rows)
+        seq_len = text["input_ids"].shape[1]
+        position_ids = torch.zeros_like(text["input_ids"])
+        images: list[torch.Tensor] = []
+        sizes: list[torch.Tensor] = []
+        for b, row in enumerate(rows):
+            for sample, (start, span) in zip(row, spans[b]):
+                position_ids[b, start : start + span] = torch.arange(span)
+                if "pixel_values" in sample:
+                    images += list(sample["pixel_values"])
+                    sizes.append(torch.as_tensor(sample["image_sizes"], dtype=torch.long).reshape(-1, 2))
+            end = spans[b][-1][0] + spans[b][-1][1]
+            position_ids[b, end:] = torch.arange(seq_len - end) if self.packing else torch.arange(end, seq_len)
+
+        batch: dict[str, Any] = {"input_ids": text["input_ids"], "labels": text["labels"], "attention_mask": text["attention_mask"], "position_ids": position_ids}
+        if images:
+            batch["pixel_values"] = _pad_images(images)
+            batch["image_sizes"] = torch.cat(sizes)
+        self._boundaries(batch, segments)
+        return batch
+
+
+@register_collator
+class Qwen3VLCollator(_RowCollator):
+    """Pads text, marks image tokens in `mm_token_type_ids`, concatenates Qwen-VL patches; with packing adds `cu_seq_lens`."""
+
+    name = "qwen3vl"
+    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
+        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
+        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
+        "mm_token_type_ids": KeySpec("input", seq_dim=1, pad_value=0),
+        "pixel_values": KeySpec("input"),
+        "image_grid_thw": KeySpec("input"),
+        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
+        **_BOUNDARIES,
+    }
+    """`input_ids` pad with the tokenizer's pad id."""
+
+    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
+        rows = self._rows(rows)
+        text, spans, segments = self._text(rows)
+        batch: dict[str, Any] = dict(text)
+        token_types = torch.zeros_like(text["input_ids"])
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        for b, row in enumerate(rows):
+            for sample, (start, _) in zip(row, spans[b]):
+                if "mm_token_type_ids" in sample:
+                    token_types[b, start : start + len(sample["input_ids"])] = torch.as_tensor(sample["mm_token_type_ids"])
+                if "pixel_values" in sample:
+                    pixel_values.append(sample["pixel_values"])
+                    grids.append(torch.as_tensor(sample["image_grid_thw"], dtype=torch.long).reshape(-1, 3))
+        batch["mm_token_type_ids"] = token_types
+        if pixel_values:
+            batch["pixel_values"] = torch.cat(pixel_values)
+            batch["image_grid_thw"] = torch.cat(grids)
+        self._boundaries(batch, segments)
         return batch

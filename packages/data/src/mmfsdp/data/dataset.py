@@ -11,14 +11,16 @@ The flow for one file:
    shape aborts the run. `max_samples` keeps the first N rows.
 2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
-   header for its size, expand placeholders into the plugin's token grid, apply the
+   header for its grid (an opaque tuple of ints from the plugin), expand placeholders
+   into the plugin's image tokens, apply the
    template and labels, truncate at `cutoff_len`. A bad row keeps its reason instead
    of tokens. The result is cached as an Arrow file named by a fingerprint of the
    file, the tokenizer and every setting that changes tokens, built under a file
    lock, so concurrent ranks build it once and later runs reuse it.
 3. *`SFTDataset`* — the good rows; `dataset[i]` decodes and processes that sample's
    images (the only pixel work, done lazily in DataLoader workers) and returns
-   `input_ids`, `labels`, `pixel_values` (list of `[3, h, w]`) and `image_sizes`.
+   `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
+   `pixel_values`, a list of `[3, h, w]`, and `image_sizes`).
 
 `prepare_dataset(data_cfg)` does the work that needs no tokenizer (generating
 synthetic data, step 1) and is safe to run on every rank at once before process
@@ -45,7 +47,7 @@ from mmfsdp.data.conversation import parse_row
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, format_counts
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
-from mmfsdp.data.templates import IGNORE_INDEX, TemplateEncoder, get_template
+from mmfsdp.data.templates import IGNORE_INDEX, get_template
 
 __all__ = [
     "SFTDataset",
@@ -303,14 +305,14 @@ class SampleEncoder:
 
     def __init__(self, data_cfg: DataConfig, processor: MMProcessor):
         pp = data_cfg.dataset_param.preprocess_parameters
-        spec = get_template(pp.template)
+        template_cls = get_template(pp.template)
         self.processor = processor
         self.attr = data_cfg.dataset_param.attr
         self.cutoff_len = pp.cutoff_len
         self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
         self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
-        self.template = TemplateEncoder(spec, processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history)
-        self.plugin = get_plugin(pp.image_plugin or spec.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
+        self.template = template_cls(processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history)
+        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:
         """Where image `path` of a row is read from; a relative path must stay inside `dataset_dir` once resolved.
@@ -338,7 +340,7 @@ class SampleEncoder:
         conversation = parse_row(row, self.attr)
         paths = [self.image_path(p) for p in conversation.images]
         grids = [self.plugin.read_grid(p) for p in paths]
-        blocks = [self.plugin.image_tokens(rows, cols) for rows, cols in grids]
+        blocks = [self.plugin.image_tokens(grid) for grid in grids]
         input_ids, labels = self.template.encode(conversation, blocks)
         input_ids, labels = self.truncate(input_ids, labels)
         num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images)
@@ -384,20 +386,12 @@ class SampleEncoder:
         probe = ["Hello, wörld! 12345  tabs\tand\nnew lines... ¿Qué tal? 日本語 [INST] <s>", " leading", "trailing "]
         h.update(json.dumps(self.processor.encode_texts(probe)).encode())
         h.update(json.dumps(self.processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
-        plugin = self.plugin
-        template = self.template
         h.update(
             json.dumps(
                 [
                     _PREPROCESS_VERSION,
-                    template.spec.name,
-                    template.train_on_prompt,
-                    template.mask_history,
-                    type(plugin).__name__,
-                    plugin.cell,
-                    plugin.longest_edge,
-                    plugin.image_max_pixels,
-                    plugin.image_min_pixels,
+                    self.template.fingerprint(),
+                    self.plugin.fingerprint(),
                     self.cutoff_len,
                     str(self.dataset_dir),
                     self.allow_outside,
@@ -524,9 +518,10 @@ class SFTDataset(torch.utils.data.Dataset):
             "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
             "labels": torch.tensor(record["labels"], dtype=torch.long),
         }
+        item.update(self.encoder.plugin.token_inputs(item["input_ids"]))
         if record["images"]:
             try:
-                item["pixel_values"], item["image_sizes"] = self.encoder.plugin.load_images(record["images"], [tuple(g) for g in record["image_grids"]])
+                item.update(self.encoder.plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
             except BadSample as bad:
                 source, row = self.location(index)
                 if self.strict:
