@@ -1,9 +1,11 @@
-"""Fixtures for mmfsdp.ckpt tests: a multi-process gloo launcher (torch and the standard library only)."""
+"""Fixtures for mmfsdp.ckpt tests: a multi-process gloo launcher (torch and the standard library only), and toy
+state-dict adapters installed as entry points."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
+TOY_ADAPTERS = Path(__file__).with_name("ckpt_toy_adapters.py")
 
 
 def _free_port() -> int:
@@ -83,3 +86,24 @@ def run_ranks(tmp_path: Path) -> Callable[..., list[Any]]:
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def toy_adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Install `ckpt_toy_adapters` as a distribution whose entry points register `toy_prefix` and `toy_moe`.
+
+    A `*.dist-info` directory on `sys.path` is what `importlib.metadata` reads for any installed
+    package, so discovery runs exactly as for a model package. Returns the directory (for PYTHONPATH).
+    """
+    root = tmp_path / "plugins"
+    info = root / "ckpt_toy_adapters-0.1.dist-info"
+    info.mkdir(parents=True)
+    shutil.copy(TOY_ADAPTERS, root / TOY_ADAPTERS.name)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ckpt-toy-adapters\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[mmfsdp.state_dict_adapters]\n"
+        "toy_prefix = ckpt_toy_adapters:ToyPrefixAdapter\n"
+        "toy_moe = ckpt_toy_adapters:ToyMoEAdapter\n"
+    )
+    monkeypatch.syspath_prepend(os.fspath(root))
+    return root

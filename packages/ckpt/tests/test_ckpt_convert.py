@@ -18,7 +18,7 @@ from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, read_tracker, save_chec
 from mmfsdp.ckpt.convert import _build_parser, main
 
 ASSETS = {
-    "config.json": json.dumps({"model_type": "toy", "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2}),
+    "config.json": json.dumps({"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2}),  # no model_type: identity
     "generation_config.json": "{}",
     "tokenizer.json": '{"version": "1.0"}',
     "tokenizer_config.json": "{}",
@@ -134,27 +134,26 @@ def test_release_loads_into_the_model_and_training_checkpoints_export(tmp_path):
     _assert_bit_exact(_read_all(tmp_path / "out"), {k: v.clone() for k, v in model.state_dict().items()})
 
 
-def test_mistral3_names_round_trip_through_state_dict_names(tmp_path):
+def test_renamed_file_names_round_trip_through_state_dict_names(tmp_path, toy_adapters):
     legacy = {
-        "language_model.model.embed_tokens.weight": torch.randn(16, 8),
-        "language_model.model.layers.0.mlp.weight": torch.randn(4, 8).to(torch.bfloat16),
-        "language_model.lm_head.weight": torch.randn(16, 8),
-        "vision_tower.patch_conv.weight": torch.randn(8, 3, 2, 2),
-        "multi_modal_projector.linear_1.weight": torch.randn(8, 8),
+        "legacy.embed_tokens.weight": torch.randn(16, 8),
+        "legacy.layers.0.mlp.weight": torch.randn(4, 8).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(16, 8),
     }
-    config = {"model_type": "mistral3", "text_config": {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1}}
+    config = {"model_type": "toy_prefix", "text_config": {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1}}
     hf = _write_hf(tmp_path / "hf", legacy, shards=2, assets={"config.json": json.dumps(config)})
     assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
     from mmfsdp.ckpt.dcp_io import read_dcp_metadata
 
     keys = sorted(read_dcp_metadata(tmp_path / "dcp" / "release").state_dict_metadata)
-    assert keys == sorted([
-        "model.model.language_model.embed_tokens.weight", "model.model.language_model.layers.0.mlp.weight",
-        "model.lm_head.weight", "model.model.vision_tower.patch_conv.weight",
-        "model.model.multi_modal_projector.linear_1.weight",
-    ])
+    assert keys == sorted(["model.model.embed_tokens.weight", "model.model.layers.0.mlp.weight", "model.lm_head.weight"])
     assert _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp", "--save_dir", tmp_path / "out", "--model_assets_dir", hf) == 0
     _assert_bit_exact(_read_all(tmp_path / "out"), legacy)
+    # the adapter chosen by model id (and the old --key_map spelling) gives the same files
+    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp2", "--key_map", "toy_prefix") == 0
+    assert _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp2", "--save_dir", tmp_path / "out2", "--model_assets_dir", hf,
+                    "--model_id", "toy_prefix") == 0
+    _assert_bit_exact(_read_all(tmp_path / "out2"), legacy)
 
 
 def _error(capsys, *argv) -> str:

@@ -38,7 +38,7 @@ def dirs(tmp_path_factory) -> Path:
     hf.mkdir()
     gen = torch.Generator().manual_seed(0)
     save_file({"embed_tokens.weight": torch.randn(16, 8, generator=gen), "norm.weight": torch.ones(8)}, hf / "model.safetensors")
-    (hf / "config.json").write_text(json.dumps({"model_type": "toy", "vocab_size": 16, "hidden_size": 8}))
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 16, "hidden_size": 8}))
     (hf / "tokenizer.json").write_text('{"version": "1.0"}')
     assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", root / "ckpt") == 0
     os.symlink(root / "ckpt", root / "link_to_ckpt")

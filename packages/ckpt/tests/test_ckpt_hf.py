@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmfsdp.ckpt import CheckpointError, SafetensorsDir, legacy_mistral3_key_map, load_hf_weights
+from mmfsdp.ckpt import CheckpointError, SafetensorsDir, get_state_dict_adapter, load_hf_weights
 
 
 class Net(torch.nn.Module):
@@ -48,26 +48,28 @@ def test_load_sharded_with_dtype_conversion(tmp_path):
     assert torch.equal(model.proj.weight, tensors["proj.weight"]) and torch.equal(model.proj.bias, tensors["proj.bias"])
 
 
-def test_single_file_and_key_map(tmp_path):
+def test_single_file_and_adapter(tmp_path, toy_adapters):
     tensors = _net_tensors()
-    save_file({f"language_model.model.{k}": v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    save_file({f"legacy.{k}": v for k, v in tensors.items()}, tmp_path / "model.safetensors")
     model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.language_model = Net()
-    load_hf_weights(model, tmp_path, key_map=legacy_mistral3_key_map)
+    model.model = Net()
+    load_hf_weights(model, tmp_path, adapter=get_state_dict_adapter("toy_prefix"))
     for key, value in tensors.items():
-        assert torch.equal(model.model.language_model.state_dict()[key], value)
+        assert torch.equal(model.model.state_dict()[key], value)
 
 
-def test_key_map_is_chosen_from_config_model_type(tmp_path):
+def test_adapter_is_chosen_from_config_model_type(tmp_path, toy_adapters):
     tensors = _net_tensors()
-    save_file({f"language_model.model.{k}": v for k, v in tensors.items()}, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3"}))
+    save_file({f"legacy.{k}": v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "toy_prefix"}))
     model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.language_model = Net()
+    model.model = Net()
     load_hf_weights(model, tmp_path)
-    assert torch.equal(model.model.language_model.proj.weight, tensors["proj.weight"])
+    assert torch.equal(model.model.proj.weight, tensors["proj.weight"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "toy_unknown"}))
+    with pytest.raises(CheckpointError, match="no state-dict adapter for config.json model_type 'toy_unknown'"):
+        load_hf_weights(model, tmp_path)
+    load_hf_weights(model, tmp_path, adapter="toy_prefix")  # an explicit model id wins over config.json
 
 
 def test_mismatches_are_listed(tmp_path):

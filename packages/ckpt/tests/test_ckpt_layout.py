@@ -1,4 +1,4 @@
-"""Tracker file, directory names, pruning and the pure helpers (sizes, shards, key maps)."""
+"""Tracker file, directory names, pruning and the pure helpers (sizes, shards)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from mmfsdp.ckpt import (
     CheckpointError,
     find_checkpoint,
     iteration_dirname,
-    legacy_mistral3_key_map,
     list_iterations,
-    mistral3_to_legacy_key_map,
     parse_size,
     prune_checkpoints,
     read_tracker,
@@ -127,23 +125,3 @@ def test_plan_shards():
     assert plan_shards(sizes, 100) == [["a", "b", "c", "d", "e"]]
     assert shard_filename(0, 3) == "model-00001-of-00003.safetensors"
 
-
-def test_mistral3_key_maps_are_inverse():
-    legacy = [
-        "language_model.model.layers.0.self_attn.q_proj.weight",
-        "language_model.model.embed_tokens.weight",
-        "language_model.lm_head.weight",
-        "vision_tower.transformer.layers.0.attention.k_proj.weight",
-        "multi_modal_projector.linear_1.weight",
-    ]
-    new = [
-        "model.language_model.layers.0.self_attn.q_proj.weight",
-        "model.language_model.embed_tokens.weight",
-        "lm_head.weight",
-        "model.vision_tower.transformer.layers.0.attention.k_proj.weight",
-        "model.multi_modal_projector.linear_1.weight",
-    ]
-    assert [legacy_mistral3_key_map(k) for k in legacy] == new
-    assert [mistral3_to_legacy_key_map(k) for k in new] == legacy
-    # names that are already new pass through, so either kind of file loads
-    assert [legacy_mistral3_key_map(k) for k in new] == new

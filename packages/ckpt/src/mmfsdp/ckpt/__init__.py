@@ -6,11 +6,26 @@
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
 - `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`.
 - `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
-- Key renames for HF file naming: `legacy_mistral3_key_map` and friends.
+- `StateDictAdapter` (`FromHF` / `ToHF`, `RenameAdapter`, `IDENTITY`): how a family's HF file
+  tensors map to its `state_dict()` tensors (renames, experts stacked into one tensor); found by
+  model id or `config.json` `model_type` through entry points of group `mmfsdp.state_dict_adapters`
+  that model packages declare (see `adapters`). This package names no model family.
 
 This package imports only torch, safetensors, tqdm and the standard library.
 """
 
+from mmfsdp.ckpt.adapters import (
+    ENTRY_POINT_GROUP,
+    IDENTITY,
+    FromHF,
+    IdentityAdapter,
+    RenameAdapter,
+    StateDictAdapter,
+    ToHF,
+    find_state_dict_adapter,
+    get_state_dict_adapter,
+    registered_adapter_ids,
+)
 from mmfsdp.ckpt.checkpoint import (
     LoadedCheckpoint,
     ResumePoint,
@@ -25,7 +40,6 @@ from mmfsdp.ckpt.checkpoint import (
 from mmfsdp.ckpt.convert import dcp_to_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
-from mmfsdp.ckpt.keymaps import identity_key_map, key_maps_for, legacy_mistral3_key_map, mistral3_to_legacy_key_map
 from mmfsdp.ckpt.layout import (
     COMPLETE_FILENAME,
     RELEASE,
@@ -58,10 +72,16 @@ __all__ = [
     "dcp_to_hf",
     "parse_size",
     "CheckpointError",
-    "legacy_mistral3_key_map",
-    "mistral3_to_legacy_key_map",
-    "identity_key_map",
-    "key_maps_for",
+    "StateDictAdapter",
+    "RenameAdapter",
+    "IdentityAdapter",
+    "IDENTITY",
+    "FromHF",
+    "ToHF",
+    "ENTRY_POINT_GROUP",
+    "registered_adapter_ids",
+    "get_state_dict_adapter",
+    "find_state_dict_adapter",
     "capture_rng_state",
     "restore_rng_state",
     "TRACKER_FILENAME",

@@ -1,33 +1,42 @@
 """`mm-convert`: HF safetensors <-> DCP conversion, one tensor (or one output shard) in memory at a time.
 
 ```
-mm-convert GenericDCPConverter hf_to_dcp --hf_dir HF --dcp_dir DCP [--force]
+mm-convert GenericDCPConverter hf_to_dcp --hf_dir HF --dcp_dir DCP [--model_id ID] [--force]
 mm-convert GenericDCPConverter dcp_to_hf --load_dir DIR --save_dir OUT --model_assets_dir HF
-                                         [--max_shard_size 5GB] [--force]
+                                         [--model_id ID] [--max_shard_size 5GB] [--force]
 ```
 
+Names and layouts are the family's state-dict adapter's (`adapters`): the one
+registered under `--model_id`, or by default the one for `config.json`'s
+`model_type` (of `--hf_dir`, of `--model_assets_dir`).
+
 hf_to_dcp
-    Reads the safetensors headers, builds a state dict of *meta* tensors named
-    `model.<state_dict name>` (file names renamed by the family's key map, e.g.
-    `legacy_mistral3_key_map`), and saves it with one `dcp.save` whose planner
-    (`LazySavePlanner`) reads each tensor from its file only when DCP writes it,
-    through `FileSystemWriter(single_file_per_rank=False)` which writes one file
-    per tensor and drops it before the next. Peak memory is about the largest
-    tensor. The result is `DCP/release/` plus `DCP/latest_checkpointed_iteration.txt`
-    = `release`, exactly what `load_checkpoint` of a release expects.
+    Reads the safetensors headers, asks the adapter which file tensors make each
+    model tensor, builds a state dict of *meta* tensors named
+    `model.<state_dict name>`, and saves it with one `dcp.save` whose planner
+    (`LazySavePlanner`) reads a model tensor's file tensors (and combines them,
+    e.g. stacks experts) only when DCP writes it, through
+    `FileSystemWriter(single_file_per_rank=False)` which writes one file per
+    tensor and drops it before the next. Peak memory is about the largest tensor
+    (twice that for a combined one). The result is `DCP/release/` plus
+    `DCP/latest_checkpointed_iteration.txt` = `release`, exactly what
+    `load_checkpoint` of a release expects.
 
 dcp_to_hf
-    Reads the DCP metadata and splits the `model.*` tensors into output shards of
-    at most `--max_shard_size`. Each shard is a safetensors file whose header is
-    written first (`SafetensorsWriter`); then each tensor's bytes are appended.
-    A tensor that is alone in its DCP data file (the `hf_to_dcp` layout) is copied
-    from there with `os.copy_file_range`, inside the kernel; the others (training
-    checkpoints, FSDP-sharded by any number of ranks) are loaded with one
-    `dcp.load` per shard into a reused buffer, which reassembles the shards.
-    Peak memory is about one output shard. Names are mapped back to the file
-    naming of `--model_assets_dir`, validated against its safetensors headers
-    (keys and shapes) and its `config.json`, and its non-weight files (config,
-    tokenizer, processor, chat template, ...) are copied.
+    Reads the DCP metadata, asks the adapter which HF tensors each `model.*`
+    tensor is written as, and splits the model tensors into output shards of at
+    most `--max_shard_size` (the HF tensors of one model tensor stay together).
+    Each shard is a safetensors file whose header is written first
+    (`SafetensorsWriter`); then each tensor's bytes are appended. A renamed tensor
+    that is alone in its DCP data file (the `hf_to_dcp` layout) is copied from
+    there with `os.copy_file_range`, inside the kernel; the others (training
+    checkpoints, FSDP-sharded by any number of ranks, and tensors the adapter
+    splits) are loaded with one `dcp.load` per shard into a reused buffer, which
+    reassembles the shards. Peak memory is about one output shard. HF names
+    follow the file naming of `--model_assets_dir` (the adapter's, or the
+    `state_dict()` names when its weights use those), are validated against its
+    safetensors headers (keys and shapes) and its `config.json`, and its
+    non-weight files (config, tokenizer, processor, chat template, ...) are copied.
 
 Both refuse an output directory that is, contains or lies inside one of their input
 directories (`--hf_dir`; `--load_dir`, `--model_assets_dir`), after resolving
@@ -55,6 +64,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from tqdm import tqdm
 
+from mmfsdp.ckpt.adapters import (
+    IDENTITY,
+    PlannedToHF,
+    StateDictAdapter,
+    plan_from_hf,
+    plan_to_hf,
+    registered_adapter_ids,
+    resolve_state_dict_adapter,
+)
 from mmfsdp.ckpt.checkpoint import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX
 from mmfsdp.ckpt.dcp_io import (
     LazySavePlanner,
@@ -70,18 +88,17 @@ from mmfsdp.ckpt.hf import (
     INDEX_FILENAME,
     SafetensorsDir,
     SafetensorsWriter,
-    map_file_keys,
+    TensorInfo,
     parse_size,
     plan_shards,
     read_config,
     shard_filename,
 )
-from mmfsdp.ckpt.keymaps import KeyMap, identity_key_map, key_maps_for, legacy_mistral3_key_map, mistral3_to_legacy_key_map
 from mmfsdp.ckpt.layout import RELEASE, make_tmp_dir_name, publish_dir, resolve_checkpoint, write_tracker
 
-__all__ = ["hf_to_dcp", "dcp_to_hf", "main", "KEY_MAP_CHOICES"]
+__all__ = ["hf_to_dcp", "dcp_to_hf", "main"]
 
-KEY_MAP_CHOICES = ("auto", "identity", "mistral3")
+AUTO = "auto"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".distcp")
 
 
@@ -113,12 +130,8 @@ def _without_zip_crc32() -> Iterator[None]:
         save_config.compute_crc32 = previous
 
 
-def _to_model_map(choice: str, config: dict | None) -> KeyMap:
-    if choice == "identity":
-        return identity_key_map
-    if choice == "mistral3":
-        return legacy_mistral3_key_map
-    return key_maps_for(config.get("model_type") if config else None)[0]
+def _adapter(adapter: StateDictAdapter | str | None, config: dict | None) -> StateDictAdapter:
+    return resolve_state_dict_adapter(None if adapter == AUTO else adapter, config)
 
 
 def _check_output_dir(path: Path, force: bool, flag: str) -> None:
@@ -152,31 +165,31 @@ def hf_to_dcp(
     dcp_dir: str | os.PathLike,
     *,
     force: bool = False,
-    key_map: str = "auto",
+    adapter: StateDictAdapter | str | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Convert a HF safetensors directory into `dcp_dir/release/` + tracker; return the release path.
 
-    With `force`, an existing `release/` and tracker in `dcp_dir` are replaced;
-    other files there are kept.
+    `adapter` is a `StateDictAdapter`, a model id, or None (or "auto") for the
+    one registered for `config.json`'s `model_type`. With `force`, an existing
+    `release/` and tracker in `dcp_dir` are replaced; other files there are kept.
     """
     weights = SafetensorsDir(hf_dir)
     _refuse_overlap(dcp_dir, "--dcp_dir", [(hf_dir, "--hf_dir")])
-    to_model = _to_model_map(key_map, weights.config)
-    source_of = map_file_keys(weights, to_model, "use --key_map identity")
+    plans = plan_from_hf(_adapter(adapter, weights.config),
+                         {key: (info.shape, info.dtype) for key, info in weights.tensors.items()})
     dcp_dir = Path(dcp_dir)
     _check_output_dir(dcp_dir, force, "--dcp_dir")
     dcp_dir.mkdir(parents=True, exist_ok=True)
     tmp_dir = dcp_dir / make_tmp_dir_name(RELEASE, uuid.uuid4().hex[:8])
 
-    state = {"model": {name: torch.empty(weights.tensors[src].shape, dtype=weights.tensors[src].dtype, device="meta")
-                       for name, src in source_of.items()}}
+    state = {"model": {name: torch.empty(plan.shape, dtype=plan.dtype, device="meta") for name, plan in plans.items()}}
     total = sum(info.nbytes for info in weights.tensors.values())
     with _progress(total, "hf_to_dcp", progress) as bar:
         def load(fqn: str) -> torch.Tensor:
-            source = source_of[fqn[len(MODEL_PREFIX):]]
-            tensor = weights.read(source)
-            bar.update(weights.tensors[source].nbytes)
+            plan = plans[fqn[len(MODEL_PREFIX):]]
+            tensor = plan.build(weights.read)
+            bar.update(sum(weights.tensors[key].nbytes for key in plan.source.hf_keys))
             return tensor
 
         try:
@@ -197,20 +210,16 @@ def hf_to_dcp(
     return release_dir
 
 
-def _choose_hf_names(names: list[str], choice: str, config: dict, asset_keys: set[str] | None) -> dict[str, str]:
-    """state_dict name -> file name, matching the assets' own file naming when they have weights."""
-    if choice == "identity":
-        candidates = [identity_key_map]
-    elif choice == "mistral3":
-        candidates = [mistral3_to_legacy_key_map]
-    else:
-        candidates = [key_maps_for(config.get("model_type"))[1], identity_key_map]
-    mappings = [{name: to_hf(name) for name in names} for to_hf in candidates]
-    if asset_keys is not None:
-        for mapping in mappings:
-            if set(mapping.values()) >= asset_keys:
-                return mapping
-    return mappings[0]
+def _plan_export(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], adapter: StateDictAdapter,
+                 asset_keys: set[str] | None) -> dict[str, PlannedToHF]:
+    """Model key -> HF tensors, in the adapter's naming or, when only that matches the assets' own weights,
+    in `state_dict()` naming (assets saved in the new layout)."""
+    plans = plan_to_hf(adapter, specs)
+    hf_keys = {key for plan in plans.values() for key in plan.specs}
+    if asset_keys is None or adapter is IDENTITY or hf_keys >= asset_keys:
+        return plans
+    identity = plan_to_hf(IDENTITY, specs)
+    return identity if set(specs) >= asset_keys else plans
 
 
 def _tied(config: dict) -> bool:
@@ -263,7 +272,8 @@ def _check_against_assets(shapes: dict[str, tuple[int, ...]], assets_weights: Sa
             lines.append(f"{len(mismatched)} shape mismatches: {', '.join(mismatched[:10])}")
         raise CheckpointError(
             f"checkpoint does not match the weights in {assets_weights.path}:\n  " + "\n  ".join(lines)
-            + "\nPass the --model_assets_dir of the model this checkpoint was trained from, or --key_map if names differ."
+            + "\nPass the --model_assets_dir of the model this checkpoint was trained from, "
+            "or --model_id if names differ."
         )
 
 
@@ -327,25 +337,31 @@ class _DCPSource:
         self.metadata = metadata
         self.arena = _Arena()
 
-    def write_shard(self, out: Path, dcp_name: dict[str, str], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                    bar: tqdm) -> None:
-        stored = {name: stored_tensor_file(self.path, self.metadata, MODEL_PREFIX + dcp_name[name]) for name in specs}
-        loaded: dict[str, torch.Tensor] = {}
-        to_load = [name for name in specs if stored[name] is None]
+    def write_shard(self, out: Path, plans: dict[str, PlannedToHF],
+                    model_specs: dict[str, tuple[tuple[int, ...], torch.dtype]], bar: tqdm) -> None:
+        """Write the HF tensors of the model tensors `plans` (model key -> plan) as one safetensors file."""
+        stored = {plan.target.hf_keys[0]: stored_tensor_file(self.path, self.metadata, MODEL_PREFIX + name)
+                  for name, plan in plans.items() if plan.target.split is None}
+        to_load = [name for name, plan in plans.items()
+                   if plan.target.split is not None or stored[plan.target.hf_keys[0]] is None]
+        pieces: dict[str, torch.Tensor] = {}
         if to_load:
-            loaded = self.arena.tensors({name: specs[name] for name in to_load})
+            loaded = self.arena.tensors({name: model_specs[name] for name in to_load})
             with quiet_single_process():
-                dcp.load({"model": {dcp_name[name]: loaded[name] for name in to_load}},
-                         storage_reader=SafeFileSystemReader(os.fspath(self.path)), planner=SafeLoadPlanner(), no_dist=True)
+                dcp.load({"model": loaded}, storage_reader=SafeFileSystemReader(os.fspath(self.path)),
+                         planner=SafeLoadPlanner(), no_dist=True)
+            for name in to_load:
+                pieces.update(plans[name].pieces(loaded[name]))
+        specs = {key: spec for plan in plans.values() for key, spec in plan.specs.items()}
         writer = SafetensorsWriter(out, specs, {"format": "pt"})
         try:
-            for name in writer.order:
-                if stored[name] is None:
-                    writer.write_tensor(name, loaded[name])
+            for key in writer.order:
+                if key in pieces:
+                    writer.write_tensor(key, pieces[key])
                 else:
-                    _copy_file_range(stored[name], writer.file)
-                    writer.wrote_directly(name)
-                bar.update(writer.nbytes(name))
+                    _copy_file_range(stored[key], writer.file)
+                    writer.wrote_directly(key)
+                bar.update(writer.nbytes(key))
         finally:
             writer.close()
 
@@ -382,10 +398,14 @@ def dcp_to_hf(
     *,
     max_shard_size: str | int = "5GB",
     force: bool = False,
-    key_map: str = "auto",
+    adapter: StateDictAdapter | str | None = None,
     progress: bool | None = None,
 ) -> Path:
-    """Export the model of a DCP checkpoint as a HF directory (safetensors shards + index + assets)."""
+    """Export the model of a DCP checkpoint as a HF directory (safetensors shards + index + assets).
+
+    `adapter` is a `StateDictAdapter`, a model id, or None (or "auto") for the one
+    registered for the `model_type` of `model_assets_dir/config.json`.
+    """
     max_shard_bytes = parse_size(max_shard_size)
     path, iteration = resolve_checkpoint(load_dir)
     _refuse_overlap(save_dir, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
@@ -403,14 +423,13 @@ def dcp_to_hf(
     assets_weights = SafetensorsDir(assets) if has_asset_weights else None
     asset_keys = set(assets_weights.tensors) if assets_weights else None
 
-    hf_name = _choose_hf_names(list(entries), key_map, config, asset_keys)
+    model_specs = {name: (tuple(entry.size), entry.properties.dtype) for name, entry in entries.items()}
+    plans = _plan_export(model_specs, _adapter(adapter, config), asset_keys)
     if _tied(config):
-        for name in [n for n in entries if n.endswith("lm_head.weight")]:
-            if asset_keys is None or hf_name[name] not in asset_keys:
-                del hf_name[name]  # tied to the input embedding; transformers does not store it
-    shapes = {hf_name[name]: tuple(entries[name].size) for name in hf_name}
-    if len(set(hf_name.values())) != len(hf_name):
-        raise CheckpointError("two checkpoint tensors map to the same HF name; use --key_map identity")
+        for name in [n for n in plans if n.endswith("lm_head.weight")]:
+            if asset_keys is None or not asset_keys.intersection(plans[name].specs):
+                del plans[name]  # tied to the input embedding; transformers does not store it
+    shapes = {key: spec[0] for plan in plans.values() for key, spec in plan.specs.items()}
     if assets_weights is not None:
         _check_against_assets(shapes, assets_weights)
     _check_against_config(shapes, config, assets)
@@ -422,20 +441,18 @@ def dcp_to_hf(
     tmp_dir.mkdir()
 
     def nbytes(name: str) -> int:
-        return entries[name].size.numel() * entries[name].properties.dtype.itemsize
+        return sum(TensorInfo(tmp_dir, *spec).nbytes for spec in plans[name].specs.values())
 
-    names = list(hf_name)
-    shards = plan_shards([(name, nbytes(name)) for name in names], max_shard_bytes)
+    shards = plan_shards([(name, nbytes(name)) for name in plans], max_shard_bytes)
     weight_map: dict[str, str] = {}
-    total = sum(nbytes(name) for name in names)
+    total = sum(nbytes(name) for name in plans)
     source = _DCPSource(path, metadata)
     try:
         with _progress(total, "dcp_to_hf", progress) as bar:
             for index, shard in enumerate(shards):
                 filename = shard_filename(index, len(shards))
-                specs = {hf_name[name]: (tuple(entries[name].size), entries[name].properties.dtype) for name in shard}
-                source.write_shard(tmp_dir / filename, {hf_name[name]: name for name in shard}, specs, bar)
-                weight_map.update({hf_name[name]: filename for name in shard})
+                source.write_shard(tmp_dir / filename, {name: plans[name] for name in shard}, model_specs, bar)
+                weight_map.update({key: filename for name in shard for key in plans[name].specs})
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
         _copy_assets(assets, tmp_dir)
@@ -456,13 +473,14 @@ def _build_parser() -> argparse.ArgumentParser:
     converters = parser.add_subparsers(dest="converter", required=True, metavar="CONVERTER")
     generic = converters.add_parser(
         "GenericDCPConverter",
-        help="HF safetensors <-> DCP for any model (names renamed per config.json model_type)",
+        help="HF safetensors <-> DCP for any model with a state-dict adapter (chosen by config.json model_type)",
         description="HF safetensors <-> DCP for any model; see `hf_to_dcp -h` and `dcp_to_hf -h`.",
     )
     commands = generic.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    key_map_help = (
-        "how HF file names map to model state_dict names: auto (by config.json model_type; "
-        "for mistral3 the original language_model.model.* naming), identity, or mistral3 (default: auto)"
+    model_id_help = (
+        "model id of the state-dict adapter that maps {what} (registered: " + ", ".join(registered_adapter_ids())
+        + "; identity keeps names as they are; --key_map is the old spelling). "
+        "Default auto: the adapter registered for the model_type in {config}"
     )
 
     to_dcp = commands.add_parser(
@@ -475,7 +493,9 @@ def _build_parser() -> argparse.ArgumentParser:
     to_dcp.add_argument("--hf_dir", required=True, help="HF model directory with *.safetensors (and model.safetensors.index.json when sharded)")
     to_dcp.add_argument("--dcp_dir", required=True, help="output directory; release/ and the tracker are written here")
     to_dcp.add_argument("--force", action="store_true", help="replace release/ and the tracker if --dcp_dir is not empty (other files are kept)")
-    to_dcp.add_argument("--key_map", choices=KEY_MAP_CHOICES, default="auto", help=key_map_help)
+    to_dcp.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
+                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
+                                                  config="--hf_dir/config.json (identity when it has none)"))
 
     to_hf = commands.add_parser(
         "dcp_to_hf",
@@ -489,7 +509,10 @@ def _build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model_assets_dir", required=True, help="the original HF model directory: config.json, tokenizer, processor and chat template are copied from it, and its weights (if present) are used to validate names and shapes")
     to_hf.add_argument("--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     to_hf.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
-    to_hf.add_argument("--key_map", choices=KEY_MAP_CHOICES, default="auto", help=key_map_help.replace("HF file names map to model state_dict names", "model state_dict names map back to HF file names"))
+    to_hf.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
+                       help=model_id_help.format(what="model state_dict tensors back to HF file tensors",
+                                                 config="--model_assets_dir/config.json; the state_dict names are "
+                                                 "kept when only they match the assets' own weights"))
     return parser
 
 
@@ -497,11 +520,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "hf_to_dcp":
-            out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, key_map=args.key_map)
+            out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, adapter=args.model_id)
             print(f"wrote {out} and {Path(args.dcp_dir) / 'latest_checkpointed_iteration.txt'} (release)")
         else:
             out = dcp_to_hf(args.load_dir, args.save_dir, args.model_assets_dir,
-                            max_shard_size=args.max_shard_size, force=args.force, key_map=args.key_map)
+                            max_shard_size=args.max_shard_size, force=args.force, adapter=args.model_id)
             print(f"wrote {out}")
     except (CheckpointError, ValueError) as e:
         print(f"mm-convert: error: {e}", file=sys.stderr)

@@ -9,10 +9,13 @@ read per tensor with `safe_open`, which memory-maps the file; the file is
 closed after each tensor so a process never keeps more than that tensor mapped.
 
 `load_hf_weights` copies each tensor into the model's parameters and persistent
-buffers. With FSDP2 a parameter is a DTensor holding one shard; only that shard's
-slice is read (`get_slice` with the offsets of the DTensor's local chunk), so a
-rank never holds a full parameter it does not own, let alone the full model.
-Values are converted to the parameter's dtype and device by `copy_`.
+buffers, named and combined by the family's state-dict adapter (`adapters`).
+With FSDP2 a parameter is a DTensor holding one shard; for a renamed tensor only
+that shard's slice is read (`get_slice` with the offsets of the DTensor's local
+chunk), so a rank never holds a full parameter it does not own, let alone the
+full model. A tensor the adapter combines from several file tensors (stacked
+experts) is read whole, combined, and its local chunk copied. Values are
+converted to the parameter's dtype and device by `copy_`.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
 from mmfsdp.ckpt.errors import CheckpointError
-from mmfsdp.ckpt.keymaps import KeyMap, key_maps_for
+from mmfsdp.ckpt.adapters import PlannedFromHF, StateDictAdapter, plan_from_hf, resolve_state_dict_adapter
 
 __all__ = [
     "INDEX_FILENAME",
@@ -190,28 +193,21 @@ def _alias_groups(state: dict[str, Any]) -> list[list[str]]:
     return [keys for keys in by_id.values() if len(keys) > 1]
 
 
-def _copy_into(target: torch.Tensor, weights: SafetensorsDir, key: str) -> None:
-    if isinstance(target, DTensor):
-        local = target.to_local()
-        if local.numel() == 0:
-            return
-        (chunk,) = target.__create_chunk_list__()
-        index = tuple(slice(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes))
-        source = weights.read_slice(key, index) if index else weights.read(key)
-        local.copy_(source)
-    else:
-        target.copy_(weights.read(key))
+def _local_index(target: DTensor) -> tuple[slice, ...]:
+    (chunk,) = target.__create_chunk_list__()
+    return tuple(slice(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes))
 
 
-def map_file_keys(weights: "SafetensorsDir", key_map: Callable[[str], str], fix: str) -> dict[str, str]:
-    """Model name → file key for every tensor in `weights`; two file keys mapping to one name is an error."""
-    source_of: dict[str, str] = {}
-    for file_key in weights.tensors:
-        name = key_map(file_key)
-        if name in source_of:
-            raise CheckpointError(f"file keys {source_of[name]} and {file_key} both map to {name}; {fix}")
-        source_of[name] = file_key
-    return source_of
+def _copy_into(target: torch.Tensor, weights: SafetensorsDir, plan: PlannedFromHF) -> None:
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if local.numel() == 0:
+        return
+    index = _local_index(target) if isinstance(target, DTensor) else ()
+    if plan.source.combine is None and index:
+        local.copy_(weights.read_slice(plan.source.hf_keys[0], index))
+        return
+    full = plan.build(weights.read)
+    local.copy_(full[index] if index else full)
 
 
 @torch.no_grad()
@@ -219,35 +215,34 @@ def load_hf_weights(
     model: torch.nn.Module,
     hf_dir: str | os.PathLike,
     *,
-    key_map: KeyMap | None = None,
+    adapter: StateDictAdapter | str | None = None,
     strict: bool = True,
 ) -> HFLoadResult:
     """Load a HF safetensors directory into `model`'s parameters and persistent buffers in place.
 
     `model` may be plain or FSDP2-sharded, but must be materialised (after
     `to_empty`, non-persistent buffers such as rotary `inv_freq` are the caller's
-    to re-initialise). `key_map` renames a file key to a `state_dict()` key;
-    None picks the rename for `config.json`'s `model_type` (see `keymaps`),
-    identity otherwise. Shape mismatches are always an error; with `strict`,
-    missing and unexpected keys are too (tied weights count as present when one
-    of their names is in the files). Returns the keys that were not loaded.
+    to re-initialise). `adapter` maps file tensors to `state_dict()` tensors: a
+    `StateDictAdapter`, a model id, or None for the one registered for
+    `config.json`'s `model_type` (see `adapters`). Shape mismatches are always an
+    error; with `strict`, missing and unexpected keys are too (tied weights count
+    as present when one of their names is in the files). Returns the keys that
+    were not loaded: model keys, and the file keys of model keys the model lacks.
     """
     weights = SafetensorsDir(hf_dir)
-    if key_map is None:
-        config = weights.config
-        key_map = key_maps_for(config.get("model_type") if config else None)[0]
+    adapter = resolve_state_dict_adapter(adapter, weights.config)
+    plans = plan_from_hf(adapter, {key: (info.shape, info.dtype) for key, info in weights.tensors.items()})
     targets = model.state_dict(keep_vars=True)
-    source_of = map_file_keys(weights, key_map, "check key_map")
-    covered = set(source_of)
+    covered = set(plans)
     for group in _alias_groups(targets):
         if covered.intersection(group):
             covered.update(group)
     missing = [name for name in targets if name not in covered]
-    unexpected = [source_of[name] for name in source_of if name not in targets]
+    unexpected = [key for name, plan in plans.items() if name not in targets for key in plan.source.hf_keys]
     mismatched = [
-        f"{name}: model {tuple(targets[name].shape)}, file {weights.tensors[source].shape}"
-        for name, source in source_of.items()
-        if name in targets and tuple(targets[name].shape) != weights.tensors[source].shape
+        f"{name}: model {tuple(targets[name].shape)}, file {plan.shape}"
+        for name, plan in plans.items()
+        if name in targets and tuple(targets[name].shape) != plan.shape
     ]
     problems = []
     if mismatched:
@@ -259,17 +254,17 @@ def load_hf_weights(
     if problems:
         raise CheckpointError(
             f"weights in {weights.path} do not match the model:\n  " + "\n  ".join(problems)
-            + "\nCheck the model config and key_map (e.g. legacy_mistral3_key_map for original Mistral3 names)."
+            + f"\nCheck the model config and the state-dict adapter (here {adapter.name})."
         )
-    on_meta = [name for name in source_of if name in targets and targets[name].is_meta]
+    on_meta = [name for name in plans if name in targets and targets[name].is_meta]
     if on_meta:
         raise CheckpointError(
             f"{len(on_meta)} model tensors are on the meta device ({_preview(on_meta)}); "
             "materialise the model first, e.g. model.to_empty(device=...)"
         )
-    for name, source in source_of.items():
+    for name, plan in plans.items():
         if name in targets:
-            _copy_into(targets[name], weights, source)
+            _copy_into(targets[name], weights, plan)
     return HFLoadResult(missing, unexpected)
 
 
