@@ -107,17 +107,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
 
-def _inputs(mb: dict) -> dict:
-    inputs = model_inputs(mb)
-    if "cu_seq_lens" in mb:
-        inputs.update(cu_seq_lens=mb["cu_seq_lens"], max_length=mb["max_length"])
-    return inputs
-
-
 @torch.no_grad()
 def _eval_logits(model, steps) -> torch.Tensor:
     """A plain (non-training) forward of the first batch: the same full logits on every rank, CP or not."""
-    return model(**_inputs(steps[0][0])).logits
+    return model(**model_inputs(steps[0][0])).logits
 
 
 def _train(model, steps, *, loss_type, group=None, world_size=1):
@@ -128,11 +121,11 @@ def _train(model, steps, *, loss_type, group=None, world_size=1):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS, foreach=True)
     losses, first_grads = [], None
     for micro_batches in steps:
-        targets = [shift_labels(mb["labels"], mb["position_ids"]) for mb in micro_batches]
-        weights = compute_loss_weights(targets, loss_type=loss_type, position_ids=[mb["position_ids"] for mb in micro_batches], group=group)
+        targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")) for mb in micro_batches]
+        weights = compute_loss_weights(targets, loss_type=loss_type, cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches], group=group)
         total = torch.zeros(())
         for mb, target, weight in zip(micro_batches, targets, weights):
-            out = model(**_inputs(mb), shift_labels=target, loss_weights=weight)
+            out = model(**model_inputs(mb), shift_labels=target, loss_weights=weight)
             (out.loss * world_size).backward()
             total += out.loss.detach()
         if world_size > 1:

@@ -111,11 +111,13 @@ def _text_batches(config):
     specs = [dict(lengths=(12, 9), prompt_len=2), dict(lengths=(4, 5), prompt_len=2), dict(lengths=(2, 1), prompt_len=2), dict(lengths=(16, 16), prompt_len=1)]
     batches = [tiny_batch(config, seq_len=16, image_sizes=(), seed=10 + i, **spec) for i, spec in enumerate(specs)]
     batches[3]["position_ids"][1] = torch.cat([torch.arange(6), torch.arange(10)])  # row 1 packs two samples
-    return batches
+    # the boundaries for the loss weights; not a model input here, so both models attend across the two samples
+    cu_seq_lens = [None, None, None, torch.tensor([0, 16, 22, 32], dtype=torch.int32)]
+    return batches, cu_seq_lens
 
 
-def _step(model, batches, targets, loss_type, group):
-    weights = compute_loss_weights(targets, loss_type=loss_type, position_ids=[b["position_ids"] for b in batches], group=group)
+def _step(model, batches, cu_seq_lens, targets, loss_type, group):
+    weights = compute_loss_weights(targets, loss_type=loss_type, cu_seq_lens=cu_seq_lens, group=group)
     group_size = dist.get_world_size(group) if group is not None else 1
     total = torch.zeros(())
     for batch, target, weight in zip(batches, targets, weights):
@@ -132,15 +134,14 @@ def _normalisation(rank, pair):
     """The loss and gradient differences of 2 ranks × 2 and 4 × 1 from 1 process × 4 micro-batches, per loss type."""
     config = get_model_entry("mistral3").tiny_config()
     base, hf = model_pair(config)
-    batches = _text_batches(config)
-    targets = [shift_labels(b["labels"], b["position_ids"]) for b in batches]
-    positions = [b["position_ids"] for b in batches]
+    batches, cu_seq_lens = _text_batches(config)
+    targets = [shift_labels(b["labels"], cu) for b, cu in zip(batches, cu_seq_lens)]
     report = {"trained_tokens": [int((t != -100).sum()) for t in targets]}
     for loss_type in ("default", "per_sample", "per_token"):
         single = copy.deepcopy(base)  # 1 process × 4 micro-batches
-        loss_1x4 = _step(single, batches, targets, loss_type, None)
+        loss_1x4 = _step(single, batches, cu_seq_lens, targets, loss_type, None)
         grads_1x4 = {n: p.grad for n, p in single.named_parameters() if p.grad is not None}
-        weights = compute_loss_weights(targets, loss_type=loss_type, position_ids=positions)
+        weights = compute_loss_weights(targets, loss_type=loss_type, cu_seq_lens=cu_seq_lens)
         hf_loss, hf_grads = _reference_step(hf, batches, targets, weights)
         hf.zero_grad(set_to_none=True)
         diffs = {
@@ -150,7 +151,7 @@ def _normalisation(rank, pair):
         for name, group, mine in [("2x2", pair, [2 * (rank % 2), 2 * (rank % 2) + 1]), ("4x1", dist.group.WORLD, [rank])]:
             model = copy.deepcopy(base)
             _shard(model, DeviceMesh.from_group(group, "cpu"))
-            loss = _step(model, [batches[i] for i in mine], [targets[i] for i in mine], loss_type, group)
+            loss = _step(model, [batches[i] for i in mine], [cu_seq_lens[i] for i in mine], [targets[i] for i in mine], loss_type, group)
             diffs[f"{name} loss"] = rel_diff(loss, loss_1x4)
             diffs[f"{name} grads"] = _worst_grad_error(model, grads_1x4, group)
         report[loss_type] = {"loss": float(loss_1x4), "diffs": diffs}

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmfsdp.model import compute_loss_weights, shift_labels, weighted_cross_entropy
+from mmfsdp.model import compute_loss_weights, sample_starts, shift_labels, weighted_cross_entropy
 
 IGNORE = -100
 
@@ -16,8 +16,23 @@ def test_shift_labels_moves_targets_left_and_masks_the_last_position():
 
 def test_shift_labels_masks_the_last_token_of_every_packed_sample():
     labels = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
-    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
-    assert shift_labels(labels, position_ids).tolist() == [[2, 3, IGNORE, 5, IGNORE, 7, IGNORE]]
+    cu_seq_lens = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    assert shift_labels(labels, cu_seq_lens).tolist() == [[2, 3, IGNORE, 5, IGNORE, 7, IGNORE]]
+
+
+def test_packed_sample_boundaries_come_from_cu_seq_lens_over_all_rows():
+    labels = torch.arange(1, 9).reshape(2, 4)
+    cu_seq_lens = torch.tensor([0, 2, 4, 5, 8], dtype=torch.int32)  # row 0: [2 | 2], row 1: [1 | 3]
+    assert sample_starts(labels.shape, cu_seq_lens).tolist() == [[True, False, True, False], [True, True, False, False]]
+    assert shift_labels(labels, cu_seq_lens).tolist() == [[2, IGNORE, 4, IGNORE], [IGNORE, 7, 8, IGNORE]]
+
+
+def test_boundaries_do_not_read_position_values():
+    """M-RoPE positions are [3, B, S] and need not restart at 0: without cu_seq_lens a row is one sample."""
+    labels = torch.tensor([[1, 2, 3, 4]])
+    assert shift_labels(labels).tolist() == [[2, 3, 4, IGNORE]]
+    (weights,) = compute_loss_weights([shift_labels(labels)], loss_type="per_sample")
+    assert torch.allclose(weights, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]]))
 
 
 def _micro_batches():
@@ -26,11 +41,13 @@ def _micro_batches():
     b = torch.full((2, 5), IGNORE)
     c = torch.tensor([[1, 2, IGNORE, 3, 4, 5, IGNORE, 6]])
     c_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])  # samples: tokens 0-2, 3-6, 7
-    return [a, b, c], [None, None, c_positions]
+    c_cu_seq_lens = torch.tensor([0, 3, 7, 8], dtype=torch.int32)
+    return [a, b, c], [None, None, c_positions], [None, None, c_cu_seq_lens]
 
 
 def _expected_per_sample(targets, positions):
-    """Per-sample weights by explicit loops: 1 / (number of samples with trained tokens × sample's trained tokens)."""
+    """Per-sample weights by explicit loops (samples where positions restart, an independent spelling of
+    the same boundaries): 1 / (number of samples with trained tokens × sample's trained tokens)."""
     samples = []  # (micro-batch, row, columns) of every sample
     for m, (t, pos) in enumerate(zip(targets, positions)):
         for row in range(t.shape[0]):
@@ -52,7 +69,7 @@ def _expected_per_sample(targets, positions):
 
 
 def test_default_weights_are_one_over_all_trained_tokens_of_the_step():
-    targets, _ = _micro_batches()
+    targets, *_ = _micro_batches()
     weights = compute_loss_weights(targets, loss_type="default")
     num_trained = sum(int((t != IGNORE).sum()) for t in targets)
     for t, w in zip(targets, weights):
@@ -63,7 +80,7 @@ def test_default_weights_are_one_over_all_trained_tokens_of_the_step():
 
 def test_per_token_weights_are_mindspeed_per_micro_batch_weights_over_m_times_d():
     """MindSpeed-MM divides each micro-batch's sum by N̄ = N / M and its trainer by M: here one weight 1 / (M · N̄)."""
-    targets, _ = _micro_batches()
+    targets, *_ = _micro_batches()
     weights = compute_loss_weights(targets, loss_type="per_token", num_micro_batches=3)
     average = sum(int((t != IGNORE).sum()) for t in targets) / 3  # N̄ on one rank (D = 1)
     for t, w in zip(targets, weights):
@@ -74,8 +91,8 @@ def test_per_token_weights_are_mindspeed_per_micro_batch_weights_over_m_times_d(
 
 
 def test_per_sample_weights_average_the_sample_means():
-    targets, positions = _micro_batches()
-    weights = compute_loss_weights(targets, loss_type="per_sample", position_ids=positions)
+    targets, positions, cu_seq_lens = _micro_batches()
+    weights = compute_loss_weights(targets, loss_type="per_sample", cu_seq_lens=cu_seq_lens)
     for w, e in zip(weights, _expected_per_sample(targets, positions)):
         assert torch.allclose(w, e, rtol=1e-7, atol=0)
 
@@ -88,7 +105,7 @@ def test_no_trained_token_anywhere_gives_zero_weights(loss_type):
 
 
 def test_mismatched_micro_batch_count_is_an_error():
-    targets, _ = _micro_batches()
+    targets, *_ = _micro_batches()
     with pytest.raises(ValueError, match="num_micro_batches"):
         compute_loss_weights(targets, num_micro_batches=2)
 

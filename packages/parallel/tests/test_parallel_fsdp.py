@@ -16,10 +16,12 @@ from torch.distributed.tensor import DTensor
 
 from mmfsdp.config import ConfigError
 from mmfsdp.parallel import (
+    FSDPGroup,
     FSDPPlanConfig,
     MeshPlan,
     apply_activation_checkpointing,
     apply_fsdp,
+    apply_fsdp_groups,
     build_parallel_dims,
     clip_grad_norm,
     is_checkpointed,
@@ -246,16 +248,24 @@ def test_parallel_clip_norm_only_leaves_grads(two_rank_results):
 
 
 def _hsdp_and_cp_layouts(rank, world_size):
-    """HSDP (2 replicas × 2 shards) with the head on a different 1-D mesh, and FSDP over dp_shard × ulysses."""
+    """HSDP (2 replicas × 2 shards) with the head on a different 1-D mesh (by hand, and as two `FSDPGroup`s),
+    and FSDP over dp_shard × ulysses."""
     x, y = _batch()
     results = {}
     for name, plan in {
         "hsdp_mixed_meshes": MeshPlan(dp_replicate=2, dp_shard=2, ring=1, ulysses=1),
+        "hsdp_mesh_groups": MeshPlan(dp_replicate=2, dp_shard=2, ring=1, ulysses=1),
         "shard_with_cp": MeshPlan(dp_replicate=1, dp_shard=2, ring=1, ulysses=2),
     }.items():
         dims = build_parallel_dims(plan, "cpu")
         rows = slice(dims.dp_rank * BATCH // dims.dp_size, (dims.dp_rank + 1) * BATCH // dims.dp_size)
         model = _model()
+        if name == "hsdp_mesh_groups":
+            groups = [FSDPGroup(("blocks.{*}",), dims.fsdp_mesh), FSDPGroup(("head",), dims.dp_cp_mesh)]
+            apply_fsdp_groups(model, FSDPPlanConfig(), groups, dims.fsdp_mesh)
+            results[name] = _train(model, x[rows], y[rows], 0.05, _mean_over_ranks)
+            results[name]["meshes"] = sorted({p.device_mesh.ndim for p in model.parameters()})
+            continue
         if name == "hsdp_mixed_meshes":
             fully_shard(model.head, mesh=dims.dp_cp_mesh)
         apply_fsdp(model, FSDPPlanConfig(apply_modules=["blocks.{*}"]), dims.fsdp_mesh, DEFAULT_MODULES)
@@ -267,8 +277,9 @@ def _hsdp_and_cp_layouts(rank, world_size):
 def test_parallel_fsdp_hsdp_and_cp_layouts_on_four_ranks():
     reference = _reference(clip=0.05)
     for result in map(_from_bytes, run_distributed(_hsdp_and_cp_layouts, 4)):
-        assert result["hsdp_mixed_meshes"]["meshes"] == [1, 2]
+        assert result["hsdp_mixed_meshes"]["meshes"] == result["hsdp_mesh_groups"]["meshes"] == [1, 2]
         _assert_same_training(result["hsdp_mixed_meshes"], reference)
+        _assert_same_training(result["hsdp_mesh_groups"], reference)
         _assert_same_training(result["shard_with_cp"], reference)
 
 

@@ -23,13 +23,12 @@ import torch.distributed as dist
 
 from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
-from mmfsdp.model import shift_labels
+from mmfsdp.model import model_inputs, shift_labels
 
 if TYPE_CHECKING:
     from mmfsdp.train.trainer import Trainer
 
 log = get_logger("mmfsdp.train")
-_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_sizes")
 
 
 @torch.no_grad()
@@ -65,9 +64,8 @@ def evaluate(trainer: "Trainer") -> dict:
         if not items:  # every image of this chunk failed to decode; keep the collective count equal
             items, real = [next(item for item in map(dataset.__getitem__, range(len(dataset))) if "bad_reason" not in item)], False
         batch = collate(items)
-        inputs = trainer._to_device({k: batch[k] for k in _INPUTS if k in batch})
-        logits = model(**inputs).logits.float()
-        hits = exact_match(logits.cpu(), shift_labels(batch["labels"]))
+        logits = model(**trainer._to_device(model_inputs(batch))).logits.float()
+        hits = exact_match(logits.cpu(), shift_labels(batch["labels"], batch.get("cu_seq_lens")))
         if real:
             correct += hits.sum()
             counted += hits.numel()

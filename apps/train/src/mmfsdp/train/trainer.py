@@ -1,6 +1,6 @@
 """The trainer: the one place that knows the order of a run.
 
-    config → mesh → model (meta or CPU) → activation checkpointing → FSDP2
+    config → mesh → model (meta or CPU) → entry.parallelize (checkpointing, then FSDP2)
            → materialise + load → data → train loop → checkpoints → eval
 
 One optimizer step takes `gradient_accumulation_steps` micro-batches from the
@@ -35,11 +35,8 @@ import torch.distributed as dist
 from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
-from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, shift_labels
+from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, model_inputs, shift_labels
 from mmfsdp.parallel import (
-    apply_activation_checkpointing,
-    apply_activation_offload,
-    apply_fsdp,
     build_parallel_dims,
     clip_grad_norm,
     detect_device_type,
@@ -62,7 +59,6 @@ log = get_logger("mmfsdp.train")
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_sizes", "cu_seq_lens", "max_length")
 
 
 class TrainingError(RuntimeError):
@@ -163,11 +159,7 @@ class Trainer:
         model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
         if cfg.model.freeze:
             freeze_modules(model, cfg.model.freeze)
-        if cfg.parallel.recompute:
-            apply_activation_checkpointing(model, cfg.parallel.recompute_plan.apply_modules or self.entry.recompute_modules)
-        if cfg.features.activation_offload_plan.apply_modules:
-            apply_activation_offload(model, cfg.features.activation_offload_plan.apply_modules)
-        apply_fsdp(model, cfg.parallel.fsdp_plan, self.dims.fsdp_mesh, self.entry.fsdp_modules)
+        self.entry.parallelize(model, cfg.parallel, self.dims, cfg.features)
         if on_meta:
             model.to_empty(device=self.device)
             self.entry.init_non_persistent_buffers(model)
@@ -216,10 +208,10 @@ class Trainer:
     def train_step(self) -> StepResult:
         t = self.cfg.training
         micro_batches = [next(self.loader) for _ in range(t.gradient_accumulation_steps)]
-        targets = [shift_labels(mb["labels"], mb.get("position_ids")) for mb in micro_batches]
+        targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")) for mb in micro_batches]
         weights = compute_loss_weights(
             targets, loss_type=self.cfg.features.loss_cfg.loss_type,
-            position_ids=[mb.get("position_ids") for mb in micro_batches],
+            cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
             group=self.dims.dp_group, num_micro_batches=t.gradient_accumulation_steps,
         )
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -228,7 +220,7 @@ class Trainer:
         for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
             beat(f"step {self.step + 1} micro-batch {i + 1}/{len(micro_batches)}")
             self.model.set_requires_gradient_sync(i == last)
-            inputs = self._to_device({k: mb[k] for k in _MODEL_INPUTS if k in mb})
+            inputs = self._to_device(model_inputs(mb))
             out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
             (out.loss * self.world_size).backward()
             local_loss += out.loss.detach().float()

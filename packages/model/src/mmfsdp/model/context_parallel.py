@@ -1,4 +1,4 @@
-"""Context parallel (Ulysses / Ring / Hybrid) in the `mistral3` training forward.
+"""Context parallel (Ulysses / Ring / Hybrid) in the training forward (`mmfsdp.model.training_forward`).
 
 `model.enable_context_parallel(parallel_dims)` (after FSDP) wires the
 algorithms of `mmfsdp.parallel.cp` into the decoder. One training forward
@@ -9,18 +9,24 @@ every rank of a CP group, which all receive the same full batch:
    unpacked batch (any batch size), or the packed samples of `cu_seq_lens` —
    a packed batch is treated as one row of `B·S` tokens (packed samples never
    cross rows, so this is exact). The model's `shift_labels` and
-   `loss_weights`, computed on the full sequence, are split with it.
+   `loss_weights`, computed on the full sequence, are split with it; so are
+   positions the family computes on the full sequence (M-RoPE).
 2. The HF forward runs unchanged up to the decoder: token embeddings, the
    vision tower and projector over all of the sample's images, and the merge
    of image features into the embeddings — replicated on every CP rank.
-3. A forward pre-hook on the decoder (`model.language_model`) sees the full
-   `inputs_embeds`, completes `position_ids` for the full sequence (`arange`
-   when none were given), and splits both with `split_for_cp`. It hands the
-   decoder layers a `CPContext` (layout and groups) as a keyword argument, and a
-   4-D placeholder mask: HF returns an already-4-D mask as it is, so no
-   `[S_local, S_local]` mask is built; the CP attention takes the causal and
-   per-sample structure from the layout. Rotary embeddings are computed from the
-   *split* position ids, so every token keeps its global position.
+3. The training forward's pre-hook on the decoder (the family's
+   `decoder_name`, e.g. `model.language_model`) sees the decoder's full keyword
+   arguments and calls `split_decoder_inputs`: the family's
+   `split_decoder_kwargs(kwargs, batch)` cuts them to this rank's tokens
+   (the default, `split_sequence_kwargs`, completes `position_ids` with `arange`
+   when none were given and splits every `[B, S, ...]` tensor along S; a family
+   with other layouts — Qwen3-VL's `[3, B, S]` positions and per-visual-token
+   deepstack features — declares its own). The decoder layers get a
+   `CPContext` (layout and groups) as a keyword argument, and a 4-D placeholder
+   mask: HF returns an already-4-D mask as it is, so no `[S_local, S_local]`
+   mask is built; the CP attention takes the causal and per-sample structure
+   from the layout. Rotary embeddings are computed from the *split* position
+   ids, so every token keeps its global position.
 4. Every decoder attention calls the attention function registered as
    `mmfsdp_cp_<backend>`, which, given a `CPContext`, runs
    `context_parallel_attention` on the shard; without one (evaluation,
@@ -52,9 +58,8 @@ Shape legend: B batch, S tokens (local: S/cp), H query heads, K key/value heads,
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,7 +70,15 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from mmfsdp.model.attention import VARLEN_KEYS
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, split_for_cp
 
-__all__ = ["CP_CONTEXT_KEY", "CPContext", "CPBatch", "ContextParallel", "check_right_padding", "cp_attention_name"]
+__all__ = [
+    "CP_CONTEXT_KEY",
+    "CPContext",
+    "CPBatch",
+    "ContextParallel",
+    "check_right_padding",
+    "cp_attention_name",
+    "split_sequence_kwargs",
+]
 
 CP_CONTEXT_KEY = "mmfsdp_cp_context"
 """The keyword that carries the `CPContext` from the decoder's entry to every attention call."""
@@ -90,11 +103,13 @@ class CPBatch:
     layout: CPLayout
     flatten: bool
 
-    def split(self, tensor_BS: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of a `[B, S, ...]` tensor (`[1, B·S/cp, ...]` when flattened)."""
+    def split(self, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a tensor whose dims `seq_dim - 1, seq_dim` are `B, S` (`[B, S, ...]` by
+        default, `[3, B, S]` with `seq_dim=2`); the two become `1, B·S/cp` when flattened."""
         if self.flatten:
-            tensor_BS = tensor_BS.reshape(1, -1, *tensor_BS.shape[2:])
-        return split_for_cp(tensor_BS, self.layout, dim=1)
+            shape = tensor.shape
+            tensor = tensor.reshape(*shape[: seq_dim - 1], 1, shape[seq_dim - 1] * shape[seq_dim], *shape[seq_dim + 1 :])
+        return split_for_cp(tensor, self.layout, dim=seq_dim)
 
 
 def _cp_attention(original: str):
@@ -135,8 +150,45 @@ def _optional_group(size: int, group: dist.ProcessGroup) -> dist.ProcessGroup | 
     return group if size > 1 else None
 
 
+SplitDecoderKwargs = Callable[[dict[str, Any], CPBatch], dict[str, Any]]
+"""A family's CP hook: the decoder's keyword arguments (full sequence) → this rank's (`split_sequence_kwargs`)."""
+_NOT_SPLIT = frozenset(("attention_mask", CP_CONTEXT_KEY, *VARLEN_KEYS))
+
+
+def split_sequence_kwargs(kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
+    """The default CP split of decoder keywords: every `[B, S, ...]` tensor along S.
+
+    `position_ids` default to `arange(S)` per row (the decoder would build them from the
+    *local* length otherwise). A tensor (or list of tensors) of any other shape is an error:
+    its family must say how it splits (`split_decoder_kwargs`).
+    """
+    embeds_BSH = kwargs["inputs_embeds"]
+    B, S = embeds_BSH.shape[:2]
+    kwargs = dict(kwargs)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(S, device=embeds_BSH.device)
+    if position_ids.dim() <= 2:
+        kwargs["position_ids"] = position_ids.expand(B, S)
+    out = {}
+    for key, value in kwargs.items():
+        if key in _NOT_SPLIT or value is None:
+            out[key] = value
+        elif torch.is_tensor(value) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, S):
+            out[key] = batch.split(value)
+        elif torch.is_tensor(value) or (isinstance(value, (list, tuple)) and any(torch.is_tensor(v) for v in value)):
+            shape = tuple(value.shape) if torch.is_tensor(value) else f"a {type(value).__name__} of tensors"
+            raise ValueError(
+                f"context parallel cannot split the decoder keyword {key!r} ({shape}, not [B={B}, S={S}, ...]); "
+                "the model family must split it in its split_decoder_kwargs"
+            )
+        else:
+            out[key] = value
+    return out
+
+
 class ContextParallel:
-    """The CP groups and ranks of one model, and the hook that splits the decoder's inputs."""
+    """The CP groups and ranks of one model, the batch plan and the split of the decoder's inputs."""
 
     def __init__(self, decoder: nn.Module, parallel_dims: Any):
         dims = parallel_dims
@@ -145,12 +197,10 @@ class ContextParallel:
         self.cp_group = dims.cp_group
         self.ring_group = _optional_group(self.ring_size, dims.ring_group)
         self.ulysses_group = _optional_group(self.ulysses_size, dims.ulysses_group)
-        self._pending: CPBatch | None = None
         config = decoder.config
         if config._attn_implementation.startswith(_PREFIX):
             raise RuntimeError("context parallel is already enabled on this model")
         config._attn_implementation = cp_attention_name(config._attn_implementation)
-        decoder.register_forward_pre_hook(self._split_decoder_inputs, with_kwargs=True)
 
     def plan_batch(self, batch_size: int, seq_len: int, cu_seq_lens: torch.Tensor | None) -> CPBatch:
         """The split of a `[batch_size, seq_len]` batch, packed when `cu_seq_lens` (over the `B·S` tokens) is given."""
@@ -163,44 +213,24 @@ class ContextParallel:
         )
         return CPBatch(layout, flatten)
 
-    def split_batch(
-        self, model_kwargs: dict[str, Any], shift_labels: torch.Tensor, loss_weights: torch.Tensor, cu_seq_lens: torch.Tensor | None
-    ) -> tuple[contextlib.AbstractContextManager, torch.Tensor, torch.Tensor]:
-        """Plan a training batch; returns the block that splits the decoder, and this rank's targets and weights."""
+    def plan_training_batch(self, model_kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> CPBatch:
+        """The split of a training batch (its `input_ids` or `inputs_embeds` give `B, S`)."""
         tokens = model_kwargs.get("input_ids")
         tokens = model_kwargs["inputs_embeds"] if tokens is None else tokens
         if cu_seq_lens is None:
             check_right_padding(model_kwargs.get("attention_mask"))
-        batch = self.plan_batch(tokens.shape[0], tokens.shape[1], cu_seq_lens)
-        return self.split_decoder(batch), batch.split(shift_labels), batch.split(loss_weights)
+        return self.plan_batch(tokens.shape[0], tokens.shape[1], cu_seq_lens)
 
-    @contextlib.contextmanager
-    def split_decoder(self, batch: CPBatch) -> Iterator[None]:
-        """Within this block the decoder's next forward runs on this rank's shard of `batch`."""
-        self._pending = batch
-        try:
-            yield
-        finally:
-            self._pending = None
-
-    def _split_decoder_inputs(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        batch, self._pending = self._pending, None
-        if batch is None:
-            return None
-        assert not args, "the decoder is called with keyword arguments"
+    def split_decoder_inputs(self, kwargs: dict[str, Any], batch: CPBatch, split_kwargs: SplitDecoderKwargs) -> dict[str, Any]:
+        """The decoder's keywords for this rank: split by the family's hook, CP attention context added."""
         embeds_BSH = kwargs["inputs_embeds"]
-        B, S = embeds_BSH.shape[:2]
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(S, device=embeds_BSH.device)
-        kwargs["inputs_embeds"] = batch.split(embeds_BSH)
-        kwargs["position_ids"] = batch.split(position_ids.expand(B, S))
+        kwargs = split_kwargs(kwargs, batch)
         # an already-4-D mask is returned as it is by HF: no mask of the local length is built
         kwargs["attention_mask"] = embeds_BSH.new_zeros((0, 0, 0, 0), dtype=torch.bool)
         for key in VARLEN_KEYS:
             kwargs.pop(key, None)
         kwargs[CP_CONTEXT_KEY] = CPContext(batch.layout, self.ring_group, self.ulysses_group)
-        return args, kwargs
+        return kwargs
 
 
 def check_right_padding(attention_mask: torch.Tensor | None) -> None:

@@ -16,8 +16,8 @@ step's objective, independent of how the global batch is split:
 - `per_sample` — mean over samples of each sample's mean token loss:
                  w_t = 1 / (S · n_s(t)),   n_s = trained tokens of sample s,
                  S = number of samples with n_s > 0 in the global batch
-                 (a sample is a batch row, or a packed sequence when
-                 `position_ids` restart at 0)
+                 (a sample is a batch row, or a packed sequence of the
+                 micro-batch's `cu_seq_lens`)
 - `per_token`  — MindSpeed-MM's `per_token_loss`: each micro-batch's token sum is
                  divided by N̄ = N / (M · D), the average trained-token count of one
                  micro-batch on one rank in this step (MindSpeed-MM all-reduces it
@@ -49,22 +49,38 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "shift_labels", "compute_loss_weights", "weighted_cross_entropy", "LossType"]
+__all__ = ["IGNORE_INDEX", "sample_starts", "shift_labels", "compute_loss_weights", "weighted_cross_entropy", "LossType"]
 
 IGNORE_INDEX = -100
 LossType = Literal["default", "per_sample", "per_token"]
 
 
-def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def sample_starts(shape: torch.Size | tuple[int, ...], cu_seq_lens: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Boolean `[B, S]`: True where a sample starts — every row's first token, and with packing every
+    start in `cu_seq_lens` (cumulative lengths over the flattened `B·S` tokens, leading 0 included).
+
+    Boundaries are data: they come from `cu_seq_lens`, never from position values (M-RoPE
+    positions are `[3, B, S]` and do not restart at 0 per sample).
+    """
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    if cu_seq_lens is not None:
+        flat = starts.view(-1)
+        cu = cu_seq_lens.reshape(-1).to(device=flat.device, dtype=torch.int64)
+        flat[cu[cu < flat.numel()]] = True
+    starts[..., 0] = True
+    return starts
+
+
+def shift_labels(labels: torch.Tensor, cu_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token targets: `out[b, t] = labels[b, t + 1]`, -100 at the last position.
 
-    With packed rows (`position_ids` restarting at 0 where a sample starts), the
-    last token of every sample gets -100 too, so no sample predicts the next one's first token.
+    With packed rows (`cu_seq_lens` over the flattened `B·S` tokens), the last
+    token of every sample gets -100 too, so no sample predicts the next one's first token.
     """
     out = torch.full_like(labels, IGNORE_INDEX)
     out[..., :-1] = labels[..., 1:]
-    if position_ids is not None:
-        out[..., :-1].masked_fill_(position_ids[..., 1:] == 0, IGNORE_INDEX)
+    if cu_seq_lens is not None:
+        out[..., :-1].masked_fill_(sample_starts(labels.shape, cu_seq_lens, labels.device)[..., 1:], IGNORE_INDEX)
     return out
 
 
@@ -76,13 +92,9 @@ def weighted_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, los
     return (per_token * loss_weights.reshape(-1).to(torch.float32)).sum()
 
 
-def _sample_ids(shape: torch.Size, position_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _sample_ids(shape: torch.Size, cu_seq_lens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """A distinct id per sample of a micro-batch: per row, and per packed sequence within a row."""
-    starts = torch.zeros(shape, dtype=torch.bool, device=device)
-    if position_ids is not None:
-        starts |= position_ids.to(device).expand(shape) == 0
-    starts[..., 0] = True
-    return starts.reshape(-1).cumsum(0).reshape(shape) - 1
+    return sample_starts(shape, cu_seq_lens, device).reshape(-1).cumsum(0).reshape(shape) - 1
 
 
 def _all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
@@ -100,25 +112,25 @@ def compute_loss_weights(
     shift_labels: Sequence[torch.Tensor],
     *,
     loss_type: LossType = "default",
-    position_ids: Sequence[torch.Tensor | None] | None = None,
+    cu_seq_lens: Sequence[torch.Tensor | None] | None = None,
     group: dist.ProcessGroup | None = None,
     num_micro_batches: int | None = None,
 ) -> list[torch.Tensor]:
     """The fp32 per-token loss weights of every micro-batch of one step (formulas in the module docstring).
 
     `shift_labels` holds the targets of all micro-batches of the step on this
-    rank; `position_ids` (one per micro-batch, or None) marks packed samples for
-    `per_sample`; `group` is the data-parallel group over which counts are summed
+    rank; `cu_seq_lens` (one per micro-batch, or None: one sample per row) marks
+    packed samples for `per_sample`; `group` is the data-parallel group over which counts are summed
     (None: this process alone). Every rank of `group` must call this with the
     same number of micro-batches.
     """
     num_micro = len(shift_labels)
     if num_micro_batches is not None and num_micro_batches != num_micro:
         raise ValueError(f"num_micro_batches={num_micro_batches} but {num_micro} micro-batches of targets were given")
-    if position_ids is None:
-        position_ids = [None] * num_micro
-    if len(position_ids) != num_micro:
-        raise ValueError(f"{len(position_ids)} position_ids for {num_micro} micro-batches")
+    if cu_seq_lens is None:
+        cu_seq_lens = [None] * num_micro
+    if len(cu_seq_lens) != num_micro:
+        raise ValueError(f"{len(cu_seq_lens)} cu_seq_lens for {num_micro} micro-batches")
     trained = [targets != IGNORE_INDEX for targets in shift_labels]
     device = shift_labels[0].device if num_micro else torch.device("cpu")
 
@@ -135,8 +147,8 @@ def compute_loss_weights(
         raise ValueError(f"unknown loss_type {loss_type!r}; expected default, per_sample or per_token")
     per_sample_counts = []
     local_samples = torch.zeros((), dtype=torch.int64, device=device)
-    for mask, pos in zip(trained, position_ids):
-        ids = _sample_ids(mask.shape, pos, mask.device)
+    for mask, cu in zip(trained, cu_seq_lens):
+        ids = _sample_ids(mask.shape, cu, mask.device)
         counts = torch.bincount(ids.reshape(-1), weights=mask.reshape(-1).to(torch.float64), minlength=int(ids.max()) + 1)
         per_sample_counts.append((ids, counts))
         local_samples += (counts > 0).sum().to(device)

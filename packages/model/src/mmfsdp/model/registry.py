@@ -1,12 +1,16 @@
 """The model registry: `model_id` (what users write in YAML) → a `ModelEntry`.
 
 An entry is everything the trainer needs to know about a model family without
-knowing the family: how to build it (on the CPU or on the meta device), its
-default FSDP and activation-checkpointing plans as module name patterns, which
-modules are the vision side, where `lm_head` is, how to fill the non-persistent
-buffers after a meta build, and how HF checkpoint keys map to its state dict.
+knowing the family (torchtitan's `ModelSpec` is the example): its HF config and
+model classes, how to build it (on the CPU or on the meta device), its default
+FSDP and activation-checkpointing plans as module name patterns, which modules
+are the vision side, where the decoder and `lm_head` are, how it is
+parallelised (`parallelize`: checkpointing, activation offload, then FSDP2 over
+one or more `(patterns, mesh)` groups), how to fill the non-persistent buffers
+after a meta build, and how HF checkpoint keys map to its state dict.
 Adding a family means writing an entry and decorating it with
-`@register_model("id")`, not editing the trainer.
+`@register_model("id")`, not editing the trainer; most families subclass
+`mmfsdp.model.hf_family.HFFamilyEntry`, which builds any HF model class.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import torch
 from torch import nn
 
 from mmfsdp.config import Registry
+from mmfsdp.parallel.checkpointing import apply_activation_checkpointing
+from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp_groups
+from mmfsdp.parallel.offload import apply_activation_offload
 
 __all__ = ["ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
 
@@ -25,16 +32,28 @@ class ModelEntry:
     """Base class of a registered model family; subclasses fill in the attributes and `build`."""
 
     model_id: str = ""
+    config_class: type | None = None
+    """The HF config class of the family (what its config.json must describe)."""
+    model_class: type | None = None
+    """The model class `build` returns (for HF families, `TrainingForwardMixin` + the HF class)."""
     fsdp_modules: tuple[str, ...] = ()
     """Default `parallel.fsdp_plan.apply_modules`: each matched module becomes one FSDP2 group."""
     recompute_modules: tuple[str, ...] = ()
     """Default activation-checkpointing patterns."""
     vision_modules: tuple[str, ...] = ()
     """Modules on the vision side: replicated over context parallel, run on whole images."""
-    lm_head_name: str = "lm_head"
-    """The output projection that receives the loss function under chunk loss."""
     hf_key_map: tuple[tuple[str, str], ...] = ()
     """(regex, replacement) pairs renaming HF checkpoint keys to this model's; the first match applies."""
+
+    @property
+    def decoder_name(self) -> str:
+        """The text decoder module (the model class's `decoder_name`)."""
+        return getattr(self.model_class, "decoder_name", "model.language_model")
+
+    @property
+    def lm_head_name(self) -> str:
+        """The output projection that receives the loss function under chunk loss (the model class's `lm_head_name`)."""
+        return getattr(self.model_class, "lm_head_name", "lm_head")
 
     def build(self, model_cfg: Any, features_cfg: Any = None, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
         raise NotImplementedError
@@ -45,6 +64,23 @@ class ModelEntry:
     def validate_parallel(self, model_cfg: Any, plan: Any) -> None:
         """Checks of the parallel layout (`mmfsdp.parallel.MeshPlan`) against the model's config, before any
         process group; raise `ConfigError`. The default checks nothing."""
+
+    def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[FSDPGroup]:
+        """The FSDP2 groups: by default one, `parallel.fsdp_plan.apply_modules` (or `fsdp_modules`) on the FSDP mesh."""
+        key = "parallel.fsdp_plan.apply_modules"
+        if parallel_cfg.fsdp_plan.apply_modules is not None:
+            return [FSDPGroup(tuple(parallel_cfg.fsdp_plan.apply_modules), parallel_dims.fsdp_mesh, key)]
+        return [FSDPGroup(tuple(self.fsdp_modules), parallel_dims.fsdp_mesh, f"{key} (model default)")]
+
+    def parallelize(self, model: nn.Module, parallel_cfg: Any, parallel_dims: Any, features_cfg: Any = None) -> nn.Module:
+        """Checkpointing (`parallel.recompute`), activation offload, then FSDP2 over `fsdp_groups` with the root
+        on the FSDP mesh; in place, on the unsharded model (CPU or meta), before the weights are loaded."""
+        if parallel_cfg.recompute:
+            apply_activation_checkpointing(model, list(parallel_cfg.recompute_plan.apply_modules or self.recompute_modules))
+        offload_modules = [] if features_cfg is None else features_cfg.activation_offload_plan.apply_modules
+        if offload_modules:
+            apply_activation_offload(model, offload_modules)
+        return apply_fsdp_groups(model, parallel_cfg.fsdp_plan, self.fsdp_groups(parallel_cfg, parallel_dims), parallel_dims.fsdp_mesh)
 
 
 _REGISTRY: Registry[ModelEntry] = Registry("model id", "model.model_id")

@@ -9,7 +9,8 @@ The trainer uses this package in this order:
    (`cp`, `dp_shard_cp`, `dp`, `dp_cp`), ranks and groups.
 3. The model entry declares which modules to shard and checkpoint; this package
    applies that: `apply_activation_checkpointing(model, patterns)` and then
-   `apply_fsdp(model, plan, parallel_dims.fsdp_mesh, default_modules)`, both
+   `apply_fsdp(model, plan, parallel_dims.fsdp_mesh, default_modules)` (or
+   `apply_fsdp_groups` with one `FSDPGroup(patterns, mesh)` per mesh), both
    selecting modules with the `{*}` / `{a-b}` patterns of `match_module_names`.
    `apply_activation_offload(model, patterns)` (after checkpointing, before
    FSDP) keeps the saved activations of the matched modules in host memory.
@@ -32,7 +33,7 @@ from mmfsdp.parallel.device import (
     reset_peak_memory,
     synchronize,
 )
-from mmfsdp.parallel.fsdp import apply_fsdp
+from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp, apply_fsdp_groups
 from mmfsdp.parallel.grad import clip_grad_norm
 from mmfsdp.parallel.mesh import MESH_AXES, MeshPlan, ParallelDims, build_parallel_dims
 from mmfsdp.parallel.offload import ActivationOffload, apply_activation_offload, is_offloaded
@@ -61,6 +62,8 @@ __all__ = [
     "apply_activation_checkpointing",
     "is_checkpointed",
     "apply_fsdp",
+    "apply_fsdp_groups",
+    "FSDPGroup",
     "clip_grad_norm",
     "ActivationOffload",
     "apply_activation_offload",

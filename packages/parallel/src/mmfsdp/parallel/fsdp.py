@@ -7,6 +7,11 @@ Flow of `apply_fsdp(model, plan, mesh, default_modules)`:
    parameter group that is all-gathered just before its forward and
    reduce-scattered right after its backward; then `fully_shard` the root,
    which takes every parameter not already in a group (embeddings, final norm...).
+
+`apply_fsdp_groups(model, plan, groups, root_mesh)` is the same over several
+`FSDPGroup(patterns, mesh)` — each group's modules on its own mesh (a model
+entry's `parallelize` may, say, shard the vision tower on another mesh than the
+decoder) — and the root on `root_mesh`; `apply_fsdp` is its one-group case.
 3. Every call gets the same `MixedPrecisionPolicy(param_dtype, reduce_dtype)`,
    offload policy, `reshard_after_forward` and the ignored parameters. (FSDP2
    keeps the root's parameters gathered after forward regardless, since
@@ -32,6 +37,7 @@ Frozen parameters elsewhere are sharded like the others and get no gradient.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,7 +48,7 @@ from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.parallel.config import FSDPPlanConfig
 from mmfsdp.parallel.patterns import match_module_names
 
-__all__ = ["apply_fsdp", "DTYPES"]
+__all__ = ["apply_fsdp", "apply_fsdp_groups", "FSDPGroup", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _KEY = "parallel.fsdp_plan"
@@ -71,31 +77,56 @@ def _ignored_params(model: nn.Module, plan: FSDPPlanConfig) -> set[nn.Parameter]
     return params
 
 
+@dataclass(frozen=True, slots=True)
+class FSDPGroup:
+    """Module name patterns whose every match becomes one FSDP2 group on `mesh`."""
+
+    patterns: tuple[str, ...]
+    mesh: DeviceMesh
+    key: str = f"{_KEY}.apply_modules"
+    """Config key named when a pattern matches nothing."""
+
+
 def apply_fsdp(model: nn.Module, plan: FSDPPlanConfig, mesh: DeviceMesh, default_modules: list[str]) -> nn.Module:
     """Shard `model` in place with FSDP2 following `plan` on `mesh` (1-D FSDP or 2-D HSDP); return it."""
     if plan.apply_modules is not None:
-        names = match_module_names(model, plan.apply_modules, key=f"{_KEY}.apply_modules")
+        group = FSDPGroup(tuple(plan.apply_modules), mesh)
     else:
-        names = match_module_names(model, default_modules, key=f"{_KEY}.apply_modules (model default)")
+        group = FSDPGroup(tuple(default_modules), mesh, f"{_KEY}.apply_modules (model default)")
+    return apply_fsdp_groups(model, plan, [group], mesh)
+
+
+def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPGroup], root_mesh: DeviceMesh) -> nn.Module:
+    """Shard every module matched by each group on its mesh, deepest first, then the root on `root_mesh`.
+
+    `plan` gives the options of every call (mixed precision, offload, resharding,
+    ignored modules, prefetch); `plan.apply_modules` is not read here — the
+    caller has already chosen the groups.
+    """
+    matched = [(name, group.mesh) for group in groups for name in match_module_names(model, list(group.patterns), key=group.key)]
     ignored = _ignored_params(model, plan)
-    options = dict(
-        mesh=mesh,
-        reshard_after_forward=plan.reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(plan.param_dtype), reduce_dtype=_dtype(plan.reduce_dtype)),
-        # pinned host memory needs an accelerator; on a CPU mesh offloading only keeps the same placement
-        offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if plan.cpu_offload else OffloadPolicy(),
-    )
-    if ignored:
-        options["ignored_params"] = ignored
-    modules = [model.get_submodule(name) for name in names]
-    by_depth = sorted(range(len(names)), key=lambda i: names[i].count("."), reverse=True)
-    for i in by_depth:
-        fully_shard(modules[i], **options)
-    fully_shard(model, **options)
-    _set_prefetch(modules, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
+
+    def options(mesh: DeviceMesh) -> dict:
+        kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=plan.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(plan.param_dtype), reduce_dtype=_dtype(plan.reduce_dtype)),
+            # pinned host memory needs an accelerator; on a CPU mesh offloading only keeps the same placement
+            offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if plan.cpu_offload else OffloadPolicy(),
+        )
+        if ignored:
+            kwargs["ignored_params"] = ignored
+        return kwargs
+
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    matched.sort(key=lambda item: order[item[0]])
+    for name, mesh in sorted(matched, key=lambda item: item[0].count("."), reverse=True):
+        fully_shard(model.get_submodule(name), **options(mesh))
+    fully_shard(model, **options(root_mesh))
+    _set_prefetch([model.get_submodule(name) for name, _ in matched], plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
     get_logger(__name__).info(
         "FSDP2: %d modules + root on mesh %s, param_dtype=%s reduce_dtype=%s",
-        len(names), tuple(mesh.shape), plan.param_dtype, plan.reduce_dtype,
+        len(matched), tuple(root_mesh.shape), plan.param_dtype, plan.reduce_dtype,
     )
     return model
 

@@ -1,0 +1,219 @@
+"""Qwen3-VL dense (HF `Qwen3VLForConditionalGeneration`) as model id `qwen3_vl`.
+
+`Qwen3VLForConditionalGenerationFSDP` is the HF model plus the shared training
+forward (`mmfsdp.model.training_forward`). What is Qwen3-VL's own:
+
+- Vision attention per image: the HF tower flattens the patches of all images
+  (`pixel_values` `[Σ t·h·w, C·T·P·P]`) and builds its attention lengths from
+  `image_grid_thw` itself, one sequence per frame, so images never attend to
+  each other — nothing to add (the decoder's varlen lengths reach only the
+  decoder, `TrainingForwardMixin` sees to that).
+- M-RoPE positions (`prepare_inputs`): `position_ids` `[3, B, S]` (temporal,
+  height, width) come from the model's own `get_rope_index`, computed on the
+  whole sample before any context-parallel split. Without packing that is one
+  call for the batch (padding excluded by `attention_mask`, as HF does); with
+  `cu_seq_lens` it is one call per packed sample, with that sample's images,
+  so every sample's positions restart. `mm_token_type_ids` (0 text, 1 image,
+  2 video) are taken from the batch or derived from the image / video token ids.
+- DeepStack: the decoder receives `visual_pos_masks` `[B, S]` and
+  `deepstack_visual_embeds` (one `[num_visual_tokens, H]` per deepstack layer,
+  rows in the order of the mask's True positions), which it adds to the hidden
+  states of the visual tokens after its first layers.
+- Context parallel (`split_decoder_kwargs`): positions are split along their
+  last dim (`split_mrope_position_ids`), the mask along S, and every deepstack
+  tensor is cut to this rank's visual tokens in this rank's order
+  (`split_visual_embeds`); the rest follows `split_sequence_kwargs`. The vision
+  tower and the merge run whole on every rank, so the deepstack features of a
+  visual token are the same whichever rank holds the token.
+
+Shape legend: B batch, S tokens, H hidden size, N visual tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from mmfsdp.model.context_parallel import CPBatch, split_sequence_kwargs
+from mmfsdp.model.hf_family import HFFamilyEntry
+from mmfsdp.model.loss import sample_starts
+from mmfsdp.model.registry import register_model
+from mmfsdp.model.training_forward import TrainingForwardMixin
+
+__all__ = [
+    "Qwen3VLForConditionalGenerationFSDP",
+    "Qwen3VLEntry",
+    "mm_token_types",
+    "mrope_position_ids",
+    "split_mrope_position_ids",
+    "split_visual_embeds",
+]
+
+_TEXT, _IMAGE, _VIDEO = 0, 1, 2
+
+
+def mm_token_types(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """`mm_token_type_ids` as the HF processor makes them: 0 text, 1 image token, 2 video token."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == image_token_id] = _IMAGE
+    types[input_ids == video_token_id] = _VIDEO
+    return types
+
+
+def _take_grids(grids: torch.Tensor | None, start: int, num_tokens: int, merge: int) -> tuple[torch.Tensor | None, int]:
+    """The grids from `start` on whose token counts (`t·h·w / merge²` each) add up to `num_tokens`; the next start."""
+    end, taken = start, 0
+    while taken < num_tokens:
+        if grids is None or end >= len(grids):
+            raise ValueError(f"the packed sample has {num_tokens} visual tokens but the grids run out after {taken}")
+        taken += int(grids[end].prod()) // merge**2
+        end += 1
+    if taken != num_tokens:
+        raise ValueError(f"a packed sample's {num_tokens} visual tokens do not fill whole images (grids give {taken})")
+    return (grids[start:end] if end > start else None), end
+
+
+def mrope_position_ids(
+    get_rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    *,
+    spatial_merge_size: int,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[3, B, S]` M-RoPE positions from the model's `get_rope_index`: for the batch, or per packed sample.
+
+    With `cu_seq_lens` (over the flattened `B·S` tokens) each sample is one call with its
+    own images and videos (taken in order), so positions restart at every sample;
+    `attention_mask` is then not used (a sample's padding continues its positions).
+    """
+    if cu_seq_lens is None:
+        return get_rope_index(
+            input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask
+        )[0]
+    B, S = input_ids.shape
+    flat_ids, flat_types = input_ids.reshape(1, -1), mm_token_type_ids.reshape(1, -1)
+    positions = torch.zeros(3, B * S, dtype=input_ids.dtype, device=input_ids.device)
+    starts = sample_starts((B * S,), cu_seq_lens, input_ids.device).nonzero().squeeze(1).tolist()
+    next_image = next_video = 0
+    for start, end in zip(starts, [*starts[1:], B * S]):
+        types = flat_types[:, start:end]
+        images, next_image = _take_grids(image_grid_thw, next_image, int((types == _IMAGE).sum()), spatial_merge_size)
+        videos, next_video = _take_grids(video_grid_thw, next_video, int((types == _VIDEO).sum()), spatial_merge_size)
+        positions[:, start:end] = get_rope_index(flat_ids[:, start:end], types, image_grid_thw=images, video_grid_thw=videos)[0][:, 0]
+    return positions.reshape(3, B, S)
+
+
+def split_mrope_position_ids(position_ids: torch.Tensor, batch: CPBatch) -> torch.Tensor:
+    """This CP rank's positions of `[R, B, S]` M-RoPE ids (R = 3, or 4 with text positions first), along S."""
+    return batch.split(position_ids, seq_dim=2)
+
+
+def split_visual_embeds(
+    visual_pos_masks_BS: torch.Tensor, embeds_NH: list[torch.Tensor], batch: CPBatch
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This CP rank's visual mask and, of each `[N, H]` tensor (rows in the mask's row-major order),
+    the rows of this rank's visual tokens, in this rank's token order."""
+    index_BS = (visual_pos_masks_BS.reshape(-1).to(torch.int64).cumsum(0) - 1).reshape(visual_pos_masks_BS.shape)
+    local_mask = batch.split(visual_pos_masks_BS)
+    local_index = batch.split(index_BS)[local_mask]
+    return local_mask, [embeds.index_select(0, local_index.to(embeds.device)) for embeds in embeds_NH]
+
+
+class Qwen3VLForConditionalGenerationFSDP(TrainingForwardMixin, Qwen3VLForConditionalGeneration):
+    """HF `Qwen3VLForConditionalGeneration` plus the training forward, chunk loss, M-RoPE under packing and the CP split."""
+
+    def __init__(self, config: Qwen3VLConfig):
+        super().__init__(config)
+        self.init_training_forward()
+
+    def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
+        """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""
+        input_ids = kwargs.get("input_ids")
+        position_ids = kwargs.get("position_ids")
+        if input_ids is None or (position_ids is not None and position_ids.dim() == 3):
+            return kwargs
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return kwargs
+        types = kwargs.get("mm_token_type_ids")
+        if types is None:
+            types = mm_token_types(input_ids, self.config.image_token_id, self.config.video_token_id)
+        kwargs = dict(kwargs)
+        kwargs["position_ids"] = mrope_position_ids(
+            self.model.get_rope_index,
+            input_ids,
+            types,
+            spatial_merge_size=self.config.vision_config.spatial_merge_size,
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs.get("video_grid_thw"),
+            attention_mask=kwargs.get("attention_mask") if cu_seq_lens is None else None,
+            cu_seq_lens=cu_seq_lens,
+        )
+        return kwargs
+
+    def split_decoder_kwargs(self, kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
+        """M-RoPE positions along their last dim, deepstack features to this rank's visual tokens, the rest along S."""
+        kwargs = dict(kwargs)
+        position_ids = kwargs.get("position_ids")
+        mrope = position_ids is not None and position_ids.dim() == 3
+        if mrope:
+            del kwargs["position_ids"]
+        visual_pos_masks = kwargs.pop("visual_pos_masks", None)
+        deepstack = kwargs.pop("deepstack_visual_embeds", None)
+        out = split_sequence_kwargs(kwargs, batch)
+        if mrope:
+            out["position_ids"] = split_mrope_position_ids(position_ids, batch)
+        if visual_pos_masks is not None:
+            out["visual_pos_masks"], out["deepstack_visual_embeds"] = split_visual_embeds(visual_pos_masks, deepstack or [], batch)
+        return out
+
+
+@register_model("qwen3_vl")
+class Qwen3VLEntry(HFFamilyEntry):
+    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 decoder with M-RoPE."""
+
+    config_class = Qwen3VLConfig
+    model_class = Qwen3VLForConditionalGenerationFSDP
+    fsdp_modules = (
+        "model.visual.blocks.{*}",
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.{*}",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.{*}",
+        "lm_head",
+    )
+    recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
+    vision_modules = ("model.visual",)
+    hf_key_map = ()
+    """The published Qwen3-VL checkpoints already use this layout (`model.visual.`, `model.language_model.`, `lm_head.`)."""
+
+    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
+        """A Qwen3-VL config of ~0.2M parameters for tests and examples (fp32, untied lm_head).
+
+        `text_config` / `vision_config` overrides are dicts merged into the tiny
+        defaults; other keywords are top-level `Qwen3VLConfig` fields. The video,
+        vision-start and vision-end tokens follow the image token id.
+        """
+        text = dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+        )
+        vision = dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+            temporal_patch_size=2, in_channels=3, out_hidden_size=64, num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        )
+        text.update(overrides.pop("text_config", {}))
+        vision.update(overrides.pop("vision_config", {}))
+        settings = dict(
+            text_config=text, vision_config=vision, image_token_id=image_token_id, video_token_id=image_token_id + 1,
+            vision_start_token_id=image_token_id + 2, vision_end_token_id=image_token_id + 3, tie_word_embeddings=False,
+        )
+        settings.update(overrides)
+        return Qwen3VLConfig(**settings)

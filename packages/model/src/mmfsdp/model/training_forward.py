@@ -1,0 +1,201 @@
+"""The training forward shared by every HF `*ForConditionalGeneration` family: `TrainingForwardMixin`.
+
+A family's model class is `class XFSDP(TrainingForwardMixin, HFXForConditionalGeneration)`
+that calls `self.init_training_forward()` at the end of `__init__` — we wrap, we
+don't fork. The mixin adds:
+- `lm_head` (`lm_head_name`) gets the `ChunkLossLinear` class (same parameters;
+  called with one argument it is the same `nn.Linear`), so under chunk loss it
+  can receive the loss function and return the loss;
+- `forward` accepts the training keywords `shift_labels`, `loss_weights`,
+  `cu_seq_lens`, `max_length`;
+- one forward pre-hook on the decoder (`decoder_name`) that hands the decoder
+  the keywords only it should see (the varlen lengths of packed samples) and,
+  under context parallel, splits its inputs (`mmfsdp.model.context_parallel`).
+
+The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
+1. `__call__` wraps `loss_weights` in `_Uncast`: FSDP2's root pre-forward hook
+   casts every floating tensor argument to its `param_dtype`, and the weights
+   must reach the loss in fp32.
+2. `prepare_inputs(kwargs, cu_seq_lens)` — the family's hook, before any split —
+   completes inputs computed on the whole sample (Qwen3-VL: M-RoPE positions,
+   restarted per packed sample). The default changes nothing.
+3. With `cu_seq_lens` the attention mask is dropped and the decoder receives the
+   HF varlen keywords `cu_seq_lens_q/k`, `max_length_q/k`: the cumulative lengths
+   alone say which tokens attend to which. They go to the decoder only — the
+   vision tower keeps its own per-image lengths.
+4. Under context parallel, `shift_labels` and `loss_weights` are split with the
+   batch's layout and the decoder runs on this rank's shard (its keywords split
+   by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`).
+5. Without chunk loss the HF forward computes the logits and
+   `weighted_cross_entropy` the loss; with chunk loss the HF base model stops at
+   the final hidden states and `lm_head` computes the loss chunk by chunk
+   (`mmfsdp.model.chunk_loss`), and the output has no logits. Either way
+   `.loss = Σ_t loss_weights[t] · CE(logits[t], shift_labels[t])` in fp32 over
+   the local tokens.
+
+`forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
+so evaluation and generation see the HF model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
+from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
+from mmfsdp.model.loss import weighted_cross_entropy
+
+__all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs"]
+
+NON_INPUT_KEYS = ("labels",)
+"""Keys of a collated batch that are not model inputs; every other key (the family's HF inputs,
+`cu_seq_lens`, `max_length`) goes to the model as it is."""
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The model's keywords of a collated batch: every key but `NON_INPUT_KEYS`, untouched."""
+    return {key: value for key, value in batch.items() if key not in NON_INPUT_KEYS}
+
+
+def packed_attention_kwargs(cu_seq_lens: torch.Tensor, max_length: int | torch.Tensor | None) -> dict[str, Any]:
+    """The HF varlen keywords for packed sequences over the flattened `B·S` tokens."""
+    cu_seq_lens = cu_seq_lens.reshape(-1).to(torch.int32)
+    if max_length is None:
+        max_length = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
+    max_length = int(max_length)
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_length, "max_length_k": max_length}
+
+
+class _Uncast:
+    """Carries a tensor past FSDP2's input casting, which only looks into tensors and standard containers."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _DecoderCall:
+    """What the decoder's next forward receives on top of its HF keywords: varlen lengths and the CP split."""
+
+    __slots__ = ("extra_kwargs", "cp_batch")
+
+    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None):
+        self.extra_kwargs = extra_kwargs
+        self.cp_batch = cp_batch
+
+
+class TrainingForwardMixin:
+    """The training forward, chunk loss and CP split for an HF `*ForConditionalGeneration` (module docstring)."""
+
+    decoder_name: ClassVar[str] = "model.language_model"
+    """The text decoder: it receives the varlen keywords and, under CP, runs on the shard."""
+    lm_head_name: ClassVar[str] = "lm_head"
+    """The output projection that receives the loss function under chunk loss."""
+
+    def init_training_forward(self) -> None:
+        """Call at the end of the family's `__init__`."""
+        use_chunk_loss_head(self.get_submodule(self.lm_head_name))
+        self.chunk_loss_size: int | None = None
+        self._context_parallel: ContextParallel | None = None
+        self._decoder_call: _DecoderCall | None = None
+        self.get_submodule(self.decoder_name).register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
+
+    # -- family hooks ----------------------------------------------------------------------------
+    def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
+        """Inputs computed on the whole (unsplit) sample before the forward; the default changes nothing."""
+        return kwargs
+
+    def split_decoder_kwargs(self, kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
+        """This CP rank's decoder keywords; the default splits `[B, S, ...]` tensors along S."""
+        return split_sequence_kwargs(kwargs, batch)
+
+    # -- switches --------------------------------------------------------------------------------
+    def enable_context_parallel(self, parallel_dims: Any) -> None:
+        """Split the decoder's sequence over `parallel_dims`' CP group in the training forward (`mmfsdp.model.context_parallel`)."""
+        self._context_parallel = ContextParallel(self.get_submodule(self.decoder_name), parallel_dims)
+
+    def set_chunk_loss(self, chunk_size: int | None) -> None:
+        """Compute the training loss inside `lm_head`, `chunk_size` tokens at a time (None: plain logits + CE)."""
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.chunk_loss_size = chunk_size
+
+    # -- forward ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _calling_decoder(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None) -> Iterator[None]:
+        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch) if extra_kwargs or cp_batch is not None else None
+        try:
+            yield
+        finally:
+            self._decoder_call = None
+
+    def _decoder_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        call, self._decoder_call = self._decoder_call, None
+        if call is None:
+            return None
+        assert not args, "the decoder is called with keyword arguments"
+        kwargs = {**kwargs, **call.extra_kwargs}
+        if call.cp_batch is not None:
+            kwargs = self._context_parallel.split_decoder_inputs(kwargs, call.cp_batch, self.split_decoder_kwargs)
+        return args, kwargs
+
+    def __call__(self, *args: Any, loss_weights: torch.Tensor | None = None, **kwargs: Any):
+        # FSDP2's root pre-forward hook casts every floating tensor argument to its param_dtype;
+        # the loss weights must reach the loss in fp32, so they pass the hooks in an opaque holder.
+        if loss_weights is not None:
+            kwargs["loss_weights"] = _Uncast(loss_weights)
+        return super().__call__(*args, **kwargs)
+
+    def forward(
+        self,
+        *args: Any,
+        shift_labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        cu_seq_lens: torch.Tensor | None = None,
+        max_length: int | torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        if isinstance(loss_weights, _Uncast):
+            loss_weights = loss_weights.tensor
+        decoder_kwargs: dict[str, Any] = {}
+        if cu_seq_lens is not None:
+            if len(args) > 2:
+                raise TypeError("with cu_seq_lens pass the inputs by keyword (the attention mask is replaced)")
+            decoder_kwargs = packed_attention_kwargs(cu_seq_lens, max_length)
+        if not args:
+            kwargs = self.prepare_inputs(kwargs, cu_seq_lens)
+        if cu_seq_lens is not None:
+            kwargs["attention_mask"] = None
+        if loss_weights is None:
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            with self._calling_decoder(decoder_kwargs):
+                return super().forward(*args, **kwargs)
+        if args:
+            raise TypeError("the training forward (with loss_weights) takes its inputs by keyword")
+        if shift_labels is None:
+            raise ValueError("loss_weights needs shift_labels (the next-token target of every position)")
+        if kwargs.get("labels") is not None:
+            raise ValueError("pass either labels (HF loss) or shift_labels + loss_weights (weighted loss), not both")
+        kwargs.pop("labels", None)
+        kwargs.setdefault("use_cache", False)
+        cp_batch = None
+        if self._context_parallel is not None:
+            cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
+            shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
+        with self._calling_decoder(decoder_kwargs, cp_batch):
+            if self.chunk_loss_size is None:
+                outputs = super().forward(**kwargs)
+                outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
+                return outputs
+            kwargs.pop("logits_to_keep", None)
+            outputs = getattr(self, self.base_model_prefix)(**kwargs)
+        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size)
+        loss = self.get_submodule(self.lm_head_name)(outputs.last_hidden_state, loss_function=loss_function)
+        return CausalLMOutputWithPast(loss=loss)
