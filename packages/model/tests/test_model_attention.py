@@ -223,3 +223,32 @@ def test_each_image_attends_only_within_itself(tiny_config, fake_npu, backend, s
     if backend == "mmfsdp_npu_fusion":
         expected = "BSND" if len(set(sizes)) == 1 else "TND"
         assert fake_npu.layouts[0] == expected
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("batch_size, cu", [(1, [0, 3, 8, 11, 16]), (2, [0, 5, 8, 13, 16]), (2, [0, 4, 7, 12])])
+def test_sdpa_runs_each_packed_sequence_alone_as_the_block_mask_does(causal, batch_size, cu):
+    """The per-sequence SDPA path (no T x T mask) against SDPA with the block-diagonal mask: values and grads,
+    grouped query heads, several rows, equal-length sequences batched, and a tail after the last boundary."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mmfsdp.model.attention import sdpa_attention
+
+    class Attn(torch.nn.Module):
+        is_causal = causal
+        num_key_value_groups = 2
+        training = False
+
+    seq_len = 16 // batch_size if cu[-1] == 16 else 8
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch_size, heads, seq_len, 8, generator=generator, requires_grad=True) for heads in (4, 2, 2))
+    cu_seq_lens = torch.tensor(cu, dtype=torch.int32)
+    out, _ = sdpa_attention(Attn(), q, k, v, None, cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens)
+    mask = varlen_block_mask(cu_seq_lens, cu_seq_lens, batch_size, seq_len, seq_len, causal=causal)
+    ref, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](Attn(), q, k, v, mask, is_causal=False)
+    assert out.shape == ref.shape == (batch_size, seq_len, 4, 8)
+    assert rel_diff(out, ref) <= TOL
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_diff(grad, ref_grad) <= TOL

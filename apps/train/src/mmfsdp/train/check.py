@@ -4,7 +4,7 @@
 key path; an empty list means the run can start. It is what `apps/train --check`
 prints, and the app runs it again before any process group starts, so a
 mistake that would fail on every rank a minute into the run is one line each,
-on the launching host, before anything is launched.
+printed once, before any process group exists.
 
 What it checks, in order (a step that cannot run because an earlier one failed
 is skipped, not reported twice):
@@ -23,6 +23,12 @@ is skipped, not reported twice):
    freeze list must leave a parameter to train.
 6. `training.output_dir`, `training.save` and the data cache directory are
    writable, or creatable (nothing is created).
+
+It is two halves so that a launcher need not import the model code:
+`host_check` (steps 1, 2 and 6: no transformers, no model) and `model_check`
+(steps 3–5). The app's own launcher runs `host_check` before it starts the
+ranks, and its ranks run `model_check` before `init_process_group` (they import
+the model code anyway); `--check`, a single process and plain torchrun run both.
 """
 
 from __future__ import annotations
@@ -34,19 +40,30 @@ from pathlib import Path
 from mmfsdp.config import ConfigError
 from mmfsdp.train.config import Config, check_world
 
-__all__ = ["deep_check"]
+__all__ = ["deep_check", "host_check", "model_check"]
 
 
 def deep_check(cfg: Config, world_size: int) -> list[ConfigError]:
     """All problems of `cfg` on `world_size` processes that show without a process group."""
+    return host_check(cfg, world_size) + model_check(cfg)
+
+
+def host_check(cfg: Config, world_size: int) -> list[ConfigError]:
+    """The checks that need neither the model code nor the weights: world size, names, data, directories."""
     errors: list[ConfigError] = []
     _collect(errors, check_world, cfg, world_size)
     errors += _registry_names(cfg)
     errors += _data_paths(cfg)
+    errors += _writable_dirs(cfg)
+    return errors
+
+
+def model_check(cfg: Config) -> list[ConfigError]:
+    """The checks that import the model code: attention backend, weights, and the module patterns (meta build)."""
+    errors: list[ConfigError] = []
     model_cfg = _attention(cfg, errors)
     errors += _weights(cfg)
     errors += _model_patterns(cfg, model_cfg)
-    errors += _writable_dirs(cfg)
     return errors
 
 

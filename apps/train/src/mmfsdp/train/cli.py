@@ -14,11 +14,13 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from mmfsdp.config import ConfigError
 
 DEFAULT_CONFIG = Path("examples/tiny/config.yaml")
+CONFIG_ERROR_EXIT_CODE = 2
 
 
 def _repo_root() -> Path:
@@ -66,7 +68,24 @@ def _parser() -> argparse.ArgumentParser:
         "--device-memory", default=None, type=_parse_size, metavar="SIZE",
         help="with --check: memory of one accelerator for the memory plan, e.g. 64GiB, 80GB or plain bytes",
     )
+    parser.add_argument(
+        "--image-token-share", default=1.0, type=_parse_share, metavar="FRACTION",
+        help=(
+            "with --check: the part of a micro-batch's tokens that are image tokens, which sets the vision tower's "
+            "activations in the memory plan (default 1.0, the worst case; e.g. 0.3 for data a third images)"
+        ),
+    )
     return parser
+
+
+def _parse_share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1, got {text!r}")
+    return share
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -109,7 +128,7 @@ def _world_size(args: argparse.Namespace, under_torchrun: bool) -> int:
     raise ConfigError("--nproc-per-node", f"expected a positive integer or 'auto', got {args.nproc_per_node!r}")
 
 
-def _print_check_report(cfg, world_size: int, device_memory: int | None) -> None:
+def _print_check_report(cfg, world_size: int, device_memory: int | None, image_token_share: float = 1.0) -> None:
     """`--check` with no problems: the resolved config, one summary line, and the memory plan when available."""
     from mmfsdp.config import dump_yaml
     from mmfsdp.train.start import plan_start
@@ -121,8 +140,23 @@ def _print_check_report(cfg, world_size: int, device_memory: int | None) -> None
         from mmfsdp.train.memory import memory_plan_lines
     except ImportError:
         return
-    for line in memory_plan_lines(cfg, world_size, device_memory):
+    for line in memory_plan_lines(cfg, world_size, device_memory, image_token_share=image_token_share):
         print(line)
+
+
+# How long a rank other than 0 waits before exiting after the check failed: every rank finds the same
+# problems, and an early exit would let the launcher stop rank 0 before it printed them.
+_REPORT_GRACE_S = 20.0
+
+
+def _report_check_errors(errors: list[ConfigError], under_torchrun: bool) -> int:
+    """Print the check's problems once (global rank 0 under torchrun) and return the config-error exit code."""
+    if not under_torchrun or os.environ.get("RANK", "0") == "0":
+        _print_errors(errors)
+        sys.stderr.flush()
+    else:
+        time.sleep(_REPORT_GRACE_S)
+    return CONFIG_ERROR_EXIT_CODE
 
 
 def _auto_nproc() -> int:
@@ -142,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         supervise.guard_rank()
     else:
         supervise.watch_launcher_parent()
-    from mmfsdp.train.check import deep_check
+    from mmfsdp.train.check import deep_check, host_check, model_check
     from mmfsdp.train.config import read_config
 
     try:
@@ -152,15 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         _print_errors(getattr(err, "errors", [err]))
         return 2
-    # Ranks started by this app's own launcher skip the deep check: the launcher ran it.
-    if not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):
+    # The app's own launcher checks what needs no model code and leaves the model checks to its ranks,
+    # which import the model anyway: the launcher itself never pays for importing transformers.
+    launching = not under_torchrun and not args.check and world_size > 1
+    if launching:
+        errors += host_check(cfg, world_size)
+    elif under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ:
+        errors += model_check(cfg)
+    else:
         errors += deep_check(cfg, world_size)
     if errors:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same problems
-            _print_errors(errors)
-        return 2
+        return _report_check_errors(errors, under_torchrun)
     if args.check:
-        _print_check_report(cfg, world_size, args.device_memory)
+        _print_check_report(cfg, world_size, args.device_memory, args.image_token_share)
         return 0
 
     if not under_torchrun and cfg.training.save:
@@ -206,6 +244,8 @@ def _launch(world_size: int, worker_args: list[str]) -> int:
     except Exception as err:  # the failing rank already printed its error
         failures = getattr(err, "failures", None) or {}
         failed = sorted((rank, f.exitcode) for rank, f in failures.items())  # keyed by global rank
+        if failed and all(code == CONFIG_ERROR_EXIT_CODE for _, code in failed):
+            return CONFIG_ERROR_EXIT_CODE  # rank 0 printed the check's problems; nothing more to say
         first = [item for item in failed if item[1] > 0] or failed
         what = ", ".join(f"rank {rank} exited with code {code}" for rank, code in first) or str(err).splitlines()[0]
         hang = " (no progress: see hang_rank*.txt in training.output_dir)" if any(c == supervise.HANG_EXIT_CODE for _, c in first) else ""

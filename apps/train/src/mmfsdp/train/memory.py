@@ -122,7 +122,8 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
     return max(sizes.values(), default=0)
 
 
-def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], float], plan: Any) -> int:
+def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], float], plan: Any,
+                 image_token_share: float) -> int:
     text = model.config.text_config
     compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
     tokens = cfg.training.micro_batch_size * cfg.data.dataset_param.preprocess_parameters.cutoff_len // (plan.ring * plan.ulysses)
@@ -147,14 +148,21 @@ def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], fl
     vision_tower = model.get_submodule("model.vision_tower") if cfg.model.model_id == "mistral3" else None
     if vision_tower is not None and any(p.requires_grad for p in vision_tower.parameters()):
         vis = model.config.vision_config
-        patches = tokens * model.config.spatial_merge_size**2  # at most every token an image token
-        vision = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
-        vision *= 1 if recompute else vis.num_hidden_layers
+        patches = tokens * image_token_share * model.config.spatial_merge_size**2
+        vision_layer = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
+        vision_input = patches * vis.hidden_size * compute
+        vision = vis.num_hidden_layers * vision_input + vision_layer if recompute else vis.num_hidden_layers * vision_layer
     return int(decoder + logits + vision)
 
 
-def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *, _suggest: bool = True) -> MemoryPlan:
-    """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json)."""
+def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *,
+                image_token_share: float = 1.0, _suggest: bool = True) -> MemoryPlan:
+    """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json).
+
+    `image_token_share` is the part of a micro-batch's tokens that are image tokens, which sets the vision
+    tower's patches; 1.0, the default, is the worst case (a micro-batch of image tokens only)."""
+    if not 0.0 <= image_token_share <= 1.0:
+        raise ValueError(f"image_token_share must be within [0, 1], got {image_token_share}")
     mesh = check_world(cfg, world_size)
     model, entry = _build_meta(cfg)
     master = _BYTES[cfg.model.dtype]
@@ -175,7 +183,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
     copies = 2 * _largest_unit(model, patterns) * compute
     factor = _FAMILIES.get(cfg.model.model_id, _mistral_decoder_values)
-    activations = _activations(cfg, model, factor, mesh)
+    activations = _activations(cfg, model, factor, mesh, image_token_share)
     if device_memory_bytes is None:
         device_memory_bytes = _detected_device_memory()
     plan = MemoryPlan(
@@ -184,11 +192,11 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
         activations=activations, host=host, device_memory=device_memory_bytes,
     )
     if _suggest and plan.fits is False:
-        plan.suggestions = _suggestions(cfg, world_size, device_memory_bytes)
+        plan.suggestions = _suggestions(cfg, world_size, device_memory_bytes, image_token_share)
     return plan
 
 
-def _suggestions(cfg: Config, world_size: int, device_memory: int) -> list[str]:
+def _suggestions(cfg: Config, world_size: int, device_memory: int, image_token_share: float) -> list[str]:
     """Single changes under which the plan fits `device_memory`, in the order a user would try them."""
     p, f, t = cfg.parallel, cfg.features, cfg.training
     layers = [f"{(cfg.parallel.recompute_plan.apply_modules or ['model.language_model.layers.{*}'])[0]}"]
@@ -209,17 +217,19 @@ def _suggestions(cfg: Config, world_size: int, device_memory: int) -> list[str]:
         if changed is cfg and size == world_size:
             continue
         try:
-            plan = memory_plan(changed, size, device_memory, _suggest=False)
+            plan = memory_plan(changed, size, device_memory, image_token_share=image_token_share, _suggest=False)
         except Exception:  # a change the mesh rules out (e.g. CP sizes) is simply not suggested
             continue
-        if plan.fits and plan.total < memory_plan(cfg, world_size, device_memory, _suggest=False).total:
+        current = memory_plan(cfg, world_size, device_memory, image_token_share=image_token_share, _suggest=False)
+        if plan.fits and plan.total < current.total:
             fitting.append(f"{text} ({plan.total / GiB:.1f} GiB)")
     return fitting
 
 
-def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | None = None) -> list[str]:
+def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *,
+                      image_token_share: float = 1.0) -> list[str]:
     """The plan as the lines `--check` prints."""
-    plan = memory_plan(cfg, world_size, device_memory_bytes)
+    plan = memory_plan(cfg, world_size, device_memory_bytes, image_token_share=image_token_share)
     gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
     lines = [
         f"memory plan per rank ({world_size} processes, FSDP shard group {plan.shard_size}; "
@@ -230,7 +240,7 @@ def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | N
         + ("(adamw_swap: in host memory)" if cfg.training.optimizer == "adamw_swap" else "(AdamW: 2 x fp32)"),
         f"  before activations{gib(plan.before_activations):>10}",
         f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
-        f"  activations       {gib(plan.activations):>10}  (estimate)",
+        f"  activations       {gib(plan.activations):>10}  (estimate; image tokens {image_token_share:.0%} of a micro-batch)",
         f"  total             {gib(plan.total):>10}" + (f"  (+ {gib(plan.host)} in host memory)" if plan.host else ""),
     ]
     if plan.device_memory is None:

@@ -18,9 +18,11 @@ it in place of their own; the model does the maths, we only choose the kernel.
 Packed inputs: the HF-style varlen keywords `cu_seq_lens_q/k` (cumulative
 sequence starts over the flattened `B·S` tokens, leading 0 included) and
 `max_length_q/k` flow from the model's forward to every attention call.
-- dense backends (`sdpa`, `eager`) turn them into a block-diagonal mask
-  (`varlen_block_mask`), causal for the decoder and full for the vision tower;
-  tokens after the last boundary form one more block;
+- `sdpa` runs each packed sequence on its own (sequences of one length in one
+  call), causal for the decoder and full for the vision tower, so no `T × T`
+  mask exists; `eager` (the reference) and cross-attention-shaped inputs use a
+  block-diagonal mask (`varlen_block_mask`); tokens after the last boundary
+  form one more block either way;
 - flash-attn takes them as they are;
 - the NPU kernel takes cumulative *end* positions in the `TND` layout
   (`npu_layout` converts, checks and picks the dense `BSND` layout when there
@@ -38,6 +40,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -121,12 +124,68 @@ def _repeat_kv(x_BKLD: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BKLD if groups == 1 else x_BKLD.repeat_interleave(groups, dim=1)
 
 
+_segments_of = WeakIdKeyDictionary()  # cu_seq_lens tensor -> ((B, S, version), segments)
+
+
+def _row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> list[tuple[int, int]] | None:
+    """The `[start, end)` token ranges of the packed sequences over the flattened `B·S` tokens (tokens after the
+    last boundary form one more, as in `varlen_block_mask`); None when one would cross a row.
+
+    Every layer gets the same `cu_seq_lens` tensor: it is read to the host once, not once per layer."""
+    cached = _segments_of.get(cu_seq_lens)
+    if cached is not None and cached[0] == (batch_size, seq_len, cu_seq_lens._version):
+        return cached[1]
+    segments = _compute_row_segments(cu_seq_lens, batch_size, seq_len)
+    _segments_of[cu_seq_lens] = ((batch_size, seq_len, cu_seq_lens._version), segments)
+    return segments
+
+
+def _compute_row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> list[tuple[int, int]] | None:
+    num_tokens = batch_size * seq_len
+    bounds = sorted({min(max(int(v), 0), num_tokens) for v in cu_seq_lens.tolist()} | {0, num_tokens})
+    segments = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
+    if any(start // seq_len != (end - 1) // seq_len for start, end in segments):
+        return None
+    return segments
+
+
+def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causal: bool, **kwargs):
+    """SDPA on each packed sequence alone, sequences of one length batched together; `[B, S, H, D]` out.
+
+    The same maths as the block-diagonal mask without its `T × T` mask (and, where SDPA falls back to the
+    math kernel, score matrix): memory grows with the longest sequence, not with the whole packed batch."""
+    batch_size, num_heads, seq_len, head_dim = query_BHSD.shape
+    q_THD = query_BHSD.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)
+    k_TKD = key_BKSD.transpose(1, 2).reshape(batch_size * seq_len, key_BKSD.shape[1], head_dim)
+    v_TKD = value_BKSD.transpose(1, 2).reshape(batch_size * seq_len, value_BKSD.shape[1], value_BKSD.shape[3])
+    by_length: dict[int, list[int]] = {}
+    for start, end in segments:
+        by_length.setdefault(end - start, []).append(start)
+    order, outputs = [], []
+    for length, starts in by_length.items():
+        index_NL = torch.tensor(starts, device=q_THD.device)[:, None] + torch.arange(length, device=q_THD.device)
+        out_NLHD, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, q_THD[index_NL].transpose(1, 2), k_TKD[index_NL].transpose(1, 2), v_TKD[index_NL].transpose(1, 2),
+            None, is_causal=causal, **kwargs,
+        )
+        order.append(index_NL.reshape(-1))
+        outputs.append(out_NLHD.reshape(-1, num_heads, out_NLHD.shape[-1]))
+    out_THD = torch.cat(outputs)[torch.argsort(torch.cat(order))]
+    return out_THD.view(batch_size, seq_len, num_heads, -1), None
+
+
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention, with packed inputs turned into a block-diagonal mask."""
+    """transformers' sdpa attention; packed self-attention runs per sequence, other packed inputs get a
+    block-diagonal mask."""
     cu_q, cu_k = _pop_varlen(kwargs)
     if cu_q is not None:
         causal = _is_causal(module, kwargs)
-        attention_mask = varlen_block_mask(cu_q, cu_k, query.shape[0], query.shape[2], key.shape[2], causal=causal)
+        batch_size, _, q_len, _ = query.shape
+        same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
+        segments = _row_segments(cu_q, batch_size, q_len) if same else None
+        if segments is not None:
+            return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
+        attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
