@@ -16,7 +16,7 @@ Magistral-Small-2509 worked through):
   dtype); the largest unit × 2, for the one computing and the one being prefetched;
 - activations: tokens per micro-batch and CP rank (`micro_batch_size × cutoff_len /
   (ring × ulysses)`) × hidden × layers × the family's bytes per token, hidden unit and
-  layer; recompute keeps only each layer's input plus one layer being recomputed,
+  layer (`ModelEntry.decoder_values_per_token`); recompute keeps only each layer's input plus one layer being recomputed,
   offload moves the saved tensors of the matched layers to the host (one layer in flight);
   the logits (or one chunk of them with chunk loss) come on top. A frozen vision tower
   saves nothing.
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,22 +39,6 @@ __all__ = ["MemoryPlan", "memory_plan", "memory_plan_lines"]
 
 GiB = 2**30
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def _mistral_decoder_values(text: Any) -> float:
-    """Values a Mistral decoder layer saves for backward, per token, in units of `hidden_size`.
-
-    Attention: the layer input and its RMSNorm output, q/k/v, rotated q/k, the attention
-    output and o_proj's input (the flash/SDPA kernels keep no score matrix); MLP: the
-    post-attention residual and its norm, gate, up, silu(gate), silu(gate)·up. The
-    hidden-sized ones count 8, the KV-sized 3, the MLP-sized 5.
-    """
-    hidden = text.hidden_size
-    kv = text.num_key_value_heads * (getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
-    return 8 + 3 * kv / hidden + 5 * text.intermediate_size / hidden
-
-
-_FAMILIES: dict[str, Callable[[Any], float]] = {"mistral3": _mistral_decoder_values}
 
 
 @dataclass(slots=True)
@@ -122,12 +106,11 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
     return max(sizes.values(), default=0)
 
 
-def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], float], plan: Any,
-                 image_token_share: float) -> int:
+def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, image_token_share: float) -> int:
     text = model.config.text_config
     compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
     tokens = cfg.training.micro_batch_size * cfg.data.dataset_param.preprocess_parameters.cutoff_len // (plan.ring * plan.ulysses)
-    per_layer = tokens * text.hidden_size * factor(text) * compute
+    per_layer = tokens * text.hidden_size * entry.decoder_values_per_token(text) * compute
     layer_input = tokens * text.hidden_size * compute
     layers = text.num_hidden_layers
     recompute = cfg.parallel.recompute
@@ -145,10 +128,10 @@ def _activations(cfg: Config, model: torch.nn.Module, factor: Callable[[Any], fl
     else:
         logits = tokens * text.vocab_size * (compute + 4 + 4)  # the logits, their fp32 copy and its gradient
     vision = 0
-    vision_tower = model.get_submodule("model.vision_tower") if cfg.model.model_id == "mistral3" else None
+    vision_tower = model.get_submodule(entry.vision_modules[0]) if entry.vision_modules else None
     if vision_tower is not None and any(p.requires_grad for p in vision_tower.parameters()):
         vis = model.config.vision_config
-        patches = tokens * image_token_share * model.config.spatial_merge_size**2
+        patches = tokens * image_token_share * entry.vision_patches_per_image_token(model.config)
         vision_layer = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
         vision_input = patches * vis.hidden_size * compute
         vision = vis.num_hidden_layers * vision_input + vision_layer if recompute else vis.num_hidden_layers * vision_layer
@@ -182,8 +165,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     patterns = cfg.parallel.fsdp_plan.apply_modules or list(entry.fsdp_modules)
     compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
     copies = 2 * _largest_unit(model, patterns) * compute
-    factor = _FAMILIES.get(cfg.model.model_id, _mistral_decoder_values)
-    activations = _activations(cfg, model, factor, mesh, image_token_share)
+    activations = _activations(cfg, model, entry, mesh, image_token_share)
     if device_memory_bytes is None:
         device_memory_bytes = _detected_device_memory()
     plan = MemoryPlan(

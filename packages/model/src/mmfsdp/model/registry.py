@@ -65,6 +65,24 @@ class ModelEntry:
         """Checks of the parallel layout (`mmfsdp.parallel.MeshPlan`) against the model's config, before any
         process group; raise `ConfigError`. The default checks nothing."""
 
+    def decoder_values_per_token(self, text_config: Any) -> float:
+        """Values one decoder layer saves for backward per token, in units of `hidden_size` (the memory plan).
+
+        The default is a pre-norm decoder layer with grouped-query attention and a gated MLP (Mistral, Qwen3):
+        attention keeps the layer input and its norm, q, rotated q, the attention output and o_proj's input
+        (8 hidden-sized with the MLP's residual, norm and down input), k, rotated k and v (3 KV-sized), and the
+        MLP gate, up, silu(gate) and their product plus one more (5 MLP-sized); flash/SDPA keep no scores.
+        """
+        hidden = text_config.hidden_size
+        head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+        kv = text_config.num_key_value_heads * head_dim
+        return 8 + 3 * kv / hidden + 5 * text_config.intermediate_size / hidden
+
+    def vision_patches_per_image_token(self, config: Any) -> int:
+        """Vision-tower patches behind one image token of the decoder: the patch merger's `merge²`."""
+        merge = getattr(config, "spatial_merge_size", None) or getattr(config.vision_config, "spatial_merge_size", 1)
+        return int(merge) ** 2
+
     def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[FSDPGroup]:
         """The FSDP2 groups: by default one, `parallel.fsdp_plan.apply_modules` (or `fsdp_modules`) on the FSDP mesh."""
         key = "parallel.fsdp_plan.apply_modules"
