@@ -17,20 +17,61 @@
   sequence over the CP group after the vision tower (`mmfsdp.model.context_parallel`);
   `entry.validate_parallel(model_cfg, plan)` checks the layout against `config.json`.
 
-Importing the package registers the `mistral3` and `qwen3_vl` entries and the attention backends.
+Importing the package imports nothing heavy: names load on first use, a family's module (and with it
+transformers and the attention backends) when its entry is first asked for (`get_model_entry`).
 """
 
-from mmfsdp.model.registry import ModelEntry, get_model_entry, register_model, registered_model_ids
-from mmfsdp.model.attention import AttentionBackend, npu_layout, resolve_attention_backend, set_attention_backend
-from mmfsdp.model.config import ChunkLossPlanConfig, FeaturesConfig, LossConfig, ModelConfig
-from mmfsdp.model.loss import IGNORE_INDEX, compute_loss_weights, sample_starts, shift_labels, weighted_cross_entropy
-from mmfsdp.model.chunk_loss import ChunkLossLinear, LinearCrossEntropy, chunked_linear_cross_entropy
-from mmfsdp.model.freeze import freeze_modules
-from mmfsdp.model.meta_init import init_rotary_buffers
-from mmfsdp.model.training_forward import NON_INPUT_KEYS, TrainingForwardMixin, model_inputs
-from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
-from mmfsdp.model.mistral3 import Mistral3Entry, Mistral3ForConditionalGenerationFSDP
-from mmfsdp.model.qwen3_vl import Qwen3VLEntry, Qwen3VLForConditionalGenerationFSDP
+import importlib
+
+# Names load on first use (PEP 562): reading a config needs `ModelConfig`, not transformers,
+# and a launcher that never builds a model never imports a family.
+_LAZY = {
+    "ModelEntry": "mmfsdp.model.registry",
+    "get_model_entry": "mmfsdp.model.registry",
+    "register_model": "mmfsdp.model.registry",
+    "registered_model_ids": "mmfsdp.model.registry",
+    "AttentionBackend": "mmfsdp.model.attention",
+    "npu_layout": "mmfsdp.model.attention",
+    "resolve_attention_backend": "mmfsdp.model.attention",
+    "set_attention_backend": "mmfsdp.model.attention",
+    "ChunkLossPlanConfig": "mmfsdp.model.config",
+    "FeaturesConfig": "mmfsdp.model.config",
+    "LossConfig": "mmfsdp.model.config",
+    "ModelConfig": "mmfsdp.model.config",
+    "IGNORE_INDEX": "mmfsdp.model.loss",
+    "compute_loss_weights": "mmfsdp.model.loss",
+    "sample_starts": "mmfsdp.model.loss",
+    "shift_labels": "mmfsdp.model.loss",
+    "weighted_cross_entropy": "mmfsdp.model.loss",
+    "ChunkLossLinear": "mmfsdp.model.chunk_loss",
+    "LinearCrossEntropy": "mmfsdp.model.chunk_loss",
+    "chunked_linear_cross_entropy": "mmfsdp.model.chunk_loss",
+    "freeze_modules": "mmfsdp.model.freeze",
+    "init_rotary_buffers": "mmfsdp.model.meta_init",
+    "NON_INPUT_KEYS": "mmfsdp.model.training_forward",
+    "TrainingForwardMixin": "mmfsdp.model.training_forward",
+    "model_inputs": "mmfsdp.model.training_forward",
+    "HFFamilyEntry": "mmfsdp.model.hf_family",
+    "safetensors_problem": "mmfsdp.model.hf_family",
+    "Mistral3Entry": "mmfsdp.model.mistral3",
+    "Mistral3ForConditionalGenerationFSDP": "mmfsdp.model.mistral3",
+    "Qwen3VLEntry": "mmfsdp.model.qwen3_vl",
+    "Qwen3VLForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ModelEntry",

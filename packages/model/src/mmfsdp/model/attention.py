@@ -45,6 +45,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from mmfsdp.config import ConfigError
+from mmfsdp.model.config import ATTENTION_BACKEND_NAMES
 
 __all__ = [
     "AttentionBackend",
@@ -353,6 +354,9 @@ _BACKENDS: dict[str, dict[str, AttentionBackend]] = {
         "npu": AttentionBackend("flash_attention_2", "npu", "mmfsdp_npu_fusion", requires="torch_npu"),
     },
 }
+
+
+assert tuple(_BACKENDS) == ATTENTION_BACKEND_NAMES, "config.ATTENTION_BACKEND_NAMES must list these backends"
 
 
 def attention_backend_names() -> list[str]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mmfsdp.config import ConfigError
-from mmfsdp.model.attention import attention_backend_names
 from mmfsdp.model.registry import registered_model_ids
+
+ATTENTION_BACKEND_NAMES = ("sdpa", "eager", "flash_attention_2")
+"""The values of `model.attn_implementation` (the backends of `mmfsdp.model.attention`)."""
 
 __all__ = ["ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig", "ActivationOffloadPlanConfig"]
 
@@ -46,7 +48,7 @@ class ModelConfig:
         ids = registered_model_ids()
         if self.model_id not in ids:
             raise ConfigError("model_id", _unknown(self.model_id, ids, "model id"))
-        names = attention_backend_names()
+        names = list(ATTENTION_BACKEND_NAMES)
         if self.attn_implementation not in names:
             raise ConfigError("attn_implementation", _unknown(self.attn_implementation, names, "attention backend"))
         if self.model_name_or_path is not None and not self.model_name_or_path.strip():

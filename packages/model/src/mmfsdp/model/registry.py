@@ -8,9 +8,12 @@ are the vision side, where the decoder and `lm_head` are, how it is
 parallelised (`parallelize`: checkpointing, activation offload, then FSDP2 over
 one or more `(patterns, mesh)` groups), how to fill the non-persistent buffers
 after a meta build, and how HF checkpoint keys map to its state dict.
-Adding a family means writing an entry and decorating it with
-`@register_model("id")`, not editing the trainer; most families subclass
-`mmfsdp.model.hf_family.HFFamilyEntry`, which builds any HF model class.
+Adding a family means writing an entry, decorating it with
+`@register_model("id")` and declaring its module in the `mmfsdp.model_families`
+entry-point group of its package (so `registered_model_ids()` knows the id
+without importing the module, and `get_model_entry` imports it on first use), not
+editing the trainer; most families subclass `mmfsdp.model.hf_family.HFFamilyEntry`,
+which builds any HF model class.
 """
 
 from __future__ import annotations
@@ -117,10 +120,36 @@ def register_model(model_id: str) -> Callable[[E], E]:
     return decorate
 
 
+FAMILY_ENTRY_POINT_GROUP = "mmfsdp.model_families"
+"""Entry-point group declaring families: name = model id, value = the module whose import registers it."""
+
+
+def _declared_families() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {point.name: point for point in entry_points(group=FAMILY_ENTRY_POINT_GROUP)}
+
+
 def registered_model_ids() -> list[str]:
-    return _REGISTRY.names()
+    """Every model id: the registered ones and those a package declares (their modules are not imported)."""
+    return sorted(set(_REGISTRY.names()) | set(_declared_families()))
+
+
+def _load_family(model_id: str) -> None:
+    point = _declared_families().get(model_id)
+    if point is None or model_id in _REGISTRY:
+        return
+    point.load()  # the module's @register_model runs on import
+    if model_id not in _REGISTRY:
+        raise RuntimeError(f"entry point {point.value!r} of group {FAMILY_ENTRY_POINT_GROUP} did not register {model_id!r}")
 
 
 def get_model_entry(model_id: str) -> ModelEntry:
-    """The entry registered under `model_id`; an unknown id is a `ConfigError` naming the closest one."""
+    """The entry registered under `model_id`, importing its family on first use; an unknown id is a
+    `ConfigError` naming the closest one."""
+    if model_id not in _REGISTRY:
+        _load_family(model_id)
+    if model_id not in _REGISTRY:
+        for declared in _declared_families():
+            _load_family(declared)
     return _REGISTRY.get(model_id)
