@@ -19,6 +19,7 @@ from typing import Any
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
+from mmfsdp.model.adapters import Mistral3Adapter
 from mmfsdp.model.registry import register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
 from mmfsdp.model.vision import install_per_image_attention
@@ -50,12 +51,8 @@ class Mistral3Entry(HFFamilyEntry):
     )
     recompute_modules = ("model.vision_tower.transformer.layers.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
-    hf_key_map = (
-        (r"^language_model\.lm_head\.", "lm_head."),
-        (r"^language_model\.model\.", "model.language_model."),
-        (r"^vision_tower\.", "model.vision_tower."),
-        (r"^multi_modal_projector\.", "model.multi_modal_projector."),
-    )
+    # the family's one table of renames lives in its state-dict adapter (also what mm-convert uses)
+    hf_key_map = tuple(Mistral3Adapter().key_mapping().items())
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_index: int = 10, **overrides: Any) -> Mistral3Config:
         """A Mistral3 config of ~0.1M parameters for tests and examples (fp32, untied lm_head).
