@@ -5,8 +5,6 @@ checkpoint, and a changed world size resumes model and optimizer.
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import apprun
 from mmfsdp.ckpt import read_tracker
 from mmfsdp.data import prepare_dataset
 from mmfsdp.train.config import load_config
@@ -46,44 +45,9 @@ def _command(data, out, nproc=2):
     return [sys.executable, str(APP), str(TINY), *_overrides(data, out), "--nproc-per-node", str(nproc)]
 
 
-def _losses(out: Path) -> dict[int, list[float]]:
-    by_step: dict[int, list[float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], []).append(record["loss"])
-    return by_step
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        todo.extend(children.get(current, []))
-    return out
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL the launcher and every rank at once, as a crashed node would lose them."""
-    for victim in _descendants(pid):
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _run(cmd, timeout=600):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+_losses = apprun.losses
+_kill_tree = apprun.kill_tree
+_run = apprun.run
 
 
 @pytest.fixture(scope="module")
@@ -183,19 +147,7 @@ def meta_reference(data, hf_weights, tmp_path_factory):
 
 
 def _kill_after_checkpoint(cmd: list[str], out: Path, iteration: int) -> None:
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if tracker.is_file() and tracker.read_text().strip() == str(iteration):
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before its step-{iteration} checkpoint")
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"no step-{iteration} checkpoint within the deadline")
-    _kill_tree(proc.pid)
-    proc.wait()
+    apprun.kill_after_checkpoint(cmd, out / "ckpt", iteration)
 
 
 @pytest.mark.slow

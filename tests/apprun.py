@@ -1,0 +1,106 @@
+"""Helpers for end-to-end tests that drive the real app as a subprocess (`python apps/train CONFIG ...`).
+
+Imported by the tests as `apprun` (the `tests` directory is on pytest's `pythonpath`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "apps" / "train"
+
+
+def overrides(items: dict) -> list[str]:
+    """`key=value` command-line overrides from a dict."""
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def command(config: Path, items: dict, nproc: int = 2) -> list[str]:
+    """The app's command line: config, overrides, then the launcher's world size."""
+    return [sys.executable, str(APP), str(config), *overrides(items), "--nproc-per-node", str(nproc)]
+
+
+def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the app to its end; a non-zero exit fails the test with the output's tail."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(out: Path) -> dict[int, list[float]]:
+    """Every logged loss of `out/metrics.jsonl` by step (a resumed run logs a step once per run)."""
+    by_step: dict[int, list[float]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], []).append(record["loss"])
+    return by_step
+
+
+def logged_steps(out: Path) -> list[int]:
+    """The steps of `out/metrics.jsonl` in the order they were logged."""
+    path = out / "metrics.jsonl"
+    return [json.loads(l)["step"] for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, []))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and every rank at once, as a crashed node would lose them."""
+    for victim in descendants(pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_when(proc: subprocess.Popen, ready, what: str, deadline_s: float = 600, poll_s: float = 0.05) -> None:
+    """Poll `ready()` until it holds, then SIGKILL the whole run; fail if the run ends first."""
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        if ready():
+            break
+        if proc.poll() is not None:
+            kill_tree(proc.pid)
+            pytest.fail(f"the run ended before {what}")
+        time.sleep(poll_s)
+    else:
+        kill_tree(proc.pid)
+        pytest.fail(f"no {what} within {deadline_s:.0f} s")
+    kill_tree(proc.pid)
+    proc.wait()
+
+
+def kill_after_checkpoint(cmd: list[str], save_dir: Path, iteration: int) -> None:
+    """Start the run and SIGKILL it as soon as its tracker points at the step-`iteration` checkpoint."""
+    tracker = save_dir / "latest_checkpointed_iteration.txt"
+    kill_when(start(cmd), lambda: tracker.is_file() and tracker.read_text().strip() == str(iteration),
+              f"its step-{iteration} checkpoint")

@@ -1,0 +1,86 @@
+"""Qwen3-VL through the real app: meta-device init from HF weights, then SIGKILL and restart.
+
+The reference loads a `save_pretrained` tiny Qwen3-VL (several safetensors shards) eagerly with
+`from_pretrained` on the CPU and trains 6 steps on 2 processes (gradient accumulation 2, 4 steps
+per epoch). The second run builds the same model on the meta device, shards it and fills it from the
+same HF directory; it is SIGKILLed (launcher and ranks) after its step-3 checkpoint and restarted
+with the same command. The restart must say it resumed at step 3, log only steps 4-6, and every
+loss of steps 1-6 must equal the reference bitwise: steps 1-3 prove meta init from HF, steps 4-6
+prove the resume (mid-epoch, across the epoch boundary) is exact.
+"""
+
+from pathlib import Path
+
+import pytest
+
+import apprun
+from mmfsdp.ckpt import read_tracker
+from mmfsdp.data import prepare_dataset
+from mmfsdp.train.config import load_config
+
+ROOT = apprun.ROOT
+CONFIG = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
+ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
+STEPS = 6
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _items(tmp: Path, out: Path, hf: Path, **extra) -> dict:
+    return {
+        "data.dataset_param.preprocess_parameters.model_name_or_path": ASSETS,
+        "data.dataset_param.preprocess_parameters.cutoff_len": 96,
+        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
+        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
+        "data.dataset_param.synthetic.num_train": 32,  # 8 samples per step -> 4 steps per epoch
+        "data.dataset_param.synthetic.num_eval": 4,
+        "model.model_name_or_path": hf,
+        "model.random_init": False,
+        "training.micro_batch_size": 2,
+        "training.gradient_accumulation_steps": 2,
+        "training.train_iters": STEPS,
+        "training.lr_warmup_ratio": 0.0,
+        "training.log_interval": 1,
+        "training.output_dir": out,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tmp = tmp_path_factory.mktemp("qwen3vl-resume")
+    hf = tmp / "hf"
+    torch.manual_seed(5)
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_pretrained(ASSETS)).save_pretrained(hf, max_shard_size="300KB")
+    assert len(list(hf.glob("*.safetensors"))) > 1
+    prepare_dataset(load_config(CONFIG, apprun.overrides(_items(tmp, tmp / "prepare", hf))).data)
+    return tmp, hf
+
+
+def test_qwen3vl_meta_init_from_hf_then_kill_and_restart_is_exact(setup, tmp_path):
+    tmp, hf = setup
+    eager_out = tmp_path / "eager"
+    apprun.run(apprun.command(CONFIG, _items(tmp, eager_out, hf)))
+    reference = {step: values[0] for step, values in apprun.losses(eager_out).items()}
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    out = tmp_path / "meta"
+    cmd = apprun.command(CONFIG, _items(tmp, out, hf, **{
+        "training.init_model_with_meta_device": True,
+        "training.save_interval": 3,
+        "training.save": out / "ckpt",
+        "training.load": out / "ckpt",
+    }))
+    apprun.kill_after_checkpoint(cmd, out / "ckpt", 3)
+    before = apprun.logged_steps(out)
+    assert before[:3] == [1, 2, 3] and max(before) < STEPS, before
+
+    restart = apprun.run(cmd)
+    assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
+    assert "training starts at step 1" not in restart.stdout
+    assert apprun.logged_steps(out)[len(before):] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
+    for step, values in apprun.losses(out).items():
+        assert all(v == reference[step] for v in values), f"step {step}: {values} vs eager HF load {reference[step]}"
+    assert read_tracker(out / "ckpt") == STEPS
