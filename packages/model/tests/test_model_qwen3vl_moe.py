@@ -1,7 +1,9 @@
 """The qwen3_vl_moe family (fp32, CPU): registry and plans, the training forward + router aux loss vs plain HF
-`labels=` with `output_router_logits`, router statistics under packing and padding, and checkpoints — HF -> DCP
--> HF bit-exact in the transformers 5 and the hub layouts, per-expert exports loading to the fused weights."""
+`labels=` with `output_router_logits`, router statistics under packing, padding, recompute and context parallel
+(Ulysses 2, Ring 2 on 2 gloo ranks), and checkpoints — HF -> DCP -> HF bit-exact in the transformers 5 and the hub
+layouts, per-expert exports loading to the fused weights."""
 
+import copy
 import json
 
 import pytest
@@ -323,3 +325,83 @@ def test_adapter_refuses_what_it_cannot_read():
             Qwen3VLMoeAdapter(),
             {prefix + f"{e}.{p}.weight": ((4, 4), f32) for e in (0, 2) for p in ("gate_proj", "up_proj", "down_proj")},
         )
+
+
+# -- context parallel --------------------------------------------------------------------------
+
+
+def _cp_step(model, batch, coef, *, group=None, world_size=1):
+    """One step as the trainer would run it: LM loss + coef × this rank's aux share (global counts), backward on
+    `× world_size`; returns the summed objective and the full gradients."""
+    targets = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
+    (weights,) = compute_loss_weights([targets], group=group)
+    out = model(**model_inputs(batch), shift_labels=targets, loss_weights=weights)
+    load = out.router_load
+    counts, num_tokens = load.tokens_per_expert.sum(0).clone(), load.num_tokens.clone()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts)
+        dist.all_reduce(num_tokens)
+    total = out.loss + coef * load_balancing_loss(load, tokens_per_expert=counts, num_tokens=num_tokens)
+    (total * world_size).backward()
+    total = total.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    grads = {
+        name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+        for name, p in model.named_parameters()
+    }
+    return total, grads, counts
+
+
+_CP_CASES = [dict(name="ulysses2 padded", ulysses=2, packed=False), dict(name="ring2 packed", ring=2, packed=True)]
+
+
+def _cp_batch(config, packed: bool):
+    a, b, c = _samples(config)
+    if packed:
+        return qwen3_vl_batch([[a, b], [c, qwen3_vl_sample(config, 32, [(2, 4)], seed=4)]], seq_len=40, packing=True)
+    return qwen3_vl_batch([[a], [b]], seq_len=24)
+
+
+def _cp_model(config):
+    torch.manual_seed(0)
+    return Qwen3VLMoeForConditionalGenerationFSDP._from_config(copy.deepcopy(config), attn_implementation="mmfsdp_sdpa")
+
+
+def _cp_runs(rank, world_size, cases):
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
+
+    config = ENTRY.tiny_config()
+    results = {}
+    for case in cases:
+        parallel_cfg = ParallelConfig(
+            ulysses_parallel_size=case.get("ulysses", 1), ring_attention_size=case.get("ring", 1)
+        )
+        dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
+        model = _cp_model(config)
+        ENTRY.parallelize(model, parallel_cfg, dims)
+        model.enable_context_parallel(dims)
+        batch = _cp_batch(config, case["packed"])
+        total, grads, counts = _cp_step(model, batch, 0.1, group=dims.dp_group, world_size=world_size)
+        results[case["name"]] = {"total": total, "counts": counts, "grads": grads if rank == 0 else {}}
+    return results
+
+
+def test_context_parallel_loss_and_router_aux_loss_equal_one_process():
+    """Ulysses 2 (padded rows) and Ring 2 (packed rows): each rank routes its shard, the aux shares from the
+    all-reduced counts add up, and loss + coef × aux and every gradient equal the one-process run."""
+    from mmfsdp.parallel.testing import run_distributed
+
+    per_rank = run_distributed(_cp_runs, 2, _CP_CASES, timeout=600)
+    config = ENTRY.tiny_config()
+    failures = []
+    for case in _CP_CASES:
+        expected, expected_grads, expected_counts = _cp_step(_cp_model(config), _cp_batch(config, case["packed"]), 0.1)
+        got = per_rank[0][case["name"]]
+        assert torch.equal(got["counts"], expected_counts)
+        worst = max(rel_diff(got["grads"][n], g) for n, g in expected_grads.items())
+        if max(rel_diff(got["total"], expected), worst) > TOL:
+            failures.append(f"{case['name']}: total {rel_diff(got['total'], expected):.3g}, gradient {worst:.3g}")
+    assert not failures, "\n".join(failures)

@@ -47,7 +47,7 @@ class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeFor
         self.init_training_forward()
         decoder = self.get_submodule(self.decoder_name)
         routers = [module.gate for module in decoder.modules() if isinstance(module, Qwen3VLMoeTextSparseMoeBlock)]
-        # registered after the training forward's decoder pre-hook, so it sees this rank's (CP-split) mask
+        # after init_training_forward: the recorder's hooks go around the training forward's decoder pre-hook
         self._router_recorder = RouterLoadRecorder(decoder, routers, top_k=config.text_config.num_experts_per_tok)
 
     @classmethod

@@ -3,9 +3,10 @@
 A MoE family's training forward (with `loss_weights`) returns `outputs.router_load`, a
 `RouterLoad` of this rank's micro-batch: per MoE layer, how many top-k assignments
 each expert received and the sum of its router probabilities over the counted
-tokens. `RouterLoadRecorder` makes it with forward hooks — a pre-hook on the
-decoder keeps the attention mask the decoder receives (padding is not counted;
-with packing there is none and every token counts), and a hook on each router
+tokens. `RouterLoadRecorder` makes it with forward hooks — pre-hooks on the
+decoder keep the batch's attention mask, cut to this rank's tokens under context
+parallel (padding is not counted; with packing there is no mask and every token
+counts), and a hook on each router
 keeps its logits `[T, E]` (as HF's `output_router_logits` does) until the forward
 ends, when they become the two `[E]` sums per layer.
 
@@ -33,6 +34,8 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+
+from mmfsdp.model.context_parallel import CP_CONTEXT_KEY, CPBatch
 
 __all__ = ["RouterLoad", "RouterLoadRecorder", "load_balancing_loss", "expert_load_summary"]
 
@@ -78,7 +81,8 @@ class RouterLoadRecorder:
         self._active = False
         self._mask: torch.Tensor | None = None
         self._logits: list[torch.Tensor] = []
-        decoder.register_forward_pre_hook(self._decoder_hook, with_kwargs=True)
+        decoder.register_forward_pre_hook(self._full_mask_hook, with_kwargs=True, prepend=True)
+        decoder.register_forward_pre_hook(self._local_mask_hook, with_kwargs=True)
         for router in routers:
             router.register_forward_hook(self._router_hook)
 
@@ -109,10 +113,18 @@ class RouterLoadRecorder:
             probs.append((layer_probs * weight.unsqueeze(-1)).sum(0))
         return RouterLoad(torch.stack(tokens), torch.stack(probs), weight.sum())
 
-    def _decoder_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+    def _full_mask_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self._active:
             mask = kwargs.get("attention_mask")
             self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        return None
+
+    def _local_mask_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        # after the training forward's hook: under context parallel the decoder runs on this rank's shard and its
+        # mask was replaced, so the rows of the whole-sequence mask are cut the same way (a 2-D mask is unpacked)
+        context = kwargs.get(CP_CONTEXT_KEY)
+        if self._active and self._mask is not None and context is not None:
+            self._mask = CPBatch(context.layout, flatten=False).split(self._mask)
         return None
 
     def _router_hook(self, module: nn.Module, args: tuple, output):
