@@ -18,33 +18,17 @@ from safetensors.torch import save_file
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from mmfsdp.ckpt import (
-    SafetensorsDir,
     find_state_dict_adapter,
     get_state_dict_adapter,
     load_checkpoint,
     load_hf_weights,
 )
-from mmfsdp.ckpt.convert import main as mm_convert
 from mmfsdp.ckpt.dcp_io import read_dcp_metadata
 from mmfsdp.model import get_model_entry
 from mmfsdp.model.adapters import Mistral3Adapter, Qwen3VLAdapter
+from mmfsdp.model.testing import assert_bit_exact, mm_convert, read_safetensors
 
 IMAGE_TOKEN, VISION_START, VISION_END = 250, 252, 253
-
-
-def _convert(*argv) -> int:
-    return mm_convert(["GenericDCPConverter", *map(str, argv)])
-
-
-def _read_all(directory: Path) -> dict[str, torch.Tensor]:
-    weights = SafetensorsDir(directory)
-    return {key: weights.read(key).clone() for key in weights.tensors}
-
-
-def _assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape and torch.equal(a[key], b[key]), key
 
 
 def test_entry_points_register_both_families():
@@ -98,7 +82,7 @@ def test_mistral3_names_round_trip_through_state_dict_names(tmp_path):
     (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (hf / "config.json").write_text(json.dumps(config))
 
-    assert _convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
+    assert mm_convert("hf_to_dcp", "--hf_dir", hf, "--dcp_dir", tmp_path / "dcp") == 0
     keys = sorted(read_dcp_metadata(tmp_path / "dcp" / "release").state_dict_metadata)
     assert keys == sorted(
         [
@@ -110,10 +94,10 @@ def test_mistral3_names_round_trip_through_state_dict_names(tmp_path):
         ]
     )
     assert (
-        _convert("dcp_to_hf", "--load_dir", tmp_path / "dcp", "--save_dir", tmp_path / "out", "--model_assets_dir", hf)
+        mm_convert("dcp_to_hf", "--load_dir", tmp_path / "dcp", "--save_dir", tmp_path / "out", "--model_assets_dir", hf)
         == 0
     )
-    _assert_bit_exact(_read_all(tmp_path / "out"), legacy)
+    assert_bit_exact(read_safetensors(tmp_path / "out"), legacy)
 
 
 class _Net(torch.nn.Module):
@@ -197,14 +181,14 @@ def test_qwen3_vl_hf_dcp_hf_round_trip_and_from_pretrained_logits(tmp_path, mode
     torch.manual_seed(0)
     Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tied)).save_pretrained(original, max_shard_size="100KB")
     (original / "tokenizer.json").write_text('{"model": "tiny"}')
-    before = _read_all(original)
+    before = read_safetensors(original)
     assert len(list(original.glob("*.safetensors"))) >= 3
     assert ("lm_head.weight" in before) is not tied and any(k.startswith("model.visual.") for k in before)
 
     flag = [] if model_id is None else ["--model_id", model_id]
-    assert _convert("hf_to_dcp", "--hf_dir", original, "--dcp_dir", tmp_path / "dcp", *flag) == 0
+    assert mm_convert("hf_to_dcp", "--hf_dir", original, "--dcp_dir", tmp_path / "dcp", *flag) == 0
     assert (
-        _convert(
+        mm_convert(
             "dcp_to_hf",
             "--load_dir",
             tmp_path / "dcp",
@@ -218,7 +202,7 @@ def test_qwen3_vl_hf_dcp_hf_round_trip_and_from_pretrained_logits(tmp_path, mode
         )
         == 0
     )
-    _assert_bit_exact(_read_all(tmp_path / "out"), before)
+    assert_bit_exact(read_safetensors(tmp_path / "out"), before)
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (tmp_path / "out" / name).read_bytes() == (original / name).read_bytes()
 

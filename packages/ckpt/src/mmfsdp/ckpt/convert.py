@@ -33,8 +33,8 @@ dcp_to_hf
     checkpoints, FSDP-sharded by any number of ranks, and tensors the adapter
     splits) are loaded with one `dcp.load` per shard into a reused buffer, which
     reassembles the shards. Peak memory is about one output shard. HF names
-    follow the file naming of `--model_assets_dir` (the adapter's, or the
-    `state_dict()` names when its weights use those), are validated against its
+    follow the file naming and layout of `--model_assets_dir` (the adapter's, or
+    the `state_dict()` names and shapes when its weights use those), are validated against its
     safetensors headers (keys and shapes) and its `config.json`, and its
     non-weight files (config, tokenizer, processor, chat template, ...) are copied.
 
@@ -211,15 +211,19 @@ def hf_to_dcp(
 
 
 def _plan_export(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], adapter: StateDictAdapter,
-                 asset_keys: set[str] | None) -> dict[str, PlannedToHF]:
-    """Model key -> HF tensors, in the adapter's naming or, when only that matches the assets' own weights,
-    in `state_dict()` naming (assets saved in the new layout)."""
+                 asset_shapes: dict[str, tuple[int, ...]] | None) -> dict[str, PlannedToHF]:
+    """Model key -> HF tensors, in the adapter's naming and layout or, when only that matches the assets' own
+    weights (keys and shapes), in `state_dict()` naming and layout (assets saved in the new layout)."""
+
+    def fits(plans: dict[str, PlannedToHF]) -> bool:
+        written = {key: spec[0] for plan in plans.values() for key, spec in plan.specs.items()}
+        return all(tuple(written.get(key, ())) == tuple(shape) for key, shape in asset_shapes.items())
+
     plans = plan_to_hf(adapter, specs)
-    hf_keys = {key for plan in plans.values() for key in plan.specs}
-    if asset_keys is None or adapter is IDENTITY or hf_keys >= asset_keys:
+    if asset_shapes is None or adapter is IDENTITY or fits(plans):
         return plans
     identity = plan_to_hf(IDENTITY, specs)
-    return identity if set(specs) >= asset_keys else plans
+    return identity if fits(identity) else plans
 
 
 def _tied(config: dict) -> bool:
@@ -421,10 +425,11 @@ def dcp_to_hf(
         raise CheckpointError(f"--model_assets_dir {assets} has no config.json; pass the original HF model directory")
     has_asset_weights = any(assets.glob("*.safetensors"))
     assets_weights = SafetensorsDir(assets) if has_asset_weights else None
-    asset_keys = set(assets_weights.tensors) if assets_weights else None
+    asset_shapes = {key: info.shape for key, info in assets_weights.tensors.items()} if assets_weights else None
+    asset_keys = set(asset_shapes) if asset_shapes is not None else None
 
     model_specs = {name: (tuple(entry.size), entry.properties.dtype) for name, entry in entries.items()}
-    plans = _plan_export(model_specs, _adapter(adapter, config), asset_keys)
+    plans = _plan_export(model_specs, _adapter(adapter, config), asset_shapes)
     if _tied(config):
         for name in [n for n in plans if n.endswith("lm_head.weight")]:
             if asset_keys is None or not asset_keys.intersection(plans[name].specs):

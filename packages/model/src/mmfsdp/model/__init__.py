@@ -6,8 +6,11 @@
   `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `hf_key_map`,
   `parallelize(model, parallel_cfg, parallel_dims, features_cfg)`,
   `init_non_persistent_buffers(model)` and `tiny_config(...)`. Families: `mistral3`
-  (`mmfsdp.model.mistral3`) and `qwen3_vl` (`mmfsdp.model.qwen3_vl`), both
-  `HFFamilyEntry` declarations whose model class mixes `TrainingForwardMixin` into the HF class.
+  (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
+  (`mmfsdp.model.qwen3_vl_moe`), `HFFamilyEntry` declarations whose model class mixes
+  `TrainingForwardMixin` into the HF class.
+- MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`
+  and `expert_load_summary` (`mmfsdp.model.router`) turn it into the router aux loss and load statistics.
 - The training forward `model(**model_inputs(batch), shift_labels=, loss_weights=)`
   (`mmfsdp.model.training_forward`) returns `.loss = Σ_t w_t · CE_t` (fp32);
   `shift_labels(labels, cu_seq_lens)` and `compute_loss_weights(..., cu_seq_lens=)` make its
@@ -57,6 +60,11 @@ _LAZY = {
     "Mistral3ForConditionalGenerationFSDP": "mmfsdp.model.mistral3",
     "Qwen3VLEntry": "mmfsdp.model.qwen3_vl",
     "Qwen3VLForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl",
+    "Qwen3VLMoeEntry": "mmfsdp.model.qwen3_vl_moe",
+    "Qwen3VLMoeForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl_moe",
+    "RouterLoad": "mmfsdp.model.router",
+    "load_balancing_loss": "mmfsdp.model.router",
+    "expert_load_summary": "mmfsdp.model.router",
 }
 
 
@@ -105,4 +113,9 @@ __all__ = [
     "Mistral3ForConditionalGenerationFSDP",
     "Qwen3VLEntry",
     "Qwen3VLForConditionalGenerationFSDP",
+    "Qwen3VLMoeEntry",
+    "Qwen3VLMoeForConditionalGenerationFSDP",
+    "RouterLoad",
+    "load_balancing_loss",
+    "expert_load_summary",
 ]

@@ -44,6 +44,7 @@ from mmfsdp.model.training_forward import TrainingForwardMixin
 
 __all__ = [
     "Qwen3VLForConditionalGenerationFSDP",
+    "Qwen3VLTrainingMixin",
     "Qwen3VLEntry",
     "mm_token_types",
     "mrope_position_ids",
@@ -125,12 +126,9 @@ def split_visual_embeds(
     return local_mask, [embeds.index_select(0, local_index.to(embeds.device)) for embeds in embeds_NH]
 
 
-class Qwen3VLForConditionalGenerationFSDP(TrainingForwardMixin, Qwen3VLForConditionalGeneration):
-    """HF `Qwen3VLForConditionalGeneration` plus the training forward, chunk loss, M-RoPE under packing and the CP split."""
-
-    def __init__(self, config: Qwen3VLConfig):
-        super().__init__(config)
-        self.init_training_forward()
+class Qwen3VLTrainingMixin(TrainingForwardMixin):
+    """The training forward with Qwen3-VL's input hooks (M-RoPE per packed sample, DeepStack CP split); the
+    dense and the MoE model classes mix it into their HF class."""
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""
@@ -173,6 +171,14 @@ class Qwen3VLForConditionalGenerationFSDP(TrainingForwardMixin, Qwen3VLForCondit
         return out
 
 
+class Qwen3VLForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLForConditionalGeneration):
+    """HF `Qwen3VLForConditionalGeneration` plus the training forward, chunk loss, M-RoPE under packing and the CP split."""
+
+    def __init__(self, config: Qwen3VLConfig):
+        super().__init__(config)
+        self.init_training_forward()
+
+
 @register_model("qwen3_vl")
 class Qwen3VLEntry(HFFamilyEntry):
     """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 decoder with M-RoPE."""
@@ -193,7 +199,7 @@ class Qwen3VLEntry(HFFamilyEntry):
     """The published Qwen3-VL checkpoints already use this layout (`model.visual.`, `model.language_model.`, `lm_head.`)."""
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
-        """A Qwen3-VL config of ~0.2M parameters for tests and examples (fp32, untied lm_head).
+        """A config of the entry's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).
 
         `text_config` / `vision_config` overrides are dicts merged into the tiny
         defaults; other keywords are top-level `Qwen3VLConfig` fields. The video,
@@ -216,4 +222,4 @@ class Qwen3VLEntry(HFFamilyEntry):
             vision_start_token_id=image_token_id + 2, vision_end_token_id=image_token_id + 3, tie_word_embeddings=False,
         )
         settings.update(overrides)
-        return Qwen3VLConfig(**settings)
+        return self.config_class(**settings)

@@ -47,6 +47,11 @@ class ModelEntry:
     """Modules on the vision side: replicated over context parallel, run on whole images."""
     hf_key_map: tuple[tuple[str, str], ...] = ()
     """(regex, replacement) pairs renaming HF checkpoint keys to this model's; the first match applies."""
+    expert_modules: tuple[str, ...] = ()
+    """MoE families: the modules holding the stacked expert weights (`[E, ...]`), what expert parallel shards;
+    empty for a dense model. Their training forward also returns `outputs.router_load` (`mmfsdp.model.router`)."""
+    router_modules: tuple[str, ...] = ()
+    """MoE families: the routers (replicated over expert parallel)."""
 
     @property
     def decoder_name(self) -> str:

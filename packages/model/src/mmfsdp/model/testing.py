@@ -1,5 +1,8 @@
 """Helpers for tests and examples: synthetic Mistral3 batches, model pairs, relative differences.
 
+`read_safetensors(dir)`, `assert_bit_exact(a, b)` and `mm_convert(*argv)` are the checkpoint
+round-trip tests' helpers (`mm-convert GenericDCPConverter ...`, returning its exit code).
+
 `model_pair(config)` builds our wrapper (the registered family whose
 `config_class` the config is) and the plain HF model with the same random
 weights; `model_inputs(batch)` is every key of a batch but the labels; `rel_diff(a, b)` is the tensor-wise relative difference the
@@ -25,7 +28,16 @@ from mmfsdp.model.loss import IGNORE_INDEX
 from mmfsdp.model.registry import get_model_entry, registered_model_ids
 from mmfsdp.model.training_forward import model_inputs
 
-__all__ = ["tiny_batch", "image_token_count", "model_pair", "rel_diff", "model_inputs"]
+__all__ = [
+    "tiny_batch",
+    "image_token_count",
+    "model_pair",
+    "rel_diff",
+    "model_inputs",
+    "read_safetensors",
+    "assert_bit_exact",
+    "mm_convert",
+]
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -33,6 +45,29 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double(), expected.detach().double()
     scale = expected.abs().max().item() if expected.numel() else 0.0
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0) if actual.numel() else 0.0
+
+
+def read_safetensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF safetensors directory (one file or shards + index), by key."""
+    from mmfsdp.ckpt import SafetensorsDir
+
+    weights = SafetensorsDir(directory)
+    return {key: weights.read(key).clone() for key in weights.tensors}
+
+
+def assert_bit_exact(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Same keys, and per key the same dtype, shape and bits."""
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        a, b = actual[key], expected[key]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+
+
+def mm_convert(*argv) -> int:
+    """`mm-convert GenericDCPConverter *argv` in this process; its exit code."""
+    from mmfsdp.ckpt.convert import main
+
+    return main(["GenericDCPConverter", *map(str, argv)])
 
 
 def model_pair(

@@ -1,0 +1,102 @@
+"""Qwen3-VL MoE (HF `Qwen3VLMoeForConditionalGeneration`, e.g. Qwen3-VL-30B-A3B) as model id `qwen3_vl_moe`.
+
+The vision tower, DeepStack, M-RoPE and the decoder's attention are Qwen3-VL's,
+so the model class mixes the same `Qwen3VLTrainingMixin` into the HF class
+(`mmfsdp.model.qwen3_vl`: M-RoPE per packed sample, the DeepStack CP split; the
+tower already attends per image). What the MoE adds:
+
+- Sparse MLP blocks: `model.language_model.layers.{*}.mlp` is a
+  `Qwen3VLMoeTextSparseMoeBlock` with a router `gate` (`[E, H]`, softmax, top-k,
+  renormalised) and `experts`, whose weights are fused tensors
+  `gate_up_proj` `[E, 2·I, H]` (gate rows first) and `down_proj` `[E, H, I]`.
+  The entry names the expert modules (`expert_modules`) for expert parallel and
+  the routers (`router_modules`); the default FSDP plan wraps whole decoder
+  layers, experts included, as for the dense model.
+- Router statistics: the training forward (with `loss_weights`) also returns
+  `outputs.router_load` (`mmfsdp.model.router.RouterLoad`: per layer and expert,
+  top-k assignments and summed router probabilities of this rank's tokens, padding
+  excluded), from which `load_balancing_loss` gives HF's unscaled `aux_loss` and
+  `expert_load_summary` the load statistics. The LM loss `outputs.loss` is
+  unchanged; the trainer adds `router_aux_loss_coef × aux` (its config, or
+  `entry.router_aux_loss_coef(config)` for the checkpoint's own).
+- Checkpoints: `mmfsdp.model.adapters.Qwen3VLMoeAdapter` reads the hub's fused
+  layout, transformers 5's `save_pretrained` layout and per-expert exports.
+
+Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate size, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+from mmfsdp.model.qwen3_vl import Qwen3VLEntry, Qwen3VLTrainingMixin
+from mmfsdp.model.registry import register_model
+from mmfsdp.model.router import RouterLoadRecorder
+
+__all__ = ["Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeEntry"]
+
+
+class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration):
+    """HF `Qwen3VLMoeForConditionalGeneration` plus the Qwen3-VL training forward and `outputs.router_load`."""
+
+    def __init__(self, config: Qwen3VLMoeConfig):
+        super().__init__(config)
+        self.init_training_forward()
+        decoder = self.get_submodule(self.decoder_name)
+        routers = [module.gate for module in decoder.modules() if isinstance(module, Qwen3VLMoeTextSparseMoeBlock)]
+        # after init_training_forward: the recorder's hooks go around the training forward's decoder pre-hook
+        self._router_recorder = RouterLoadRecorder(decoder, routers, top_k=config.text_config.num_experts_per_tok)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides by looking for its experts decorator in the source of the class's module; the
+        # experts are the HF class's, so its answer holds (without this, grouped_mm is refused once requested)
+        return Qwen3VLMoeForConditionalGeneration._can_set_experts_implementation()
+
+    def forward(self, *args: Any, loss_weights: Any = None, **kwargs: Any):
+        if loss_weights is None:
+            return super().forward(*args, **kwargs)
+        with self._router_recorder.recording():
+            outputs = super().forward(*args, loss_weights=loss_weights, **kwargs)
+        outputs.router_load = self._router_recorder.result()
+        return outputs
+
+
+@register_model("qwen3_vl_moe")
+class Qwen3VLMoeEntry(Qwen3VLEntry):
+    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 MoE decoder with M-RoPE."""
+
+    config_class = Qwen3VLMoeConfig
+    model_class = Qwen3VLMoeForConditionalGenerationFSDP
+    expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
+    """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
+    router_modules = ("model.language_model.layers.{*}.mlp.gate",)
+    """The routers (`weight` `[E, H]`), replicated over expert parallel."""
+    hf_key_map = ()
+    """No renames: loading goes through the adapter (`Qwen3VLMoeAdapter`) or transformers' `qwen3_vl_moe` conversion."""
+
+    def router_aux_loss_coef(self, config: Qwen3VLMoeConfig) -> float:
+        """The checkpoint's `text_config.router_aux_loss_coef` (HF adds coef × aux to `loss` when it outputs router
+        logits)."""
+        return float(config.text_config.router_aux_loss_coef)
+
+    def decoder_values_per_token(self, text_config: Any) -> float:
+        """As the dense layer, with the MLP's 5 values per token for each of the top-k experts' intermediate
+        size, plus the router's logits and probabilities (2 E-sized)."""
+        hidden = text_config.hidden_size
+        head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+        kv = text_config.num_key_value_heads * head_dim
+        expert = text_config.num_experts_per_tok * text_config.moe_intermediate_size
+        return 8 + 3 * kv / hidden + 5 * expert / hidden + 2 * text_config.num_experts / hidden
+
+    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLMoeConfig:
+        """`Qwen3VLEntry.tiny_config` with a MoE decoder: 8 experts, top-2, expert size 48, every layer sparse."""
+        text = dict(
+            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            router_aux_loss_coef=0.01, tie_word_embeddings=False,
+        )
+        text.update(overrides.pop("text_config", {}))
+        return super().tiny_config(vocab_size=vocab_size, image_token_id=image_token_id, text_config=text, **overrides)
