@@ -16,6 +16,7 @@ from mmfsdp.parallel.testing import run_distributed
 from mmfsdp.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # runs of the trainer on spawned ranks
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 STEPS = 5
 PACKED_MULTIPLE = 4  # required_multiple(ring 2, ulysses 1)

@@ -14,6 +14,7 @@ from mmfsdp.parallel.testing import run_distributed
 from mmfsdp.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # runs of the trainer on spawned ranks
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 STEPS = 10
 

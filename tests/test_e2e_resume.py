@@ -14,6 +14,8 @@ import apprun
 from mmfsdp.ckpt import read_tracker
 from tiny_resume import ROOT, STEPS, command as _command, prepared_data
 
+pytestmark = pytest.mark.slow
+
 _losses = apprun.losses
 _kill_tree = apprun.kill_tree
 _run = apprun.run
