@@ -64,7 +64,25 @@ def model_check(cfg: Config) -> list[ConfigError]:
     model_cfg = _attention(cfg, errors)
     errors += _weights(cfg)
     errors += _model_patterns(cfg, model_cfg)
+    errors += _router(cfg)
     return errors
+
+
+def _router(cfg: Config) -> list[ConfigError]:
+    """`router_aux_loss_coef` needs a family with routers (a MoE model)."""
+    from mmfsdp.model import get_model_entry
+
+    coef = cfg.features.loss_cfg.router_aux_loss_coef
+    try:
+        entry = get_model_entry(cfg.model.model_id)
+    except ConfigError:
+        return []  # the unknown model id is reported by the model section itself
+    if coef and not entry.router_modules:
+        return [ConfigError(
+            "features.loss_cfg.router_aux_loss_coef",
+            f"{coef} needs a mixture-of-experts model, but model_id {cfg.model.model_id!r} is dense; set it to 0",
+        )]
+    return []
 
 
 def _collect(errors: list[ConfigError], check, *args, **kwargs) -> object:

@@ -38,14 +38,18 @@ class MetricsWriter:
         return (time.perf_counter() - self._started) / done * (self.total_steps - step)
 
     def log_step(self, record: dict) -> None:
-        """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb."""
+        """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb (and for a
+        MoE family aux_loss, expert_load_max, expert_load_mean)."""
         if current_rank() != 0:
             return
         step = record["step"]
         eta = self.eta_s(step)
         width = len(str(self.total_steps))
         log.info(
-            f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f}"
+            f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f}"
+            + (f" | aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max']:.0f}/"
+               f"{record['expert_load_mean']:.1f}" if "aux_loss" in record else "")
+            + f" | grad_norm {record['grad_norm']:.3f}"
             f" | lr {record['lr']:.3e} | {record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step"
             f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"
         )

@@ -35,7 +35,10 @@ import torch.distributed as dist
 from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
-from mmfsdp.model import compute_loss_weights, freeze_modules, get_model_entry, model_inputs, shift_labels
+from mmfsdp.model import (
+    compute_loss_weights, expert_load_summary, freeze_modules, get_model_entry, load_balancing_loss, model_inputs,
+    shift_labels,
+)
 from mmfsdp.parallel import (
     build_parallel_dims,
     clip_grad_norm,
@@ -68,8 +71,13 @@ class TrainingError(RuntimeError):
 @dataclass(slots=True)
 class StepResult:
     loss: float
+    """The LM loss of the global batch (the router aux loss is not in it)."""
     grad_norm: float
     num_tokens: int
+    aux_loss: float | None = None
+    """MoE families: the router load-balancing loss of the global batch (mean over micro-batches), unscaled."""
+    expert_load: dict[str, float] | None = None
+    """MoE families: max and mean top-k assignments per expert and layer, over the step's global batch."""
 
 
 def seed_everything(seed: int) -> None:
@@ -215,6 +223,8 @@ class Trainer:
             group=self.dims.dp_group, num_micro_batches=t.gradient_accumulation_steps,
         )
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        local_aux: torch.Tensor | None = None
+        expert_counts: torch.Tensor | None = None
         num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         last = len(micro_batches) - 1
         for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
@@ -222,13 +232,42 @@ class Trainer:
             self.model.set_requires_gradient_sync(i == last)
             inputs = self._to_device(model_inputs(mb))
             out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
-            (out.loss * self.world_size).backward()
+            loss = out.loss
+            router = self._router_share(getattr(out, "router_load", None), len(micro_batches))
+            if router is not None:
+                aux_share, counts = router
+                loss = loss + self.cfg.features.loss_cfg.router_aux_loss_coef * aux_share
+                local_aux = aux_share.detach() if local_aux is None else local_aux + aux_share.detach()
+                expert_counts = counts if expert_counts is None else expert_counts + counts
+            (loss * self.world_size).backward()
             local_loss += out.loss.detach().float()
             num_tokens += mb["attention_mask"].sum().to(self.device)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
         dist.all_reduce(local_loss)
         dist.all_reduce(num_tokens, group=self.dims.dp_group)
-        return StepResult(loss=local_loss.item(), grad_norm=float(grad_norm), num_tokens=int(num_tokens.item()))
+        result = StepResult(loss=local_loss.item(), grad_norm=float(grad_norm), num_tokens=int(num_tokens.item()))
+        if local_aux is not None:
+            dist.all_reduce(local_aux)
+            result.aux_loss = float(local_aux)
+            result.expert_load = expert_load_summary(expert_counts)
+        return result
+
+    def _router_share(self, load, num_micro_batches: int):
+        """This rank's share of a MoE micro-batch's load-balancing loss (divided by the number of micro-batches),
+        and the micro-batch's expert counts `[L, E]` summed over every rank; None for a dense model.
+
+        Every rank routes its own tokens (data and context parallel alike), so the counts and the token count
+        are summed over the whole world; the shares then add up to the aux loss of the micro-batch's global
+        batch (`mmfsdp.model.router`) and take the same `× world_size` backward as the LM loss.
+        """
+        if load is None:
+            return None
+        counts = load.tokens_per_expert.detach().clone()
+        tokens = load.num_tokens.detach().clone().float()
+        dist.all_reduce(counts)
+        dist.all_reduce(tokens)
+        share = load_balancing_loss(load, tokens_per_expert=counts.sum(0), num_tokens=tokens)
+        return share / num_micro_batches, counts
 
     def train(self) -> None:
         t = self.cfg.training
@@ -263,6 +302,7 @@ class Trainer:
                     "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                     "num_tokens": result.num_tokens, "tokens_per_s": result.num_tokens / step_time,
                     "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
+                    **self._router_metrics(result),
                 })
             if t.save and t.save_interval and self.step % t.save_interval == 0:
                 self.save()
@@ -270,6 +310,13 @@ class Trainer:
             profiler.stop()
         if t.save and (not t.save_interval or self.step % t.save_interval != 0):
             self.save()
+
+    @staticmethod
+    def _router_metrics(result: StepResult) -> dict[str, float]:
+        if result.aux_loss is None:
+            return {}
+        return {"aux_loss": result.aux_loss, "expert_load_max": result.expert_load["max"],
+                "expert_load_mean": result.expert_load["mean"]}
 
     def _profiler(self):
         p = self.cfg.tools.profile

@@ -69,6 +69,13 @@ class ChunkLossPlanConfig:
 class LossConfig:
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     """default: mean over the global batch's trained tokens; per_sample: mean of per-sample means; per_token: sum / average trained tokens per micro-batch and rank."""
+    router_aux_loss_coef: float = 0.0
+    """MoE families: weight of the router load-balancing loss (HF's, over the global batch of each micro-batch) added to the LM loss; 0 = off (the aux loss and expert load are still logged). Must be 0 for a dense model."""
+
+    def __post_init__(self) -> None:
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+            raise ConfigError("router_aux_loss_coef", f"must be a number >= 0 (0 turns it off), got {coef!r}")
 
 
 @dataclass(kw_only=True, slots=True)
