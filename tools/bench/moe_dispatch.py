@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=8, help="experts per token (Qwen3-VL-30B-A3B: 8)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the batch")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (Qwen3-VL-30B-A3B: 2048)")
-    parser.add_argument("--intermediate", type=int, default=128, help="expert intermediate size (Qwen3-VL-30B-A3B: 768)")
+    parser.add_argument(
+        "--intermediate", type=int, default=128, help="expert intermediate size (Qwen3-VL-30B-A3B: 768)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of weights and hidden states")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (each runs every variant)")
@@ -141,7 +143,9 @@ def _check_equal(variants: _Variants) -> dict[str, float]:
         for ours, theirs in zip(variants.step(name), reference):
             worst = max(worst, ((ours.float() - theirs.float()).norm() / theirs.float().norm().clamp_min(1e-30)).item())
         if worst > tolerance:
-            raise AssertionError(f"{name}: output or gradient differs from HF's by {worst:.2e} (relative) > {tolerance}")
+            raise AssertionError(
+                f"{name}: output or gradient differs from HF's by {worst:.2e} (relative) > {tolerance}"
+            )
         errors[name] = worst
     return errors
 
@@ -171,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = _Variants(args)
-    _log(f"{args.experts} experts, top-{args.top_k}, {args.tokens} tokens, hidden {args.hidden}, intermediate "
-         f"{args.intermediate}, {args.dtype} on {args.device}; variants {variants.names}")
+    _log(
+        f"{args.experts} experts, top-{args.top_k}, {args.tokens} tokens, hidden {args.hidden}, intermediate "
+        f"{args.intermediate}, {args.dtype} on {args.device}; variants {variants.names}"
+    )
     errors = _check_equal(variants)  # also the warm-up of every variant
     _log(f"outputs and gradients equal to HF's (largest relative difference {errors})")
     seconds = {name: [] for name in variants.names}

@@ -143,7 +143,11 @@ def _distributed_cases(rank: int, world_size: int):
 
     meta = torch.device("meta")
     on_meta = shard_experts(_Experts(*(t.to(meta) for t in _weights(0))), dist.group.WORLD)
-    results["meta_shapes"] = [list(on_meta.gate_up_proj.shape), list(on_meta.down_proj.shape), on_meta.down_proj.is_meta]
+    results["meta_shapes"] = [
+        list(on_meta.gate_up_proj.shape),
+        list(on_meta.down_proj.shape),
+        on_meta.down_proj.is_meta,
+    ]
     try:
         shard_experts(_Experts(*_weights(0, num_experts=6)), dist.group.WORLD)
         results["indivisible"] = None
@@ -170,7 +174,9 @@ def _reference_for_group(name: str, ep_size: int, group_index: int):
         loads += torch.bincount(idx.flatten(), minlength=NUM_EXPERTS)
         members.append((out, hidden, weight))
     total.backward()
-    per_member = [{"out": out.detach(), "hidden": hidden.grad, "weight": weight.grad} for out, hidden, weight in members]
+    per_member = [
+        {"out": out.detach(), "hidden": hidden.grad, "weight": weight.grad} for out, hidden, weight in members
+    ]
     return per_member, {"gate_up_proj": gate_up.grad, "down_proj": down.grad}, loads
 
 
@@ -185,7 +191,9 @@ def test_expert_parallel_matches_dense_reference(distributed_results, name, ep_s
         for ep_rank, (mine, expected) in enumerate(zip(ours, per_member)):
             for what, value in expected.items():
                 error = _relative(mine[what], value)
-                assert error <= TOLERANCE, f"EP rank {ep_rank} of group {group_index}: {what} relative error {error:.2e}"
+                assert error <= TOLERANCE, (
+                    f"EP rank {ep_rank} of group {group_index}: {what} relative error {error:.2e}"
+                )
             assert torch.equal(mine["load"], loads[None]), (mine["load"], loads)
         for what, full in full_grads.items():
             gathered = torch.cat([mine[what] for mine in ours])
@@ -219,8 +227,13 @@ def test_ep1_without_process_group_matches_dense_reference(implementation, num_t
     hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
     expected = _dense_reference(hidden, idx, weight, gate_up, down)
     (expected * cotangent).sum().backward()
-    for what, value in [("out", expected.detach()), ("hidden", hidden.grad), ("weight", weight.grad),
-                        ("gate_up_proj", gate_up.grad), ("down_proj", down.grad)]:
+    for what, value in [
+        ("out", expected.detach()),
+        ("hidden", hidden.grad),
+        ("weight", weight.grad),
+        ("gate_up_proj", gate_up.grad),
+        ("down_proj", down.grad),
+    ]:
         assert _relative(ours[what], value) <= TOLERANCE, what
     assert ours["gate_up_proj"][2].abs().max() == 0  # the expert nobody chose
     assert torch.equal(ours["load"][0], torch.bincount(idx.flatten(), minlength=NUM_EXPERTS))
@@ -261,8 +274,15 @@ def test_expert_parallel_size_errors():
         tokens_per_expert(torch.tensor([[0, 9]]), NUM_EXPERTS)
     gate_up, down = _weights(0)
     with pytest.raises(ValueError, match="expected 8 local experts"):
-        expert_parallel_forward(torch.zeros(1, HIDDEN), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
-                                gate_up[:4], down[:4], F.silu, num_experts=NUM_EXPERTS)
+        expert_parallel_forward(
+            torch.zeros(1, HIDDEN),
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.ones(1, 1),
+            gate_up[:4],
+            down[:4],
+            F.silu,
+            num_experts=NUM_EXPERTS,
+        )
 
 
 def test_expert_load_is_not_counted_again_when_checkpointing_recomputes():
@@ -282,8 +302,9 @@ def test_expert_load_is_not_counted_again_when_checkpointing_recomputes():
 
 def test_matches_hf_qwen3_vl_moe_experts():
     moe = pytest.importorskip("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
-    config = moe.Qwen3VLMoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE,
-                                      num_experts=NUM_EXPERTS, num_experts_per_tok=2)
+    config = moe.Qwen3VLMoeTextConfig(
+        hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS, num_experts_per_tok=2
+    )
     block = moe.Qwen3VLMoeTextSparseMoeBlock(config)
     torch.manual_seed(0)
     for param in block.parameters():

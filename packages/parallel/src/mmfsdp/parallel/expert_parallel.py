@@ -127,8 +127,10 @@ def shard_experts(
         if not isinstance(param, nn.Parameter) or param.dim() < 1:
             raise ValueError(f"{type(module).__name__}.{name} is not an expert parameter tensor")
         if type(param.data) is not torch.Tensor:
-            raise ValueError(f"{type(module).__name__}.{name} is already sharded ({type(param.data).__name__}); "
-                             "call shard_experts before fully_shard")
+            raise ValueError(
+                f"{type(module).__name__}.{name} is already sharded ({type(param.data).__name__}); "
+                "call shard_experts before fully_shard"
+            )
         num_experts = param.shape[0] if num_experts is None else num_experts
         if param.shape[0] != num_experts:
             raise ValueError(
@@ -206,17 +208,16 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         out.backward(torch.ones_like(out))
         expected = torch.cat([F.linear(x[:3], weight[0]), F.linear(x[3:], weight[2])])
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-        return bool(torch.allclose(out, expected, rtol=tolerance, atol=tolerance)) and bool(
-            (weight.grad[1] == 0).all()
-        )
+        return bool(torch.allclose(out, expected, rtol=tolerance, atol=tolerance)) and bool((weight.grad[1] == 0).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
 def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
     """The grouped GEMM kernels want 16-byte aligned rows and data."""
-    return all(t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in tensors)
+    return all(
+        t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors
+    )
 
 
 def _gated(gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -248,8 +249,10 @@ def local_experts(
 ) -> torch.Tensor:
     """[N, H] in the weights' dtype: rows sorted by local expert (`counts_L[l]` rows for expert `l`) through their expert."""
     if len(counts_L) != gate_up_proj.shape[0] or sum(counts_L) != x_NH.shape[0]:
-        raise ValueError(f"{len(counts_L)} counts summing to {sum(counts_L)} for {gate_up_proj.shape[0]} experts "
-                         f"and {x_NH.shape[0]} rows")
+        raise ValueError(
+            f"{len(counts_L)} counts summing to {sum(counts_L)} for {gate_up_proj.shape[0]} experts "
+            f"and {x_NH.shape[0]} rows"
+        )
     x_NH = x_NH.to(gate_up_proj.dtype)
     if implementation == "auto":
         grouped = grouped_mm_supported(x_NH.device, x_NH.dtype) and _grouped_mm_fits(x_NH, gate_up_proj, down_proj)
@@ -285,8 +288,10 @@ def expert_parallel_forward(
     ep_size = _group_size(group)
     num_local = check_expert_parallel_size(num_experts, ep_size)
     if gate_up_proj.shape[0] != num_local or down_proj.shape[0] != num_local:
-        raise ValueError(f"expected {num_local} local experts ({num_experts} over EP {ep_size}), got gate_up_proj "
-                         f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}")
+        raise ValueError(
+            f"expected {num_local} local experts ({num_experts} over EP {ep_size}), got gate_up_proj "
+            f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}"
+        )
     counts_E = tokens_per_expert(topk_idx_TK, num_experts)
     _, order_S = torch.sort(topk_idx_TK.reshape(-1), stable=True)
     token_S = order_S // top_k
@@ -301,8 +306,9 @@ def expert_parallel_forward(
         recv_splits = counts_PL.sum(1).tolist()
         x_NH = _AllToAll.apply(x_SH, recv_splits, send_splits, group)
         to_expert_N = expert_major_order(counts_PL).to(x_NH.device)
-        y_NH = local_experts(x_NH[to_expert_N], counts_PL.sum(0).tolist(), gate_up_proj, down_proj, act_fn,
-                             implementation)
+        y_NH = local_experts(
+            x_NH[to_expert_N], counts_PL.sum(0).tolist(), gate_up_proj, down_proj, act_fn, implementation
+        )
         y_NH = y_NH[torch.argsort(to_expert_N)]
         y_SH = _AllToAll.apply(y_NH, send_splits, recv_splits, group)
     weighted_SH = y_SH * topk_weight_TK.reshape(-1)[order_S].unsqueeze(-1)
