@@ -116,6 +116,8 @@ def shard_experts(
     and `ep_group` on the module, which `experts_forward` reads. `ep=None` records
     an EP size of 1 and keeps every expert.
     """
+    if getattr(module, "ep_size", 1) > 1:
+        raise ValueError(f"{type(module).__name__} is already sharded over EP {module.ep_size}")
     group = _group_of(ep)
     ep_size = _group_size(group)
     ep_rank = 0 if group is None else dist.get_rank(group)
@@ -301,8 +303,8 @@ def expert_parallel_forward(
     else:
         counts_PL = torch.empty_like(counts_E)
         dist.all_to_all_single(counts_PL, counts_E, group=group)
-        counts_PL = counts_PL.view(ep_size, num_local).cpu()
-        send_splits = counts_E.view(ep_size, num_local).sum(1).tolist()
+        sent_PL, counts_PL = torch.stack([counts_E, counts_PL]).view(2, ep_size, num_local).cpu()  # one sync
+        send_splits = sent_PL.sum(1).tolist()
         recv_splits = counts_PL.sum(1).tolist()
         x_NH = _AllToAll.apply(x_SH, recv_splits, send_splits, group)
         to_expert_N = expert_major_order(counts_PL).to(x_NH.device)
