@@ -254,6 +254,9 @@ def test_grouped_and_loop_local_experts_agree():
         values[implementation] = [out.detach()] + [leaf.grad for leaf in leaves]
     for loop, grouped in zip(values["loop"], values["grouped"]):
         assert _relative(grouped, loop) <= 1e-6
+    grouped_mm_supported.cache_clear()
+    with torch.no_grad():  # a first probe during evaluation still finds the kernel
+        assert grouped_mm_supported(torch.device("cpu"), torch.float32)
 
 
 def test_expert_major_order():

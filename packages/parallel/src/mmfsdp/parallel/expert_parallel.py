@@ -201,18 +201,21 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once."""
     if _GROUPED_MM is None or device.type == "meta":
         return False
-    try:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 16, generator=generator).to(device, dtype).requires_grad_()
-        weight = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
-        offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
-        out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
-        out.backward(torch.ones_like(out))
+    # grad mode on: a first call under no_grad (e.g. an evaluation) must not cache "unsupported"
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            generator = torch.Generator().manual_seed(0)
+            x = torch.randn(8, 16, generator=generator).to(device, dtype).requires_grad_()
+            weight = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
+            offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+            out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+            out.backward(torch.ones_like(out))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
         expected = torch.cat([F.linear(x[:3], weight[0]), F.linear(x[3:], weight[2])])
-        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-        return bool(torch.allclose(out, expected, rtol=tolerance, atol=tolerance)) and bool((weight.grad[1] == 0).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    right = torch.allclose(out.detach(), expected.detach(), rtol=tolerance, atol=tolerance)
+    return bool(right and (weight.grad[1] == 0).all())
 
 
 def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
