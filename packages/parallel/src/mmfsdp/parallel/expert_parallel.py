@@ -1,0 +1,385 @@
+"""Expert parallel (EP): top-k token dispatch over an EP group, local expert compute, weighted combine.
+
+Legend: T tokens on this rank, K experts per token (top-k), S = T·K (token, slot)
+pairs, H hidden size, I expert intermediate size, E experts in the model,
+L = E / ep experts held by one rank, P ranks in the EP group, N rows this rank's
+experts receive. Expert weights use HF's fused layout: `gate_up_proj [E, 2I, H]`
+(gate rows first, then up rows) and `down_proj [E, H, I]`; an expert computes
+`down · (act(gate · x) ⊙ (up · x))` — `nn.functional.linear` against each slice.
+
+`expert_parallel_forward(hidden_TH, topk_idx_TK, topk_weight_TK, ...)`:
+1. sort the S pairs by expert id (stable, so pairs of one expert stay in token
+   order) and gather their hidden states; EP rank r holds experts
+   `[r·L, (r+1)·L)`, so the sorted rows are already grouped by destination rank;
+2. count the pairs per expert (`counts_E`) and exchange the counts with one
+   equal-split all-to-all: each rank learns how many rows every source sends to
+   each of its local experts (`counts_PL`), hence the split sizes;
+3. all-to-all the rows with those variable splits (`_AllToAll`: its backward is
+   the same exchange with the splits swapped) — received rows are ordered by
+   source rank, then local expert; reorder them expert-major
+   (`expert_major_order`), run the local experts, undo the reorder;
+4. all-to-all the results back (the reverse exchange), multiply each pair by its
+   routing weight, and `index_add` the pairs into their tokens.
+Gradients flow through both all-to-alls, the gathers and the routing weights; the
+routing-weight product happens on the token's own rank, so no weight is sent.
+With `group=None` (or an EP group of one rank) steps 2–3 and the reverse
+exchange are skipped; everything else is the same code.
+
+Local experts (`local_experts`): `torch._grouped_mm` (`nn.functional.grouped_mm`
+where torch has it) over the expert-sorted rows with cumulative offsets, where a
+one-time probe shows the device and dtype support it and the sizes meet its
+16-byte alignment; otherwise a loop over the local experts (`split` / `unbind`,
+whose backwards write each gradient once instead of a full-size zero tensor per
+expert). Both give the same numbers; `implementation="grouped" | "loop"` forces one.
+
+FSDP2 and the mesh: `shard_experts(module, ep)` keeps this rank's `E / ep` slice
+of the fused expert parameters (call it on the meta model, before `fully_shard`);
+FSDP2 then shards those local experts over the ranks that hold the same experts
+(the data-parallel ranks outside the EP group). FSDP unshards the parameters
+before the MoE block's forward, so this module only sees plain local tensors.
+Context parallel needs nothing: each rank dispatches the tokens of its own
+sequence shard. Activation checkpointing recomputes the forward, including the
+exchanges, in the backward; `experts_forward` does not count those tokens twice
+in the expert-load statistics.
+
+Load statistics: `experts_forward` adds this rank's tokens per expert into
+`module.expert_load` ([E], int64); `collect_expert_load(model, group)` sums them
+over a process group (the data-parallel group gives the global batch), stacks one
+row per MoE module and resets them; `expert_load_summary` gives max/mean.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mmfsdp.config import ConfigError
+
+__all__ = [
+    "EXPERT_PARAM_NAMES",
+    "check_expert_parallel_size",
+    "shard_experts",
+    "experts_forward",
+    "expert_parallel_forward",
+    "local_experts",
+    "grouped_mm_supported",
+    "expert_major_order",
+    "tokens_per_expert",
+    "collect_expert_load",
+    "expert_load_summary",
+]
+
+EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
+"""The fused expert parameters (dim 0 = expert) of HF's MoE expert modules."""
+
+Implementation = Literal["auto", "grouped", "loop"]
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def check_expert_parallel_size(num_experts: int, ep_size: int, key: str = "parallel.expert_parallel_size") -> int:
+    """Return the experts per EP rank; raise `ConfigError` at `key` unless `ep_size` divides `num_experts`."""
+    if ep_size < 1:
+        raise ConfigError(key, f"must be >= 1, got {ep_size}")
+    if num_experts % ep_size:
+        raise ConfigError(key, f"{ep_size} does not divide the model's {num_experts} experts")
+    return num_experts // ep_size
+
+
+def _group_of(ep: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if isinstance(ep, DeviceMesh):
+        if ep.ndim != 1:
+            raise ValueError(f"the expert-parallel mesh must be 1-D, got {ep.ndim} dimensions {ep.mesh_dim_names}")
+        return ep.get_group()
+    return ep
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def shard_experts(
+    module: nn.Module,
+    ep: DeviceMesh | dist.ProcessGroup | None,
+    param_names: Iterable[str] = EXPERT_PARAM_NAMES,
+) -> nn.Module:
+    """Keep this EP rank's slice (dim 0) of `module`'s fused expert parameters; return `module`.
+
+    Works on meta and real parameters (real ones are copied, so the full tensor is
+    freed). Records `num_experts` (all experts of the model), `ep_rank`, `ep_size`
+    and `ep_group` on the module, which `experts_forward` reads. `ep=None` records
+    an EP size of 1 and keeps every expert.
+    """
+    if getattr(module, "ep_size", 1) > 1:
+        raise ValueError(f"{type(module).__name__} is already sharded over EP {module.ep_size}")
+    group = _group_of(ep)
+    ep_size = _group_size(group)
+    ep_rank = 0 if group is None else dist.get_rank(group)
+    params = {name: getattr(module, name) for name in param_names}
+    if not params:
+        raise ValueError("shard_experts needs at least one parameter name")
+    num_experts = getattr(module, "num_experts", None)
+    for name, param in params.items():
+        if not isinstance(param, nn.Parameter) or param.dim() < 1:
+            raise ValueError(f"{type(module).__name__}.{name} is not an expert parameter tensor")
+        if type(param.data) is not torch.Tensor:
+            raise ValueError(
+                f"{type(module).__name__}.{name} is already sharded ({type(param.data).__name__}); "
+                "call shard_experts before fully_shard"
+            )
+        num_experts = param.shape[0] if num_experts is None else num_experts
+        if param.shape[0] != num_experts:
+            raise ValueError(
+                f"{type(module).__name__}.{name} has {param.shape[0]} experts on dim 0, expected {num_experts}"
+            )
+    num_local = check_expert_parallel_size(num_experts, ep_size)
+    if ep_size > 1:
+        start = ep_rank * num_local
+        for name, param in params.items():
+            local = param.detach()[start : start + num_local].clone()
+            setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    module.num_experts = num_experts
+    module.ep_rank = ep_rank
+    module.ep_size = ep_size
+    module.ep_group = group
+    return module
+
+
+def tokens_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: how many (token, slot) pairs chose each expert."""
+    counts_E = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    if counts_E.numel() != num_experts:
+        raise ValueError(f"topk_idx holds expert id {counts_E.numel() - 1}, but the model has {num_experts} experts")
+    return counts_E
+
+
+def expert_major_order(counts_PL: torch.Tensor) -> torch.Tensor:
+    """Row index that reorders rows laid out source-major (`[P, L]` blocks) into expert-major order.
+
+    `counts_PL[p, l]` rows came from source `p` for local expert `l`; rows arrive as
+    all of source 0 (expert 0, 1, …), then source 1, … `rows[index]` puts them as
+    expert 0 (source 0, 1, …), expert 1, … keeping each block's internal order.
+    """
+    counts_PL = counts_PL.to(torch.int64)
+    starts_PL = (counts_PL.flatten().cumsum(0) - counts_PL.flatten()).view_as(counts_PL)
+    lengths = counts_PL.t().flatten()
+    starts = starts_PL.t().flatten()
+    offsets = lengths.cumsum(0) - lengths
+    total = int(lengths.sum())
+    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with variable splits; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits = (input_splits, output_splits)
+        ctx.group = group
+        return _all_to_all(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, output_splits, input_splits, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once."""
+    if _GROUPED_MM is None or device.type == "meta":
+        return False
+    # grad mode on: a first call under no_grad (e.g. an evaluation) must not cache "unsupported"
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            generator = torch.Generator().manual_seed(0)
+            x = torch.randn(8, 16, generator=generator).to(device, dtype).requires_grad_()
+            weight = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
+            offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+            out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+            out.backward(torch.ones_like(out))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        expected = torch.cat([F.linear(x[:3], weight[0]), F.linear(x[3:], weight[2])])
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    right = torch.allclose(out.detach(), expected.detach(), rtol=tolerance, atol=tolerance)
+    return bool(right and (weight.grad[1] == 0).all())
+
+
+def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
+    """The grouped GEMM kernels want 16-byte aligned rows and data."""
+    return all(
+        t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors
+    )
+
+
+def _gated(gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+def _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn):
+    offsets = torch.tensor(counts_L, device=x_NH.device).cumsum(0).to(torch.int32)
+    hidden_NI = _gated(_GROUPED_MM(x_NH, gate_up_proj.transpose(-2, -1), offs=offsets), act_fn)
+    return _GROUPED_MM(hidden_NI, down_proj.transpose(-2, -1), offs=offsets)
+
+
+def _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn):
+    outs = [
+        F.linear(_gated(F.linear(x, gate_up), act_fn), down)
+        for x, gate_up, down in zip(x_NH.split(counts_L), gate_up_proj.unbind(0), down_proj.unbind(0))
+    ]
+    return torch.cat(outs)
+
+
+def local_experts(
+    x_NH: torch.Tensor,
+    counts_L: list[int],
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    implementation: Implementation = "auto",
+) -> torch.Tensor:
+    """[N, H] in the weights' dtype: rows sorted by local expert (`counts_L[l]` rows for expert `l`) through their expert."""
+    if len(counts_L) != gate_up_proj.shape[0] or sum(counts_L) != x_NH.shape[0]:
+        raise ValueError(
+            f"{len(counts_L)} counts summing to {sum(counts_L)} for {gate_up_proj.shape[0]} experts "
+            f"and {x_NH.shape[0]} rows"
+        )
+    x_NH = x_NH.to(gate_up_proj.dtype)
+    if implementation == "auto":
+        grouped = grouped_mm_supported(x_NH.device, x_NH.dtype) and _grouped_mm_fits(x_NH, gate_up_proj, down_proj)
+        implementation = "grouped" if grouped else "loop"
+    if implementation == "grouped":
+        if not grouped_mm_supported(x_NH.device, x_NH.dtype):
+            raise RuntimeError(f"grouped GEMM is not available for {x_NH.dtype} on {x_NH.device}")
+        return _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
+    if implementation == "loop":
+        return _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
+    raise ValueError(f"implementation must be 'auto', 'grouped' or 'loop', got {implementation!r}")
+
+
+def expert_parallel_forward(
+    hidden_TH: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    topk_weight_TK: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    implementation: Implementation = "auto",
+) -> torch.Tensor:
+    """[T, H]: `out[t] = Σ_k topk_weight[t, k] · expert_{topk_idx[t, k]}(hidden[t])` with experts spread over `group`.
+
+    `topk_idx` holds global expert ids; `gate_up_proj` / `down_proj` hold this
+    rank's `num_experts / ep` experts (`shard_experts`). Every rank of `group` must
+    call this together (also with no tokens). See the module docstring for the flow.
+    """
+    num_tokens, top_k = topk_idx_TK.shape
+    ep_size = _group_size(group)
+    num_local = check_expert_parallel_size(num_experts, ep_size)
+    if gate_up_proj.shape[0] != num_local or down_proj.shape[0] != num_local:
+        raise ValueError(
+            f"expected {num_local} local experts ({num_experts} over EP {ep_size}), got gate_up_proj "
+            f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}"
+        )
+    counts_E = tokens_per_expert(topk_idx_TK, num_experts)
+    _, order_S = torch.sort(topk_idx_TK.reshape(-1), stable=True)
+    token_S = order_S // top_k
+    x_SH = hidden_TH[token_S]
+    if ep_size == 1:
+        y_SH = local_experts(x_SH, counts_E.tolist(), gate_up_proj, down_proj, act_fn, implementation)
+    else:
+        counts_PL = torch.empty_like(counts_E)
+        dist.all_to_all_single(counts_PL, counts_E, group=group)
+        sent_PL, counts_PL = torch.stack([counts_E, counts_PL]).view(2, ep_size, num_local).cpu()  # one sync
+        send_splits = sent_PL.sum(1).tolist()
+        recv_splits = counts_PL.sum(1).tolist()
+        x_NH = _AllToAll.apply(x_SH, recv_splits, send_splits, group)
+        to_expert_N = expert_major_order(counts_PL).to(x_NH.device)
+        y_NH = local_experts(
+            x_NH[to_expert_N], counts_PL.sum(0).tolist(), gate_up_proj, down_proj, act_fn, implementation
+        )
+        y_NH = y_NH[torch.argsort(to_expert_N)]
+        y_SH = _AllToAll.apply(y_NH, send_splits, recv_splits, group)
+    weighted_SH = y_SH * topk_weight_TK.reshape(-1)[order_S].unsqueeze(-1)
+    out_TH = hidden_TH.new_zeros(num_tokens, hidden_TH.shape[-1])
+    return out_TH.index_add(0, token_S, weighted_SH.to(hidden_TH.dtype))
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def experts_forward(
+    module: nn.Module,
+    hidden_TH: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    topk_weight_TK: torch.Tensor,
+    *,
+    implementation: Implementation = "auto",
+) -> torch.Tensor:
+    """`expert_parallel_forward` for an HF-style experts module (`gate_up_proj`, `down_proj`, `act_fn`).
+
+    The module's EP group and expert count come from `shard_experts`; an
+    unsharded module runs with EP 1. Adds this rank's tokens per expert to
+    `module.expert_load` (not while recomputing in the backward).
+    """
+    num_experts = getattr(module, "num_experts", module.gate_up_proj.shape[0])
+    if not _in_backward():
+        counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
+        load = getattr(module, "expert_load", None)
+        module.expert_load = counts_E if load is None else load + counts_E
+    return expert_parallel_forward(
+        hidden_TH,
+        topk_idx_TK,
+        topk_weight_TK,
+        module.gate_up_proj,
+        module.down_proj,
+        module.act_fn,
+        num_experts=num_experts,
+        group=getattr(module, "ep_group", None),
+        implementation=implementation,
+    )
+
+
+def collect_expert_load(model: nn.Module, group: dist.ProcessGroup | None = None, reset: bool = True) -> torch.Tensor:
+    """[M, E] int64 tokens per expert since the last reset, one row per MoE module (in `model.modules()` order).
+
+    Summed over `group` (every rank of it must call this; pass the data-parallel
+    group for the global batch). Modules whose forward has not run yet are skipped,
+    so every rank must have run the same MoE modules. Empty `[0, 0]` for no MoE module.
+    """
+    modules = [m for m in model.modules() if getattr(m, "expert_load", None) is not None]
+    if not modules:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    counts_ME = torch.stack([m.expert_load for m in modules])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts_ME, group=group)
+    if reset:
+        for m in modules:
+            m.expert_load = None
+    return counts_ME
+
+
+def expert_load_summary(counts_ME: torch.Tensor) -> dict[str, float]:
+    """`expert_load_max` (busiest expert of any module) and `expert_load_mean` (tokens per expert) of `[M, E]` counts."""
+    if counts_ME.numel() == 0:
+        return {}
+    counts = counts_ME.to(torch.float64)
+    return {"expert_load_max": counts.max().item(), "expert_load_mean": counts.mean().item()}
