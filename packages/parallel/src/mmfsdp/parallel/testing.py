@@ -2,6 +2,12 @@
 
 `run_distributed(fn, world_size, *args)` starts `world_size` fresh processes, each
 of which joins a gloo process group and calls `fn(rank, world_size, *args)`.
+The processes are forked from a multiprocessing forkserver that has imported
+torch, FSDP2/DCP, transformers' model classes and mmfsdp once (per test process):
+a spawned rank would spend about 12 s of CPU on those imports, the bulk of a
+small distributed test. The forkserver holds no threads, so forking it is safe;
+each rank still starts its own process group, and gets the caller's current
+environment variables.
 It returns the per-rank return values (rank order). If any rank raises, the
 others are terminated and an `AssertionError` carrying that rank's traceback is
 raised in the caller, so a failing assertion on rank 1 never hangs rank 0.
@@ -47,6 +53,28 @@ def _load_function(path: str, name: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
+_PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "transformers",
+    "mmfsdp.parallel",
+    "mmfsdp.model.mistral3",
+    "mmfsdp.model.qwen3_vl",
+    "mmfsdp.model.qwen3_vl_moe",
+    "mmfsdp.data",
+    "mmfsdp.ckpt",
+]
+"""Modules the forkserver imports once; a name that fails to import is skipped (multiprocessing's rule)."""
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process first starts its forkserver
+    return ctx
+
+
 def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tuple, env: dict, results) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -82,14 +110,15 @@ def run_distributed(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's value."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     path = fn.__code__.co_filename
+    child_env = {**os.environ, **(env or {})}  # the forkserver's own environment is that of its start
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, path, fn.__name__, args, dict(env or {}), results),
+            args=(rank, world_size, port, path, fn.__name__, args, child_env, results),
             daemon=True,
         )
         for rank in range(world_size)
