@@ -74,13 +74,12 @@ def test_tiny_config_is_tiny_and_overridable():
 
 
 def _apply_key_map(key: str) -> str:
-    for pattern, replacement in ENTRY.hf_key_map:
-        if re.match(pattern, key):
-            return re.sub(pattern, replacement, key, count=1)
-    return key
+    from mmfsdp.model.adapters import Mistral3Adapter
+
+    return Mistral3Adapter().model_key(key)
 
 
-def test_hf_key_map_renames_the_original_checkpoint_layout(tiny_config):
+def test_adapter_renames_the_original_checkpoint_layout(tiny_config):
     keys = Mistral3ForConditionalGenerationFSDP(tiny_config).state_dict().keys()
     for key in keys:
         old = re.sub(r"^model\.language_model\.", "language_model.model.", key)
@@ -116,7 +115,7 @@ def test_build_refuses_a_checkpoint_with_missing_weights(saved):
     dropped = next(key for key in tensors if "layers.1" in key)
     del tensors[dropped]
     save_file(tensors, weights_file, metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match="missing keys"):
+    with pytest.raises(ConfigError, match="model keys not in the files"):
         ENTRY.build(build(ModelConfig, {"model_name_or_path": str(path)}, "model"))
 
 

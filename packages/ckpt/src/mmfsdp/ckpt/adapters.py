@@ -81,10 +81,15 @@ class FromHF:
     hf_keys: tuple[str, ...]
     combine: Combine | None = None
     """None: `hf_keys` is one key whose tensor is the model tensor as it is."""
+    rowwise: bool = False
+    """`combine` maps each row (dim 0) of the one HF tensor to the same row of the model tensor (e.g. a transpose
+    of the other dims, stacked experts): a loader filling a dim-0 shard reads only its rows."""
 
     def __post_init__(self) -> None:
         if self.combine is None and len(self.hf_keys) != 1:
             raise ValueError(f"FromHF{self.hf_keys}: without combine there must be exactly one HF key")
+        if self.rowwise and len(self.hf_keys) != 1:
+            raise ValueError(f"FromHF{self.hf_keys}: rowwise needs exactly one HF key")
 
 
 @dataclass(frozen=True, slots=True)

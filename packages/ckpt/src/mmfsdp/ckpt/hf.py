@@ -13,8 +13,11 @@ buffers, named and combined by the family's state-dict adapter (`adapters`).
 With FSDP2 a parameter is a DTensor holding one shard; for a renamed tensor only
 that shard's slice is read (`get_slice` with the offsets of the DTensor's local
 chunk), so a rank never holds a full parameter it does not own, let alone the
-full model. A tensor the adapter combines from several file tensors (stacked
-experts) is read whole, combined, and its local chunk copied. Values are
+full model. A tensor the adapter transforms row by row (`FromHF.rowwise`: the
+hub's transposed expert tensors) is read for this shard's rows (dim 0) only,
+so a rank under expert parallel reads its own experts. A tensor the adapter
+combines from several file tensors (per-expert exports) is read whole,
+combined, and its local chunk copied. Values are
 converted to the parameter's dtype and device by `copy_`.
 """
 
@@ -205,6 +208,10 @@ def _copy_into(target: torch.Tensor, weights: SafetensorsDir, plan: PlannedFromH
     index = _local_index(target) if isinstance(target, DTensor) else ()
     if plan.source.combine is None and index:
         local.copy_(weights.read_slice(plan.source.hf_keys[0], index))
+        return
+    if plan.source.rowwise and index:  # e.g. this rank's experts of a transposed expert tensor: only its rows
+        rows = plan.source.combine([weights.read_slice(plan.source.hf_keys[0], index[:1])])
+        local.copy_(rows[(slice(None), *index[1:])])
         return
     full = plan.build(weights.read)
     local.copy_(full[index] if index else full)

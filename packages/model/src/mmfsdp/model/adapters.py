@@ -135,7 +135,7 @@ class Qwen3VLMoeAdapter(StateDictAdapter):
                     "([E, H, 2I], [E, I, H]) nor transformers 5's ([E, 2I, H], [E, H, I])"
                 )
             for name, key in keys.items():
-                plans[f"{prefix}.{name}"] = FromHF((key,), _transpose) if hub else FromHF((key,))
+                plans[f"{prefix}.{name}"] = FromHF((key,), _transpose, rowwise=True) if hub else FromHF((key,))
         for prefix, projections in per_expert.items():
             if set(projections) != {"gate_proj", "up_proj", "down_proj"}:
                 raise CheckpointError(f"{prefix}: per-expert weights of {sorted(projections)} only")

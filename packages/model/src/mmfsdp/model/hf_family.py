@@ -1,13 +1,19 @@
 """`HFFamilyEntry`: the build, checks and meta-init every HF `*ForConditionalGeneration` family shares.
 
 A family module declares a subclass with `config_class`, `model_class` (a
-`TrainingForwardMixin` subclass of the HF class), `hf_key_map` and its default
-plans; `build` then follows one set of rules for all families:
+`TrainingForwardMixin` subclass of the HF class) and its default plans (its
+checkpoint names and layouts are its state-dict adapter's, `mmfsdp.model.adapters`);
+`build` then follows one set of rules for all families:
 - on the meta device, or with `model.random_init`, only `config.json` is read
   (and must describe `config_class`) and the model is built from it;
-- otherwise the safetensors weights of `model.model_name_or_path` are loaded
-  with `from_pretrained` (renamed by `hf_key_map`; a key that does not fit is
-  a `ConfigError`, never a silent random init);
+- otherwise the model is built from `config.json` on the meta device,
+  materialised on the target device and filled from the safetensors weights of
+  `model.model_name_or_path` by `mmfsdp.ckpt.load_hf_weights` through the
+  family's state-dict adapter — the same reader as a meta-device run, so both
+  read a checkpoint alike (transformers' own conversions guess some layouts
+  from shapes: the hub's transposed MoE `down_proj` `[E, I, H]` is taken as it
+  is when I == H). A key that does not fit is a `ConfigError`, never a silent
+  random init;
 - the attention backend is `model.attn_implementation` resolved for the device,
   and chunk loss is switched on from `features`.
 After a meta build and `to_empty`, `init_non_persistent_buffers` recomputes the
@@ -24,6 +30,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from mmfsdp.ckpt import CheckpointError, load_hf_weights
 from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import resolve_attention_backend
 from mmfsdp.model.config import FeaturesConfig, ModelConfig
@@ -31,6 +38,7 @@ from mmfsdp.model.meta_init import init_rotary_buffers
 from mmfsdp.model.registry import ModelEntry
 from mmfsdp.parallel.cp import validate_ulysses_heads
 from mmfsdp.parallel.device import detect_device_type
+from mmfsdp.parallel.expert_parallel import check_expert_parallel_size
 from mmfsdp.parallel.fsdp import DTYPES
 
 __all__ = ["HFFamilyEntry", "safetensors_problem", "model_dir"]
@@ -53,26 +61,19 @@ class HFFamilyEntry(ModelEntry):
         dtype = DTYPES[model_cfg.dtype] if dtype is None else dtype
         path = model_dir(model_cfg)
         backend = resolve_attention_backend(model_cfg.attn_implementation, detect_device_type())
-        if device.type == "meta" or model_cfg.random_init:
-            config = self.read_config(model_cfg)
-            with torch.device(device):
-                model = self.model_class._from_config(config, attn_implementation=backend.hf_name, dtype=dtype)
-        else:
-            problem = safetensors_problem(path)
-            if problem is not None:
-                raise ConfigError("model.model_name_or_path", f"{problem}; give a directory with the weights, or set model.random_init: true")
-            model, info = self.model_class.from_pretrained(
-                path,
-                dtype=dtype,
-                attn_implementation=backend.hf_name,
-                use_safetensors=True,
-                trust_remote_code=model_cfg.trust_remote_code,
-                # transformers applies its own renames only to its own classes; this subclass passes them explicitly
-                key_mapping=dict(self.hf_key_map),
-                output_loading_info=True,
-            )
-            _check_loading_info(path, info)
-            model.to(device)
+        config = self.read_config(model_cfg)
+        pretrained = device.type != "meta" and not model_cfg.random_init
+        if pretrained and (problem := safetensors_problem(path)) is not None:
+            raise ConfigError("model.model_name_or_path", f"{problem}; give a directory with the weights, or set model.random_init: true")
+        with torch.device("meta" if pretrained else device):
+            model = self.model_class._from_config(config, attn_implementation=backend.hf_name, dtype=dtype)
+        if pretrained:
+            model.to_empty(device=device)
+            self.init_non_persistent_buffers(model)
+            try:
+                load_hf_weights(model, path, adapter=self.model_id)
+            except CheckpointError as err:
+                raise ConfigError("model.model_name_or_path", f"{err}\nCheck the checkpoint, or use random_init") from None
         model.set_chunk_loss(features_cfg.chunkloss_plan.chunk_size if features_cfg.enable_chunk_loss else None)
         return model
 
@@ -89,10 +90,17 @@ class HFFamilyEntry(ModelEntry):
         return config
 
     def validate_parallel(self, model_cfg: ModelConfig, plan: Any) -> None:
-        """Context-parallel checks against config.json: Ulysses size vs. heads, no sliding window."""
+        """Checks against config.json: expert parallel (a MoE model whose experts it divides); context parallel
+        (Ulysses size vs. heads, no sliding window)."""
+        super().validate_parallel(model_cfg, plan)
+        if plan.cp == 1 and plan.ep == 1:
+            return
+        config = self.read_config(model_cfg)
+        if plan.ep > 1:
+            check_expert_parallel_size(self.num_experts(config), plan.ep)
         if plan.cp == 1:
             return
-        text = self.read_config(model_cfg).text_config
+        text = config.text_config
         validate_ulysses_heads(text.num_attention_heads, text.num_key_value_heads, plan.ulysses)
         if getattr(text, "sliding_window", None) is not None:
             raise ConfigError(
@@ -104,14 +112,6 @@ class HFFamilyEntry(ModelEntry):
     def init_non_persistent_buffers(self, model: nn.Module) -> None:
         """After `to_empty`: recompute the text and vision rotary `inv_freq` buffers."""
         init_rotary_buffers(model)
-
-
-def _check_loading_info(path: str, info: dict[str, Any]) -> None:
-    problems = {kind: sorted(info.get(kind) or []) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    problems = {kind: keys for kind, keys in problems.items() if keys}
-    if problems:
-        detail = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(map(str, keys[:5]))}{' ...' if len(keys) > 5 else ''}" for kind, keys in problems.items())
-        raise ConfigError("model.model_name_or_path", f"the weights in {path} do not fit the model ({detail}); check the checkpoint or use random_init")
 
 
 def safetensors_problem(path: str | Path) -> str | None:

@@ -19,7 +19,6 @@ from typing import Any
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
-from mmfsdp.model.adapters import Mistral3Adapter
 from mmfsdp.model.registry import register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
 from mmfsdp.model.vision import install_per_image_attention
@@ -51,8 +50,6 @@ class Mistral3Entry(HFFamilyEntry):
     )
     recompute_modules = ("model.vision_tower.transformer.layers.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
-    # the family's one table of renames lives in its state-dict adapter (also what mm-convert uses)
-    hf_key_map = tuple(Mistral3Adapter().key_mapping().items())
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_index: int = 10, **overrides: Any) -> Mistral3Config:
         """A Mistral3 config of ~0.1M parameters for tests and examples (fp32, untied lm_head).

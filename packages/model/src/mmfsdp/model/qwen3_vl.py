@@ -195,8 +195,6 @@ class Qwen3VLEntry(HFFamilyEntry):
     )
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
-    hf_key_map = ()
-    """The published Qwen3-VL checkpoints already use this layout (`model.visual.`, `model.language_model.`, `lm_head.`)."""
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
         """A config of the entry's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).
