@@ -170,3 +170,47 @@ def test_gen_config_reference_help_and_check():
     checked = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stderr  # docs/configuration.md is current
     assert doc.read_bytes() == before
+
+
+MOE = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
+
+
+def _only_moe(capsys, tmp_path, key, *overrides, nproc=2):
+    code = main([str(MOE), "--check", f"training.output_dir={tmp_path / 'out'}", *overrides, "--nproc-per-node", str(nproc)])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("config error: ")]
+    assert code == 2 and "Traceback" not in captured.err
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {key}: "), captured.err
+    return lines[0]
+
+
+def test_expert_parallel_passes_on_the_moe_example(capsys, tmp_path):
+    code = main([str(MOE), "--check", f"training.output_dir={tmp_path / 'out'}", "parallel.expert_parallel_size=2", "--nproc-per-node", "2"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_expert_parallel_on_a_dense_model(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "parallel.expert_parallel_size", "parallel.expert_parallel_size=2")
+    assert "dense" in line and "set it to 1" in line
+
+
+def test_expert_parallel_not_dividing_the_experts(capsys, tmp_path):
+    line = _only_moe(capsys, tmp_path, "parallel.expert_parallel_size", "parallel.expert_parallel_size=3", nproc=3)
+    assert "3 does not divide the model's 8 experts" in line
+
+
+def test_expert_parallel_not_dividing_the_shard_group(capsys, tmp_path):
+    line = _only_moe(capsys, tmp_path, "parallel.expert_parallel_size", "parallel.expert_parallel_size=4")
+    assert "does not divide the FSDP shard group of 2 ranks" in line
+
+
+def test_ep_plan_matching_nothing(capsys, tmp_path):
+    line = _only_moe(capsys, tmp_path, "parallel.ep_plan.apply_modules[0]", "parallel.expert_parallel_size=2",
+                     "parallel.ep_plan.apply_modules=['model.layers.{*}.mlp.experts']")
+    assert "model.language_model.layers.{*}.mlp.experts" in line
+
+
+def test_ep_plan_matching_a_module_that_is_not_experts(capsys, tmp_path):
+    line = _only_moe(capsys, tmp_path, "parallel.ep_plan.apply_modules[0]", "parallel.expert_parallel_size=2",
+                     "parallel.ep_plan.apply_modules=['model.language_model.layers.{*}.mlp.gate']")
+    assert "is not a fused experts module" in line

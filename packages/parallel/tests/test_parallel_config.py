@@ -65,10 +65,32 @@ def test_parallel_config_tp_message_points_to_fsdp_and_cp():
         ParallelConfig(tensor_parallel_size=4)
 
 
-def test_expert_parallel_size_other_than_one_is_a_clear_error():
+def test_expert_parallel_size_and_plan():
     from mmfsdp.config import ConfigError, build
     from mmfsdp.parallel import ParallelConfig
 
-    assert build(ParallelConfig, {"expert_parallel_size": 1}, "parallel").expert_parallel_size == 1
-    with pytest.raises(ConfigError, match=r"^parallel\.expert_parallel_size: 2 is not supported"):
-        build(ParallelConfig, {"expert_parallel_size": 2}, "parallel")
+    cfg = build(ParallelConfig, {"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["a.{*}.experts"]}}, "parallel")
+    assert cfg.expert_parallel_size == 2 and cfg.ep_plan.apply_modules == ["a.{*}.experts"]
+    assert build(ParallelConfig, {}, "parallel").ep_plan.apply_modules is None
+    with pytest.raises(ConfigError, match=r"^parallel\.expert_parallel_size: must be >= 1, got 0"):
+        build(ParallelConfig, {"expert_parallel_size": 0}, "parallel")
+
+
+@pytest.mark.parametrize(
+    "sizes, world, ep, efsdp",
+    [({}, 8, 2, 4), ({"ulysses_parallel_size": 2}, 4, 4, 1), ({"data_parallel_replicate_size": 2}, 8, 2, 2)],
+)
+def test_mesh_plan_carves_expert_parallel_out_of_the_shard_group(sizes, world, ep, efsdp):
+    from mmfsdp.parallel import MeshPlan, ParallelConfig
+
+    plan = MeshPlan.from_config(ParallelConfig(expert_parallel_size=ep, **sizes), world)
+    assert (plan.ep, plan.efsdp, plan.world_size) == (ep, efsdp, world)
+    assert plan.ep * plan.efsdp == plan.fully_shard
+
+
+def test_mesh_plan_expert_parallel_must_divide_the_shard_group():
+    from mmfsdp.config import ConfigError
+    from mmfsdp.parallel import MeshPlan, ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"^parallel\.expert_parallel_size: 4 does not divide the FSDP shard group of 2 ranks"):
+        MeshPlan.from_config(ParallelConfig(expert_parallel_size=4, data_parallel_replicate_size=2), 4)

@@ -182,6 +182,7 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
     import torch
 
     from mmfsdp.model import get_model_entry
+    from mmfsdp.parallel.expert_parallel import check_experts_module
 
     errors: list[ConfigError] = []
     entry = _collect(errors, get_model_entry, cfg.model.model_id)
@@ -198,6 +199,9 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
         else ("parallel.fsdp_plan.apply_modules (model default)", list(entry.fsdp_modules)),
         ("features.activation_offload_plan.apply_modules", cfg.features.activation_offload_plan.apply_modules or []),
     ]
+    if cfg.parallel.ep_plan.apply_modules is not None or cfg.parallel.expert_parallel_size > 1:
+        ep_key, ep_patterns = entry.expert_parallel_patterns(cfg.parallel)
+        lists.append((ep_key, list(ep_patterns)))
     if cfg.parallel.recompute:
         lists.append(("parallel.recompute_plan.apply_modules", recompute) if recompute is not None
                      else ("parallel.recompute_plan.apply_modules (model default)", list(entry.recompute_modules)))
@@ -207,6 +211,11 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
             names = _match_one(model, pattern, f"{key}[{i}]", errors)
             if key == "model.freeze":
                 frozen.update(names)
+            elif key.startswith("parallel.ep_plan"):
+                problems: list[ConfigError] = []
+                for name in names:
+                    _collect(problems, check_experts_module, name, model.get_submodule(name), f"{key}[{i}]")
+                errors += problems[:1]  # one line per pattern: its first module that is not fused experts
     if frozen:
         trainable = [
             name for name, _ in model.named_parameters()

@@ -228,16 +228,18 @@ def check_sections(cfg: Config) -> None:
 def check_world(cfg: Config, world_size: int) -> MeshPlan:
     """Checks that need the world size; returns the mesh plan. Runs before process groups start.
 
-    The mesh (CP size dividing the world, see `MeshPlan`); with context parallel
-    also the model (Ulysses size vs. attention heads, via the model entry's
-    `validate_parallel`) and, with packing, `cutoff_len`: every packed sample is
+    The mesh (CP and EP sizes dividing the world, see `MeshPlan`); with context or
+    expert parallel also the model (Ulysses size vs. attention heads, a MoE model
+    whose expert count EP divides, via the model entry's `validate_parallel`) and,
+    with context parallel and packing, `cutoff_len`: every packed sample is
     padded to `required_multiple(ring, ulysses)`, so rows of `cutoff_len` tokens
     must be a multiple of it. The padding multiple needs no check: the trainer
     takes its least common multiple with `required_multiple`.
     """
     plan = MeshPlan.from_config(cfg.parallel, world_size)
-    if plan.cp > 1:
+    if plan.cp > 1 or plan.ep > 1:
         get_model_entry(cfg.model.model_id).validate_parallel(cfg.model, plan)
+    if plan.cp > 1:
         if cfg.data.dataset_param.basic_parameters.packing:
             validate_sequence_multiple(
                 cfg.data.dataset_param.preprocess_parameters.cutoff_len, plan.ring, plan.ulysses,

@@ -3,8 +3,8 @@
 - `ModelConfig` (YAML `model:`) and `FeaturesConfig` (YAML `features:`).
 - `get_model_entry(model_id)` → `ModelEntry`: `config_class`, `model_class`,
   `build(model_cfg, features_cfg, device=, dtype=)`, the default plans (`fsdp_modules`,
-  `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `hf_key_map`,
-  `parallelize(model, parallel_cfg, parallel_dims, features_cfg)`,
+  `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `expert_modules`,
+  `parallelize(model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, recompute, FSDP2),
   `init_non_persistent_buffers(model)` and `tiny_config(...)`. Families: `mistral3`
   (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
   (`mmfsdp.model.qwen3_vl_moe`), `HFFamilyEntry` declarations whose model class mixes

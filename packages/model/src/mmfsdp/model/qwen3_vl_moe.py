@@ -75,8 +75,9 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
     """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
     router_modules = ("model.language_model.layers.{*}.mlp.gate",)
     """The routers (`weight` `[E, H]`), replicated over expert parallel."""
-    hf_key_map = ()
-    """No renames: loading goes through the adapter (`Qwen3VLMoeAdapter`) or transformers' `qwen3_vl_moe` conversion."""
+
+    def num_experts(self, config: Qwen3VLMoeConfig) -> int:
+        return int(config.text_config.num_experts)
 
     def router_aux_loss_coef(self, config: Qwen3VLMoeConfig) -> float:
         """The checkpoint's `text_config.router_aux_loss_coef` (HF adds coef × aux to `loss` when it outputs router

@@ -7,7 +7,7 @@ FSDP and activation-checkpointing plans as module name patterns, which modules
 are the vision side, where the decoder and `lm_head` are, how it is
 parallelised (`parallelize`: checkpointing, activation offload, then FSDP2 over
 one or more `(patterns, mesh)` groups), how to fill the non-persistent buffers
-after a meta build, and how HF checkpoint keys map to its state dict.
+after a meta build, and (through its state-dict adapter, `mmfsdp.model.adapters`) how HF checkpoint keys map to its state dict.
 Adding a family means writing an entry, decorating it with
 `@register_model("id")` and declaring its module in the `mmfsdp.model_families`
 entry-point group of its package (so `registered_model_ids()` knows the id
@@ -23,8 +23,9 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from mmfsdp.config import Registry
+from mmfsdp.config import ConfigError, Registry
 from mmfsdp.parallel.checkpointing import apply_activation_checkpointing
+from mmfsdp.parallel.expert_parallel import apply_expert_parallel
 from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp_groups
 from mmfsdp.parallel.offload import apply_activation_offload
 
@@ -45,8 +46,6 @@ class ModelEntry:
     """Default activation-checkpointing patterns."""
     vision_modules: tuple[str, ...] = ()
     """Modules on the vision side: replicated over context parallel, run on whole images."""
-    hf_key_map: tuple[tuple[str, str], ...] = ()
-    """(regex, replacement) pairs renaming HF checkpoint keys to this model's; the first match applies."""
     expert_modules: tuple[str, ...] = ()
     """MoE families: the modules holding the stacked expert weights (`[E, ...]`), what expert parallel shards;
     empty for a dense model. Their training forward also returns `outputs.router_load` (`mmfsdp.model.router`)."""
@@ -71,7 +70,25 @@ class ModelEntry:
 
     def validate_parallel(self, model_cfg: Any, plan: Any) -> None:
         """Checks of the parallel layout (`mmfsdp.parallel.MeshPlan`) against the model's config, before any
-        process group; raise `ConfigError`. The default checks nothing."""
+        process group; raise `ConfigError`. The default refuses expert parallel on a dense family."""
+        if getattr(plan, "ep", 1) > 1 and not self.expert_modules:
+            raise ConfigError(
+                "parallel.expert_parallel_size",
+                f"{plan.ep} needs a mixture-of-experts model, but model_id {self.model_id!r} is dense (no experts to "
+                "split); set it to 1",
+            )
+
+    def num_experts(self, config: Any) -> int | None:
+        """Experts per MoE layer in the HF `config`; None for a dense family."""
+        return None
+
+    def expert_parallel_patterns(self, parallel_cfg: Any) -> tuple[str, tuple[str, ...]]:
+        """(config key, patterns) of the experts modules expert parallel shards: `parallel.ep_plan.apply_modules`,
+        or the family's `expert_modules`."""
+        key = "parallel.ep_plan.apply_modules"
+        if parallel_cfg.ep_plan.apply_modules is not None:
+            return key, tuple(parallel_cfg.ep_plan.apply_modules)
+        return f"{key} (model default)", tuple(self.expert_modules)
 
     def decoder_values_per_token(self, text_config: Any) -> float:
         """Values one decoder layer saves for backward per token, in units of `hidden_size` (the memory plan).
@@ -99,14 +116,26 @@ class ModelEntry:
         return [FSDPGroup(tuple(self.fsdp_modules), parallel_dims.fsdp_mesh, f"{key} (model default)")]
 
     def parallelize(self, model: nn.Module, parallel_cfg: Any, parallel_dims: Any, features_cfg: Any = None) -> nn.Module:
-        """Checkpointing (`parallel.recompute`), activation offload, then FSDP2 over `fsdp_groups` with the root
-        on the FSDP mesh; in place, on the unsharded model (CPU or meta), before the weights are loaded."""
+        """Expert parallel (MoE families), checkpointing (`parallel.recompute`), activation offload, then FSDP2 over
+        `fsdp_groups` with the root on the FSDP mesh; in place, on the unsharded model (CPU or meta), before the
+        weights are loaded.
+
+        Expert parallel: the experts modules are sharded over the `ep` mesh and run through
+        `mmfsdp.parallel.experts_forward` (also at EP 1); with EP > 1 they form their own FSDP2 group on the
+        expert FSDP mesh (`mmfsdp.parallel.expert_parallel`)."""
+        groups = self.fsdp_groups(parallel_cfg, parallel_dims)
+        if self.expert_modules or getattr(parallel_dims, "ep_size", 1) > 1:
+            key, patterns = self.expert_parallel_patterns(parallel_cfg)
+            ep_mesh = getattr(parallel_dims, "ep_mesh", None)
+            names = apply_expert_parallel(model, patterns, ep_mesh, key=key)
+            if ep_mesh is not None:
+                groups = [FSDPGroup(tuple(names), parallel_dims.expert_fsdp_mesh, key), *groups]
         if parallel_cfg.recompute:
             apply_activation_checkpointing(model, list(parallel_cfg.recompute_plan.apply_modules or self.recompute_modules))
         offload_modules = [] if features_cfg is None else features_cfg.activation_offload_plan.apply_modules
         if offload_modules:
             apply_activation_offload(model, offload_modules)
-        return apply_fsdp_groups(model, parallel_cfg.fsdp_plan, self.fsdp_groups(parallel_cfg, parallel_dims), parallel_dims.fsdp_mesh)
+        return apply_fsdp_groups(model, parallel_cfg.fsdp_plan, groups, parallel_dims.fsdp_mesh)
 
 
 _REGISTRY: Registry[ModelEntry] = Registry("model id", "model.model_id")

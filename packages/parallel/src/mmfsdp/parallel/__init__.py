@@ -14,6 +14,8 @@ The trainer uses this package in this order:
    selecting modules with the `{*}` / `{a-b}` patterns of `match_module_names`.
    `apply_activation_offload(model, patterns)` (after checkpointing, before
    FSDP) keeps the saved activations of the matched modules in host memory.
+   MoE families first shard their experts over the `ep` mesh with
+   `apply_expert_parallel` (token dispatch by all-to-all, `experts_forward`).
 4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients, and
    `SwapAdamW` (`training.optimizer: adamw_swap`) keeps AdamW's moments on the host.
 
@@ -22,7 +24,7 @@ Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
 """
 
 from mmfsdp.parallel.checkpointing import apply_activation_checkpointing, is_checkpointed
-from mmfsdp.parallel.config import FSDPPlanConfig, ParallelConfig, RecomputePlanConfig
+from mmfsdp.parallel.config import EPPlanConfig, FSDPPlanConfig, ParallelConfig, RecomputePlanConfig
 from mmfsdp.parallel.device import (
     backend_for,
     detect_device_type,
@@ -33,6 +35,7 @@ from mmfsdp.parallel.device import (
     reset_peak_memory,
     synchronize,
 )
+from mmfsdp.parallel.expert_parallel import apply_expert_parallel, experts_forward, shard_experts
 from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp, apply_fsdp_groups
 from mmfsdp.parallel.grad import clip_grad_norm
 from mmfsdp.parallel.mesh import MESH_AXES, MeshPlan, ParallelDims, build_parallel_dims
@@ -44,6 +47,10 @@ __all__ = [
     "ParallelConfig",
     "FSDPPlanConfig",
     "RecomputePlanConfig",
+    "EPPlanConfig",
+    "apply_expert_parallel",
+    "experts_forward",
+    "shard_experts",
     "detect_device_type",
     "backend_for",
     "init_process_group",

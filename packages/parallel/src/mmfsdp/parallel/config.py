@@ -12,7 +12,7 @@ from typing import Literal
 
 from mmfsdp.config import ConfigError
 
-__all__ = ["ParallelConfig", "FSDPPlanConfig", "RecomputePlanConfig"]
+__all__ = ["ParallelConfig", "FSDPPlanConfig", "RecomputePlanConfig", "EPPlanConfig"]
 
 DType = Literal["fp32", "bf16", "fp16"]
 
@@ -54,6 +54,14 @@ class RecomputePlanConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EPPlanConfig:
+    """Which modules expert parallel shards (YAML `parallel.ep_plan:`)."""
+
+    apply_modules: list[str] | None = None
+    """Module name patterns of the MoE expert modules (fused `gate_up_proj` / `down_proj`), e.g. `model.language_model.layers.{*}.mlp.experts`; null = the model's default list."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """Process layout and sharding (YAML `parallel:`)."""
 
@@ -68,7 +76,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Must be 1: tensor parallelism is not supported."""
     expert_parallel_size: int = 1
-    """Must be 1: expert parallelism is for MoE models; the registered models are dense."""
+    """Ranks that split the experts of every MoE layer (each holds num_experts / this many); carved out of the FSDP shard group, so it must divide fully_shard_parallel_size. 1 = every rank holds every expert. MoE models only."""
+    ep_plan: EPPlanConfig = field(default_factory=EPPlanConfig)
+    """Which modules expert parallel shards."""
     fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
     """How FSDP2 wraps the model."""
     recompute: bool = False
@@ -88,7 +98,7 @@ class ParallelConfig:
         fully_shard = self.fully_shard_parallel_size
         if fully_shard != "auto" and (isinstance(fully_shard, bool) or not isinstance(fully_shard, int) or fully_shard < 1):
             raise ConfigError("fully_shard_parallel_size", f"must be 'auto' or an integer >= 1, got {fully_shard!r}")
-        for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size"):
+        for key in ("data_parallel_replicate_size", "ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}; use 1 to turn this axis off")
@@ -98,10 +108,4 @@ class ParallelConfig:
                 f"{self.tensor_parallel_size} is not supported: tensor parallelism is not implemented; "
                 "set it to 1 and scale with fully_shard_parallel_size (FSDP) or "
                 "ulysses_parallel_size / ring_attention_size (context parallel)",
-            )
-        if self.expert_parallel_size != 1:
-            raise ConfigError(
-                "expert_parallel_size",
-                f"{self.expert_parallel_size} is not supported: expert parallelism applies to MoE models and the "
-                "registered models (mistral3) are dense; set it to 1",
             )

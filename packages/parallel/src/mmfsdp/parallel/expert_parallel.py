@@ -33,10 +33,28 @@ whose backwards write each gradient once instead of a full-size zero tensor per
 expert). Both give the same numbers; `implementation="grouped" | "loop"` forces one.
 
 FSDP2 and the mesh: `shard_experts(module, ep)` keeps this rank's `E / ep` slice
-of the fused expert parameters (call it on the meta model, before `fully_shard`);
-FSDP2 then shards those local experts over the ranks that hold the same experts
-(the data-parallel ranks outside the EP group). FSDP unshards the parameters
-before the MoE block's forward, so this module only sees plain local tensors.
+of the fused expert parameters (call it on the meta model, before `fully_shard`).
+Given the `ep` `DeviceMesh` (`ParallelDims.ep_mesh`), the kept slice becomes a
+DTensor `Shard(0)` over it, so the parameter keeps the global `[E, ...]` shape:
+FSDP2 then shards the local experts over the ranks that hold the same experts
+(`ParallelDims.expert_fsdp_mesh`) as a 2-D `(efsdp, ep)` DTensor, and DCP saves,
+loads and reshards them to another EP size (or none) like any parameter, as
+`load_hf_weights` reads only each rank's rows. A process group instead of a mesh
+keeps plain local tensors (tests, benchmarks). The forward uses the local
+tensors of the gathered parameters.
+`apply_expert_parallel(model, patterns, ep_mesh)` does this for every matched
+experts module and routes its forward through `experts_forward` (at EP 1 too:
+the sorted grouped/looped compute replaces HF's loop over experts).
+
+Gradients under FSDP2: FSDP averages a parameter's gradient over the ranks that
+shard it, and the trainer backwards `loss × world size` to turn that mean into
+the sum of every rank's contribution (`mmfsdp.parallel.fsdp`). An expert's
+gradient on one EP rank, though, already sums the tokens of its whole EP group
+(the all-to-all brings them back), and FSDP averages it over only the `efsdp`
+ranks (world size / ep): it would come out `ep` times too large. So the forward
+that `apply_expert_parallel` installs scales the local experts' gradient by
+`1 / ep` (`grad_scale`) — the mean over the EP group, as FSDP takes the mean
+over its group — which needs no FSDP option and holds with HSDP too.
 Context parallel needs nothing: each rank dispatches the tokens of its own
 sequence shard. Activation checkpointing recomputes the forward, including the
 exchanges, in the backward; `experts_forward` does not count those tokens twice
@@ -58,13 +76,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from mmfsdp.config import ConfigError
+from mmfsdp.parallel.patterns import match_module_names
 
 __all__ = [
     "EXPERT_PARAM_NAMES",
     "check_expert_parallel_size",
     "shard_experts",
+    "apply_expert_parallel",
+    "check_experts_module",
     "experts_forward",
     "expert_parallel_forward",
     "local_experts",
@@ -112,12 +134,15 @@ def shard_experts(
     """Keep this EP rank's slice (dim 0) of `module`'s fused expert parameters; return `module`.
 
     Works on meta and real parameters (real ones are copied, so the full tensor is
-    freed). Records `num_experts` (all experts of the model), `ep_rank`, `ep_size`
-    and `ep_group` on the module, which `experts_forward` reads. `ep=None` records
+    freed). With a `DeviceMesh` the slice is wrapped as a DTensor `Shard(0)` over
+    it (global shape kept); with a process group it stays a plain tensor.
+    Records `num_experts` (all experts of the model), `ep_rank`, `ep_size` and
+    `ep_group` on the module, which `experts_forward` reads. `ep=None` records
     an EP size of 1 and keeps every expert.
     """
     if getattr(module, "ep_size", 1) > 1:
         raise ValueError(f"{type(module).__name__} is already sharded over EP {module.ep_size}")
+    mesh = ep if isinstance(ep, DeviceMesh) else None
     group = _group_of(ep)
     ep_size = _group_size(group)
     ep_rank = 0 if group is None else dist.get_rank(group)
@@ -143,6 +168,8 @@ def shard_experts(
         start = ep_rank * num_local
         for name, param in params.items():
             local = param.detach()[start : start + num_local].clone()
+            if mesh is not None:
+                local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
             setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
     module.num_experts = num_experts
     module.ep_rank = ep_rank
@@ -321,6 +348,60 @@ def expert_parallel_forward(
     return out_TH.index_add(0, token_S, weighted_SH.to(hidden_TH.dtype))
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a (gathered) expert parameter: the local tensor of an EP-sharded DTensor."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def check_experts_module(name: str, module: nn.Module, key: str) -> None:
+    """A `ConfigError` under `key` unless `module` looks like HF's fused experts (what expert parallel shards)."""
+    missing = [attr for attr in (*EXPERT_PARAM_NAMES, "act_fn") if not hasattr(module, attr)]
+    if missing:
+        raise ConfigError(
+            key,
+            f"{name} ({type(module).__name__}) is not a fused experts module: it has no {', '.join(missing)}; "
+            "point the patterns at the modules holding gate_up_proj [E, 2I, H] and down_proj [E, H, I]",
+        )
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    patterns: Iterable[str],
+    ep_mesh: DeviceMesh | None,
+    *,
+    key: str = "parallel.ep_plan.apply_modules",
+) -> list[str]:
+    """Shard the experts modules matched by `patterns` over `ep_mesh` (`shard_experts`) and route their forward
+    through `experts_forward`; return the module names. `ep_mesh=None` is EP 1: nothing is sharded, the forward
+    is still ours. Call it on the unsharded model (meta or CPU), before activation checkpointing and FSDP2; the
+    installed forward scales the experts' gradients by 1 / ep for FSDP2's mean (module docstring).
+
+    A matched module must look like HF's fused experts (`gate_up_proj`, `down_proj`, `act_fn`, called as
+    `(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`); anything else is a `ConfigError` under `key`.
+    """
+    names = match_module_names(model, list(patterns), key=key)
+    for name in names:
+        module = model.get_submodule(name)
+        check_experts_module(name, module, key)
+        sharded = ep_mesh is not None and ep_mesh.size() > 1
+        shard_experts(module, ep_mesh if sharded else None)
+        module.forward = functools.partial(experts_forward, module, grad_scale=1.0 / ep_mesh.size() if sharded else 1.0)
+    return names
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
     return torch._C._current_graph_task_id() != -1
@@ -333,24 +414,30 @@ def experts_forward(
     topk_weight_TK: torch.Tensor,
     *,
     implementation: Implementation = "auto",
+    grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """`expert_parallel_forward` for an HF-style experts module (`gate_up_proj`, `down_proj`, `act_fn`).
 
     The module's EP group and expert count come from `shard_experts`; an
-    unsharded module runs with EP 1. Adds this rank's tokens per expert to
-    `module.expert_load` (not while recomputing in the backward).
+    unsharded module runs with EP 1. `grad_scale` multiplies the gradient of the
+    local expert weights (`apply_expert_parallel`: 1 / ep under FSDP2, see the
+    module docstring). Adds this rank's tokens per expert to `module.expert_load`
+    (not while recomputing in the backward).
     """
     num_experts = getattr(module, "num_experts", module.gate_up_proj.shape[0])
     if not _in_backward():
         counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
         load = getattr(module, "expert_load", None)
         module.expert_load = counts_E if load is None else load + counts_E
+    gate_up_proj, down_proj = _local(module.gate_up_proj), _local(module.down_proj)
+    if grad_scale != 1.0:
+        gate_up_proj, down_proj = _ScaleGrad.apply(gate_up_proj, grad_scale), _ScaleGrad.apply(down_proj, grad_scale)
     return expert_parallel_forward(
         hidden_TH,
         topk_idx_TK,
         topk_weight_TK,
-        module.gate_up_proj,
-        module.down_proj,
+        gate_up_proj,
+        down_proj,
         module.act_fn,
         num_experts=num_experts,
         group=getattr(module, "ep_group", None),

@@ -103,7 +103,13 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
     ignored modules, prefetch); `plan.apply_modules` is not read here — the
     caller has already chosen the groups.
     """
-    matched = [(name, group.mesh) for group in groups for name in match_module_names(model, list(group.patterns), key=group.key)]
+    matched: list[tuple[str, DeviceMesh]] = []
+    seen: set[str] = set()
+    for group in groups:  # a module two groups match is sharded once, on the first group's mesh (experts first)
+        for name in match_module_names(model, list(group.patterns), key=group.key):
+            if name not in seen:
+                seen.add(name)
+                matched.append((name, group.mesh))
     ignored = _ignored_params(model, plan)
 
     def options(mesh: DeviceMesh) -> dict:

@@ -21,6 +21,13 @@ Axes and views:
 - `dp` = dp_replicate × dp_shard — data loading: one `dp_rank` per distinct
   stream of samples.
 - `dp_cp` = everything — loss and token-count reductions.
+- `ep`, `efsdp` — expert parallel (only when `expert_parallel_size` > 1):
+  the FSDP shard group `dp_shard_cp` is unflattened into `(efsdp, ep)`, `ep`
+  innermost. An `ep` group holds the experts of a layer between them (each
+  rank `E / ep`) and exchanges tokens by all-to-all; the `efsdp` ranks hold
+  the same experts and FSDP-shard them (`expert_fsdp_mesh`: 1-D `efsdp`, or
+  2-D `(dp_replicate, efsdp)` for HSDP). EP therefore takes no extra ranks:
+  it re-uses data- and context-parallel ranks, as in torchtitan and MindSpeed-MM.
 
 `fsdp_mesh` is what `apply_fsdp` takes: 1-D `dp_shard_cp`, or 2-D
 `(dp_replicate, dp_shard_cp)` for HSDP (FSDP2 all-reduces gradients across
@@ -29,7 +36,9 @@ the first axis and reduce-scatters across the second).
 `DeviceMesh` flattening has no public API in torch 2.11–2.14; `_flatten_axes`
 uses a public `flatten` when the installed torch has one and the private
 `_flatten` otherwise, keeping the result (slicing a flattened axis back out of
-the root mesh is deprecated).
+the root mesh is deprecated). The expert meshes come from `_unflatten` in the
+same way (`unflatten` where public), so they share the root mesh with the FSDP
+mesh, which FSDP2 needs to shard an EP-sharded DTensor parameter.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -54,12 +64,14 @@ def _divisors(n: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class MeshPlan:
-    """Sizes of the four mesh axes; their product is the world size."""
+    """Sizes of the four mesh axes (their product is the world size) and the expert-parallel size."""
 
     dp_replicate: int
     dp_shard: int
     ring: int
     ulysses: int
+    ep: int = 1
+    """Expert-parallel size: divides `fully_shard`; the experts are FSDP-sharded over `efsdp` = fully_shard / ep."""
 
     @property
     def cp(self) -> int:
@@ -69,6 +81,11 @@ class MeshPlan:
     def fully_shard(self) -> int:
         """Size of the FSDP shard group: dp_shard × cp."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks holding the same experts (they FSDP-shard them): fully_shard / ep."""
+        return self.fully_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -117,7 +134,14 @@ class MeshPlan:
                 f"fully_shard_parallel_size {fully_shard} (world size {world_size}); "
                 f"use a ring size among {_divisors(fully_shard // ulysses)}",
             )
-        return cls(dp_replicate=replicate, dp_shard=fully_shard // (ring * ulysses), ring=ring, ulysses=ulysses)
+        ep = cfg.expert_parallel_size
+        if fully_shard % ep:
+            raise ConfigError(
+                "parallel.expert_parallel_size",
+                f"{ep} does not divide the FSDP shard group of {fully_shard} ranks (fully_shard_parallel_size; world size "
+                f"{world_size}): expert parallel is carved out of it; use one of {_divisors(fully_shard)}",
+            )
+        return cls(dp_replicate=replicate, dp_shard=fully_shard // (ring * ulysses), ring=ring, ulysses=ulysses, ep=ep)
 
 
 def _flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
@@ -126,14 +150,26 @@ def _flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceM
     return public(name) if public is not None else sub._flatten(name)
 
 
-def _hsdp_mesh(world_mesh: DeviceMesh, dp_shard_cp: DeviceMesh) -> DeviceMesh:
-    """The 2-D (dp_replicate, dp_shard_cp) mesh, reusing the groups already created."""
+def _unflatten_axis(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    public = getattr(mesh, "unflatten", None)
+    private = getattr(mesh, "_unflatten", None)
+    if public is None and private is None:
+        raise ConfigError(
+            "parallel.expert_parallel_size",
+            f"expert parallel needs DeviceMesh unflattening, which this torch ({torch.__version__}) lacks; "
+            "upgrade torch or set expert_parallel_size: 1",
+        )
+    return public(0, sizes, names) if public is not None else private(0, sizes, names)
+
+
+def _hsdp_mesh(world_mesh: DeviceMesh, shard: DeviceMesh, shard_name: str = "dp_shard_cp") -> DeviceMesh:
+    """The 2-D (dp_replicate, shard) mesh, reusing the groups already created."""
     concatenate = getattr(DeviceMesh, "_concatenate", None)
     if concatenate is not None:
-        return concatenate([world_mesh["dp_replicate"], dp_shard_cp])
+        return concatenate([world_mesh["dp_replicate"], shard])
     with warnings.catch_warnings():  # torch without `_concatenate`: slicing a flattened axis is the only way
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return world_mesh[("dp_replicate", "dp_shard_cp")]
+        return world_mesh[("dp_replicate", shard_name)]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,6 +183,10 @@ class ParallelDims:
     dp_mesh: DeviceMesh
     dp_cp_mesh: DeviceMesh
     fsdp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh | None = None
+    """1-D `ep` mesh (expert parallel > 1 only): the ranks that split the experts of a layer."""
+    expert_fsdp_mesh: DeviceMesh | None = None
+    """What FSDP2 shards the experts over (expert parallel > 1 only): `efsdp`, or `(dp_replicate, efsdp)` for HSDP."""
 
     @property
     def world_size(self) -> int:
@@ -217,6 +257,14 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.plan.cp > 1
 
+    @property
+    def ep_size(self) -> int:
+        return self.plan.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.ep_mesh is None else self.ep_mesh.get_local_rank()
+
 
 def build_parallel_dims(plan: MeshPlan, device_type: str) -> ParallelDims:
     """Create the 4-D mesh for `plan` on an initialised default process group."""
@@ -226,6 +274,11 @@ def build_parallel_dims(plan: MeshPlan, device_type: str) -> ParallelDims:
         raise RuntimeError(f"the mesh plan is for {plan.world_size} ranks but the process group has {dist.get_world_size()}")
     world_mesh = init_device_mesh(device_type, plan.shape, mesh_dim_names=MESH_AXES)
     dp_shard_cp = _flatten_axes(world_mesh, ("dp_shard", "ring", "ulysses"), "dp_shard_cp")
+    ep_mesh = expert_fsdp_mesh = None
+    if plan.ep > 1:
+        sparse = _unflatten_axis(dp_shard_cp, (plan.efsdp, plan.ep), ("efsdp", "ep"))
+        ep_mesh, efsdp = sparse["ep"], sparse["efsdp"]
+        expert_fsdp_mesh = efsdp if plan.dp_replicate == 1 else _hsdp_mesh(world_mesh, efsdp, "efsdp")
     return ParallelDims(
         plan=plan,
         world_mesh=world_mesh,
@@ -234,4 +287,6 @@ def build_parallel_dims(plan: MeshPlan, device_type: str) -> ParallelDims:
         dp_mesh=_flatten_axes(world_mesh, ("dp_replicate", "dp_shard"), "dp"),
         dp_cp_mesh=_flatten_axes(world_mesh, MESH_AXES, "dp_cp"),
         fsdp_mesh=dp_shard_cp if plan.dp_replicate == 1 else _hsdp_mesh(world_mesh, dp_shard_cp),
+        ep_mesh=ep_mesh,
+        expert_fsdp_mesh=expert_fsdp_mesh,
     )
