@@ -14,10 +14,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports 
 
 _SERIAL_SECONDS = {
     "tests/test_e2e_resume_meta.py": 225,
+    "tests/test_e2e_lora_resume.py": 177,
     "tests/test_e2e_resume.py": 200,
     "tests/test_e2e_qwen3vl_resume.py": 190,
     "tests/test_e2e_qwen3vl_parity.py": 170,
     "tests/test_e2e_faults.py": 150,
+    "tests/test_e2e_lora.py": 132,
     "tests/test_e2e_magistral_smoke.py": 130,
     "tests/test_e2e_errors.py": 125,
     "tests/test_e2e_varlen_parity.py": 125,
@@ -33,6 +35,8 @@ _SERIAL_SECONDS = {
     "packages/model/tests/test_model_distributed.py": 45,
     "packages/parallel/tests/test_parallel_cp_attention.py": 40,
     "tests/test_e2e_memory_measured.py": 40,
+    "packages/model/tests/test_model_lora.py": 29,
+    "packages/ckpt/tests/test_ckpt_lora.py": 11,
 }
 
 
