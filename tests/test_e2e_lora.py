@@ -64,16 +64,34 @@ RUNS = {
     "full": (1, {"training.save": "{tmp}/ckpt/full"}),
     "ref": (1, {**LORA, "training.save": "{tmp}/ckpt/ref"}),
     "fsdp2": (2, {**LORA, "training.micro_batch_size": 2}),
-    "fsdp2_meta_chunk_recompute": (2, {
-        **LORA, "training.micro_batch_size": 2, "training.init_model_with_meta_device": "true",
-        "training.load": "{tmp}/hf", "training.load_format": "hf", "model.model_name_or_path": str(ASSETS),
-        "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16, "parallel.recompute": "true",
-    }),
+    "fsdp2_meta_chunk_recompute": (
+        2,
+        {
+            **LORA,
+            "training.micro_batch_size": 2,
+            "training.init_model_with_meta_device": "true",
+            "training.load": "{tmp}/hf",
+            "training.load_format": "hf",
+            "model.model_name_or_path": str(ASSETS),
+            "features.enable_chunk_loss": "true",
+            "features.chunkloss_plan.chunk_size": 16,
+            "parallel.recompute": "true",
+        },
+    ),
     "ulysses2": (2, {**LORA, "parallel.ulysses_parallel_size": 2}),
-    "hsdp": (2, {**LORA, "training.micro_batch_size": 2, "parallel.data_parallel_replicate_size": 2,
-                 "parallel.fully_shard_parallel_size": 1}),
-    "fsdp2_bf16": (2, {**LORA, "training.micro_batch_size": 2, "model.dtype": "bf16",
-                       "parallel.fsdp_plan.param_dtype": "bf16"}),
+    "hsdp": (
+        2,
+        {
+            **LORA,
+            "training.micro_batch_size": 2,
+            "parallel.data_parallel_replicate_size": 2,
+            "parallel.fully_shard_parallel_size": 1,
+        },
+    ),
+    "fsdp2_bf16": (
+        2,
+        {**LORA, "training.micro_batch_size": 2, "model.dtype": "bf16", "parallel.fsdp_plan.param_dtype": "bf16"},
+    ),
 }
 
 
@@ -87,7 +105,9 @@ def _base_changes(trainer, hf_dir: Path) -> list[str]:
     from mmfsdp.ckpt.lora import stored_key
 
     files = SafetensorsDir(hf_dir)
-    plans = plan_from_hf(find_state_dict_adapter(files.config), {k: (i.shape, i.dtype) for k, i in files.tensors.items()})
+    plans = plan_from_hf(
+        find_state_dict_adapter(files.config), {k: (i.shape, i.dtype) for k, i in files.tensors.items()}
+    )
     changed = []
     for key, value in trainer.model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
@@ -109,8 +129,10 @@ def _train(rank, world_size, tmp, runs):
         batch = model_inputs(next(trainer.loader))
         trainer.loader.load_state_dict(state)
         trainer.train()
-        result = {"steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
-                  "layout": (trainer.dims.dp_size, trainer.plan.ulysses)}
+        result = {
+            "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
+            "layout": (trainer.dims.dp_size, trainer.plan.ulysses),
+        }
         if name in ("ref", "fsdp2"):
             result["base_changes"] = _base_changes(trainer, tmp / "hf")
         if name == "ref":
@@ -118,7 +140,9 @@ def _train(rank, world_size, tmp, runs):
                 result["logits"] = trainer.model.eval()(**batch).logits.detach().clone()
             result["batch"] = batch
         if name == "fsdp2_bf16":
-            result["adapter_dtypes"] = sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if "lora_" in n})
+            result["adapter_dtypes"] = sorted(
+                {str(p.dtype) for n, p in trainer.model.named_parameters() if "lora_" in n}
+            )
         trainer.close()
         results[name] = result
     return results
@@ -135,8 +159,11 @@ def results(tmp_path_factory):
     prepare_dataset(load_config(TINY, _overrides(tmp, "prepare")).data)
     out = {}
     for world_size in (1, 2):
-        runs = [(name, _overrides(tmp, name, **{k: str(v).format(tmp=tmp) for k, v in extra.items()}))
-                for name, (world, extra) in RUNS.items() if world == world_size]
+        runs = [
+            (name, _overrides(tmp, name, **{k: str(v).format(tmp=tmp) for k, v in extra.items()}))
+            for name, (world, extra) in RUNS.items()
+            if world == world_size
+        ]
         out.update(run_distributed(_train, world_size, tmp, runs, timeout=900)[0])
     return tmp, out
 
@@ -195,10 +222,27 @@ def test_lora_checkpoint_exports_give_the_trained_logits_and_are_small(results):
     lora_ckpt, full_ckpt = tmp / "ckpt" / "ref" / f"iter_{STEPS:07d}", tmp / "ckpt" / "full" / f"iter_{STEPS:07d}"
     assert _dir_bytes(lora_ckpt) * 10 <= _dir_bytes(full_ckpt), (_dir_bytes(lora_ckpt), _dir_bytes(full_ckpt))
 
-    assert mm_convert(["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp / "ckpt" / "ref"),
-                       "--save_dir", str(tmp / "peft")]) == 0
-    assert mm_convert(["LoraConverter", "dcp_to_merged_hf", "--load_dir", str(tmp / "ckpt" / "ref"),
-                       "--save_dir", str(tmp / "merged"), "--model_assets_dir", str(tmp / "hf")]) == 0
+    assert (
+        mm_convert(
+            ["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp / "ckpt" / "ref"), "--save_dir", str(tmp / "peft")]
+        )
+        == 0
+    )
+    assert (
+        mm_convert(
+            [
+                "LoraConverter",
+                "dcp_to_merged_hf",
+                "--load_dir",
+                str(tmp / "ckpt" / "ref"),
+                "--save_dir",
+                str(tmp / "merged"),
+                "--model_assets_dir",
+                str(tmp / "hf"),
+            ]
+        )
+        == 0
+    )
     batch, trained = out["ref"]["batch"], out["ref"]["logits"]
     peft_model = PeftModel.from_pretrained(Mistral3ForConditionalGeneration.from_pretrained(tmp / "hf"), tmp / "peft")
     merged = Mistral3ForConditionalGeneration.from_pretrained(tmp / "merged")

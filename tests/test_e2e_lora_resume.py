@@ -31,7 +31,9 @@ def setup(tmp_path_factory):
     data = tiny_resume.prepared_data(tmp_path_factory)
     hf = data / "hf"
     torch.manual_seed(11)
-    Mistral3ForConditionalGeneration(Mistral3Config.from_pretrained(tiny_resume.ROOT / "examples" / "tiny" / "assets")).save_pretrained(hf)
+    Mistral3ForConditionalGeneration(
+        Mistral3Config.from_pretrained(tiny_resume.ROOT / "examples" / "tiny" / "assets")
+    ).save_pretrained(hf)
     return data, hf
 
 
@@ -67,7 +69,7 @@ def test_lora_meta_init_kill_and_restart_resumes_bitwise(setup, tmp_path):
     restart = apprun.run(cmd)
     assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
     assert "on the frozen base from HF weights from model.model_name_or_path" in restart.stdout, restart.stdout[-2000:]
-    assert apprun.logged_steps(out)[len(before):] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
+    assert apprun.logged_steps(out)[len(before) :] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
     for step, values in apprun.losses(out).items():
         assert all(v == reference[step] for v in values), f"step {step}: {values} vs uninterrupted {reference[step]}"
 

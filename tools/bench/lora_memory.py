@@ -26,9 +26,18 @@ import time
 
 from mmfsdp.parallel.testing import run_distributed
 
-TARGETS = [f"model.language_model.layers.{{*}}.{part}" for part in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+TARGETS = [
+    f"model.language_model.layers.{{*}}.{part}"
+    for part in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 
 
 def _step(model, optimizer, input_ids):
@@ -50,10 +59,18 @@ def _measure(rank: int, world_size: int, args: dict, lora: bool) -> dict:
 
     entry = get_model_entry("mistral3")
     hidden, heads = args["hidden"], max(args["hidden"] // 64, 1)
-    config = entry.tiny_config(vocab_size=args["vocab"], text_config=dict(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=args["layers"], num_attention_heads=heads,
-        num_key_value_heads=max(heads // 4, 1), head_dim=hidden // heads, max_position_embeddings=max(args["seq_len"], 1024),
-    ))
+    config = entry.tiny_config(
+        vocab_size=args["vocab"],
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=args["layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=max(heads // 4, 1),
+            head_dim=hidden // heads,
+            max_position_embeddings=max(args["seq_len"], 1024),
+        ),
+    )
     torch.manual_seed(0)
     model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
     num_params = sum(p.numel() for p in model.parameters())
@@ -75,7 +92,9 @@ def _measure(rank: int, world_size: int, args: dict, lora: bool) -> dict:
         start = mem.current  # (DTensor.to_local is itself dispatched: hold's return value misses those shards)
         loss = _step(model, optimizer, input_ids)
     return {
-        "peak_mib": mem.peak / 2**20, "state_mib": start / 2**20, "loss": loss,
+        "peak_mib": mem.peak / 2**20,
+        "state_mib": start / 2**20,
+        "loss": loss,
         "params_m": num_params / 1e6,
         "trainable_m": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,  # DTensor: global numel
         "seconds": time.perf_counter() - started,
@@ -88,7 +107,8 @@ def _both(rank: int, world_size: int, args: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--nproc", type=int, default=2, help="FSDP2 processes (default: 2)")
@@ -102,18 +122,30 @@ def main() -> None:
     ranks = run_distributed(_both, args["nproc"], args, timeout=3600)
     peaks = {name: max(r[name]["peak_mib"] for r in ranks) for name in ("full", "lora")}
     first = ranks[0]
-    print(f"{args['nproc']} processes, Mistral3 {first['full']['params_m']:.1f}M parameters "
-          f"({first['full']['params_m'] * 4:.0f} MB fp32), LoRA rank {args['rank']}, {args['batch']}x{args['seq_len']} tokens per rank")
+    print(
+        f"{args['nproc']} processes, Mistral3 {first['full']['params_m']:.1f}M parameters "
+        f"({first['full']['params_m'] * 4:.0f} MB fp32), LoRA rank {args['rank']}, {args['batch']}x{args['seq_len']} tokens per rank"
+    )
     print(f"{'variant':<6} {'trainable M':>12} {'state MiB':>10} {'peak MiB':>10} {'step s':>8} {'loss':>10}")
     for name in ("full", "lora"):
         r = first[name]
-        print(f"{name:<6} {r['trainable_m']:>12.2f} {r['state_mib']:>10.1f} {peaks[name]:>10.1f} {r['seconds']:>8.2f} {r['loss']:>10.4f}")
-    print(json.dumps({
-        "nproc": args["nproc"], "params_m": round(first["full"]["params_m"], 1), "rank": args["rank"],
-        "full_peak_mib": round(peaks["full"], 1), "lora_peak_mib": round(peaks["lora"], 1),
-        "full_state_mib": round(first["full"]["state_mib"], 1), "lora_state_mib": round(first["lora"]["state_mib"], 1),
-        "lora_over_full_peak": round(peaks["lora"] / peaks["full"], 4),
-    }))
+        print(
+            f"{name:<6} {r['trainable_m']:>12.2f} {r['state_mib']:>10.1f} {peaks[name]:>10.1f} {r['seconds']:>8.2f} {r['loss']:>10.4f}"
+        )
+    print(
+        json.dumps(
+            {
+                "nproc": args["nproc"],
+                "params_m": round(first["full"]["params_m"], 1),
+                "rank": args["rank"],
+                "full_peak_mib": round(peaks["full"], 1),
+                "lora_peak_mib": round(peaks["lora"], 1),
+                "full_state_mib": round(first["full"]["state_mib"], 1),
+                "lora_state_mib": round(first["lora"]["state_mib"], 1),
+                "lora_over_full_peak": round(peaks["lora"] / peaks["full"], 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

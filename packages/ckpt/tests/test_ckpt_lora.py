@@ -14,7 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mmfsdp.ckpt import CheckpointError, dcp_to_hf, load_checkpoint, load_hf_weights, read_checkpoint_info, save_checkpoint
+from mmfsdp.ckpt import (
+    CheckpointError,
+    dcp_to_hf,
+    load_checkpoint,
+    load_hf_weights,
+    read_checkpoint_info,
+    save_checkpoint,
+)
 from mmfsdp.ckpt.convert import main as mm_convert
 from mmfsdp.ckpt.lora import (
     PEFT_CONFIG_FILENAME,
@@ -54,8 +61,11 @@ class ToyLora(nn.Module):
 def _base_files(path, seed: int = 0) -> dict[str, torch.Tensor]:
     """An HF-style directory of the base (no model_type: identity names) and its tensors."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = {"proj.weight": torch.randn(5, 6, generator=gen), "proj.bias": torch.randn(5, generator=gen),
-               "head.weight": torch.randn(3, 5, generator=gen)}
+    tensors = {
+        "proj.weight": torch.randn(5, 6, generator=gen),
+        "proj.bias": torch.randn(5, generator=gen),
+        "head.weight": torch.randn(3, 5, generator=gen),
+    }
     path.mkdir(parents=True)
     save_file(tensors, path / "model.safetensors")
     (path / "config.json").write_text("{}")
@@ -151,22 +161,55 @@ def test_peft_export_loads_back_and_merged_export_equals_the_model(tmp_path):
     model, optimizer, base = _trained(tmp_path)
     _save(model, optimizer, tmp_path / "ckpt")
 
-    assert mm_convert(["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp_path / "ckpt"),
-                       "--save_dir", str(tmp_path / "peft"), "--base_model_name_or_path", "toy/base"]) == 0
+    assert (
+        mm_convert(
+            [
+                "LoraConverter",
+                "dcp_to_peft",
+                "--load_dir",
+                str(tmp_path / "ckpt"),
+                "--save_dir",
+                str(tmp_path / "peft"),
+                "--base_model_name_or_path",
+                "toy/base",
+            ]
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "peft" / PEFT_CONFIG_FILENAME).read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]) == ("LORA", R, ALPHA, ["proj"])
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]) == (
+        "LORA",
+        R,
+        ALPHA,
+        ["proj"],
+    )
     with safe_open(tmp_path / "peft" / PEFT_WEIGHTS_FILENAME, "pt") as f:
         assert sorted(f.keys()) == ["base_model.model.proj.lora_A.weight", "base_model.model.proj.lora_B.weight"]
         assert torch.equal(f.get_tensor("base_model.model.proj.lora_B.weight"), model.proj.lora_B["default"].weight)
     reloaded = ToyLora()
     load_hf_weights(reloaded, tmp_path / "base", key_map=stored_key)
-    load_hf_weights(reloaded, tmp_path / "peft", adapter=PeftFileAdapter(), key_map=lambda k: k if "lora_" in k else None)
+    load_hf_weights(
+        reloaded, tmp_path / "peft", adapter=PeftFileAdapter(), key_map=lambda k: k if "lora_" in k else None
+    )
     x = torch.randn(7, 6)
     with torch.no_grad():
         assert torch.equal(reloaded(x), model(x))
 
-    assert mm_convert(["LoraConverter", "dcp_to_merged_hf", "--load_dir", str(tmp_path / "ckpt"),
-                       "--save_dir", str(tmp_path / "merged"), "--model_assets_dir", str(tmp_path / "base")]) == 0
+    assert (
+        mm_convert(
+            [
+                "LoraConverter",
+                "dcp_to_merged_hf",
+                "--load_dir",
+                str(tmp_path / "ckpt"),
+                "--save_dir",
+                str(tmp_path / "merged"),
+                "--model_assets_dir",
+                str(tmp_path / "base"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "merged" / "tokenizer.json").read_text() == '{"model": "toy"}'
     with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as f:
         merged = {key: f.get_tensor(key) for key in f.keys()}

@@ -39,7 +39,15 @@ TOL = 1e-5
 
 
 def _lora(**kwargs) -> LoraConfig:
-    return LoraConfig(**{"enable": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], **kwargs})
+    return LoraConfig(
+        **{
+            "enable": True,
+            "rank": 4,
+            "alpha": 8.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            **kwargs,
+        }
+    )
 
 
 def _hf_class(entry):
@@ -93,8 +101,9 @@ def test_targets_by_pattern_and_by_leaf_name_and_the_errors():
     by_leaf = resolve_lora_targets(model, ["q_proj"], entry)
     assert "model.language_model.layers.1.self_attn.q_proj" in by_leaf
     assert "model.vision_tower.transformer.layers.0.attention.q_proj" in by_leaf  # a leaf name is every such module
-    assert resolve_lora_targets(model, ["model.language_model.layers.{*}.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj"]) == [
-        "model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj"]
+    assert resolve_lora_targets(
+        model, ["model.language_model.layers.{*}.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj"]
+    ) == ["model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj"]
     cases = [
         (["q_prj"], "similar names: q_proj"),
         (["model.language_model.layers.{*}.self_atn.q_proj"], "model.language_model.layers.{*}.self_attn.q_proj"),
@@ -161,21 +170,45 @@ def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model
 
     entry = get_model_entry(model_id)
     config = _save_base(entry, tmp_path / "base")
-    lora = _lora(init_lora_weights=False, target_modules=["q_proj", "v_proj", "model.language_model.layers.{*}.self_attn.o_proj"])
+    lora = _lora(
+        init_lora_weights=False, target_modules=["q_proj", "v_proj", "model.language_model.layers.{*}.self_attn.o_proj"]
+    )
     model = _build(entry, tmp_path / "base")
     names = apply_lora(model, lora, entry)
     init_lora_adapters(model, lora, seed=1)
-    save_checkpoint(tmp_path / "ckpt", 1, model=model, trainable_only=True, metadata={"lora": lora_metadata(lora, names)})
+    save_checkpoint(
+        tmp_path / "ckpt", 1, model=model, trainable_only=True, metadata={"lora": lora_metadata(lora, names)}
+    )
     inputs = _inputs(entry, config)
     ours = _logits(model, inputs)
 
-    assert mm_convert(["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp_path / "ckpt"), "--save_dir", str(tmp_path / "peft")]) == 0
+    assert (
+        mm_convert(
+            ["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp_path / "ckpt"), "--save_dir", str(tmp_path / "peft")]
+        )
+        == 0
+    )
     hf = _hf_class(entry)
-    peft_model = PeftModel.from_pretrained(hf.from_pretrained(tmp_path / "base", attn_implementation="sdpa"), tmp_path / "peft")
+    peft_model = PeftModel.from_pretrained(
+        hf.from_pretrained(tmp_path / "base", attn_implementation="sdpa"), tmp_path / "peft"
+    )
     assert rel_diff(_logits(peft_model, inputs), ours) <= TOL
 
-    assert mm_convert(["LoraConverter", "dcp_to_merged_hf", "--load_dir", str(tmp_path / "ckpt"), "--save_dir",
-                       str(tmp_path / "merged"), "--model_assets_dir", str(tmp_path / "base")]) == 0
+    assert (
+        mm_convert(
+            [
+                "LoraConverter",
+                "dcp_to_merged_hf",
+                "--load_dir",
+                str(tmp_path / "ckpt"),
+                "--save_dir",
+                str(tmp_path / "merged"),
+                "--model_assets_dir",
+                str(tmp_path / "base"),
+            ]
+        )
+        == 0
+    )
     merged = hf.from_pretrained(tmp_path / "merged", attn_implementation="sdpa")
     assert rel_diff(_logits(merged, inputs), ours) <= TOL
 

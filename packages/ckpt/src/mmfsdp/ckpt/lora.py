@@ -43,7 +43,13 @@ from safetensors.torch import save_file
 
 from mmfsdp.ckpt.adapters import FromHF, StateDictAdapter, plan_from_hf, resolve_state_dict_adapter
 from mmfsdp.ckpt.checkpoint import MODEL_PREFIX, read_checkpoint_info
-from mmfsdp.ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, quiet_single_process, read_dcp_metadata, tensor_entries
+from mmfsdp.ckpt.dcp_io import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    quiet_single_process,
+    read_dcp_metadata,
+    tensor_entries,
+)
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import INDEX_FILENAME, SafetensorsDir, SafetensorsWriter, read_config
 from mmfsdp.ckpt.layout import resolve_checkpoint
@@ -116,7 +122,9 @@ def read_peft_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     config_path, weights_path = path / PEFT_CONFIG_FILENAME, path / PEFT_WEIGHTS_FILENAME
     if not config_path.is_file() or not weights_path.is_file():
-        raise CheckpointError(f"{path} is not a PEFT adapter directory: it needs {PEFT_CONFIG_FILENAME} and {PEFT_WEIGHTS_FILENAME}")
+        raise CheckpointError(
+            f"{path} is not a PEFT adapter directory: it needs {PEFT_CONFIG_FILENAME} and {PEFT_WEIGHTS_FILENAME}"
+        )
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -139,13 +147,20 @@ def _lora_info(path: Path) -> dict:
 
 def _load_adapters(path: Path, lora: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Module name -> (A, B) of every adapter in the checkpoint, whole, on the CPU."""
-    entries = {name: entry for name, entry in tensor_entries(read_dcp_metadata(path), MODEL_PREFIX).items()
-               if is_adapter_key(name)}
+    entries = {
+        name: entry
+        for name, entry in tensor_entries(read_dcp_metadata(path), MODEL_PREFIX).items()
+        if is_adapter_key(name)
+    }
     tensors = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for name, entry in entries.items()}
     if tensors:
         with quiet_single_process():
-            dcp.load({"model": tensors}, storage_reader=SafeFileSystemReader(os.fspath(path)),
-                     planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(
+                {"model": tensors},
+                storage_reader=SafeFileSystemReader(os.fspath(path)),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _ADAPTER_RE.match(name)
@@ -225,8 +240,9 @@ def dcp_to_peft(
     return _publish_output(tmp_dir, save_dir)
 
 
-def _merge_targets(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], weights: SafetensorsDir,
-                   adapter: StateDictAdapter) -> dict[str, str]:
+def _merge_targets(
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], weights: SafetensorsDir, adapter: StateDictAdapter
+) -> dict[str, str]:
     """HF file key -> the LoRA module whose weight it is, for every adapted module."""
     plans = plan_from_hf(adapter, {key: (info.shape, info.dtype) for key, info in weights.tensors.items()})
     targets = {}
@@ -238,9 +254,13 @@ def _merge_targets(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], weigh
                 "pass the --model_assets_dir of the model the adapters were trained on"
             )
         if plan.source.combine is not None:
-            raise CheckpointError(f"{module}.weight is combined from several file tensors; LoRA cannot be merged into it")
+            raise CheckpointError(
+                f"{module}.weight is combined from several file tensors; LoRA cannot be merged into it"
+            )
         if plan.shape != (b.shape[0], a.shape[1]):
-            raise CheckpointError(f"{module}: base weight {plan.shape}, adapters A {tuple(a.shape)} and B {tuple(b.shape)}")
+            raise CheckpointError(
+                f"{module}: base weight {plan.shape}, adapters A {tuple(a.shape)} and B {tuple(b.shape)}"
+            )
         targets[plan.source.hf_keys[0]] = module
     return targets
 

@@ -42,8 +42,15 @@ from torch import nn
 
 from mmfsdp.config import ConfigError, get_logger
 
-__all__ = ["LoraConfig", "apply_lora", "resolve_lora_targets", "init_lora_adapters", "lora_layers",
-           "load_lora_adapter", "lora_metadata"]
+__all__ = [
+    "LoraConfig",
+    "apply_lora",
+    "resolve_lora_targets",
+    "init_lora_adapters",
+    "lora_layers",
+    "load_lora_adapter",
+    "lora_metadata",
+]
 
 log = get_logger(__name__)
 
@@ -88,7 +95,9 @@ def _is_leaf_name(target: str) -> bool:
     return "." not in target and "{" not in target
 
 
-def resolve_lora_targets(model: nn.Module, targets: list[str], entry: Any = None, *, key: str = f"{_KEY}.target_modules") -> list[str]:
+def resolve_lora_targets(
+    model: nn.Module, targets: list[str], entry: Any = None, *, key: str = f"{_KEY}.target_modules"
+) -> list[str]:
     """The full names of the modules `targets` name, in model order, each once.
 
     A target with a dot or braces is a module pattern (`mmfsdp.parallel.match_module_names`); a plain name
@@ -117,7 +126,10 @@ def resolve_lora_targets(model: nn.Module, targets: list[str], entry: Any = None
         for name in found:
             module = model.get_submodule(name)
             if name == lm_head:
-                raise ConfigError(item, f"{target!r} matches {name}, the output projection; LoRA adapts layers inside the model, not lm_head")
+                raise ConfigError(
+                    item,
+                    f"{target!r} matches {name}, the output projection; LoRA adapts layers inside the model, not lm_head",
+                )
             if not isinstance(module, nn.Linear):
                 raise ConfigError(
                     item,
@@ -139,8 +151,12 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, entry: Any = None) -> lis
         param.requires_grad_(False)
     on_meta = any(param.is_meta for param in model.parameters())
     peft_cfg = PeftLoraConfig(
-        r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=names,
-        bias="none", init_lora_weights=True,
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=names,
+        bias="none",
+        init_lora_weights=True,
     )
     # PEFT draws its own init; ours comes later (init_lora_adapters), so the global RNG stays as it was
     with torch.random.fork_rng(devices=[]):
@@ -154,14 +170,23 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, entry: Any = None) -> lis
             for param in part.parameters():
                 param.requires_grad_(True)
     num = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("LoRA rank %d alpha %g on %d modules: %.3fM adapter parameters", lora_cfg.rank, lora_cfg.alpha, len(names), num / 1e6)
+    log.info(
+        "LoRA rank %d alpha %g on %d modules: %.3fM adapter parameters",
+        lora_cfg.rank,
+        lora_cfg.alpha,
+        len(names),
+        num / 1e6,
+    )
     return names
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The LoRA layers of `model` by module name (modules with `base_layer`, `lora_A` and `lora_B`)."""
-    return {name: module for name, module in model.named_modules()
-            if hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+    }
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -195,7 +220,9 @@ def init_lora_adapters(model: nn.Module, lora_cfg: LoraConfig, seed: int) -> Non
                 _copy_full(weight, full)
 
 
-def load_lora_adapter(model: nn.Module, path: str, lora_cfg: LoraConfig, *, key: str = f"{_KEY}.pretrained_lora_path") -> None:
+def load_lora_adapter(
+    model: nn.Module, path: str, lora_cfg: LoraConfig, *, key: str = f"{_KEY}.pretrained_lora_path"
+) -> None:
     """Fill the adapters of `model` from the PEFT adapter directory `path` (each rank its shard); rank and alpha
     must be `lora_cfg`'s and the adapted modules the same."""
     from mmfsdp.ckpt import CheckpointError, load_hf_weights
@@ -207,17 +234,24 @@ def load_lora_adapter(model: nn.Module, path: str, lora_cfg: LoraConfig, *, key:
         raise ConfigError(key, str(err)) from None
     if int(config.get("r", -1)) != lora_cfg.rank or float(config.get("lora_alpha", -1)) != lora_cfg.alpha:
         raise ConfigError(
-            key, f"{path} has r={config.get('r')} lora_alpha={config.get('lora_alpha')}; training.lora has "
+            key,
+            f"{path} has r={config.get('r')} lora_alpha={config.get('lora_alpha')}; training.lora has "
             f"rank={lora_cfg.rank} alpha={lora_cfg.alpha}: set them to the adapter's",
         )
     try:
         load_hf_weights(model, path, adapter=PeftFileAdapter(), key_map=lambda k: k if is_adapter_key(k) else None)
     except CheckpointError as err:
-        raise ConfigError(key, f"{err} (training.lora.target_modules must name the modules the adapter was trained on)") from None
+        raise ConfigError(
+            key, f"{err} (training.lora.target_modules must name the modules the adapter was trained on)"
+        ) from None
     log.info("loaded LoRA adapters from %s", path)
 
 
 def lora_metadata(lora_cfg: LoraConfig, modules: list[str]) -> dict:
     """The adapter settings a LoRA checkpoint records (`mmfsdp.ckpt.lora.LORA_METADATA`), for the exports."""
-    return {"r": lora_cfg.rank, "alpha": float(lora_cfg.alpha), "dropout": float(lora_cfg.dropout),
-            "target_modules": list(modules)}
+    return {
+        "r": lora_cfg.rank,
+        "alpha": float(lora_cfg.alpha),
+        "dropout": float(lora_cfg.dropout),
+        "target_modules": list(modules),
+    }
