@@ -9,6 +9,8 @@ attention projections of every layer, vision tower included (`q_proj`, `k_proj`,
   chunk loss and recompute; Ulysses 2; HSDP (2 replicas of 1 shard).
 - Only adapters change: after training every base tensor equals the HF file's bitwise (1 and 2 processes).
 - A bf16 base with fp32 adapters in the same FSDP2 groups trains (finite losses, adapters stay fp32).
+- `training.lora.pretrained_lora_path` = the trained run exported with `dcp_to_peft` starts a trainer with
+  exactly the trained adapters.
 - Export: the LoRA checkpoint through `mm-convert LoraConverter dcp_to_peft` loaded by
   `PeftModel.from_pretrained(HF base, dir)`, and through `dcp_to_merged_hf` loaded by `from_pretrained`, give
   the trained model's logits (relative 1e-5); the LoRA checkpoint is at most 1/10 the size of the full one.
@@ -63,6 +65,7 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
 RUNS = {
     "full": (1, {"training.save": "{tmp}/ckpt/full"}),
     "ref": (1, {**LORA, "training.save": "{tmp}/ckpt/ref"}),
+    "from_peft": (1, {**LORA, "training.lora.pretrained_lora_path": "{tmp}/peft_ref"}),  # built, not trained
     "fsdp2": (2, {**LORA, "training.micro_batch_size": 2}),
     "fsdp2_meta_chunk_recompute": (
         2,
@@ -122,9 +125,25 @@ def _train(rank, world_size, tmp, runs):
     from mmfsdp.model import model_inputs
     from mmfsdp.train.trainer import Trainer
 
-    results = {}
+    def adapters(trainer):
+        from torch.distributed.tensor import DTensor
+
+        state = trainer.model.state_dict()
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items() if "lora_" in k}
+
+    results, trained = {}, None
     for name, overrides in runs:
-        trainer = Trainer(load_config(ROOT / TINY, overrides), "cpu")
+        if name == "from_peft":
+            from mmfsdp.ckpt.lora import dcp_to_peft
+
+            dcp_to_peft(tmp / "ckpt" / "ref", tmp / "peft_ref")
+            trainer = Trainer(load_config(TINY, overrides), "cpu")
+            loaded = adapters(trainer)
+            results[name] = {"same_adapters": loaded.keys() == trained.keys()
+                             and all(torch.equal(loaded[k], trained[k]) for k in trained)}
+            trainer.close()
+            continue
+        trainer = Trainer(load_config(TINY, overrides), "cpu")
         state = trainer.loader.state_dict()
         batch = model_inputs(next(trainer.loader))
         trainer.loader.load_state_dict(state)
@@ -136,6 +155,7 @@ def _train(rank, world_size, tmp, runs):
         if name in ("ref", "fsdp2"):
             result["base_changes"] = _base_changes(trainer, tmp / "hf")
         if name == "ref":
+            trained = adapters(trainer)
             with torch.no_grad():
                 result["logits"] = trainer.model.eval()(**batch).logits.detach().clone()
             result["batch"] = batch
@@ -191,6 +211,11 @@ def test_lora_layout_matches_one_process(results, name, layout):
         assert _close(loss, ref_loss), f"{name}, step {step}: loss {loss} vs {ref_loss}"
         assert _close(norm, ref_norm), f"{name}, step {step}: grad norm {norm} vs {ref_norm}"
     assert expected[-1][0] < expected[0][0], "the LoRA run should learn"
+
+
+def test_lora_pretrained_path_starts_from_the_exported_adapters(results):
+    _, out = results
+    assert out["from_peft"]["same_adapters"]
 
 
 def test_lora_changes_only_the_adapters(results):
