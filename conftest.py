@@ -18,13 +18,15 @@ _SERIAL_SECONDS = {
     "tests/test_e2e_qwen3vl_resume.py": 190,
     "tests/test_e2e_qwen3vl_parity.py": 170,
     "tests/test_e2e_faults.py": 150,
-    "tests/test_e2e_magistral_smoke.py": 130,
+    "tests/test_e2e_magistral_smoke.py": 146,
     "tests/test_e2e_errors.py": 125,
     "tests/test_e2e_varlen_parity.py": 125,
     "tests/test_e2e_fsdp_parity.py": 118,
+    "tests/test_e2e_lora_resume.py": 101,
     "tests/test_e2e_cp.py": 100,
     "packages/model/tests/test_model_cp_parity.py": 80,
     "packages/model/tests/test_model_qwen3vl_cp.py": 68,
+    "tests/test_e2e_lora.py": 66,
     "tests/test_e2e_moe_router.py": 62,
     "packages/parallel/tests/test_parallel_fsdp.py": 60,
     "tests/test_e2e_ckpt_fsdp.py": 58,
@@ -33,6 +35,10 @@ _SERIAL_SECONDS = {
     "packages/model/tests/test_model_distributed.py": 45,
     "packages/parallel/tests/test_parallel_cp_attention.py": 40,
     "tests/test_e2e_memory_measured.py": 40,
+    "apps/train/tests/test_train_check.py": 32,
+    "packages/model/tests/test_model_lora.py": 17,
+    "apps/train/tests/test_train_start_lora.py": 8,
+    "packages/ckpt/tests/test_ckpt_lora.py": 6,
 }
 
 

@@ -57,7 +57,7 @@ def test_smoke_30_steps_then_resume(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in resumed)
 
 
-@pytest.mark.parametrize(("recipe", "nproc"), [("config_8card.yaml", 8), ("config_4card.yaml", 4)])
+@pytest.mark.parametrize(("recipe", "nproc"), [("config_8card.yaml", 8), ("config_4card.yaml", 4), ("config_lora.yaml", 4)])
 def test_recipes_pass_check_with_the_real_config(tmp_path, recipe, nproc):
     model_dir = magistral_config.write_magistral_config(tmp_path / "Magistral-Small-2509")
     dataset = tmp_path / "mllm.json"

@@ -85,3 +85,18 @@ def test_four_ranks_with_adamw_do_not_fit_and_say_what_would(model_dir):
     plan = memory_plan(cfg, 4, 80 * GiB)
     assert plan.optimizer_states == 2 * 4 * T // 4 and plan.host == 0
     assert not plan.fits and any("adamw_swap" in s for s in plan.suggestions), plan.suggestions
+
+
+def test_magistral_lora_recipe_holds_gradients_and_adamw_state_for_the_adapters_only(model_dir):
+    cfg = _config("config_lora.yaml", model_dir)
+    lora = cfg.training.lora
+    assert lora.enable and lora.rank == 16 and cfg.model.dtype == "bf16"
+    # rank x (in + out) per adapted Linear: q, k, v, o and gate, up, down of every decoder layer
+    per_layer = 2 * (H + HEADS * HEAD_DIM) + 2 * (H + KV * HEAD_DIM) + 3 * (H + MLP)
+    adapters = LAYERS * lora.rank * per_layer
+    plan = memory_plan(cfg, 4, 80 * GiB)
+    assert (plan.num_params, plan.num_trainable) == (P + adapters, adapters)
+    assert plan.parameters == (P * 2 + adapters * 4) // 4  # bf16 base, fp32 adapters
+    assert plan.gradients == adapters * 4 // 4
+    assert plan.optimizer_states == 2 * 4 * adapters // 4
+    assert plan.fits and plan.parameters + plan.gradients + plan.optimizer_states < 12 * GiB

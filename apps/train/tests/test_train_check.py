@@ -151,6 +151,44 @@ def test_several_problems_reported_together(tmp_path):
     ], out.stderr
 
 
+LORA = ("training.lora.enable=true",)
+
+
+def test_lora_target_matching_nothing_names_the_closest(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "training.lora.target_modules[1]", *LORA, "training.lora.target_modules=[v_proj, q_prj]")
+    assert "q_proj" in line
+
+
+def test_lora_target_that_is_not_a_linear_layer(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "training.lora.target_modules[0]", *LORA,
+                 "training.lora.target_modules=['model.language_model.layers.{*}.mlp']")
+    assert "nn.Linear" in line
+
+
+def test_lora_freezing_every_target(capsys, tmp_path):
+    _only(capsys, tmp_path, "model.freeze", *LORA, "training.lora.target_modules=[q_proj]",
+          "model.freeze=[model.language_model, model.vision_tower]")
+
+
+def test_lora_pretrained_path_that_is_not_an_adapter(capsys, tmp_path):
+    line = _only(capsys, tmp_path, "training.lora.pretrained_lora_path", *LORA, "training.lora.target_modules=[q_proj]",
+                 f"training.lora.pretrained_lora_path={tmp_path}")
+    assert "adapter_config.json" in line
+
+
+def test_lora_without_targets(capsys, tmp_path):
+    _only(capsys, tmp_path, "training.lora.target_modules", *LORA)
+
+
+@pytest.mark.parametrize("example", ["qwen3vl-tiny", "qwen3vl-moe-tiny"])
+def test_lora_examples_pass(capsys, tmp_path, example):
+    config = ROOT / "examples" / example / "config_lora.yaml"
+    code = main([str(config), "--check", f"training.output_dir={tmp_path / 'out'}", f"training.save={tmp_path / 'ckpt'}",
+                 f"data.dataset_param.basic_parameters.cache_dir={tmp_path / 'cache'}", "--nproc-per-node", "2"])
+    captured = capsys.readouterr()
+    assert code == 0 and "check passed: 2 processes" in captured.out, captured.err[-2000:]
+
+
 def test_eta_counts_the_steps_done_since_the_timer_started(tmp_path, monkeypatch):
     clock = iter([100.0, 120.0])
     monkeypatch.setattr("mmfsdp.train.metrics.time.perf_counter", lambda: next(clock))

@@ -236,7 +236,8 @@ def _parsers(parser: argparse.ArgumentParser, prefix: tuple = ()):
 def test_help_documents_every_flag(capsys):
     levels = dict(_parsers(_build_parser()))
     assert set(levels) == {(), ("GenericDCPConverter",), ("GenericDCPConverter", "hf_to_dcp"),
-                           ("GenericDCPConverter", "dcp_to_hf")}
+                           ("GenericDCPConverter", "dcp_to_hf"), ("LoraConverter",),
+                           ("LoraConverter", "dcp_to_peft"), ("LoraConverter", "dcp_to_merged_hf")}
     for prefix, parser in levels.items():
         with pytest.raises(SystemExit) as exit_info:
             main([*prefix, "-h"])

@@ -20,7 +20,9 @@ is skipped, not reported twice):
    `parallel.fsdp_plan.apply_modules`, `parallel.recompute_plan.apply_modules`
    and `features.activation_offload_plan.apply_modules` must match a module
    (the same matcher the trainer uses, with the closest module names), and the
-   freeze list must leave a parameter to train.
+   freeze list must leave a parameter to train; with `training.lora`, every
+   target must name `nn.Linear` modules (not `lm_head`), some outside the frozen
+   modules, and `pretrained_lora_path` must be a PEFT adapter directory.
 6. `training.output_dir`, `training.save` and the data cache directory are
    writable, or creatable (nothing is created).
 
@@ -181,7 +183,7 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
     """Build on the meta device and match every module pattern of the config against it."""
     import torch
 
-    from mmfsdp.model import get_model_entry
+    from mmfsdp.model import get_model_entry, resolve_lora_targets
     from mmfsdp.parallel.expert_parallel import check_experts_module
 
     errors: list[ConfigError] = []
@@ -216,14 +218,33 @@ def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
                 for name in names:
                     _collect(problems, check_experts_module, name, model.get_submodule(name), f"{key}[{i}]")
                 errors += problems[:1]  # one line per pattern: its first module that is not fused experts
-    if frozen:
-        trainable = [
-            name for name, _ in model.named_parameters()
-            if not any(name == module or name.startswith(module + ".") for module in frozen)
-        ]
-        if not trainable:
-            errors.append(ConfigError("model.freeze", "freezes every parameter of the model; leave something to train"))
+
+    def outside_frozen(name: str) -> bool:
+        return not any(name == module or name.startswith(module + ".") for module in frozen)
+
+    lora = cfg.training.lora
+    if lora.enable:
+        targets = _collect(errors, resolve_lora_targets, model, list(lora.target_modules), entry)
+        if targets and not any(outside_frozen(name) for name in targets):
+            errors.append(ConfigError("model.freeze", "freezes every LoRA target module (training.lora.target_modules); "
+                                                      "leave some adapters to train"))
+        errors += _pretrained_lora(lora.pretrained_lora_path)
+    elif frozen and not any(outside_frozen(name) for name, _ in model.named_parameters()):
+        errors.append(ConfigError("model.freeze", "freezes every parameter of the model; leave something to train"))
     return errors
+
+
+def _pretrained_lora(path: str | None) -> list[ConfigError]:
+    from mmfsdp.ckpt import CheckpointError
+    from mmfsdp.ckpt.lora import read_peft_config
+
+    if path is None:
+        return []
+    try:
+        read_peft_config(path)
+    except CheckpointError as err:
+        return [ConfigError("training.lora.pretrained_lora_path", str(err))]
+    return []
 
 
 def _match_one(model, pattern: str, key: str, errors: list[ConfigError]) -> list[str]:

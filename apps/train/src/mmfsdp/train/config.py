@@ -18,7 +18,7 @@ from typing import Literal
 
 from mmfsdp.config import ConfigError, ConfigErrors, build, dump_yaml, load_yaml
 from mmfsdp.data import DataConfig
-from mmfsdp.model import FeaturesConfig, ModelConfig, get_model_entry
+from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
 
@@ -83,6 +83,8 @@ class TrainingConfig:
     """Where `config.yaml`, `metrics.jsonl` and `eval.json` are written."""
     eval_batch_size: int = 8
     """Samples per rank per forward pass during the final evaluation."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on a frozen model; checkpoints hold the adapters only (docs/model.md, LoRA)."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size", "swap_optimizer_times"):

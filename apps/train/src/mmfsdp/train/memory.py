@@ -1,14 +1,14 @@
 """The memory plan: what one rank holds on its device for a config, from `config.json` alone.
 
 `memory_plan(cfg, world_size)` builds the model on the meta device through the
-trainer's own path (the family's `build`, `model.freeze`), so no weights are read
+trainer's own path (the family's `build`, `training.lora`, `model.freeze`), so no weights are read
 and no memory is used, and estimates per rank (docs/memory.md has the formulas and
 Magistral-Small-2509 worked through):
 
 - parameters: the master copy in `model.dtype`, sharded by FSDP2 over its shard group
   (`fully_shard` = data-parallel shards × context parallel); on the host with
   `parallel.fsdp_plan.cpu_offload`;
-- gradients: trainable parameters only, same dtype and sharding;
+- gradients: trainable parameters only, in their dtype (LoRA adapters: fp32), same sharding;
 - optimizer states: AdamW's two fp32 moments per trainable parameter, sharded; 0 on the
   device for `training.optimizer: adamw_swap` (they live in pinned host memory; the bucket
   streamed through the device during `step()` is transient and not counted);
@@ -81,10 +81,12 @@ def _detected_device_memory() -> int | None:
 
 
 def _build_meta(cfg: Config) -> tuple[torch.nn.Module, Any]:
-    from mmfsdp.model import freeze_modules, get_model_entry
+    from mmfsdp.model import apply_lora, freeze_modules, get_model_entry
 
     entry = get_model_entry(cfg.model.model_id)
     model = entry.build(cfg.model, cfg.features, device=torch.device("meta"))
+    if cfg.training.lora.enable:
+        apply_lora(model, cfg.training.lora, entry)
     if cfg.model.freeze:
         freeze_modules(model, cfg.model.freeze)
     return model, entry
@@ -148,12 +150,11 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
         raise ValueError(f"image_token_share must be within [0, 1], got {image_token_share}")
     mesh = check_world(cfg, world_size)
     model, entry = _build_meta(cfg)
-    master = _BYTES[cfg.model.dtype]
     shard = mesh.fully_shard
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    parameters = num_params * master // shard
-    gradients = num_trainable * master // shard
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) // shard  # model.dtype; adapters fp32
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) // shard
     moments = 2 * 4 * num_trainable // shard
     host = 0
     if cfg.training.optimizer == "adamw_swap":

@@ -12,7 +12,10 @@ initial weights only when there is none:
 
 Resuming restores model, optimizer, scheduler, data position and RNG. Under
 `init_model_with_meta_device` the sharded, materialised model is filled from
-the resume checkpoint directly, never from the initial weights first. A damaged
+the resume checkpoint directly, never from the initial weights first — except
+from an adapter-only checkpoint (`training.lora`; `checkpoint.json` says
+`"trainable_only": true`), which holds no base: the frozen base then comes from
+the initial weights of rule 3, the adapters and the rest from the checkpoint. A damaged
 checkpoint is an error naming the file, or with `training.resume_fallback` the
 newest whole older one (`mmfsdp.ckpt.find_resume_point`). The table is in
 docs/checkpoints.md ("Where a run starts").
@@ -27,7 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mmfsdp.ckpt import RELEASE, CheckpointError, ResumePoint, find_resume_point, resolve_checkpoint, verify_checkpoint
+from mmfsdp.ckpt import (
+    RELEASE,
+    CheckpointError,
+    ResumePoint,
+    find_resume_point,
+    read_checkpoint_info,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from mmfsdp.config import ConfigError
 
 __all__ = ["StartPlan", "plan_start"]
@@ -37,27 +48,35 @@ WeightsSource = Literal["checkpoint", "hf", "release", "pretrained", "random"]
 
 @dataclass(frozen=True, slots=True)
 class StartPlan:
-    """How this run starts: resumed from `resume`, or from the initial weights `weights` at `source`."""
+    """How this run starts: from the weights `weights` at `source`, then resumed from `resume` if set."""
 
     weights: WeightsSource
-    """Where the model's weights come from."""
+    """Where the model's weights come from: "checkpoint" (the resume checkpoint holds them all), or the initial
+    weights — for a fresh start, or under an adapter-only resume for the frozen base."""
     source: str | None
     """The directory they are read from (None for random weights)."""
     resume: ResumePoint | None = None
-    """The checkpoint resumed from (weights == "checkpoint")."""
+    """The checkpoint resumed from (weights == "checkpoint", or an adapter-only one on the initial weights)."""
 
     def describe(self) -> str:
         """The one log line saying which case applied."""
+        source = f" {self.source}" if self.source else ""
         if self.resume is not None:
-            line = f"start: resuming from {self.resume.path} (step {self.resume.iteration}: model, optimizer, scheduler, data position, RNG)"
+            if self.weights == "checkpoint":
+                line = f"start: resuming from {self.resume.path} (step {self.resume.iteration}: model, optimizer, scheduler, data position, RNG)"
+            else:
+                line = (f"start: resuming from {self.resume.path} (step {self.resume.iteration}: LoRA adapters, optimizer, "
+                        f"scheduler, data position, RNG) on the frozen base from {_WHAT[self.weights]}{source}")
             return line + (f" — {self.resume.note}" if self.resume.note else "")
-        what = {
-            "hf": "HF weights from training.load",
-            "release": "released DCP weights from training.load",
-            "pretrained": "HF weights from model.model_name_or_path",
-            "random": "random weights (model.random_init)",
-        }[self.weights]
-        return f"start: no checkpoint to resume; training starts at step 1 from {what}" + (f" {self.source}" if self.source else "")
+        return f"start: no checkpoint to resume; training starts at step 1 from {_WHAT[self.weights]}{source}"
+
+
+_WHAT = {
+    "hf": "HF weights from training.load",
+    "release": "released DCP weights from training.load",
+    "pretrained": "HF weights from model.model_name_or_path",
+    "random": "random weights (model.random_init)",
+}
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
@@ -85,8 +104,26 @@ def plan_start(training, model) -> StartPlan:
             point = _direct_iteration(t.load)
         else:
             point = find_resume_point(t.load, fallback=t.resume_fallback)
-    if point is not None:
+    if point is None:
+        return _initial_weights(t, model)
+    adapter_only = bool(read_checkpoint_info(point.path).get("trainable_only"))
+    if adapter_only != t.lora.enable:
+        raise ConfigError("training.lora.enable", (
+            f"{point.path} holds only LoRA adapters (its run had training.lora.enable: true); resume it with the same "
+            "training.lora, or start a new training.save" if adapter_only else
+            f"{point.path} holds a whole model (its run trained without LoRA); LoRA resumes only from its own adapter "
+            "checkpoints: export it (mm-convert GenericDCPConverter dcp_to_hf), start from that as training.load "
+            "(load_format: hf) and give a new training.save"
+        ))
+    if not adapter_only:
         return StartPlan("checkpoint", str(point.path), point)
+    base = _initial_weights(t, model)
+    return StartPlan(base.weights, base.source, point)
+
+
+def _initial_weights(t, model) -> StartPlan:
+    """Rule 3: the initial weights (a fresh start, or the frozen base under an adapter-only resume)."""
+    load_is_dcp = t.load is not None and t.load_format == "dcp"
     if t.load is not None and t.load_format == "hf":
         return StartPlan("hf", t.load)
     if load_is_dcp and not _same_dir(t.load, t.save):

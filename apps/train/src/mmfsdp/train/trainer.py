@@ -1,7 +1,12 @@
 """The trainer: the one place that knows the order of a run.
 
-    config → mesh → model (meta or CPU) → entry.parallelize (checkpointing, then FSDP2)
-           → materialise + load → data → train loop → checkpoints → eval
+    config → mesh → model (meta or CPU) → [LoRA: freeze, inject adapters] → entry.parallelize
+           (checkpointing, then FSDP2) → materialise + load → [LoRA: init adapters] → data → train loop
+           → checkpoints → eval
+
+With `training.lora` the optimizer holds only the adapters and checkpoints are
+adapter-only (`mmfsdp.model.lora`); the frozen base is loaded from the initial
+weights on every start, resumed or not (`mmfsdp.train.start`).
 
 One optimizer step takes `gradient_accumulation_steps` micro-batches from the
 loader. Before any forward, the loss weights of every token of the step are
@@ -33,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
+from mmfsdp.ckpt.lora import LORA_METADATA, stored_key
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
 from mmfsdp.model import (
-    compute_loss_weights, expert_load_summary, freeze_modules, get_model_entry, load_balancing_loss, model_inputs,
-    shift_labels,
+    apply_lora, compute_loss_weights, expert_load_summary, freeze_modules, get_model_entry, init_lora_adapters,
+    load_balancing_loss, load_lora_adapter, lora_metadata, model_inputs, shift_labels,
 )
 from mmfsdp.parallel import (
     build_parallel_dims,
@@ -124,6 +130,7 @@ class Trainer:
         seed_everything(cfg.training.seed)
 
         self.entry = get_model_entry(cfg.model.model_id)
+        self.lora_modules: list[str] = []
         self.start = plan_start(cfg.training, cfg.model)
         log.info(self.start.describe())
         self.model = self._build_model()
@@ -165,6 +172,9 @@ class Trainer:
         # Weights that come from elsewhere are not read twice: the eager build is then random.
         model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
         model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
+        lora = cfg.training.lora
+        if lora.enable:
+            self.lora_modules = apply_lora(model, lora, self.entry)
         if cfg.model.freeze:
             freeze_modules(model, cfg.model.freeze)
         self.entry.parallelize(model, cfg.parallel, self.dims, cfg.features)
@@ -174,6 +184,10 @@ class Trainer:
         else:
             model.to(self.device)
         self._load_initial_weights(model, sharded_empty=on_meta)
+        if lora.enable:
+            init_lora_adapters(model, lora, seed=cfg.training.seed)
+            if lora.pretrained_lora_path:
+                load_lora_adapter(model, lora.pretrained_lora_path, lora)
         if self.dims.cp_size > 1:
             model.enable_context_parallel(self.dims)
         model.train()
@@ -185,11 +199,13 @@ class Trainer:
     def _load_initial_weights(self, model: torch.nn.Module, *, sharded_empty: bool) -> None:
         """Fill the sharded model from the plan's initial weights; a resumed run is filled by `_resume`."""
         start = self.start
+        # a LoRA model's base layers are `x.base_layer.*` where the weights say `x.*`; adapters are initialised later
+        key_map = stored_key if self.cfg.training.lora.enable else None
         if start.weights == "hf" or (start.weights == "pretrained" and sharded_empty):
-            load_hf_weights(model, start.source)
+            load_hf_weights(model, start.source, key_map=key_map)
             log.info(f"loaded HF weights from {start.source} into the sharded model")
         elif start.weights == "release":
-            load_checkpoint(start.source, model=model, optimizer=None, load_optim=False, load_rng=False)
+            load_checkpoint(start.source, model=model, optimizer=None, load_optim=False, load_rng=False, key_map=key_map)
 
     def _resume(self) -> None:
         point = self.start.resume
@@ -339,6 +355,9 @@ class Trainer:
             app_state={"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self._global_loader_state()},
             rank_state={"loader": self.loader.state_dict()},
             async_save=t.save_async, keep_last=t.save_total_limit,
+            # LoRA: adapters and their optimizer state only; the frozen base is the run's initial weights
+            trainable_only=t.lora.enable,
+            metadata={LORA_METADATA: lora_metadata(t.lora, self.lora_modules)} if t.lora.enable else None,
         )
         log.info(f"saved checkpoint at step {self.step} under {t.save}")
         beat(f"step {self.step + 1}", arm=True)

@@ -5,6 +5,8 @@
   `latest_checkpointed_iteration.txt` (see `checkpoint` and `layout`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
 - `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`.
+- `mmfsdp.ckpt.lora`: the names of PEFT-wrapped layers (`stored_key`, the `key_map` that loads a base into a
+  LoRA model), trainable-only checkpoints exported as a PEFT adapter directory or merged HF weights.
 - `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
 - `StateDictAdapter` (`FromHF` / `ToHF`, `RenameAdapter`, `IDENTITY`): how a family's HF file
   tensors map to its `state_dict()` tensors (renames, experts stacked into one tensor); found by
@@ -34,6 +36,7 @@ from mmfsdp.ckpt.checkpoint import (
     find_resume_point,
     load_checkpoint,
     load_tensor_file,
+    read_checkpoint_info,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -65,6 +68,7 @@ __all__ = [
     "find_resume_point",
     "verify_checkpoint",
     "load_tensor_file",
+    "read_checkpoint_info",
     "load_hf_weights",
     "HFLoadResult",
     "SafetensorsDir",

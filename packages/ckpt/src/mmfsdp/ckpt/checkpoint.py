@@ -30,6 +30,14 @@ DCP keys are `model.<name>` for every entry of the model's `state_dict()` and
 `optimizer.state.<name>.<slot>` / `optimizer.param_groups.*` for the optimizer
 (DCP's flattening of `get_state_dict`'s output). With FSDP2 the entries are
 DTensors and each rank writes and reads only its shards.
+
+Trainable-only checkpoints (`save_checkpoint(trainable_only=True)`, e.g. LoRA
+adapters on a frozen base) leave out every parameter with `requires_grad=False`
+and say so in `checkpoint.json` (`"trainable_only": true`). Loading one fills only
+the model's trainable parameters (and the optimizer): the frozen ones are the
+caller's to load first, from the weights the run started from. `key_map` lets a
+caller load weights stored under other names (`x.weight` into a wrapped layer's
+`x.base_layer.weight`) or leave keys out that the checkpoint does not hold.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -90,6 +98,8 @@ __all__ = [
     "find_resume_point",
     "verify_checkpoint",
     "load_tensor_file",
+    "read_checkpoint_info",
+    "KeyMap",
 ]
 
 MODEL_PREFIX = "model."
@@ -98,6 +108,9 @@ INFO_FILENAME = "checkpoint.json"
 APP_STATE_FILENAME = "app_state.pt"
 FORMAT_NAME = "mmfsdp-dcp"
 FORMAT_VERSION = 1
+
+KeyMap = Callable[[str], "str | None"]
+"""A model `state_dict()` key -> the key it is stored under (None: not stored there; the caller fills it)."""
 
 
 def rank_filename(rank: int) -> str:
@@ -243,11 +256,21 @@ def _publish(save_dir: Path, tmp_dir: Path, iteration: int, keep_last: int | Non
     info_rank0(f"saved checkpoint {final_dir}")
 
 
-def _state_for_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_for_save(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
+) -> dict[str, Any]:
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _json_metadata(metadata: dict | None) -> dict:
+    try:
+        return json.loads(json.dumps(dict(metadata or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint metadata must be JSON (numbers, strings, lists, dicts): {e}") from None
 
 
 def save_checkpoint(
@@ -260,6 +283,8 @@ def save_checkpoint(
     rank_state: dict | None = None,
     async_save: bool = False,
     keep_last: int | None = None,
+    trainable_only: bool = False,
+    metadata: dict | None = None,
 ) -> SaveHandle:
     """Save `<save_dir>/iter_{iteration:07d}` and move the tracker to it once complete.
 
@@ -271,6 +296,9 @@ def save_checkpoint(
     memory before this returns and written in the background; the checkpoint is
     published when that finishes (see `SaveHandle.wait` and `finalize_pending`).
     `keep_last` keeps only that many newest `iter_*` directories.
+    `trainable_only` leaves out the frozen parameters (`requires_grad=False`): the
+    checkpoint then holds the trainable ones, buffers and the optimizer, and says so
+    in `checkpoint.json`. `metadata` (JSON) is stored there too, under "metadata".
     """
     finalize_pending()
     if keep_last is not None and keep_last < 1:
@@ -282,6 +310,7 @@ def save_checkpoint(
     save_dir = Path(save_dir)
     app_bytes = _serialise(dict(app_state or {}), "app_state")
     rank_bytes = _serialise({"rank": rank, "rng": capture_rng_state(), "state": rank_state}, f"rank_state (rank {rank})")
+    metadata = _json_metadata(metadata)
 
     tmp_dir = save_dir / make_tmp_dir_name(name, _broadcast_token())
 
@@ -295,10 +324,12 @@ def save_checkpoint(
     if rank == 0:
         _write_bytes(tmp_dir / APP_STATE_FILENAME, app_bytes)
         info = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": iteration,
-                "world_size": world_size, "has_optimizer": optimizer is not None}
+                "world_size": world_size, "has_optimizer": optimizer is not None, "trainable_only": trainable_only}
+        if metadata:
+            info["metadata"] = metadata
         _write_bytes(tmp_dir / INFO_FILENAME, json.dumps(info, indent=1).encode())
 
-    state = _state_for_save(model, optimizer)
+    state = _state_for_save(model, optimizer, trainable_only)
     final_dir = save_dir / name
     if not async_save:
         with quiet_single_process():
@@ -344,11 +375,13 @@ def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     return [keys for keys in by_id.values() if len(keys) > 1]
 
 
-def _check_model_keys(model: torch.nn.Module, model_sd: dict[str, Any], metadata: Any, path: Path) -> bool:
+def _check_model_keys(
+    aliases: list[list[str]], model_sd: dict[str, Any], metadata: Any, path: Path, trainable_only: bool
+) -> bool:
     """Validate names and shapes against the checkpoint; drop tied aliases it lacks. True if any were dropped."""
     saved = metadata.state_dict_metadata
     dropped = False
-    for group in _alias_groups(model):
+    for group in aliases:
         present = [key for key in group if MODEL_PREFIX + key in saved]
         if present:
             for key in group:
@@ -368,9 +401,11 @@ def _check_model_keys(model: torch.nn.Module, model_sd: dict[str, Any], metadata
             lines.append(f"{len(missing)} model keys missing from the checkpoint: {_preview(missing)}")
         if mismatched:
             lines.append(f"{len(mismatched)} shape mismatches: {_preview(mismatched)}")
+        what = (" It holds only the trainable parameters of the run that saved it (e.g. LoRA adapters): train the "
+                "same ones (the same training.lora)." if trainable_only else "")
         raise CheckpointError(
             f"checkpoint {path} does not match the model:\n  " + "\n  ".join(lines)
-            + "\nCheck that the model config matches the one the checkpoint was saved or converted from."
+            + f"\nCheck that the model config matches the one the checkpoint was saved or converted from.{what}"
         )
     return dropped
 
@@ -390,6 +425,12 @@ def _first_line(error: BaseException) -> str:
 def _preview(items: list[str], limit: int = 10) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> dict:
+    """`checkpoint.json` of the checkpoint directory `path` ({} when it has none): iteration, world size,
+    `has_optimizer`, `trainable_only` and the caller's `metadata`."""
+    return _read_info(Path(path))
 
 
 def _read_info(path: Path) -> dict:
@@ -540,12 +581,15 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     load_optim: bool = True,
     load_rng: bool = True,
+    key_map: KeyMap | None = None,
 ) -> LoadedCheckpoint:
     """Load the checkpoint `load_dir`'s tracker names (or `load_dir` itself if it is iter_*/release).
 
     Collective. Loads in place into `model` (plain or FSDP2, already materialised)
     and, unless `load_optim` is False or the checkpoint is `release`, `optimizer`.
     Restores this rank's RNG states when `load_rng` and the world size is unchanged.
+    A trainable-only checkpoint fills only the trainable parameters (load the frozen
+    ones first). `key_map` gives the stored name of each model key (None: not loaded).
     """
     finalize_pending()
     path, iteration = resolve_checkpoint(load_dir)
@@ -565,13 +609,21 @@ def load_checkpoint(
             f"checkpoint {path} has no optimizer state (saved with no_save_optim?); "
             "set no_load_optim to load the model only"
         )
+    info = _read_info(path)
+    trainable_only = bool(info.get("trainable_only", False))
+    read_options = StateDictOptions(ignore_frozen_params=trainable_only)
     if with_optim:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=read_options)
     else:
-        model_sd = get_model_state_dict(model)
-        state = {"model": model_sd}
-    dropped_aliases = _check_model_keys(model, model_sd, metadata, path)
+        model_sd, optim_sd = get_model_state_dict(model, options=read_options), None
+    aliases = _alias_groups(model)
+    own_sd = model_sd
+    stored = {key: key if key_map is None else key_map(key) for key in model_sd}
+    if key_map is not None:
+        aliases = [[stored[k] for k in group if stored.get(k) is not None] for group in aliases]
+        model_sd = {stored[key]: value for key, value in model_sd.items() if stored[key] is not None}
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
+    dropped_aliases = _check_model_keys(aliases, model_sd, metadata, path, trainable_only)
     try:
         with quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
@@ -582,13 +634,14 @@ def load_checkpoint(
             f"reading {path} failed: {_first_line(e)}; a data file is damaged. Restore it, or resume from "
             "an older checkpoint (training.resume_fallback, or point training.load at an iter_* directory)"
         ) from None
-    options = StateDictOptions(strict=not dropped_aliases)
+    if key_map is not None:  # back to the model's names (the same tensors, now loaded)
+        model_sd = {key: value for key, value in own_sd.items() if stored[key] in model_sd}
+    options = StateDictOptions(strict=not (dropped_aliases or trainable_only or key_map is not None))
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=state["optimizer"], options=options)
     else:
         set_model_state_dict(model, model_sd, options=options)
 
-    info = _read_info(path)
     saved_world_size = info.get("world_size")
     app_state: dict = {}
     rank_state = None

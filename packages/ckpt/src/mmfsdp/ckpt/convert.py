@@ -38,7 +38,15 @@ dcp_to_hf
     safetensors headers (keys and shapes) and its `config.json`, and its
     non-weight files (config, tokenizer, processor, chat template, ...) are copied.
 
-Both refuse an output directory that is, contains or lies inside one of their input
+LoraConverter (LoRA checkpoints, `mmfsdp.ckpt.lora`)
+```
+mm-convert LoraConverter dcp_to_peft      --load_dir DIR --save_dir OUT [--base_model_name_or_path NAME] [--force]
+mm-convert LoraConverter dcp_to_merged_hf --load_dir DIR --save_dir OUT --model_assets_dir HF [--model_id ID] [--force]
+```
+    The adapters of an adapter-only training checkpoint as a PEFT adapter
+    directory, or merged into the base HF weights of `--model_assets_dir`.
+
+Every sub-command refuses an output directory that is, contains or lies inside one of their input
 directories (`--hf_dir`; `--load_dir`, `--model_assets_dir`), after resolving
 symlinks and `..`, with or without `--force`: the export would replace its input.
 
@@ -73,7 +81,7 @@ from mmfsdp.ckpt.adapters import (
     registered_adapter_ids,
     resolve_state_dict_adapter,
 )
-from mmfsdp.ckpt.checkpoint import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX
+from mmfsdp.ckpt.checkpoint import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX, read_checkpoint_info
 from mmfsdp.ckpt.dcp_io import (
     LazySavePlanner,
     SafeFileSystemReader,
@@ -413,6 +421,11 @@ def dcp_to_hf(
     max_shard_bytes = parse_size(max_shard_size)
     path, iteration = resolve_checkpoint(load_dir)
     _refuse_overlap(save_dir, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
+    if read_checkpoint_info(path).get("trainable_only"):
+        raise CheckpointError(
+            f"{path} holds only the trainable parameters of its run (e.g. LoRA adapters), not a whole model; "
+            "export adapters with `mm-convert LoraConverter dcp_to_peft` or `dcp_to_merged_hf`"
+        )
     metadata = read_dcp_metadata(path)
     entries = tensor_entries(metadata, MODEL_PREFIX)
     if not entries:
@@ -518,6 +531,36 @@ def _build_parser() -> argparse.ArgumentParser:
                        help=model_id_help.format(what="model state_dict tensors back to HF file tensors",
                                                  config="--model_assets_dir/config.json; the state_dict names are "
                                                  "kept when only they match the assets' own weights"))
+
+    lora = converters.add_parser(
+        "LoraConverter",
+        help="LoRA training checkpoints (adapters only) -> a PEFT adapter directory, or HF weights with the adapters merged",
+        description="Export the adapters of a LoRA training checkpoint; see `dcp_to_peft -h` and `dcp_to_merged_hf -h`.",
+    )
+    lora_commands = lora.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    to_peft = lora_commands.add_parser(
+        "dcp_to_peft",
+        help="LoRA checkpoint -> adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained(base, OUT))",
+        description="Write the adapters of a LoRA training checkpoint as a PEFT adapter directory that "
+        "peft.PeftModel.from_pretrained(base_model, SAVE_DIR) loads onto the HF base model.",
+    )
+    to_peft.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
+    to_peft.add_argument("--save_dir", required=True, help="output adapter directory (must be empty or new unless --force)")
+    to_peft.add_argument("--base_model_name_or_path", default=None, help="recorded in adapter_config.json (the base model's HF id or directory)")
+    to_peft.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
+    merged = lora_commands.add_parser(
+        "dcp_to_merged_hf",
+        help="LoRA checkpoint + base HF weights -> HF weights with W + (alpha/r)·B·A",
+        description="Merge the adapters of a LoRA training checkpoint into the base HF weights of --model_assets_dir "
+        "and write the result as an HF directory (the assets' shards, names and dtypes; other files copied).",
+    )
+    merged.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
+    merged.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
+    merged.add_argument("--model_assets_dir", required=True, help="the base HF model the adapters were trained on (config.json and safetensors weights)")
+    merged.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
+                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
+                                                  config="--model_assets_dir/config.json"))
+    merged.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
     return parser
 
 
@@ -527,6 +570,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "hf_to_dcp":
             out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, adapter=args.model_id)
             print(f"wrote {out} and {Path(args.dcp_dir) / 'latest_checkpointed_iteration.txt'} (release)")
+        elif args.command == "dcp_to_peft":
+            from mmfsdp.ckpt.lora import dcp_to_peft
+
+            print(f"wrote {dcp_to_peft(args.load_dir, args.save_dir, base_model_name_or_path=args.base_model_name_or_path, force=args.force)}")
+        elif args.command == "dcp_to_merged_hf":
+            from mmfsdp.ckpt.lora import dcp_to_merged_hf
+
+            print(f"wrote {dcp_to_merged_hf(args.load_dir, args.save_dir, args.model_assets_dir, adapter=args.model_id, force=args.force)}")
         else:
             out = dcp_to_hf(args.load_dir, args.save_dir, args.model_assets_dir,
                             max_shard_size=args.max_shard_size, force=args.force, adapter=args.model_id)

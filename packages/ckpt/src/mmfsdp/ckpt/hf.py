@@ -29,7 +29,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -224,6 +224,7 @@ def load_hf_weights(
     *,
     adapter: StateDictAdapter | str | None = None,
     strict: bool = True,
+    key_map: Callable[[str], str | None] | None = None,
 ) -> HFLoadResult:
     """Load a HF safetensors directory into `model`'s parameters and persistent buffers in place.
 
@@ -235,11 +236,16 @@ def load_hf_weights(
     error; with `strict`, missing and unexpected keys are too (tied weights count
     as present when one of their names is in the files). Returns the keys that
     were not loaded: model keys, and the file keys of model keys the model lacks.
+    `key_map` gives, for each model `state_dict()` key, the model key the files hold
+    it under (the adapter's naming), or None for a key the files do not hold and the
+    caller fills itself (e.g. LoRA adapters around a base layer, `mmfsdp.ckpt.lora`).
     """
     weights = SafetensorsDir(hf_dir)
     adapter = resolve_state_dict_adapter(adapter, weights.config)
     plans = plan_from_hf(adapter, {key: (info.shape, info.dtype) for key, info in weights.tensors.items()})
     targets = model.state_dict(keep_vars=True)
+    if key_map is not None:
+        targets = {stored: value for key, value in targets.items() if (stored := key_map(key)) is not None}
     covered = set(plans)
     for group in _alias_groups(targets):
         if covered.intersection(group):

@@ -16,6 +16,8 @@
   `shift_labels(labels, cu_seq_lens)` and `compute_loss_weights(..., cu_seq_lens=)` make its
   inputs (formulas in `mmfsdp.model.loss`); sample boundaries come from `cu_seq_lens`.
 - `freeze_modules(model, patterns)`; attention backends in `mmfsdp.model.attention`.
+- LoRA (`mmfsdp.model.lora`): `LoraConfig` (YAML `training.lora`), `apply_lora(model, lora_cfg, entry)` (PEFT's
+  injection, before FSDP), `init_lora_adapters(model, lora_cfg, seed)`, `load_lora_adapter`, `lora_metadata`.
 - `model.enable_context_parallel(parallel_dims)`: the training forward splits the decoder's
   sequence over the CP group after the vision tower (`mmfsdp.model.context_parallel`);
   `entry.validate_parallel(model_cfg, plan)` checks the layout against `config.json`.
@@ -62,6 +64,12 @@ _LAZY = {
     "Qwen3VLForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl",
     "Qwen3VLMoeEntry": "mmfsdp.model.qwen3_vl_moe",
     "Qwen3VLMoeForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl_moe",
+    "LoraConfig": "mmfsdp.model.lora",
+    "apply_lora": "mmfsdp.model.lora",
+    "init_lora_adapters": "mmfsdp.model.lora",
+    "load_lora_adapter": "mmfsdp.model.lora",
+    "lora_metadata": "mmfsdp.model.lora",
+    "resolve_lora_targets": "mmfsdp.model.lora",
     "RouterLoad": "mmfsdp.model.router",
     "load_balancing_loss": "mmfsdp.model.router",
     "expert_load_summary": "mmfsdp.model.router",
@@ -115,6 +123,12 @@ __all__ = [
     "Qwen3VLForConditionalGenerationFSDP",
     "Qwen3VLMoeEntry",
     "Qwen3VLMoeForConditionalGenerationFSDP",
+    "LoraConfig",
+    "apply_lora",
+    "init_lora_adapters",
+    "load_lora_adapter",
+    "lora_metadata",
+    "resolve_lora_targets",
     "RouterLoad",
     "load_balancing_loss",
     "expert_load_summary",

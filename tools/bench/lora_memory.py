@@ -1,0 +1,152 @@
+"""Per-rank peak memory of one training step, LoRA vs full fine-tune of the same model, on FSDP2 processes.
+
+    uv run python tools/bench/lora_memory.py                      # 2 CPU processes, a ~470 MB Mistral3 (fp32)
+    uv run python tools/bench/lora_memory.py --rank 16 --hidden 1024 --layers 12
+
+Each of `--nproc` gloo ranks builds the same random Mistral3 (`mmfsdp.model`'s family class: the tiny Pixtral
+tower and a Mistral decoder of `--layers` x `--hidden`, vocabulary `--vocab`, fp32), once as it is and once with
+`training.lora` (rank `--rank` on every decoder attention and MLP projection, `mmfsdp.model.apply_lora`), and
+puts it through the trainer's own steps: `entry.parallelize` (FSDP2 over each decoder layer, the embedding and
+`lm_head`, default plan) and `build_optimizer` (AdamW over the trainable parameters). A first step creates the
+AdamW state; the second is measured: forward + backward of a `--batch` x `--seq-len` batch of random tokens
+(HF `labels=` loss), AdamW step, gradients freed.
+
+Peak memory is the CPU stand-in for an accelerator's `max_memory_allocated`:
+`mmfsdp.parallel.tensor_memory.TensorMemory`, the most tensor bytes alive at once during the step on the rank, counting the
+state it starts with (parameter shards, AdamW moments) and everything the step allocates (all-gathered
+parameters, activations, gradients). Both variants are measured in the same run; the last line is one JSON
+object with each variant's largest per-rank peak and `lora_over_full_peak` (target <= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mmfsdp.parallel.testing import run_distributed
+
+TARGETS = [
+    f"model.language_model.layers.{{*}}.{part}"
+    for part in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
+
+
+def _step(model, optimizer, input_ids):
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _measure(rank: int, world_size: int, args: dict, lora: bool) -> dict:
+    import torch
+
+    from mmfsdp.model import LoraConfig, apply_lora, get_model_entry, init_lora_adapters
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
+    from mmfsdp.parallel.tensor_memory import TensorMemory, state_tensors
+    from mmfsdp.train.config import TrainingConfig
+    from mmfsdp.train.trainer import build_optimizer
+
+    entry = get_model_entry("mistral3")
+    hidden, heads = args["hidden"], max(args["hidden"] // 64, 1)
+    config = entry.tiny_config(
+        vocab_size=args["vocab"],
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=args["layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=max(heads // 4, 1),
+            head_dim=hidden // heads,
+            max_position_embeddings=max(args["seq_len"], 1024),
+        ),
+    )
+    torch.manual_seed(0)
+    model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    num_params = sum(p.numel() for p in model.parameters())
+    lora_cfg = LoraConfig(enable=True, rank=args["rank"], alpha=2.0 * args["rank"], target_modules=TARGETS)
+    if lora:
+        apply_lora(model, lora_cfg, entry)
+    parallel = ParallelConfig()
+    entry.parallelize(model, parallel, build_parallel_dims(MeshPlan.from_config(parallel, world_size), "cpu"))
+    if lora:
+        init_lora_adapters(model, lora_cfg, seed=0)
+    model.train()
+    optimizer = build_optimizer(model, TrainingConfig(lr=1e-4), "cpu")
+    gen = torch.Generator().manual_seed(1 + rank)
+    input_ids = torch.randint(0, args["vocab"], (args["batch"], args["seq_len"]), generator=gen)
+    _step(model, optimizer, input_ids)  # creates the AdamW state
+    started = time.perf_counter()
+    with TensorMemory("cpu") as mem:
+        mem.hold(state_tensors(model, optimizer))
+        start = mem.current  # (DTensor.to_local is itself dispatched: hold's return value misses those shards)
+        loss = _step(model, optimizer, input_ids)
+    return {
+        "peak_mib": mem.peak / 2**20,
+        "state_mib": start / 2**20,
+        "loss": loss,
+        "params_m": num_params / 1e6,
+        "trainable_m": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,  # DTensor: global numel
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _both(rank: int, world_size: int, args: dict) -> dict:
+    return {"full": _measure(rank, world_size, args, lora=False), "lora": _measure(rank, world_size, args, lora=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="FSDP2 processes (default: 2)")
+    parser.add_argument("--hidden", type=int, default=768, help="decoder hidden size (default: 768)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8; alpha = 2 x rank)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank (default: 1)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    args = vars(parser.parse_args())
+    ranks = run_distributed(_both, args["nproc"], args, timeout=3600)
+    peaks = {name: max(r[name]["peak_mib"] for r in ranks) for name in ("full", "lora")}
+    first = ranks[0]
+    print(
+        f"{args['nproc']} processes, Mistral3 {first['full']['params_m']:.1f}M parameters "
+        f"({first['full']['params_m'] * 4:.0f} MB fp32), LoRA rank {args['rank']}, {args['batch']}x{args['seq_len']} tokens per rank"
+    )
+    print(f"{'variant':<6} {'trainable M':>12} {'state MiB':>10} {'peak MiB':>10} {'step s':>8} {'loss':>10}")
+    for name in ("full", "lora"):
+        r = first[name]
+        print(
+            f"{name:<6} {r['trainable_m']:>12.2f} {r['state_mib']:>10.1f} {peaks[name]:>10.1f} {r['seconds']:>8.2f} {r['loss']:>10.4f}"
+        )
+    print(
+        json.dumps(
+            {
+                "nproc": args["nproc"],
+                "params_m": round(first["full"]["params_m"], 1),
+                "rank": args["rank"],
+                "full_peak_mib": round(peaks["full"], 1),
+                "lora_peak_mib": round(peaks["lora"], 1),
+                "full_state_mib": round(first["full"]["state_mib"], 1),
+                "lora_state_mib": round(first["lora"]["state_mib"], 1),
+                "lora_over_full_peak": round(peaks["lora"] / peaks["full"], 4),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
