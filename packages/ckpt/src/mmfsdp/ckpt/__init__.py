@@ -4,7 +4,8 @@
   checkpoints under `<save>/iter_NNNNNNN/` with an atomically moved
   `latest_checkpointed_iteration.txt` (see `checkpoint` and `layout`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
-- `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`.
+- `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`; `export_checkpoint_hf`: a training
+  checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`).
 - `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
 - `StateDictAdapter` (`FromHF` / `ToHF`, `RenameAdapter`, `IDENTITY`): how a family's HF file
   tensors map to its `state_dict()` tensors (renames, experts stacked into one tensor); found by
@@ -37,7 +38,7 @@ from mmfsdp.ckpt.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from mmfsdp.ckpt.convert import dcp_to_hf, hf_to_dcp
+from mmfsdp.ckpt.convert import HF_EXPORT_DIRNAME, dcp_to_hf, export_checkpoint_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
 from mmfsdp.ckpt.layout import (
@@ -70,6 +71,8 @@ __all__ = [
     "SafetensorsDir",
     "hf_to_dcp",
     "dcp_to_hf",
+    "export_checkpoint_hf",
+    "HF_EXPORT_DIRNAME",
     "parse_size",
     "CheckpointError",
     "StateDictAdapter",

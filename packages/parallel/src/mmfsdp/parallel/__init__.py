@@ -32,6 +32,7 @@ from mmfsdp.parallel.device import (
     peak_memory_gb,
     reset_peak_memory,
     synchronize,
+    use_deterministic,
 )
 from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp, apply_fsdp_groups
 from mmfsdp.parallel.grad import clip_grad_norm
@@ -52,6 +53,7 @@ __all__ = [
     "reset_peak_memory",
     "peak_memory_gb",
     "synchronize",
+    "use_deterministic",
     "MESH_AXES",
     "MeshPlan",
     "ParallelDims",
