@@ -23,6 +23,7 @@ _SERIAL_SECONDS = {
     "tests/test_e2e_varlen_parity.py": 125,
     "tests/test_e2e_fsdp_parity.py": 118,
     "tests/test_e2e_cp.py": 100,
+    "tests/test_e2e_msmm.py": 51,
     "packages/model/tests/test_model_cp_parity.py": 80,
     "packages/model/tests/test_model_qwen3vl_cp.py": 68,
     "tests/test_e2e_moe_router.py": 62,
@@ -33,6 +34,7 @@ _SERIAL_SECONDS = {
     "packages/model/tests/test_model_distributed.py": 45,
     "packages/parallel/tests/test_parallel_cp_attention.py": 40,
     "tests/test_e2e_memory_measured.py": 40,
+    "tests/test_msmm_config.py": 23,
 }
 
 
