@@ -181,7 +181,9 @@ _LORA = """\
 
 QWEN3VL_30B_LORA = (
     "HF_MODEL_LOAD_PATH: &HF_PATH @MODEL@\nDATASET_PATH: &TRAIN_DATA @DATA@/train.jsonl\n\n"
-    + QWEN3VL_30B.replace("      model_name_or_path: &HF_MODEL_LOAD_PATH @MODEL@\n", "      model_name_or_path: *HF_PATH\n")
+    + QWEN3VL_30B.replace(
+        "      model_name_or_path: &HF_MODEL_LOAD_PATH @MODEL@\n", "      model_name_or_path: *HF_PATH\n"
+    )
     .replace("  model_name_or_path: *HF_MODEL_LOAD_PATH\n", "  model_name_or_path: *HF_PATH\n")
     .replace("      dataset: &DATASET_PATH @DATA@/train.jsonl\n", "      dataset: *TRAIN_DATA\n")
     .replace("  lr: 1.0e-5\n", "  lr: 1.0e-4\n")

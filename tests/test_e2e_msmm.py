@@ -94,7 +94,12 @@ tools:
 
 def _features_config(paths: dict[str, Path], out: Path) -> Path:
     text = FEATURES
-    for token, value in (("@MODEL@", QWEN3VL_TINY), ("@DATA@", paths["data"]), ("@CACHE@", paths["cache"]), ("@OUT@", out)):
+    for token, value in (
+        ("@MODEL@", QWEN3VL_TINY),
+        ("@DATA@", paths["data"]),
+        ("@CACHE@", paths["cache"]),
+        ("@OUT@", out),
+    ):
         text = text.replace(token, str(value))
     out.mkdir(parents=True, exist_ok=True)
     path = out.parent / f"{out.name}.yaml"
@@ -167,9 +172,15 @@ def runs(tmp_path_factory):
             planned.append((f"{name}_ours", *_ours(config, overrides, tmp / "out" / f"{name}_ours")))
     features = _features_config(paths, tmp / "out" / "features")
     prepare_dataset(load_config(features).data)
-    twin = _ours(features, [], tmp / "out" / "features_ours", **{
-        "training.save": "null", "tools.memory_profile.enable": "false",
-    })
+    twin = _ours(
+        features,
+        [],
+        tmp / "out" / "features_ours",
+        **{
+            "training.save": "null",
+            "tools.memory_profile.enable": "false",
+        },
+    )
     planned += [("features_ours", *twin), ("features", features, [])]
     results = run_distributed(_train, 2, planned, timeout=800)[0]
     return {"results": results, "tmp": tmp, "features": features, "paths": paths}

@@ -61,22 +61,50 @@ def test_layout_passes_check_with_only_the_documented_warning(name, paths, tmp_p
     documented = MIGRATION.read_text()
     for key, _ in translated.ignored:
         anchor_only = "." not in key  # a top-level key that holds a YAML anchor
-        assert ("YAML anchor" if anchor_only else f"`{key}`") in documented, f"{key} is ignored but not in docs/migration.md"
+        assert ("YAML anchor" if anchor_only else f"`{key}`") in documented, (
+            f"{key} is ignored but not in docs/migration.md"
+        )
 
 
 def test_the_30b_layout_means_what_it_says(paths, tmp_path):
     cfg = load_config(msmm_configs.write_config("qwen3vl_30b", paths, tmp_path), msmm_configs.CPU_OVERRIDES)
     pre, basic = cfg.data.dataset_param.preprocess_parameters, cfg.data.dataset_param.basic_parameters
-    assert (pre.cutoff_len, pre.template, pre.enable_thinking, pre.train_on_prompt, pre.mask_history) == (1024, "qwen3_vl_nothink", False, False, False)
+    assert (pre.cutoff_len, pre.template, pre.enable_thinking, pre.train_on_prompt, pre.mask_history) == (
+        1024,
+        "qwen3_vl_nothink",
+        False,
+        False,
+        False,
+    )
     assert (basic.num_proc, basic.shuffle, basic.max_samples) == (1, True, 10000)
-    assert cfg.parallel.recompute and cfg.parallel.recompute_plan.apply_modules == ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    assert cfg.parallel.recompute and cfg.parallel.recompute_plan.apply_modules == [
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ]
     assert cfg.features.activation_offload_plan.apply_modules == ["model.language_model.layers.{*}"]
     assert cfg.features.loss_cfg.loss_type == "default" and not cfg.training.deterministic
     p = cfg.tools.profile
-    assert (p.enable, p.start_step, p.end_step, p.output_dir, p.ranks, p.record_shapes, p.with_memory, p.with_stack, p.with_cpu) == (
-        False, 10, 11, "./profiling", [0], False, False, False, True)
+    assert (
+        p.enable,
+        p.start_step,
+        p.end_step,
+        p.output_dir,
+        p.ranks,
+        p.record_shapes,
+        p.with_memory,
+        p.with_stack,
+        p.with_cpu,
+    ) == (False, 10, 11, "./profiling", [0], False, False, False, True)
     mp = cfg.tools.memory_profile
-    assert (mp.enable, mp.start_step, mp.end_step, mp.save_path, mp.dump_ranks, mp.stacks, mp.max_entries) == (False, 1, 2, "./memory_snapshot", [0], "all", None)
+    assert (mp.enable, mp.start_step, mp.end_step, mp.save_path, mp.dump_ranks, mp.stacks, mp.max_entries) == (
+        False,
+        1,
+        2,
+        "./memory_snapshot",
+        [0],
+        "all",
+        None,
+    )
 
 
 def test_the_magistral_layout_means_what_it_says(paths, tmp_path):
@@ -93,20 +121,70 @@ def test_the_magistral_layout_means_what_it_says(paths, tmp_path):
 # (their key, a value, our key, the value we expect): every `Alias` with a target of every section.
 ALIASES = [
     ("data.dataset_param.basic_parameters.cutoff_len", 77, "data.dataset_param.preprocess_parameters.cutoff_len", 77),
-    ("data.dataset_param.basic_parameters.template", "qwen3_vl", "data.dataset_param.preprocess_parameters.template", "qwen3_vl"),
-    ("data.dataset_param.basic_parameters.train_on_prompt", True, "data.dataset_param.preprocess_parameters.train_on_prompt", True),
-    ("data.dataset_param.basic_parameters.mask_history", True, "data.dataset_param.preprocess_parameters.mask_history", True),
-    ("data.dataset_param.basic_parameters.enable_thinking", False, "data.dataset_param.preprocess_parameters.enable_thinking", False),
-    ("data.dataset_param.basic_parameters.preprocessing_num_workers", 3, "data.dataset_param.basic_parameters.num_proc", 3),
-    ("data.dataset_param.basic_parameters.val_dataset", "v.jsonl", "data.dataset_param.basic_parameters.eval_dataset", "v.jsonl"),
+    (
+        "data.dataset_param.basic_parameters.template",
+        "qwen3_vl",
+        "data.dataset_param.preprocess_parameters.template",
+        "qwen3_vl",
+    ),
+    (
+        "data.dataset_param.basic_parameters.train_on_prompt",
+        True,
+        "data.dataset_param.preprocess_parameters.train_on_prompt",
+        True,
+    ),
+    (
+        "data.dataset_param.basic_parameters.mask_history",
+        True,
+        "data.dataset_param.preprocess_parameters.mask_history",
+        True,
+    ),
+    (
+        "data.dataset_param.basic_parameters.enable_thinking",
+        False,
+        "data.dataset_param.preprocess_parameters.enable_thinking",
+        False,
+    ),
+    (
+        "data.dataset_param.basic_parameters.preprocessing_num_workers",
+        3,
+        "data.dataset_param.basic_parameters.num_proc",
+        3,
+    ),
+    (
+        "data.dataset_param.basic_parameters.val_dataset",
+        "v.jsonl",
+        "data.dataset_param.basic_parameters.eval_dataset",
+        "v.jsonl",
+    ),
     ("data.dataloader_param.shuffle", False, "data.dataset_param.basic_parameters.shuffle", False),
-    ("data.dataloader_param.collate_param.collator_id", "qwen3vl", "data.dataloader_param.collate_param.model_name", "qwen3vl"),
+    (
+        "data.dataloader_param.collate_param.collator_id",
+        "qwen3vl",
+        "data.dataloader_param.collate_param.model_name",
+        "qwen3vl",
+    ),
     ("model.loss_cfg", {"loss_type": "per_sample_loss"}, "features.loss_cfg", {"loss_type": "per_sample"}),
     ("model.enable_chunk_loss", True, "features.enable_chunk_loss", True),
-    ("model.chunkloss_plan", {"apply_module": "lm_head", "chunk_size": 64}, "features.chunkloss_plan", {"chunk_size": 64}),
-    ("model.activation_offload_plan", {"apply_modules": ["lm_head"]}, "features.activation_offload_plan", {"apply_modules": ["lm_head"]}),
+    (
+        "model.chunkloss_plan",
+        {"apply_module": "lm_head", "chunk_size": 64},
+        "features.chunkloss_plan",
+        {"chunk_size": 64},
+    ),
+    (
+        "model.activation_offload_plan",
+        {"apply_modules": ["lm_head"]},
+        "features.activation_offload_plan",
+        {"apply_modules": ["lm_head"]},
+    ),
     ("model.recompute", True, "parallel.recompute", True),
-    ("model.recompute_plan", {"apply_modules": ["a.{*}"], "use_reentrant": False}, "parallel.recompute_plan", {"apply_modules": ["a.{*}"]}),
+    (
+        "model.recompute_plan",
+        {"apply_modules": ["a.{*}"], "use_reentrant": False},
+        "parallel.recompute_plan",
+        {"apply_modules": ["a.{*}"]},
+    ),
     ("features.recompute", True, "parallel.recompute", True),
     ("features.recompute_plan", {"apply_modules": ["a.{*}"]}, "parallel.recompute_plan", {"apply_modules": ["a.{*}"]}),
     ("training.use_deter_comp", True, "training.deterministic", True),
@@ -129,7 +207,12 @@ VALUE_ALIASES = [
 def test_every_alias_of_the_tables_is_tested_here():
     tables = {path for path, entry in foreign_entries(Config) if isinstance(entry, Alias) and entry.target is not None}
     assert tables == {theirs for theirs, *_ in ALIASES}
-    values = {(path, k) for path, entry in foreign_entries(Config) if isinstance(entry, Alias) and entry.target is None for k in entry.values}
+    values = {
+        (path, k)
+        for path, entry in foreign_entries(Config)
+        if isinstance(entry, Alias) and entry.target is None
+        for k in entry.values
+    }
     assert values == {(path, theirs) for path, theirs, _ in VALUE_ALIASES}
 
 
@@ -149,9 +232,11 @@ def test_old_and_new_layouts_of_the_features_are_one_config(tmp_path):
     """MindSpeed-MM moved loss, chunk loss, offload and recompute from `model:`/`parallel:` to `features:`."""
     settings = {
         "loss_cfg": {"loss_type": "per_token_loss", "router_aux_loss_coef": 0.0},
-        "enable_chunk_loss": True, "chunkloss_plan": {"apply_module": "lm_head", "chunk_size": 256},
+        "enable_chunk_loss": True,
+        "chunkloss_plan": {"apply_module": "lm_head", "chunk_size": 256},
         "activation_offload_plan": {"apply_modules": ["model.language_model.layers.{*}"]},
-        "recompute": True, "recompute_plan": {"apply_modules": ["model.language_model.layers.{*}"]},
+        "recompute": True,
+        "recompute_plan": {"apply_modules": ["model.language_model.layers.{*}"]},
     }
     recompute = {k: settings[k] for k in ("recompute", "recompute_plan")}
     rest = {k: v for k, v in settings.items() if k not in recompute}
@@ -194,7 +279,9 @@ def test_the_warning_is_logged_once_and_on_rank_0_only(tmp_path, monkeypatch):
         monkeypatch.setenv("RANK", "1")
         warn_ignored_keys(on_rank_1)
         assert records == []
-        on_rank_0 = read_config(_write(tmp_path, "training:\n  plugin: [a]\n  quantization_plan: {recipe_name: mxfp8}\n"))[2]
+        on_rank_0 = read_config(
+            _write(tmp_path, "training:\n  plugin: [a]\n  quantization_plan: {recipe_name: mxfp8}\n")
+        )[2]
         monkeypatch.setenv("RANK", "0")
         warn_ignored_keys(on_rank_0)
         warn_ignored_keys(on_rank_0)
@@ -206,11 +293,26 @@ def test_the_warning_is_logged_once_and_on_rank_0_only(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "text, key, message",
     [
-        ("data:\n  dataloader_param:\n    collate_param:\n      ignore_pad_token_for_loss: false\n",
-         "data.dataloader_param.collate_param.ignore_pad_token_for_loss", r"False is not supported: padding never counts in the loss; remove the key or set it to true"),
-        ("data:\n  dataloader_param:\n    dataloader_mode: stream\n", "data.dataloader_param.dataloader_mode", "'stream' is not supported"),
-        ("features:\n  chunkloss_plan:\n    apply_module: model.lm_head\n", "features.chunkloss_plan.apply_module", "set it to lm_head"),
-        ("data:\n  dataset_param:\n    attr:\n      videos: videos\n", "data.dataset_param.attr.videos", "video rows are not supported"),
+        (
+            "data:\n  dataloader_param:\n    collate_param:\n      ignore_pad_token_for_loss: false\n",
+            "data.dataloader_param.collate_param.ignore_pad_token_for_loss",
+            r"False is not supported: padding never counts in the loss; remove the key or set it to true",
+        ),
+        (
+            "data:\n  dataloader_param:\n    dataloader_mode: stream\n",
+            "data.dataloader_param.dataloader_mode",
+            "'stream' is not supported",
+        ),
+        (
+            "features:\n  chunkloss_plan:\n    apply_module: model.lm_head\n",
+            "features.chunkloss_plan.apply_module",
+            "set it to lm_head",
+        ),
+        (
+            "data:\n  dataset_param:\n    attr:\n      videos: videos\n",
+            "data.dataset_param.attr.videos",
+            "video rows are not supported",
+        ),
         ("tools:\n  profile:\n    profile_type: dynamic\n", "tools.profile.profile_type", "set it to static"),
     ],
 )
@@ -222,11 +324,19 @@ def test_ignored_key_with_a_value_mmfsdp_cannot_honour_is_an_error(tmp_path, tex
 @pytest.mark.parametrize(
     "text, error",
     [
-        ("training:\n  use_deter_compp: true\n", r"^training\.use_deter_compp: unknown key \(did you mean 'training\.use_deter_comp'\?\)"),
+        (
+            "training:\n  use_deter_compp: true\n",
+            r"^training\.use_deter_compp: unknown key \(did you mean 'training\.use_deter_comp'\?\)",
+        ),
         ("training:\n  lerning_rate: 1\n", r"^training\.lerning_rate: unknown key"),
-        ("data:\n  dataloader_param:\n    sampler_typ: x\n", r"^data\.dataloader_param\.sampler_typ: unknown key \(did you mean 'data\.dataloader_param\.sampler_type'\?\)"),
-        ("tools:\n  profile:\n    static_param:\n      levle: level1\n",
-         r"^tools\.profile\.static_param\.levle: unknown key \(did you mean 'tools\.profile\.static_param\.level'\?\)"),
+        (
+            "data:\n  dataloader_param:\n    sampler_typ: x\n",
+            r"^data\.dataloader_param\.sampler_typ: unknown key \(did you mean 'data\.dataloader_param\.sampler_type'\?\)",
+        ),
+        (
+            "tools:\n  profile:\n    static_param:\n      levle: level1\n",
+            r"^tools\.profile\.static_param\.levle: unknown key \(did you mean 'tools\.profile\.static_param\.level'\?\)",
+        ),
         ("gpt_args:\n  seq_length: 4\n", r"^gpt_args: unknown key"),
         ("MM_TOOL_PATH: ./tools.json\n", r"^MM_TOOL_PATH: unknown key"),  # a top-level key without an anchor
     ],
@@ -238,7 +348,10 @@ def test_keys_of_neither_schema_stay_errors_with_the_closest_key(tmp_path, text,
 
 def test_both_spellings_with_different_values_is_an_error(tmp_path):
     text = "data:\n  dataset_param:\n    preprocess_parameters:\n      cutoff_len: 512\n    basic_parameters:\n      cutoff_len: 1024\n"
-    with pytest.raises(ConfigError, match=r"^data\.dataset_param\.basic_parameters\.cutoff_len: 1024 conflicts with data\.dataset_param\.preprocess_parameters\.cutoff_len: 512"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.dataset_param\.basic_parameters\.cutoff_len: 1024 conflicts with data\.dataset_param\.preprocess_parameters\.cutoff_len: 512",
+    ):
         load_config(_write(tmp_path, text))
     same = text.replace("1024", "512")
     assert load_config(_write(tmp_path, same)).data.dataset_param.preprocess_parameters.cutoff_len == 512
@@ -249,15 +362,29 @@ def test_both_spellings_with_different_values_is_an_error(tmp_path):
 
 def test_overrides_in_either_spelling_win_over_the_file_in_either_spelling(tmp_path):
     theirs = _write(tmp_path, "data:\n  dataset_param:\n    basic_parameters:\n      cutoff_len: 1024\n", "theirs.yaml")
-    ours = _write(tmp_path, "data:\n  dataset_param:\n    preprocess_parameters:\n      cutoff_len: 1024\n", "ours.yaml")
+    ours = _write(
+        tmp_path, "data:\n  dataset_param:\n    preprocess_parameters:\n      cutoff_len: 1024\n", "ours.yaml"
+    )
     for path in (theirs, ours):
-        for key in ("data.dataset_param.basic_parameters.cutoff_len", "data.dataset_param.preprocess_parameters.cutoff_len"):
+        for key in (
+            "data.dataset_param.basic_parameters.cutoff_len",
+            "data.dataset_param.preprocess_parameters.cutoff_len",
+        ):
             assert load_config(path, [f"{key}=64"]).data.dataset_param.preprocess_parameters.cutoff_len == 64
-    cfg = load_config(ours, ["features.loss_cfg.loss_type=per_token_loss", "training.use_deter_comp=true", "model.recompute=true"])
-    assert (cfg.features.loss_cfg.loss_type, cfg.training.deterministic, cfg.parallel.recompute) == ("per_token", True, True)
+    cfg = load_config(
+        ours, ["features.loss_cfg.loss_type=per_token_loss", "training.use_deter_comp=true", "model.recompute=true"]
+    )
+    assert (cfg.features.loss_cfg.loss_type, cfg.training.deterministic, cfg.parallel.recompute) == (
+        "per_token",
+        True,
+        True,
+    )
     _, _, translated = read_config(ours, ["training.plugin=[x]"])
     assert [key for key, _ in translated.ignored] == ["training.plugin"]
-    with pytest.raises(ConfigError, match=r"^training\.use_deter_comp: expected true or false|^training\.deterministic: expected true or false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^training\.use_deter_comp: expected true or false|^training\.deterministic: expected true or false",
+    ):
         load_config(ours, ["training.use_deter_comp=maybe"])
 
 
@@ -285,9 +412,22 @@ training:
 """
     cfg = load_config(_write(tmp_path, text))
     basic = cfg.data.dataset_param.basic_parameters
-    assert (basic.dataset, basic.eval_dataset, cfg.training.val_interval, cfg.training.eval_batch_size) == ("train.jsonl", "val.jsonl", 100, 2)
-    with pytest.raises(ConfigError, match=r"^data\.val_dataset_param\.basic_parameters\.cutoff_len: differs from data\.dataset_param\.basic_parameters\.cutoff_len"):
-        load_config(_write(tmp_path, text.replace("      cache_dir: ./cache/val\n", "      cache_dir: ./cache/val\n      cutoff_len: 64\n")))
+    assert (basic.dataset, basic.eval_dataset, cfg.training.val_interval, cfg.training.eval_batch_size) == (
+        "train.jsonl",
+        "val.jsonl",
+        100,
+        2,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.val_dataset_param\.basic_parameters\.cutoff_len: differs from data\.dataset_param\.basic_parameters\.cutoff_len",
+    ):
+        load_config(
+            _write(
+                tmp_path,
+                text.replace("      cache_dir: ./cache/val\n", "      cache_dir: ./cache/val\n      cutoff_len: 64\n"),
+            )
+        )
     with pytest.raises(ConfigError, match=r"^training\.val_interval: 100 needs evaluation data"):
         load_config(_write(tmp_path, "training:\n  val_interval: 100\n"))
 
@@ -301,7 +441,14 @@ def test_resolved_config_is_written_once_in_our_spelling(paths, tmp_path):
     assert not errors and translated.warning() is None and not translated.renamed
     assert to_dict(again) == to_dict(cfg)
     text = written.read_text()
-    for theirs in ("basic_parameters:\n      cutoff_len", "per_token_loss", "\n  plugin:", "adam_fused", "HF_MODEL_LOAD_PATH", "static_param"):
+    for theirs in (
+        "basic_parameters:\n      cutoff_len",
+        "per_token_loss",
+        "\n  plugin:",
+        "adam_fused",
+        "HF_MODEL_LOAD_PATH",
+        "static_param",
+    ):
         assert theirs not in text
 
 
@@ -316,7 +463,9 @@ def test_mm_data_reads_the_mindspeed_layout(paths, tmp_path, capsys):
     from mmfsdp.data.cli import main as mm_data
 
     config = msmm_configs.write_config("qwen3vl_30b", paths, tmp_path)
-    code = mm_data(["inspect", str(config), "data.dataset_param.basic_parameters.preprocessing_num_workers=1", "--index", "0"])
+    code = mm_data(
+        ["inspect", str(config), "data.dataset_param.basic_parameters.preprocessing_num_workers=1", "--index", "0"]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "mm-data: warning: ignored" in captured.err and "a " in captured.out

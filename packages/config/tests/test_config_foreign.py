@@ -13,7 +13,10 @@ class Loss:
     kind: str = "mean"
     """Normalisation."""
 
-    foreign_keys: ClassVar[dict] = {"kind": Alias(values={"per_token_loss": "token"}), "offload": Ignored("stays", allowed=(False,))}
+    foreign_keys: ClassVar[dict] = {
+        "kind": Alias(values={"per_token_loss": "token"}),
+        "offload": Ignored("stays", allowed=(False,)),
+    }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +55,9 @@ def _built(data: dict) -> Root:
 
 
 def test_aliases_move_values_and_translate_value_names():
-    out = translate(Root, {"model": {"width": 4, "prof": {"start": 2, "level": "l1"}, "loss": {"kind": "per_token_loss"}}})
+    out = translate(
+        Root, {"model": {"width": 4, "prof": {"start": 2, "level": "l1"}, "loss": {"kind": "per_token_loss"}}}
+    )
     assert out.data == {"model": {"size": 4, "loss": {"kind": "token"}}, "tools": {"start": 2}}
     assert out.ignored == [("model.prof.level", "another profiler")]
     assert ("model.width", "model.size") in out.renamed
@@ -71,7 +76,9 @@ def test_conflicts_and_disallowed_values_are_errors_naming_the_key():
     with pytest.raises(ConfigError, match=r"^model\.width: 4 conflicts with model\.size: 2"):
         translate(Root, {"model": {"size": 2, "width": 4}})
     assert translate(Root, {"model": {"size": 2, "width": 2}}).data == {"model": {"size": 2}}
-    with pytest.raises(ConfigError, match=r"^model\.loss\.offload: True is not supported: stays; remove the key or set it to false"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.loss\.offload: True is not supported: stays; remove the key or set it to false"
+    ):
         translate(Root, {"model": {"loss": {"offload": True}}})
     with pytest.raises(ConfigError, match=r"^model\.prof\.levle: unknown key \(did you mean 'model\.prof\.level'\?\)"):
         translate(Root, {"model": {"prof": {"levle": 1}}})
@@ -80,7 +87,9 @@ def test_conflicts_and_disallowed_values_are_errors_naming_the_key():
 def test_unknown_keys_are_left_for_build_with_hints_over_both_schemas():
     out = translate(Root, {"model": {"widht": 3}})
     assert out.data == {"model": {"widht": 3}}
-    with pytest.raises(ConfigError, match=r"^model\.widht: unknown key \(did you mean 'model\.width'\?\); valid keys here: size, loss$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.widht: unknown key \(did you mean 'model\.width'\?\); valid keys here: size, loss$"
+    ):
         build(Root, out.data)
 
 

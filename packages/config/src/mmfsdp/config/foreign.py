@@ -53,7 +53,16 @@ import yaml
 
 from mmfsdp.config.core import ConfigError, load_yaml, parse_override
 
-__all__ = ["Alias", "ForeignKey", "Ignored", "Translate", "Translated", "foreign_entries", "load_translated", "translate"]
+__all__ = [
+    "Alias",
+    "ForeignKey",
+    "Ignored",
+    "Translate",
+    "Translated",
+    "foreign_entries",
+    "load_translated",
+    "translate",
+]
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ class _Walk:
         if entry is not None:
             self.apply(entry, mapping.pop(key), mapping, _join(path, key))
             return
-        nested = {k[len(key) + 1:]: e for k, e in table.items() if k.startswith(key + ".")}
+        nested = {k[len(key) + 1 :]: e for k, e in table.items() if k.startswith(key + ".")}
         if nested and isinstance(mapping[key], dict):
             self.foreign_mapping(nested, mapping.pop(key), _join(path, key))
         # otherwise an unknown key: left in place for `build` to report with the closest key
@@ -187,7 +196,7 @@ class _Walk:
             if key in table:
                 self.apply(table[key], mapping.pop(key), mapping, _join(path, key))
                 continue
-            nested = {k[len(key) + 1:]: e for k, e in table.items() if k.startswith(key + ".")}
+            nested = {k[len(key) + 1 :]: e for k, e in table.items() if k.startswith(key + ".")}
             if nested and isinstance(mapping[key], dict):
                 self.foreign_mapping(nested, mapping.pop(key), _join(path, key))
                 continue
@@ -200,7 +209,9 @@ class _Walk:
         if isinstance(entry, Ignored):
             if entry.allowed is not None and not any(value == a and type(value) is type(a) for a in entry.allowed):
                 accepted = " or ".join(_yaml_scalar(a) for a in entry.allowed)
-                raise ConfigError(path, f"{value!r} is not supported: {entry.reason}; remove the key or set it to {accepted}")
+                raise ConfigError(
+                    path, f"{value!r} is not supported: {entry.reason}; remove the key or set it to {accepted}"
+                )
             self.ignored.append((path, entry.reason))
         elif isinstance(entry, Alias):
             assert entry.target is not None, f"{path}: an alias of a key that is not a field needs a target"
@@ -222,7 +233,7 @@ def _put(data: dict[str, Any], root_path: str, source: str, target: str, value: 
     if root_path:
         if not target.startswith(root_path + "."):
             return  # outside the part being translated: its owner does not read it
-        target = target[len(root_path) + 1:]
+        target = target[len(root_path) + 1 :]
     parts = target.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -230,7 +241,10 @@ def _put(data: dict[str, Any], root_path: str, source: str, target: str, value: 
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(_join(root_path, ".".join(parts[: i + 1])), f"is {child!r}, not a section, so {source} cannot go under it")
+            raise ConfigError(
+                _join(root_path, ".".join(parts[: i + 1])),
+                f"is {child!r}, not a section, so {source} cannot go under it",
+            )
         node = child
     _merge(node, parts[-1], value, source, _join(root_path, target))
 
@@ -242,7 +256,9 @@ def _merge(node: dict[str, Any], key: str, value: Any, source: str, target: str)
         for sub_key, sub_value in value.items():
             _merge(node[key], sub_key, sub_value, _join(source, sub_key), _join(target, sub_key))
     elif node[key] != value:
-        raise ConfigError(source, f"{value!r} conflicts with {target}: {node[key]!r} in the same config; keep one of the two")
+        raise ConfigError(
+            source, f"{value!r} conflicts with {target}: {node[key]!r} in the same config; keep one of the two"
+        )
 
 
 def translate(cls: type, data: dict[str, Any] | None, path: str = "", *, anchored: tuple[str, ...] = ()) -> Translated:
@@ -259,7 +275,9 @@ def translate(cls: type, data: dict[str, Any] | None, path: str = "", *, anchore
     for key in anchored:
         if key in result and key not in fields:
             del result[key]
-            out.ignored.append((_join(path, key), "holds only a YAML anchor; its value is used where the anchor is referred to"))
+            out.ignored.append(
+                (_join(path, key), "holds only a YAML anchor; its value is used where the anchor is referred to")
+            )
     for _ in range(16):
         walk = _Walk(path)
         walk.section(cls, result, path)
@@ -313,7 +331,9 @@ def _set(data: dict[str, Any], parts: tuple[str, ...], value: Any, text: str) ->
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is {child!r}, not a section, so {text!r} cannot set a key under it")
+            raise ConfigError(
+                ".".join(parts[: i + 1]), f"is {child!r}, not a section, so {text!r} cannot set a key under it"
+            )
         node = child
     node[parts[-1]] = value
 
@@ -358,7 +378,7 @@ def load_translated(cls: type, path: str | Path, overrides: list[str] | None = N
         if section:
             if parts[: len(section.split("."))] != section.split("."):
                 continue
-            parts = parts[len(section.split(".")):]
+            parts = parts[len(section.split(".")) :]
         marker = _Marker()
         located = translate(cls, _nested(parts, marker), section)
         where = _find(located.data, marker)
