@@ -56,6 +56,8 @@ def test_layout_passes_check_with_only_the_documented_warning(name, paths, tmp_p
     assert code == 0, captured.err
     assert "config error" not in captured.err and "Traceback" not in captured.err
     assert "check passed: 2 processes" in captured.out
+    warnings = [line for line in captured.out.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ignored "), warnings
     _, errors, translated = read_config(config, overrides)
     assert not errors
     documented = MIGRATION.read_text()

@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         _print_errors(getattr(err, "errors", [err]))
         return 2
-    if not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):  # the app's launcher has said it already
+    if args.check:  # part of the report, whatever else the check finds
+        if translated.warning() is not None:
+            print(f"warning: {translated.warning()}")
+    elif not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):  # the app's launcher has said it already
         warn_ignored_keys(translated)
     # The app's own launcher checks what needs no model code and leaves the model checks to its ranks,
     # which import the model anyway: the launcher itself never pays for importing transformers.
