@@ -23,7 +23,7 @@ _SERIAL_SECONDS = {
     "tests/test_e2e_varlen_parity.py": 125,
     "tests/test_e2e_fsdp_parity.py": 118,
     "tests/test_e2e_cp.py": 100,
-    "tests/test_e2e_msmm.py": 51,
+    "tests/test_e2e_msmm.py": 55,
     "packages/model/tests/test_model_cp_parity.py": 80,
     "packages/model/tests/test_model_qwen3vl_cp.py": 68,
     "tests/test_e2e_moe_router.py": 62,

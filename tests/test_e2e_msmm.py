@@ -9,7 +9,7 @@ One 2-process spawn (gloo) runs, 3 steps each, in turn:
   `per_token_loss`, ...) mean what our keys mean;
 - a tiny dense Qwen3-VL in MindSpeed spelling with the features its keys name: `use_deter_comp`,
   `val_interval` + `val_dataset_param` (YAML merge keys) + `val_micro_batch_size`, `save_format: hf`,
-  `tools.memory_profile` on rank 1, `per_sample_loss` — and its twin in our spelling.
+  `tools.memory_profile` and `tools.profile` on rank 1, `per_sample_loss` — and its twin in our spelling.
 
 The HF export is then loaded with `from_pretrained` here: its logits equal the trained model's, and its
 loss over the evaluation set equals the `val_loss` the run logged at the same step.
@@ -83,6 +83,17 @@ training:
   use_deter_comp: true
   output_dir: @OUT@
 tools:
+  profile:
+    enable: true
+    profile_type: static
+    ranks: [1]
+    static_param:
+      level: level1
+      with_cpu: true
+      record_shapes: false
+      save_path: @OUT@/profiling
+      start_step: 2
+      end_step: 2
   memory_profile:
     enable: true
     start_step: 1
@@ -172,15 +183,8 @@ def runs(tmp_path_factory):
             planned.append((f"{name}_ours", *_ours(config, overrides, tmp / "out" / f"{name}_ours")))
     features = _features_config(paths, tmp / "out" / "features")
     prepare_dataset(load_config(features).data)
-    twin = _ours(
-        features,
-        [],
-        tmp / "out" / "features_ours",
-        **{
-            "training.save": "null",
-            "tools.memory_profile.enable": "false",
-        },
-    )
+    off = {"training.save": "null", "tools.memory_profile.enable": "false", "tools.profile.enable": "false"}
+    twin = _ours(features, [], tmp / "out" / "features_ours", **off)
     planned += [("features_ours", *twin), ("features", features, [])]
     results = run_distributed(_train, 2, planned, timeout=800)[0]
     return {"results": results, "tmp": tmp, "features": features, "paths": paths}
@@ -234,7 +238,7 @@ def test_save_format_hf_exports_a_directory_from_pretrained_loads(runs):
     features = runs["results"]["features"]
     with torch.no_grad():
         logits = _hf_model(export)(**model_inputs(features["batch"])).logits.float()
-    torch.testing.assert_close(logits, features["logits"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, features["logits"])  # the same fp32 weights and kernels: bitwise
 
 
 def test_exported_weights_give_the_logged_validation_loss(runs):
@@ -266,3 +270,8 @@ def test_memory_snapshot_is_written_on_the_listed_rank_only(runs):
     record = json.loads((runs["tmp"] / "out" / "features" / "memory_snapshot" / snapshots[0]).read_text())
     assert [s["step"] for s in record["steps"]] == [1, 2]
     assert record["peak_bytes"] > 0 and record["device"] == "cpu"
+
+
+def test_profile_traces_the_listed_ranks_only(runs):
+    traces = [p.name for p in (runs["tmp"] / "out" / "features" / "profiling").iterdir()]
+    assert traces and all(name.startswith("rank1") for name in traces), traces
