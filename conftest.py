@@ -24,6 +24,7 @@ _SERIAL_SECONDS = {
     "tests/test_e2e_fsdp_parity.py": 118,
     "tests/test_e2e_lora_resume.py": 101,
     "tests/test_e2e_cp.py": 100,
+    "tests/test_e2e_msmm.py": 55,
     "packages/model/tests/test_model_cp_parity.py": 80,
     "packages/model/tests/test_model_qwen3vl_cp.py": 68,
     "tests/test_e2e_lora.py": 66,
@@ -39,6 +40,7 @@ _SERIAL_SECONDS = {
     "packages/model/tests/test_model_lora.py": 17,
     "apps/train/tests/test_train_start_lora.py": 8,
     "packages/ckpt/tests/test_ckpt_lora.py": 6,
+    "tests/test_msmm_config.py": 23,
 }
 
 

@@ -264,3 +264,31 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
                            "--dcp_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("mm-convert: error: weights directory") and "Traceback" not in proc.stderr
+
+
+def test_export_checkpoint_hf_follows_the_kept_checkpoints(tmp_path):
+    """`training.save_format: hf`: `<save>/iter_N` exported to `<save>/hf/iter_N`; exports of pruned iterations go."""
+    from mmfsdp.ckpt import HF_EXPORT_DIRNAME, export_checkpoint_hf, list_iterations
+
+    tensors = {k: v for k, v in _toy_tensors().items() if k != "step"}
+    assets = _write_hf(tmp_path / "assets", tensors, shards=1)
+    model = torch.nn.Module()
+    for name, value in tensors.items():
+        *path, leaf = name.split(".")
+        module = model
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(value.clone()))
+    save = tmp_path / "save"
+    for iteration in (1, 2, 3):
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        save_checkpoint(save, iteration, model=model, keep_last=2)
+        out = export_checkpoint_hf(save, iteration, assets)
+        assert out == save / HF_EXPORT_DIRNAME / f"iter_{iteration:07d}"
+    assert list_iterations(save) == [2, 3]
+    assert sorted(p.name for p in (save / HF_EXPORT_DIRNAME).iterdir()) == ["iter_0000002", "iter_0000003"]
+    _assert_bit_exact(_read_all(save / HF_EXPORT_DIRNAME / "iter_0000003"), {k: v.clone() for k, v in model.state_dict().items()})
+    assert (save / HF_EXPORT_DIRNAME / "iter_0000003" / "tokenizer.json").is_file()

@@ -13,7 +13,8 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "data.md"
 
 def _leaves(cls: type, path: str):
     """(dotted path, table name) of every non-section field; table name is how the row starts in the doc."""
-    for name, tp in get_type_hints(cls).items():
+    hints = get_type_hints(cls)
+    for name, tp in ((f.name, hints[f.name]) for f in dataclasses.fields(cls)):  # fields only: not `foreign_keys`
         if dataclasses.is_dataclass(tp):
             yield from _leaves(tp, f"{path}.{name}")
         else:

@@ -136,3 +136,26 @@ def test_mask_history_and_train_on_prompt(qwen_processor, tmp_path, h, images):
     encoder = SampleEncoder(cfg, qwen_processor)
     everything = encoder.encode_row(_row(images))
     assert everything["labels"] == [IGNORE_INDEX if t in encoder.plugin.image_token_ids else t for t in base["input_ids"]]
+
+
+def test_enable_thinking_false_drops_the_reasoning_and_leaves_the_empty_block_untrained(qwen_processor, tmp_path, h, images):
+    """LLaMA-Factory's (and MindSpeed-MM's) `enable_thinking: false` on the thinking template: the tokens are those
+    of the answer without reasoning (the empty block), and the block is prompt; `qwen3_vl_nothink` ignores it."""
+    reasoned = [*TURNS[:-1], (TURNS[-1][0], "<think>\nweighing it\n</think>\n\n" + TURNS[-1][1])]
+    cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl", "enable_thinking": False})
+    _, sample = _compare(qwen_processor, cfg, images, "qwen3_vl_thinking_chat_template.jinja")  # no reasoning given
+    dropped = SampleEncoder(cfg, qwen_processor).encode_row(_row(images, reasoned))
+    assert dropped["input_ids"] == sample["input_ids"]
+    end = qwen_processor.token_id("<|im_end|>")
+    history = qwen_processor.encode_texts([a for _, a in TURNS[:-1]])
+    last = qwen_processor.encode_texts(["\n\n" + TURNS[-1][1]])[0]
+    think_end = qwen_processor.token_id("</think>")
+    runs = _trained_runs(dropped["input_ids"], dropped["labels"])
+    assert runs[:-1] == [a + [end] for a in history]
+    assert think_end not in runs[-1] and runs[-1][-1] == end
+    answer = runs[-1][:-1]  # the last answer, trained after the block's "\n\n"
+    assert last[-len(answer):] == answer and qwen_processor.decode(answer).strip() == TURNS[-1][1].strip()
+    nothink = {"template": "qwen3_vl_nothink"}
+    on = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess=nothink), qwen_processor)
+    off = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={**nothink, "enable_thinking": False}), qwen_processor)
+    assert on.encode_row(_row(images)) == off.encode_row(_row(images))

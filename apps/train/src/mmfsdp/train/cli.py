@@ -177,15 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         supervise.watch_launcher_parent()
     from mmfsdp.train.check import deep_check, host_check, model_check
-    from mmfsdp.train.config import read_config
+    from mmfsdp.train.config import read_config, warn_ignored_keys
 
     try:
         path = _resolve_config_path(args)
-        cfg, errors = read_config(path, args.overrides)
+        cfg, errors, translated = read_config(path, args.overrides)
         world_size = _world_size(args, under_torchrun)
     except ConfigError as err:
         _print_errors(getattr(err, "errors", [err]))
         return 2
+    if args.check:  # part of the report, whatever else the check finds
+        if translated.warning() is not None:
+            print(f"warning: {translated.warning()}")
+    elif not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):  # the app's launcher has said it already
+        warn_ignored_keys(translated)
     # The app's own launcher checks what needs no model code and leaves the model checks to its ranks,
     # which import the model anyway: the launcher itself never pays for importing transformers.
     launching = not under_torchrun and not args.check and world_size > 1

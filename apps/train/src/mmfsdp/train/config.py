@@ -2,10 +2,11 @@
 
 `parallel`, `model`, `features` and `data` are defined by their packages;
 `training` and `tools` belong to the trainer and live here. `load_config`
-reads the file, applies dotted overrides, builds every section strictly and then
-runs the checks that span sections and the world size — all before any process
-group exists, so a user's mistake is one line naming the key, never a traceback
-from rank 3.
+reads the file, translates the keys of MindSpeed-MM's schema into ours (each
+section's `foreign_keys`, `mmfsdp.config.foreign`), applies dotted overrides in
+either spelling, builds every section strictly and then runs the checks that span
+sections and the world size — all before any process group exists, so a user's
+mistake is one line naming the key, never a traceback from rank 3.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from mmfsdp.config import ConfigError, ConfigErrors, build, dump_yaml, load_yaml
-from mmfsdp.data import DataConfig
+from mmfsdp.config import (
+    Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translated, build, dump_yaml, get_logger, load_translated, warn_once,
+)
+from mmfsdp.data import DataConfig, has_eval_data
 from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
@@ -82,9 +85,25 @@ class TrainingConfig:
     output_dir: str = "outputs/run"
     """Where `config.yaml`, `metrics.jsonl` and `eval.json` are written."""
     eval_batch_size: int = 8
-    """Samples per rank per forward pass during the final evaluation."""
+    """Samples per rank per forward pass during the final evaluation and the periodic validation."""
+    val_interval: int = 0
+    """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`)."""
+    save_format: Literal["dcp", "hf"] = "dcp"
+    """dcp: each save writes the DCP checkpoint (resumable); hf: also exports the model as HF safetensors to `<save>/hf/iter_NNNNNNN`, loadable with `from_pretrained` (config and tokenizer from `model.model_name_or_path`)."""
+    deterministic: bool = False
+    """Deterministic algorithms only (`torch.use_deterministic_algorithms`; CUBLAS_WORKSPACE_CONFIG on CUDA, HCCL_DETERMINISTIC on NPU): bitwise-repeatable runs, usually slower."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters on a frozen model; checkpoints hold the adapters only (docs/model.md, LoRA)."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "use_deter_comp": Alias("training.deterministic"),
+        "val_micro_batch_size": Alias("training.eval_batch_size"),
+        "save_format": Alias(values={"auto": "dcp"}),
+        "adam_fused": Ignored("AdamW is fused on CUDA and NPU and uses foreach on the CPU"),
+        "plugin": Ignored("model and dataset code comes from mmfsdp's registered packages, not from paths"),
+        "quantization_plan": Ignored("low-precision (MXFP8) training is not implemented; the run computes in the configured dtypes"),
+        "no_save_rng": Ignored("RNG states are always saved (a few KB); no_load_rng decides whether a resume restores them"),
+    }
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size", "swap_optimizer_times"):
@@ -102,6 +121,8 @@ class TrainingConfig:
             raise ConfigError("save_interval", f"must be >= 0, got {self.save_interval}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError("save_total_limit", f"must be >= 1 or null, got {self.save_total_limit}")
+        if self.val_interval < 0:
+            raise ConfigError("val_interval", f"must be >= 0 (0 turns validation off), got {self.val_interval}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,16 +135,67 @@ class ProfileConfig:
     """Last profiled step."""
     output_dir: str | None = None
     """Trace directory (default `<output_dir>/profile`)."""
+    ranks: list[int] | None = None
+    """Global ranks that record a trace; null = every rank."""
+    record_shapes: bool = True
+    """Record the input shapes of each operator."""
+    with_memory: bool = True
+    """Record tensor allocations and frees (`profile_memory`)."""
+    with_stack: bool = False
+    """Record the Python stack of each operator."""
+    with_cpu: bool = True
+    """Record CPU activity (the accelerator's activity is always recorded when there is one)."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "profile_type": Ignored("one profiler: torch.profiler over start_step..end_step", allowed=("static",)),
+        **{f"static_param.{key}": Alias(f"tools.profile.{key}") for key in ("start_step", "end_step", "record_shapes", "with_memory", "with_stack", "with_cpu")},
+        "static_param.save_path": Alias("tools.profile.output_dir"),
+        **{f"static_param.{key}": Ignored("an option of Ascend's own profiler; traces come from torch.profiler")
+           for key in ("level", "data_simplification", "aic_metrics_type", "analyse_flag")},
+    }
 
     def __post_init__(self) -> None:
-        if self.enable and not 1 <= self.start_step <= self.end_step:
-            raise ConfigError("start_step", f"need 1 <= start_step <= end_step, got {self.start_step}..{self.end_step}")
+        _check_steps(self.enable, self.start_step, self.end_step)
+
+
+def _check_steps(enable: bool, start_step: int, end_step: int) -> None:
+    if enable and not 1 <= start_step <= end_step:
+        raise ConfigError("start_step", f"need 1 <= start_step <= end_step, got {start_step}..{end_step}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryProfileConfig:
+    enable: bool = False
+    """Record every device allocation of steps start_step..end_step on the ranks in `dump_ranks` and write a memory snapshot (`torch.cuda.memory._dump_snapshot`, or NPU's; on a CPU-only host a JSON file of the tensor-memory peak per step)."""
+    start_step: int = 1
+    """First recorded step."""
+    end_step: int = 2
+    """Last recorded step; the snapshot is written after it."""
+    save_path: str | None = None
+    """Snapshot directory (default `<output_dir>/memory_snapshot`); one file per listed rank, `snapshot_rank<r>_steps<a>-<b>.pickle` (`.json` on the CPU)."""
+    dump_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that record and write a snapshot."""
+    stacks: Literal["python", "all"] = "all"
+    """Stack traces kept per allocation: python frames only, or all (C++ too)."""
+    max_entries: int | None = None
+    """Keep at most this many allocation events (the newest); null = all."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "mem_info": Ignored("the log line already shows each step's peak memory"),
+    }
+
+    def __post_init__(self) -> None:
+        _check_steps(self.enable, self.start_step, self.end_step)
+        if self.max_entries is not None and self.max_entries < 1:
+            raise ConfigError("max_entries", f"must be >= 1 or null, got {self.max_entries}")
 
 
 @dataclass(kw_only=True, slots=True)
 class ToolsConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler settings."""
+    memory_profile: MemoryProfileConfig = field(default_factory=MemoryProfileConfig)
+    """Device memory snapshot settings."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,30 +211,42 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Optimisation, schedule, checkpoints, logging."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    """Profiling and other tools."""
+    """Profiling, memory snapshots and other tools."""
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read, override and build the config; raises `ConfigError` for any user mistake (`ConfigErrors` for several)."""
-    cfg, errors = read_config(path, overrides)
+    """Read, translate, override and build the config; raises `ConfigError` for any user mistake (`ConfigErrors` for several).
+
+    Keys of MindSpeed-MM's schema that mmfsdp ignores are logged once, as one warning line, on rank 0.
+    """
+    cfg, errors, translated = read_config(path, overrides)
     if errors:
         raise ConfigErrors(errors)
+    warn_ignored_keys(translated)
     return cfg
 
 
-def read_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, list[ConfigError]]:
-    """The built config and every problem of its values, collected rather than raised.
+def read_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, list[ConfigError], Translated]:
+    """The built config, every problem of its values (collected rather than raised), and what was translated.
 
     A file that cannot be built (unknown key, wrong type, a section's own check)
     still raises its `ConfigError`: there is no config to check further.
     """
-    cfg = build(Config, load_yaml(path, overrides), "")
+    translated = load_translated(Config, path, overrides)
+    cfg = build(Config, translated.data, "")
     errors = check_values(cfg)
     try:
         check_sections(cfg)
     except ConfigError as err:
         errors.append(err)
-    return cfg, errors
+    return cfg, errors, translated
+
+
+def warn_ignored_keys(translated: Translated) -> None:
+    """The one warning line listing every ignored key of another schema and why (once per process, rank 0)."""
+    line = translated.warning()
+    if line is not None:
+        warn_once(line, get_logger("mmfsdp.train"))
 
 
 SEED_MAX = 2**32 - 1
@@ -207,12 +291,12 @@ def check_values(cfg: Config) -> list[ConfigError]:
         errors.append(ConfigError("training.adam_eps", f"must be > 0, got {t.adam_eps}"))
     if math.isfinite(t.weight_decay) and t.weight_decay < 0:
         errors.append(ConfigError("training.weight_decay", f"must be >= 0, got {t.weight_decay}"))
-    p = cfg.tools.profile
-    if p.enable and p.end_step > t.train_iters:
-        errors.append(ConfigError(
-            "tools.profile.end_step",
-            f"{p.end_step} is past training.train_iters ({t.train_iters}); profile steps within the run",
-        ))
+    for key, p in (("tools.profile", cfg.tools.profile), ("tools.memory_profile", cfg.tools.memory_profile)):
+        if p.enable and p.end_step > t.train_iters:
+            errors.append(ConfigError(
+                f"{key}.end_step",
+                f"{p.end_step} is past training.train_iters ({t.train_iters}); profile steps within the run",
+            ))
     return errors
 
 
@@ -224,6 +308,17 @@ def check_sections(cfg: Config) -> None:
             "training.init_model_with_meta_device",
             "true needs training.load (an HF directory with load_format: hf, or a DCP directory from "
             "`mm-convert ... hf_to_dcp`) or model.model_name_or_path with safetensors; a meta build has no random init",
+        )
+    if t.val_interval and not has_eval_data(cfg.data):
+        raise ConfigError(
+            "training.val_interval",
+            f"{t.val_interval} needs evaluation data: set data.dataset_param.basic_parameters.eval_dataset "
+            "(MindSpeed-MM: data.val_dataset_param), or set val_interval to 0",
+        )
+    if t.save_format == "hf" and not m.model_name_or_path:
+        raise ConfigError(
+            "training.save_format",
+            "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
         )
 
 

@@ -40,21 +40,23 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (~wrong.any(dim=-1)) & trained.any(dim=-1)
 
 
-@torch.no_grad()
-def evaluate(trainer: "Trainer") -> dict:
+def _eval_batches(trainer: "Trainer"):
+    """(batch, counted) of this rank's strided share of the evaluation split, `eval_batch_size` samples each.
+
+    Every rank yields the same number of batches (FSDP2 gathers parameters collectively): where its share is
+    shorter it repeats its last batch, with `counted` False.
+    """
     cfg = trainer.cfg
     dims = trainer.dims
-    dataset = build_dataset(cfg.data, trainer.processor, split="eval")
+    if trainer.eval_dataset is None:
+        trainer.eval_dataset = build_dataset(cfg.data, trainer.processor, split="eval")
+    dataset = trainer.eval_dataset
     collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
         pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=trainer._pad_multiple(), packing=False,
     )
     indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
     batch_size = cfg.training.eval_batch_size
     num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
-    model = trainer.model
-    model.eval()
-    correct = torch.zeros((), dtype=torch.int64)
-    counted = torch.zeros((), dtype=torch.int64)
     for b in range(num_batches):
         chunk = indices[b * batch_size : (b + 1) * batch_size]
         real = bool(chunk)
@@ -63,7 +65,17 @@ def evaluate(trainer: "Trainer") -> dict:
         items = [item for item in (dataset[i] for i in chunk) if "bad_reason" not in item]
         if not items:  # every image of this chunk failed to decode; keep the collective count equal
             items, real = [next(item for item in map(dataset.__getitem__, range(len(dataset))) if "bad_reason" not in item)], False
-        batch = collate(items)
+        yield collate(items), real
+
+
+@torch.no_grad()
+def evaluate(trainer: "Trainer") -> dict:
+    cfg = trainer.cfg
+    model = trainer.model
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64)
+    counted = torch.zeros((), dtype=torch.int64)
+    for batch, real in _eval_batches(trainer):
         logits = model(**trainer._to_device(model_inputs(batch))).logits.float()
         hits = exact_match(logits.cpu(), shift_labels(batch["labels"], batch.get("cu_seq_lens")))
         if real:
@@ -71,7 +83,7 @@ def evaluate(trainer: "Trainer") -> dict:
             counted += hits.numel()
     model.train()
     totals = torch.stack([correct, counted]).to(trainer.device)
-    dist.all_reduce(totals, group=dims.dp_group)
+    dist.all_reduce(totals, group=trainer.dims.dp_group)
     num_correct, num_samples = (int(v) for v in totals.tolist())
     return {
         "accuracy": num_correct / max(num_samples, 1),
@@ -80,6 +92,33 @@ def evaluate(trainer: "Trainer") -> dict:
         "num_correct": num_correct,
         "step": trainer.step,
     }
+
+
+@torch.no_grad()
+def validation_loss(trainer: "Trainer") -> float:
+    """Mean cross-entropy per trained token over the whole evaluation split, with the current weights.
+
+    Each micro-batch goes through the training forward with weight 1 on every trained token, so `.loss` is
+    this rank's sum (its sequence shard's under context parallel, as in training): the sums are added over
+    all ranks and divided by the trained tokens, counted over the data-parallel group (the ranks of one CP
+    group see the same samples).
+    """
+    model = trainer.model
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=trainer.device)
+    tokens = torch.zeros((), dtype=torch.int64, device=trainer.device)
+    for batch, real in _eval_batches(trainer):
+        target = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
+        weight = (target != -100).float()
+        if not real:
+            weight.zero_()
+        out = model(**trainer._to_device(model_inputs(batch)), shift_labels=target.to(trainer.device), loss_weights=weight.to(trainer.device))
+        total += out.loss.double()
+        tokens += int(weight.sum().item())
+    model.train()
+    dist.all_reduce(total)
+    dist.all_reduce(tokens, group=trainer.dims.dp_group)
+    return float(total / tokens.clamp(min=1))
 
 
 def has_eval_split(data_cfg) -> bool:

@@ -39,7 +39,7 @@ class MetricsWriter:
 
     def log_step(self, record: dict) -> None:
         """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb (and for a
-        MoE family aux_loss, expert_load_max, expert_load_mean)."""
+        MoE family aux_loss, expert_load_max, expert_load_mean; at a validation step val_loss)."""
         if current_rank() != 0:
             return
         step = record["step"]
@@ -49,6 +49,7 @@ class MetricsWriter:
             f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f}"
             + (f" | aux {record['aux_loss']:.4f} | expert load max/mean {record['expert_load_max']:.0f}/"
                f"{record['expert_load_mean']:.1f}" if "aux_loss" in record else "")
+            + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
             + f" | grad_norm {record['grad_norm']:.3f}"
             f" | lr {record['lr']:.3e} | {record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step"
             f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"

@@ -20,6 +20,10 @@ group sees the same batch; the model splits the sequence after the vision tower
 and each rank's loss is its shard's part of the same weighted sum (summed over
 all ranks for the log; no CP all-reduce inside the model). The loader pads rows,
 and with packing every packed sample, to `required_multiple(ring, ulysses)`.
+
+Around the steps: every `val_interval` steps the validation loss (`evaluate.validation_loss`),
+a torch.profiler trace and a memory snapshot (`tools.memory_profile`, `MemorySnapshot`) of
+chosen steps on chosen ranks, and with `save_format: hf` an HF export of each checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
+from mmfsdp.ckpt import (
+    CheckpointError, export_checkpoint_hf, finalize_pending, load_checkpoint, load_hf_weights, save_checkpoint,
+)
 from mmfsdp.ckpt.lora import LORA_METADATA, stored_key
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
@@ -53,6 +59,7 @@ from mmfsdp.parallel import (
     init_process_group,
     peak_memory_gb,
     reset_peak_memory,
+    use_deterministic,
 )
 from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.config import Config, check_world, save_resolved
@@ -123,6 +130,8 @@ class Trainer:
         self.plan = check_world(cfg, self.world_size)
         self.dims = build_parallel_dims(self.plan, device_type)
         self.device = device_for_local_rank(device_type)
+        if cfg.training.deterministic:
+            use_deterministic(device_type)
         self.output_dir = Path(cfg.training.output_dir)
         if self.rank == 0:
             save_resolved(cfg, self.output_dir)
@@ -150,6 +159,10 @@ class Trainer:
         )
         self.step = 0
         self.history: list[StepResult] = []
+        self.val_losses: dict[int, float] = {}
+        """Validation loss by step (`training.val_interval`)."""
+        self.eval_dataset = None
+        """The evaluation split, built on first use."""
         self._resume()
         self.metrics = MetricsWriter(self.output_dir, t.train_iters, start_step=self.step)
 
@@ -291,7 +304,15 @@ class Trainer:
         if self.step >= t.train_iters:
             log.info(f"nothing to train: resumed at step {self.step} of {t.train_iters}")
         profiler = self._profiler()
+        snapshot = self._memory_snapshot()
+        recording = False
+        mp = self.cfg.tools.memory_profile
         while self.step < t.train_iters:
+            if snapshot is not None and not recording and mp.start_step <= self.step + 1 <= mp.end_step:
+                from mmfsdp.parallel.tensor_memory import state_tensors
+
+                snapshot.start(state_tensors(self.model, self.optimizer))
+                recording = True
             reset_peak_memory(self.device)
             started = time.perf_counter()
             result = self.train_step()
@@ -313,12 +334,20 @@ class Trainer:
             step_time = time.perf_counter() - started
             if profiler is not None:
                 profiler.step()
-            if self.step % t.log_interval == 0 or self.step == t.train_iters:
+            if recording:
+                snapshot.step_done(self.step)
+                if self.step == mp.end_step:
+                    path = snapshot.dump(self._snapshot_path(snapshot.suffix))
+                    log.info(f"memory snapshot of steps {mp.start_step}-{mp.end_step} written to {path}")
+                    snapshot = None
+                    recording = False
+            val_loss = self._validate() if t.val_interval and self.step % t.val_interval == 0 else None
+            if self.step % t.log_interval == 0 or self.step == t.train_iters or val_loss is not None:
                 self.metrics.log_step({
                     "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                     "num_tokens": result.num_tokens, "tokens_per_s": result.num_tokens / step_time,
                     "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
-                    **self._router_metrics(result),
+                    **self._router_metrics(result), **({"val_loss": val_loss} if val_loss is not None else {}),
                 })
             if t.save and t.save_interval and self.step % t.save_interval == 0:
                 self.save()
@@ -334,18 +363,46 @@ class Trainer:
         return {"aux_loss": result.aux_loss, "expert_load_max": result.expert_load["max"],
                 "expert_load_mean": result.expert_load["mean"]}
 
+    def _validate(self) -> float:
+        """The validation loss now (collective); kept in `val_losses`."""
+        from mmfsdp.train.evaluate import validation_loss
+
+        pause(f"validation at step {self.step}")
+        loss = validation_loss(self)
+        self.val_losses[self.step] = loss
+        beat(f"step {self.step + 1}", arm=True)
+        return loss
+
     def _profiler(self):
         p = self.cfg.tools.profile
-        if not p.enable:
+        if not p.enable or (p.ranks is not None and self.rank not in p.ranks):
             return None
         out = p.output_dir or str(self.output_dir / "profile")
+        activities = [torch.profiler.ProfilerActivity.CPU] if p.with_cpu or self.device_type != "cuda" else []
+        if self.device_type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         prof = torch.profiler.profile(
+            activities=activities,
             schedule=torch.profiler.schedule(wait=max(p.start_step - 1 - self.step, 0), warmup=0, active=p.end_step - p.start_step + 1, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{self.rank}"),
-            record_shapes=True, profile_memory=True,
+            record_shapes=p.record_shapes, profile_memory=p.with_memory, with_stack=p.with_stack,
         )
         prof.start()
         return prof
+
+    def _memory_snapshot(self):
+        """A `MemorySnapshot` when this rank records one (`tools.memory_profile`), else None."""
+        mp = self.cfg.tools.memory_profile
+        if not mp.enable or self.rank not in mp.dump_ranks or self.step >= mp.end_step:
+            return None
+        from mmfsdp.parallel.memory_snapshot import MemorySnapshot
+
+        return MemorySnapshot(self.device_type, stacks=mp.stacks, max_entries=mp.max_entries)
+
+    def _snapshot_path(self, suffix: str) -> Path:
+        mp = self.cfg.tools.memory_profile
+        out = Path(mp.save_path) if mp.save_path else self.output_dir / "memory_snapshot"
+        return out / f"snapshot_rank{self.rank}_steps{mp.start_step}-{mp.end_step}{suffix}"
 
     def save(self) -> None:
         t = self.cfg.training
@@ -360,7 +417,18 @@ class Trainer:
             metadata={LORA_METADATA: lora_metadata(t.lora, self.lora_modules)} if t.lora.enable else None,
         )
         log.info(f"saved checkpoint at step {self.step} under {t.save}")
+        if t.save_format == "hf":
+            self._export_hf()
         beat(f"step {self.step + 1}", arm=True)
+
+    def _export_hf(self) -> None:
+        """The checkpoint just saved, as an HF directory (rank 0 converts the published DCP files; an async
+        save is waited for first)."""
+        finalize_pending()
+        if self.rank == 0:
+            out = export_checkpoint_hf(self.cfg.training.save, self.step, self.cfg.model.model_name_or_path)
+            log.info(f"exported step {self.step} as HF safetensors to {out}")
+        dist.barrier()
 
     def _global_loader_state(self) -> dict[str, Any]:
         """The loader position without this rank's own counters: the same on every rank."""
@@ -379,6 +447,8 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
     from mmfsdp.train import supervise
 
     device_type = detect_device_type()
+    if cfg.training.deterministic:
+        use_deterministic(device_type)  # before the process group: HCCL reads its switch when it starts
     init_process_group(device_type, timeout_s=cfg.parallel.collective_timeout_s)
     rank = dist.get_rank()
     supervise.start_heartbeat(cfg.parallel.heartbeat_timeout_s, rank=rank, output_dir=cfg.training.output_dir)

@@ -4,7 +4,8 @@
   checkpoints under `<save>/iter_NNNNNNN/` with an atomically moved
   `latest_checkpointed_iteration.txt` (see `checkpoint` and `layout`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
-- `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`.
+- `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`; `export_checkpoint_hf`: a training
+  checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`).
 - `mmfsdp.ckpt.lora`: the names of PEFT-wrapped layers (`stored_key`, the `key_map` that loads a base into a
   LoRA model), trainable-only checkpoints exported as a PEFT adapter directory or merged HF weights.
 - `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
@@ -40,7 +41,7 @@ from mmfsdp.ckpt.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from mmfsdp.ckpt.convert import dcp_to_hf, hf_to_dcp
+from mmfsdp.ckpt.convert import HF_EXPORT_DIRNAME, dcp_to_hf, export_checkpoint_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
 from mmfsdp.ckpt.layout import (
@@ -74,6 +75,8 @@ __all__ = [
     "SafetensorsDir",
     "hf_to_dcp",
     "dcp_to_hf",
+    "export_checkpoint_hf",
+    "HF_EXPORT_DIRNAME",
     "parse_size",
     "CheckpointError",
     "StateDictAdapter",

@@ -102,9 +102,15 @@ from mmfsdp.ckpt.hf import (
     read_config,
     shard_filename,
 )
-from mmfsdp.ckpt.layout import RELEASE, make_tmp_dir_name, publish_dir, resolve_checkpoint, write_tracker
+from mmfsdp.ckpt.layout import (
+    RELEASE, _iteration_from_dirname, iteration_dirname, list_iterations, make_tmp_dir_name, publish_dir,
+    resolve_checkpoint, write_tracker,
+)
 
-__all__ = ["hf_to_dcp", "dcp_to_hf", "main"]
+__all__ = ["HF_EXPORT_DIRNAME", "export_checkpoint_hf", "hf_to_dcp", "dcp_to_hf", "main"]
+
+HF_EXPORT_DIRNAME = "hf"
+"""Training checkpoints exported as HF directories go to `<save>/hf/iter_NNNNNNN` (`export_checkpoint_hf`)."""
 
 AUTO = "auto"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".distcp")
@@ -481,6 +487,24 @@ def dcp_to_hf(
         shutil.rmtree(save_dir)
     os.rename(tmp_dir, save_dir)
     return save_dir
+
+
+def export_checkpoint_hf(save_dir: str | os.PathLike, iteration: int, model_assets_dir: str | os.PathLike) -> Path:
+    """Export the training checkpoint `<save_dir>/iter_N` as an HF directory `<save_dir>/hf/iter_N` (`dcp_to_hf`).
+
+    One process (rank 0 of a run, after the checkpoint is published). Exports of iterations no longer
+    under `save_dir` (pruned by `keep_last`) are removed, so the two stay in step.
+    """
+    save_dir = Path(save_dir)
+    name = iteration_dirname(iteration)
+    exports = save_dir / HF_EXPORT_DIRNAME
+    out = dcp_to_hf(save_dir / name, exports / name, model_assets_dir, force=True, progress=False)
+    kept = set(list_iterations(save_dir))
+    for entry in exports.iterdir():
+        found = _iteration_from_dirname(entry.name)
+        if isinstance(found, int) and found not in kept and entry.is_dir():
+            shutil.rmtree(entry)
+    return out
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -135,7 +135,9 @@ def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            # a near miss may be a key of another schema the section accepts (`foreign_keys`, mmfsdp.config.foreign)
+            foreign = [k.split(".")[0] for k in getattr(cls, "foreign_keys", {}) or {}]
+            close = difflib.get_close_matches(str(key), list(fields) + foreign, n=1, cutoff=0.6)
             hint = f" (did you mean '{_join(path, close[0])}'?)" if close else ""
             valid = ", ".join(fields)
             raise ConfigError(_join(path, str(key)), f"unknown key{hint}; valid keys here: {valid}")

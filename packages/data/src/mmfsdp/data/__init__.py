@@ -31,7 +31,7 @@ from mmfsdp.data.config import (
     SyntheticConfig,
 )
 from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
-from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, prepare_dataset, register_dataset_type
+from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, has_eval_data, prepare_dataset, register_dataset_type
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
 from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, get_plugin, register_plugin
@@ -73,6 +73,7 @@ __all__ = [
     "build_dataset",
     "build_processor",
     "dataset_files",
+    "has_eval_data",
     "get_collator",
     "get_plugin",
     "get_template",

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from mmfsdp.config import ConfigError, build, get_logger, load_yaml
+from mmfsdp.config import ConfigError, build, get_logger, load_translated
 
 __all__ = ["main"]
 
@@ -76,8 +76,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from mmfsdp.data.dataset import build_dataset, prepare_dataset
     from mmfsdp.data.processor import build_processor
 
-    raw = load_yaml(args.config, args.overrides)
-    data_cfg = build(DataConfig, raw.get("data"), "data")
+    translated = load_translated(DataConfig, args.config, args.overrides, section="data")
+    if translated.warning() is not None:  # stderr: with --json, stdout holds only the JSON
+        print(f"mm-data: warning: {translated.warning()}", file=sys.stderr)
+    data_cfg = build(DataConfig, translated.data, "data")
     prepare_dataset(data_cfg)
     processor = build_processor(data_cfg)
     dataset = build_dataset(data_cfg, processor, args.split)

@@ -2,7 +2,9 @@
 
 The layout follows MindSpeed-MM's FSDP2 data section (itself LLaMA-Factory's data
 arguments): `data.dataset_param` describes the dataset and its preprocessing,
-`data.dataloader_param` the batching. Only per-field checks live here; whether the
+`data.dataloader_param` the batching. Where MindSpeed-MM puts a key elsewhere or
+names a value differently, each section's `foreign_keys` says where it goes (or why
+it is ignored); `mmfsdp.config.foreign` applies them before the section is built. Only per-field checks live here; whether the
 padding multiple fits the context-parallel split is the trainer's cross-section
 check (it passes the multiple into `build_dataloader`).
 """
@@ -10,9 +12,12 @@ check (it passes the multiple into `build_dataloader`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored, Translate
+
+_PRE = "data.dataset_param.preprocess_parameters"
+_BASIC = "data.dataset_param.basic_parameters"
 
 __all__ = [
     "AttrConfig",
@@ -49,6 +54,15 @@ class AttrConfig:
     system_tag: str | None = "system"
     """Role value of a system message (allowed only as the first message); null = none."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "videos": Ignored("video rows are not supported, only images", allowed=(None,)),
+        "audios": Ignored("audio rows are not supported", allowed=(None,)),
+        "tools": Ignored("tool-calling rows are not supported", allowed=(None,)),
+        "observation_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
+        "function_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
+        "ranking": Ignored("preference (ranking) data is not supported", allowed=(False,)),
+    }
+
     def __post_init__(self) -> None:
         for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag"):
             if not getattr(self, key):
@@ -83,6 +97,16 @@ class PreprocessParametersConfig:
     """Also train on system and user text (image tokens stay masked)."""
     mask_history: bool = False
     """Train only on the last assistant turn of each conversation."""
+    enable_thinking: bool = True
+    """Templates with a think block (qwen3_vl): true = the answer's reasoning is kept and trained; false = reasoning is dropped and an empty think block goes before the answer, untrained (LLaMA-Factory's meaning). Templates without one ignore it."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "split_special_tokens": Ignored("control-token strings inside message text are always read as plain text"),
+        "video_max_pixels": Ignored("video settings; video rows are not supported"),
+        "video_min_pixels": Ignored("video settings; video rows are not supported"),
+        "video_fps": Ignored("video settings; video rows are not supported"),
+        "video_maxlen": Ignored("video settings; video rows are not supported"),
+    }
 
     def __post_init__(self) -> None:
         if self.cutoff_len < 1:
@@ -125,6 +149,16 @@ class BasicParametersConfig:
     """Stop at the first bad row with an error naming the file, row and reason, instead of skipping and counting it."""
     num_proc: int | None = None
     """Processes for the one-time tokenization pass (HF datasets `num_proc`); null = one."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        **{key: Alias(f"{_PRE}.{key}") for key in ("cutoff_len", "template", "train_on_prompt", "mask_history", "enable_thinking")},
+        "preprocessing_num_workers": Alias(f"{_BASIC}.num_proc"),
+        "val_dataset": Alias(f"{_BASIC}.eval_dataset"),
+        "preprocessing_batch_size": Ignored("rows per tokenization call; the tokens are the same"),
+        "preprocess_on_fly": Ignored("rows are tokenized once before training and cached; the tokens are the same"),
+        "tool_format": Ignored("tool-calling formats are not supported", allowed=(None,)),
+        "streaming": Ignored("datasets are tokenized into a cache, not streamed", allowed=(False,)),
+    }
 
     def __post_init__(self) -> None:
         if self.max_samples is not None and self.max_samples < 1:
@@ -185,6 +219,11 @@ class CollateParamConfig:
     pad_to_multiple_of: int = 1
     """Pad the sequence dimension to a multiple of this (the trainer also applies 2 × ring × ulysses for context parallel)."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "collator_id": Alias("data.dataloader_param.collate_param.model_name"),
+        "ignore_pad_token_for_loss": Ignored("padding never counts in the loss", allowed=(True,)),
+    }
+
     def __post_init__(self) -> None:
         if self.pad_to_multiple_of < 1:
             raise ConfigError("pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
@@ -205,11 +244,52 @@ class DataloaderParamConfig:
     prefetch_factor: int = 2
     """Batches each worker prepares ahead (only with num_workers > 0)."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "shuffle": Alias(f"{_BASIC}.shuffle"),
+        "dataloader_mode": Ignored("one loader: whole micro-batches per data-parallel rank from a resumable sampler", allowed=("sampler",)),
+        "sampler_type": Ignored("one sampler: a seeded reshuffle every epoch (basic_parameters.shuffle), split over data-parallel ranks"),
+        "enable_preload": Ignored("batches are copied to the device from pinned memory without blocking already"),
+    }
+
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError("num_workers", f"must be >= 0, got {self.num_workers}")
         if self.prefetch_factor < 1:
             raise ConfigError("prefetch_factor", f"must be >= 1, got {self.prefetch_factor}")
+
+
+_VAL_MAY_DIFFER = ("basic_parameters.dataset", "basic_parameters.cache_dir")
+
+
+def _differences(mine: Any, theirs: Any, path: str = "") -> list[str]:
+    """Dotted keys whose values differ between two raw mappings (a key missing on one side differs)."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        out: list[str] = []
+        for key in list(mine) + [k for k in theirs if k not in mine]:
+            sub = f"{path}.{key}" if path else str(key)
+            out += _differences(mine.get(key), theirs.get(key), sub) if key in mine and key in theirs else [sub]
+        return out
+    return [] if mine == theirs else [path]
+
+
+def _validation_files(value: Any, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """MindSpeed-MM's `data.val_dataset_param` (a whole second dataset section, usually the training one with
+    other files): mmfsdp validates with the training preprocessing on the files of `eval_dataset`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a mapping, got {value!r}")
+    files = (value.get("basic_parameters") or {}).get("dataset")
+    if not files:
+        raise ConfigError(f"{path}.basic_parameters.dataset", "is not set; give the validation JSON/JSONL file(s)")
+    for key in _differences(value, data.get("dataset_param") or {}):
+        if key not in _VAL_MAY_DIFFER:
+            raise ConfigError(
+                f"{path}.{key}",
+                f"differs from data.dataset_param.{key}: validation uses the training preprocessing and only its own "
+                "files (basic_parameters.dataset); give it the same value",
+            )
+    return {f"{_BASIC}.eval_dataset": ",".join(files) if isinstance(files, list) else files}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,3 +300,12 @@ class DataConfig:
     """The dataset and its preprocessing."""
     dataloader_param: DataloaderParamConfig = field(default_factory=DataloaderParamConfig)
     """Batching and worker processes."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "val_dataset_param": Translate(
+            _validation_files,
+            "its `basic_parameters.dataset` becomes `data.dataset_param.basic_parameters.eval_dataset`; every other key "
+            "must equal `dataset_param`'s (`cache_dir` may differ)",
+        ),
+    }
+

@@ -159,7 +159,8 @@ def dataset_files(data_cfg: DataConfig, split: str = "train") -> list[Path]:
     return _dataset_type(data_cfg).files(data_cfg, split)
 
 
-def _has_eval(data_cfg: DataConfig) -> bool:
+def has_eval_data(data_cfg: DataConfig) -> bool:
+    """Whether the config names evaluation data (generated datasets always have an eval split)."""
     return data_cfg.dataset_param.dataset_type != "huggingface" or bool(data_cfg.dataset_param.basic_parameters.eval_dataset)
 
 
@@ -170,7 +171,7 @@ def check_dataset(data_cfg: DataConfig) -> None:
     of a type that generates nothing (JSON/JSONL) must exist and be .json/.jsonl.
     """
     if _dataset_type(data_cfg).prepare is _nothing_to_prepare:
-        for split in ("train", "eval") if _has_eval(data_cfg) else ("train",):
+        for split in ("train", "eval") if has_eval_data(data_cfg) else ("train",):
             dataset_files(data_cfg, split)
 
 
@@ -292,7 +293,7 @@ def prepare_dataset(data_cfg: DataConfig) -> None:
     renamed into place; HF datasets locks its own cache) and deterministic.
     """
     _dataset_type(data_cfg).prepare(data_cfg)
-    for split in ("train", "eval") if _has_eval(data_cfg) else ("train",):
+    for split in ("train", "eval") if has_eval_data(data_cfg) else ("train",):
         for path in dataset_files(data_cfg, split):
             _raw_rows(path, data_cfg)
 
@@ -311,7 +312,9 @@ class SampleEncoder:
         self.cutoff_len = pp.cutoff_len
         self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
         self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
-        self.template = template_cls(processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history)
+        self.template = template_cls(
+            processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
+        )
         self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:

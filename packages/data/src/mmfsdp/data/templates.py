@@ -27,6 +27,10 @@ MindSpeed-MM configs use):
   last user message) starts with its think block, `<think>\\n{reasoning}\\n</think>\\n\\n`,
   empty when the answer holds none; earlier answers keep only the text after their
   `</think>` (the template drops old reasoning). The block is trained with its answer.
+  With `enable_thinking: false` (LLaMA-Factory's switch, which MindSpeed-MM configs
+  carry) every answer's reasoning is dropped and the last answer follows an empty
+  block, `<think>\\n\\n</think>\\n\\n`, that belongs to the prompt (untrained).
+  `qwen3_vl_nothink` and `mistral` have no think block and ignore the switch.
 
 Labels are `-100` except on assistant text and its end token (`</s>`, `<|im_end|>`).
 `train_on_prompt` also trains on every other text and control token; `mask_history`
@@ -72,10 +76,14 @@ class Template(ABC):
     default_plugin: ClassVar[str]
     """The image plugin used when `preprocess_parameters.image_plugin` is null."""
 
-    def __init__(self, processor: MMProcessor, *, train_on_prompt: bool = False, mask_history: bool = False):
+    def __init__(
+        self, processor: MMProcessor, *, train_on_prompt: bool = False, mask_history: bool = False, enable_thinking: bool = True,
+    ):
         self.processor = processor
         self.train_on_prompt = train_on_prompt
         self.mask_history = mask_history
+        self.enable_thinking = enable_thinking
+        """Used by templates with a think block (`qwen3_vl`); the others ignore it."""
 
     @abstractmethod
     def encode(self, conversation: Conversation, image_blocks: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -154,8 +162,8 @@ class MistralTemplate(Template):
     user_prefix = "[INST]"
     user_suffix = "[/INST]"
 
-    def __init__(self, processor: MMProcessor, *, train_on_prompt: bool = False, mask_history: bool = False):
-        super().__init__(processor, train_on_prompt=train_on_prompt, mask_history=mask_history)
+    def __init__(self, processor: MMProcessor, **options: bool):
+        super().__init__(processor, **options)
         tid = processor.token_id
         self.bos_id = tid(self.bos)
         self.eos_id = tid(self.eos)
@@ -188,8 +196,8 @@ class Qwen3VLNoThinkTemplate(Template):
     im_start = "<|im_start|>"
     im_end = "<|im_end|>"
 
-    def __init__(self, processor: MMProcessor, *, train_on_prompt: bool = False, mask_history: bool = False):
-        super().__init__(processor, train_on_prompt=train_on_prompt, mask_history=mask_history)
+    def __init__(self, processor: MMProcessor, **options: bool):
+        super().__init__(processor, **options)
         self.start_id = processor.token_id(self.im_start)
         self.end_id = processor.token_id(self.im_end)
 
@@ -223,9 +231,12 @@ class Qwen3VLTemplate(Qwen3VLNoThinkTemplate):
     think_open = "<think>"
     think_close = "</think>"
 
-    def __init__(self, processor: MMProcessor, *, train_on_prompt: bool = False, mask_history: bool = False):
-        super().__init__(processor, train_on_prompt=train_on_prompt, mask_history=mask_history)
+    def __init__(self, processor: MMProcessor, **options: bool):
+        super().__init__(processor, **options)
         self.think_ids = (processor.token_id(self.think_open), processor.token_id(self.think_close))
+
+    def fingerprint(self) -> list[object]:
+        return [*super().fingerprint(), self.enable_thinking]
 
     def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
         reasoning = ""
@@ -234,6 +245,15 @@ class Qwen3VLTemplate(Qwen3VLNoThinkTemplate):
             answer = answer.split(self.think_close)[-1].lstrip("\n")
         if not is_last:
             return super()._assistant_parts(answer, is_last, trained)
+        if not self.enable_thinking:  # the reasoning is dropped; an empty block ends the prompt
+            prompt = self.train_on_prompt
+            return [
+                ("text", "assistant\n", prompt),
+                ("ids", [self.think_ids[0]], prompt),
+                ("text", "\n\n", prompt),
+                ("ids", [self.think_ids[1]], prompt),
+                ("split", ("\n\n", answer.lstrip("\n")), (prompt, trained)),
+            ]
         return [
             ("text", "assistant\n", self.train_on_prompt),
             ("ids", [self.think_ids[0]], trained),

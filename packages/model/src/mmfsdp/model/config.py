@@ -4,15 +4,20 @@
 which attention backend and storage dtype, and which modules to freeze.
 `FeaturesConfig` switches the chunked loss on and picks the loss normalisation
 (the formulas are in `mmfsdp.model.loss` and docs/model.md).
+
+Their `foreign_keys` accept MindSpeed-MM's spellings: its older configs keep the
+loss, chunk-loss, offload and recompute settings under `model:` (newer ones under
+`features:`, recompute included), and name the loss types `per_sample_loss` /
+`per_token_loss` (docs/migration.md).
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored
 from mmfsdp.model.registry import registered_model_ids
 
 ATTENTION_BACKEND_NAMES = ("sdpa", "eager", "flash_attention_2")
@@ -44,6 +49,11 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage dtype of the built model's parameters."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        **{key: Alias(f"features.{key}") for key in ("loss_cfg", "enable_chunk_loss", "chunkloss_plan", "activation_offload_plan")},
+        **{key: Alias(f"parallel.{key}") for key in ("recompute", "recompute_plan")},
+    }
+
     def __post_init__(self) -> None:
         ids = registered_model_ids()
         if self.model_id not in ids:
@@ -60,6 +70,11 @@ class ChunkLossPlanConfig:
     chunk_size: int = 1024
     """Tokens per chunk of the lm_head + cross-entropy computation."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "apply_module": Ignored("chunk loss always wraps the model family's lm_head", allowed=("lm_head",)),
+        "total_chunk_size": Ignored("used only by dynamic chunk loss, which is not implemented"),
+    }
+
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ConfigError("chunk_size", f"{self.chunk_size} must be a positive number of tokens")
@@ -71,6 +86,11 @@ class LossConfig:
     """default: mean over the global batch's trained tokens; per_sample: mean of per-sample means; per_token: sum / average trained tokens per micro-batch and rank."""
     router_aux_loss_coef: float = 0.0
     """MoE families: weight of the router load-balancing loss (HF's, over the global batch of each micro-batch) added to the LM loss; 0 = off (the aux loss and expert load are still logged). Must be 0 for a dense model."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "loss_type": Alias(values={"per_sample_loss": "per_sample", "per_token_loss": "per_token"}),
+        "router_aux_loss_offload": Ignored("the router aux loss stays on the device", allowed=(False,)),
+    }
 
     def __post_init__(self) -> None:
         coef = self.router_aux_loss_coef
@@ -94,3 +114,8 @@ class FeaturesConfig:
     """Loss normalisation settings."""
     activation_offload_plan: ActivationOffloadPlanConfig = field(default_factory=ActivationOffloadPlanConfig)
     """Which modules keep their saved activations in host memory during forward."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        **{key: Alias(f"parallel.{key}") for key in ("recompute", "recompute_plan")},
+        "enable_dynamic_chunk_loss": Ignored("chunk loss uses the fixed chunkloss_plan.chunk_size", allowed=(False,)),
+    }

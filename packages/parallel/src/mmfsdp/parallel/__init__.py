@@ -34,6 +34,7 @@ from mmfsdp.parallel.device import (
     peak_memory_gb,
     reset_peak_memory,
     synchronize,
+    use_deterministic,
 )
 from mmfsdp.parallel.expert_parallel import apply_expert_parallel, experts_forward, shard_experts
 from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp, apply_fsdp_groups
@@ -59,6 +60,7 @@ __all__ = [
     "reset_peak_memory",
     "peak_memory_gb",
     "synchronize",
+    "use_deterministic",
     "MESH_AXES",
     "MeshPlan",
     "ParallelDims",

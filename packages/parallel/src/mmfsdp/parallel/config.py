@@ -8,9 +8,9 @@ before any process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from mmfsdp.config import ConfigError
+from mmfsdp.config import ConfigError, ForeignKey, Ignored
 
 __all__ = ["ParallelConfig", "FSDPPlanConfig", "RecomputePlanConfig", "EPPlanConfig"]
 
@@ -51,6 +51,10 @@ class RecomputePlanConfig:
 
     apply_modules: list[str] | None = None
     """Module name patterns to checkpoint, e.g. `model.language_model.layers.{*}`; null = the model's default list."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "use_reentrant": Ignored("activation checkpointing is always the non-reentrant kind", allowed=(False,)),
+    }
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,7 +6,8 @@
 `backend_for` maps it to `nccl` / `hccl` / `gloo`, `init_process_group` joins
 the torchrun job and binds the local device, and the memory helpers dispatch to
 `torch.cuda` or `torch.npu` (the module `torch_npu` registers), falling back to
-the process's peak RSS on the CPU.
+the process's peak RSS on the CPU. `use_deterministic(device_type)` switches to
+deterministic kernels (and collectives on NPU) for bitwise-repeatable runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "reset_peak_memory",
     "peak_memory_gb",
     "synchronize",
+    "use_deterministic",
 ]
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
@@ -153,3 +155,21 @@ def synchronize(device: torch.device) -> None:
     module = _accelerator(torch.device(device))
     if module is not None:
         module.synchronize(device)
+
+
+DETERMINISTIC_ENV = {"cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "npu": {"HCCL_DETERMINISTIC": "true"}}
+"""What each device needs in the environment for deterministic runs (cuBLAS workspaces; HCCL's reductions)."""
+
+
+def use_deterministic(device_type: str) -> None:
+    """Deterministic algorithms only: an op without a deterministic kernel raises instead of running.
+
+    Sets `DETERMINISTIC_ENV` (unless already set), which cuBLAS and HCCL read when they start: call it
+    before the first kernel and before `init_process_group`. Then `torch.use_deterministic_algorithms(True)`
+    and cuDNN's deterministic, non-benchmarking mode.
+    """
+    for name, value in DETERMINISTIC_ENV.get(device_type, {}).items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
