@@ -318,3 +318,21 @@ def test_matches_hf_qwen3_vl_moe_experts():
     for implementation in IMPLEMENTATIONS:
         out = experts_forward(block.experts, hidden, idx, weight, implementation=implementation)
         assert _relative(out, expected) <= 1e-6
+
+
+def test_first_grouped_gemm_probe_inside_a_checkpointed_layer():
+    """The one-time grouped-GEMM probe must not add saved tensors to a checkpointed forward (its
+    recomputation finds the answer cached), nor be fooled by the caller's grad mode."""
+    from mmfsdp.parallel.expert_parallel import grouped_mm_supported
+
+    module = _Experts(*_weights(1))
+    hidden, idx, weight, _ = _inputs(2, 10, 2, list(range(NUM_EXPERTS)))
+    hidden.requires_grad_()
+    grouped_mm_supported.cache_clear()
+    with torch.no_grad():
+        answer = grouped_mm_supported(hidden.device, hidden.dtype)
+    grouped_mm_supported.cache_clear()
+    out = checkpoint(experts_forward, module, hidden, idx, weight, use_reentrant=False)
+    out.sum().backward()
+    assert grouped_mm_supported(hidden.device, hidden.dtype) == answer
+    assert hidden.grad is not None and module.gate_up_proj.grad is not None

@@ -68,6 +68,7 @@ row per MoE module and resets them; `expert_load_summary` gives max/mean.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Callable, Iterable, Literal
 
@@ -225,23 +226,34 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
 
 @functools.cache
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once."""
+    """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once.
+
+    The probe runs on a helper thread: grad mode and saved-tensor hooks are per thread, so a first call
+    under `no_grad` (an evaluation) cannot cache "unsupported", and a first call inside an activation-
+    checkpointed layer does not add the probe's tensors to those the layer saves (its recomputation,
+    which finds the answer cached, would save fewer)."""
     if _GROUPED_MM is None or device.type == "meta":
         return False
-    # grad mode on: a first call under no_grad (e.g. an evaluation) must not cache "unsupported"
-    with torch.inference_mode(False), torch.enable_grad():
-        try:
-            generator = torch.Generator().manual_seed(0)
-            x = torch.randn(8, 16, generator=generator).to(device, dtype).requires_grad_()
-            weight = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
-            offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
-            out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
-            out.backward(torch.ones_like(out))
-        except (RuntimeError, NotImplementedError, TypeError):
-            return False
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_probe_grouped_mm, device, dtype).result()
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 16, generator=generator).to(device, dtype).requires_grad_()
+        weight = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
+        offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+        out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+        out.backward(torch.ones_like(out))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    with torch.no_grad():
         expected = torch.cat([F.linear(x[:3], weight[0]), F.linear(x[3:], weight[2])])
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    right = torch.allclose(out.detach(), expected.detach(), rtol=tolerance, atol=tolerance)
+    right = torch.allclose(out.detach(), expected, rtol=tolerance, atol=tolerance)
     return bool(right and (weight.grad[1] == 0).all())
 
 
