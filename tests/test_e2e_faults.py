@@ -1,5 +1,5 @@
 """Faults around processes, through the real app (2 CPU ranks of examples/tiny): a SIGKILLed launcher leaves
-no rank behind; a locked `training.save` stops a second run with one line, a stale lock is taken over; a
+no rank behind (ranks forked by the launcher, or started as fresh interpreters as on GPU hosts); a locked `training.save` stops a second run with one line, a stale lock is taken over; a
 SIGSTOPped rank makes the others report where they wait and exit; an error every rank hits is printed once.
 """
 
@@ -67,8 +67,8 @@ def _alive(pid: int) -> bool:
 
 
 def _rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(item for item in env if item.startswith(b"RANK=")).split(b"=", 1)[1])
+    """A rank's global rank, from the process name the app gives it (`mmfsdp-rank<r>`)."""
+    return int(Path(f"/proc/{pid}/comm").read_text().strip().removeprefix("mmfsdp-rank"))
 
 
 def _start_and_wait_for_step(cmd, out: Path, step: int, stderr=subprocess.DEVNULL):
@@ -92,9 +92,10 @@ def data(tmp_path_factory):
     return tmp
 
 
-def test_sigkill_of_the_launcher_leaves_no_rank(data, tmp_path):
+@pytest.mark.parametrize("rank_start", ["auto", "exec"])  # forked ranks (CPU hosts), fresh interpreters (GPU/NPU)
+def test_sigkill_of_the_launcher_leaves_no_rank(data, tmp_path, rank_start):
     out = tmp_path / "run"
-    proc = _start_and_wait_for_step(_command(data, out), out, 1)
+    proc = _start_and_wait_for_step(_command(data, out) + ["--rank-start", rank_start], out, 1)
     ranks = [pid for pid in _children(proc.pid) if _alive(pid)]
     assert len(ranks) == 2, ranks
     try:

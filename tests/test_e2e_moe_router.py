@@ -79,6 +79,7 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
         "data.dataset_param.synthetic.num_eval": 4,
         "data.dataset_param.preprocess_parameters.cutoff_len": 96,
         "features.loss_cfg.router_aux_loss_coef": COEF,
+        "parallel.expert_parallel_size": 1,  # the example runs EP 2; each run sets its own
         "model.model_name_or_path": str(tmp / "hf"),
         "model.random_init": "false",
         "training.micro_batch_size": 2,

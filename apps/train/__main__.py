@@ -2,4 +2,5 @@
 
 from mmfsdp.train.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a process started by multiprocessing (spawn) re-imports this file as __mp_main__
+    raise SystemExit(main())

@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
         help="processes to launch when not started by torchrun: an integer, or 'auto' = one per GPU/NPU, 2 on a CPU-only host (ignored under torchrun)",
     )
     parser.add_argument(
+        "--rank-start", choices=("auto", "fork", "exec"), default="auto",
+        help=(
+            "how the app's own launcher starts its ranks (ignored under torchrun): fork = forked from the launcher "
+            "after it imported torch, transformers and the model family once (a rank starts in a second); exec = a "
+            "fresh interpreter per rank, as torchrun does; auto = fork on a CPU-only host, exec with GPUs or NPUs "
+            "(whose drivers a forked process cannot use after the launcher queried them)"
+        ),
+    )
+    parser.add_argument(
         "--check", action="store_true",
         help=(
             "check without starting any process: the config and the world size, the model (built on the meta device) "
@@ -159,6 +168,12 @@ def _report_check_errors(errors: list[ConfigError], under_torchrun: bool) -> int
     return CONFIG_ERROR_EXIT_CODE
 
 
+def _device_type() -> str:
+    from mmfsdp.parallel import detect_device_type
+
+    return detect_device_type()
+
+
 def _auto_nproc() -> int:
     from mmfsdp.parallel import detect_device_type, device_count
 
@@ -223,14 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data error: {err}", file=sys.stderr)
         return 2
     if not under_torchrun and world_size > 1:
-        return _launch(world_size, [str(path), *args.overrides])
+        worker_args = [str(path), *args.overrides]
+        if args.rank_start == "exec" or (args.rank_start == "auto" and _device_type() != "cpu"):
+            return _launch(world_size, worker_args)
+        return _launch_forked(world_size, worker_args, cfg.model.model_id)
     from mmfsdp.train.trainer import run
 
     return run(cfg, config_path=path)
 
 
 def _launch(world_size: int, worker_args: list[str]) -> int:
-    """Start `world_size` local ranks of this same command through torch's elastic launcher."""
+    """Start `world_size` local ranks of this same command through torch's elastic launcher (torchrun's way:
+    a fresh interpreter per rank)."""
     from torch.distributed.run import main as torchrun_main
 
     from mmfsdp.train import supervise
@@ -241,11 +260,94 @@ def _launch(world_size: int, worker_args: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     launch_args = ["--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0", script, *worker_args]
+    return _run_agent(lambda: torchrun_main(launch_args))
+
+
+# What the launcher imports before it forks ranks: what every rank imports anyway, so it is paid once.
+_RANK_PRELOAD = (
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "transformers",
+    "datasets",
+    "mmfsdp.data",
+    "mmfsdp.train.trainer",
+    "mmfsdp.train.check",
+    "mmfsdp.train.evaluate",
+)
+
+
+def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> int:
+    """Start `world_size` local ranks through torch's elastic launcher, forked from this process.
+
+    This launcher first imports torch, transformers, the trainer and the config's model family, then the
+    elastic agent (torchrun's: rendezvous, failure handling, SIGTERM to the ranks on a failure) forks
+    each rank from that state: a rank starts in about a second instead of re-importing for ten or more.
+    The ranks are this process's children, as with torchrun, so `guard_rank` and the other supervision
+    hold unchanged. Used on CPU-only hosts (`--rank-start auto`): nothing has touched an accelerator
+    driver there, which a forked rank could not use again.
+    """
+    import importlib
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from mmfsdp.train import supervise
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch's OpenMP runtime loads, which reads it once
+    family = _family_module(model_id)
+    for name in (*_RANK_PRELOAD, *([family] if family else [])):
+        importlib.import_module(name)
+    os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
+    )
+    return _run_agent(lambda: elastic_launch(config, _forked_rank)(worker_args))
+
+
+def _family_module(model_id: str) -> str | None:
+    """The module that registers `model_id` (its entry point), for the launcher to import before forking."""
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group="mmfsdp.model_families"):
+        if point.name == model_id:
+            return point.module
+    return None
+
+
+def _forked_rank(worker_args: list[str]) -> None:
+    """A rank forked by the elastic agent: `main` as a rank, its exit code kept (the agent reads it)."""
+    import signal
+
+    # The fork inherited the agent's handlers (SIGTERM raises in the agent): a rank ends as an exec'd one would.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(worker_args)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)
+
+
+def _run_agent(run) -> int:
+    """Run the elastic agent; a failed rank is one line (the rank already printed its error)."""
+    from mmfsdp.train import supervise
+
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):  # its per-rank failure report repeats what the rank printed
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        torchrun_main(launch_args)
+        run()
     except Exception as err:  # the failing rank already printed its error
         failures = getattr(err, "failures", None) or {}
         failed = sorted((rank, f.exitcode) for rank, f in failures.items())  # keyed by global rank

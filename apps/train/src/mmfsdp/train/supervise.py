@@ -76,6 +76,7 @@ SAVE_LOCKED_ENV = "MMFSDP_SAVE_LOCKED"
 WATCH_PARENT_ENV = "MMFSDP_WATCH_PARENT"
 HANG_EXIT_CODE = 124
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _POLL_S = 1.0
 
 
@@ -105,10 +106,23 @@ def _parent_gone() -> None:
     os._exit(1)
 
 
+def _set_process_name(name: str) -> None:
+    """The kernel's name of this process (`/proc/<pid>/comm`, what `ps -o comm` and `top` show; 15 bytes)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def guard_rank() -> None:
-    """In a rank started by torch's elastic agent: exit when the agent dies (see the module docstring)."""
+    """In a rank started by torch's elastic agent: exit when the agent dies (see the module docstring); the
+    process is named `mmfsdp-rank<RANK>` (a rank forked by the app's launcher shares its command line)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # not started by an elastic agent: the parent is whatever the user chose
+    _set_process_name(f"mmfsdp-rank{os.environ.get('RANK', '')}")
     _set_parent_death_signal(signal.SIGKILL)
     expected = os.environ.get(LAUNCHER_PID_ENV, "")
     parent = int(expected) if expected.isdigit() else os.getppid()
@@ -227,16 +241,18 @@ class Heartbeat:
 
 
 def _stopped_siblings() -> list[int]:
-    """PIDs of the other ranks of this launcher that are stopped (state T/t in `/proc/<pid>/stat`)."""
-    parent, run_id = os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+    """PIDs of the other ranks of this launcher that are stopped (state T/t in `/proc/<pid>/stat`): children of
+    the same parent named `mmfsdp-rank<r>` by `guard_rank` (a forked rank's `/proc/<pid>/environ` is its
+    parent's, so the name is what tells a rank)."""
+    parent = os.getppid()
     found = []
-    for entry in Path("/proc").iterdir() if run_id else ():
+    for entry in Path("/proc").iterdir() if "TORCHELASTIC_RUN_ID" in os.environ else ():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if int(fields[1]) == parent and fields[0] in ("T", "t") \
-                    and b"TORCHELASTIC_RUN_ID=" + run_id in (entry / "environ").read_bytes().split(b"\0"):
+                    and (entry / "comm").read_text().startswith("mmfsdp-rank"):
                 found.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue

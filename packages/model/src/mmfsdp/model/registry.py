@@ -24,10 +24,6 @@ import torch
 from torch import nn
 
 from mmfsdp.config import ConfigError, Registry
-from mmfsdp.parallel.checkpointing import apply_activation_checkpointing
-from mmfsdp.parallel.expert_parallel import apply_expert_parallel
-from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp_groups
-from mmfsdp.parallel.offload import apply_activation_offload
 
 __all__ = ["ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
 
@@ -108,8 +104,11 @@ class ModelEntry:
         merge = getattr(config, "spatial_merge_size", None) or getattr(config.vision_config, "spatial_merge_size", 1)
         return int(merge) ** 2
 
-    def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[FSDPGroup]:
-        """The FSDP2 groups: by default one, `parallel.fsdp_plan.apply_modules` (or `fsdp_modules`) on the FSDP mesh."""
+    def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[Any]:
+        """The FSDP2 groups (`mmfsdp.parallel.FSDPGroup`): by default one, `parallel.fsdp_plan.apply_modules` (or
+        `fsdp_modules`) on the FSDP mesh."""
+        from mmfsdp.parallel.fsdp import FSDPGroup
+
         key = "parallel.fsdp_plan.apply_modules"
         if parallel_cfg.fsdp_plan.apply_modules is not None:
             return [FSDPGroup(tuple(parallel_cfg.fsdp_plan.apply_modules), parallel_dims.fsdp_mesh, key)]
@@ -123,6 +122,10 @@ class ModelEntry:
         Expert parallel: the experts modules are sharded over the `ep` mesh and run through
         `mmfsdp.parallel.experts_forward` (also at EP 1); with EP > 1 they form their own FSDP2 group on the
         expert FSDP mesh (`mmfsdp.parallel.expert_parallel`)."""
+        from mmfsdp.parallel import (
+            FSDPGroup, apply_activation_checkpointing, apply_activation_offload, apply_expert_parallel, apply_fsdp_groups,
+        )
+
         groups = self.fsdp_groups(parallel_cfg, parallel_dims)
         if self.expert_modules or getattr(parallel_dims, "ep_size", 1) > 1:
             key, patterns = self.expert_parallel_patterns(parallel_cfg)

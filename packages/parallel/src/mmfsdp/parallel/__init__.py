@@ -23,26 +23,59 @@ Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
 `ulysses` groups of `ParallelDims`.
 """
 
-from mmfsdp.parallel.checkpointing import apply_activation_checkpointing, is_checkpointed
-from mmfsdp.parallel.config import EPPlanConfig, FSDPPlanConfig, ParallelConfig, RecomputePlanConfig
-from mmfsdp.parallel.device import (
-    backend_for,
-    detect_device_type,
-    device_count,
-    device_for_local_rank,
-    init_process_group,
-    peak_memory_gb,
-    reset_peak_memory,
-    synchronize,
-    use_deterministic,
-)
-from mmfsdp.parallel.expert_parallel import apply_expert_parallel, experts_forward, shard_experts
-from mmfsdp.parallel.fsdp import FSDPGroup, apply_fsdp, apply_fsdp_groups
-from mmfsdp.parallel.grad import clip_grad_norm
-from mmfsdp.parallel.mesh import MESH_AXES, MeshPlan, ParallelDims, build_parallel_dims
-from mmfsdp.parallel.offload import ActivationOffload, apply_activation_offload, is_offloaded
-from mmfsdp.parallel.patterns import ModulePattern, compile_module_pattern, match_module_names
-from mmfsdp.parallel.swap_optimizer import SwapAdamW
+import importlib
+
+# Names load on first use (PEP 562): reading a config (`ParallelConfig`, `MeshPlan`) must not import FSDP2 and
+# DTensor (with sympy, about 3 s of CPU), which a launcher that starts no process group never uses.
+_LAZY = {
+    "apply_activation_checkpointing": "mmfsdp.parallel.checkpointing",
+    "is_checkpointed": "mmfsdp.parallel.checkpointing",
+    "EPPlanConfig": "mmfsdp.parallel.config",
+    "FSDPPlanConfig": "mmfsdp.parallel.config",
+    "ParallelConfig": "mmfsdp.parallel.config",
+    "RecomputePlanConfig": "mmfsdp.parallel.config",
+    "backend_for": "mmfsdp.parallel.device",
+    "detect_device_type": "mmfsdp.parallel.device",
+    "device_count": "mmfsdp.parallel.device",
+    "device_for_local_rank": "mmfsdp.parallel.device",
+    "init_process_group": "mmfsdp.parallel.device",
+    "peak_memory_gb": "mmfsdp.parallel.device",
+    "reset_peak_memory": "mmfsdp.parallel.device",
+    "synchronize": "mmfsdp.parallel.device",
+    "use_deterministic": "mmfsdp.parallel.device",
+    "apply_expert_parallel": "mmfsdp.parallel.expert_parallel",
+    "experts_forward": "mmfsdp.parallel.expert_parallel",
+    "shard_experts": "mmfsdp.parallel.expert_parallel",
+    "FSDPGroup": "mmfsdp.parallel.fsdp",
+    "apply_fsdp": "mmfsdp.parallel.fsdp",
+    "apply_fsdp_groups": "mmfsdp.parallel.fsdp",
+    "clip_grad_norm": "mmfsdp.parallel.grad",
+    "MESH_AXES": "mmfsdp.parallel.mesh",
+    "MeshPlan": "mmfsdp.parallel.mesh",
+    "ParallelDims": "mmfsdp.parallel.mesh",
+    "build_parallel_dims": "mmfsdp.parallel.mesh",
+    "ActivationOffload": "mmfsdp.parallel.offload",
+    "apply_activation_offload": "mmfsdp.parallel.offload",
+    "is_offloaded": "mmfsdp.parallel.offload",
+    "ModulePattern": "mmfsdp.parallel.patterns",
+    "compile_module_pattern": "mmfsdp.parallel.patterns",
+    "match_module_names": "mmfsdp.parallel.patterns",
+    "SwapAdamW": "mmfsdp.parallel.swap_optimizer",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ParallelConfig",
