@@ -183,19 +183,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def parent_section(data: dict[str, Any], parts: tuple[str, ...] | list[str], what: str, prefix: str = "") -> dict[str, Any]:
+    """The mapping that holds key `parts[-1]` under `data`, creating missing sections on the way; a non-mapping
+    on the way is a `ConfigError` at its key path (`prefix` + the parts so far) saying `what` could not go under it."""
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            path = ".".join(parts[: i + 1])
+            raise ConfigError(f"{prefix}.{path}" if prefix else path, f"is {child!r}, not a section, so {what} cannot go under it")
+        node = child
+    return node
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set each `a.b.c=value` in the nested mapping `data` (in place) and return it."""
     for text in overrides:
         parts, value = parse_override(text)
-        node = data
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"is {child!r}, not a section, so {text!r} cannot set a key under it")
-            node = child
-        node[parts[-1]] = value
+        parent_section(data, parts, repr(text))[parts[-1]] = value
     return data
 
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Union, get_args, get_origin, get_type
 
 import yaml
 
-from mmfsdp.config.core import ConfigError, load_yaml, parse_override
+from mmfsdp.config.core import ConfigError, load_yaml, parent_section, parse_override
 
 __all__ = [
     "Alias",
@@ -235,17 +235,7 @@ def _put(data: dict[str, Any], root_path: str, source: str, target: str, value: 
             return  # outside the part being translated: its owner does not read it
         target = target[len(root_path) + 1 :]
     parts = target.split(".")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(
-                _join(root_path, ".".join(parts[: i + 1])),
-                f"is {child!r}, not a section, so {source} cannot go under it",
-            )
-        node = child
+    node = parent_section(data, parts, source, prefix=root_path)
     _merge(node, parts[-1], value, source, _join(root_path, target))
 
 
@@ -325,17 +315,7 @@ def _leaves(node: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[tupl
 
 
 def _set(data: dict[str, Any], parts: tuple[str, ...], value: Any, text: str) -> None:
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(
-                ".".join(parts[: i + 1]), f"is {child!r}, not a section, so {text!r} cannot set a key under it"
-            )
-        node = child
-    node[parts[-1]] = value
+    parent_section(data, parts, repr(text))[parts[-1]] = value
 
 
 def _anchored_top_level_keys(text: str) -> tuple[str, ...]:

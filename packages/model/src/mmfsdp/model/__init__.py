@@ -26,7 +26,7 @@ Importing the package imports nothing heavy: names load on first use, a family's
 transformers and the attention backends) when its entry is first asked for (`get_model_entry`).
 """
 
-import importlib
+from mmfsdp.config.lazy import lazy_exports
 
 # Names load on first use (PEP 562): reading a config needs `ModelConfig`, not transformers,
 # and a launcher that never builds a model never imports a family.
@@ -76,18 +76,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "ModelEntry",

@@ -23,7 +23,7 @@ Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
 `ulysses` groups of `ParallelDims`.
 """
 
-import importlib
+from mmfsdp.config.lazy import lazy_exports
 
 # Names load on first use (PEP 562): reading a config (`ParallelConfig`, `MeshPlan`) must not import FSDP2 and
 # DTensor (with sympy, about 3 s of CPU), which a launcher that starts no process group never uses.
@@ -64,18 +64,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "ParallelConfig",
