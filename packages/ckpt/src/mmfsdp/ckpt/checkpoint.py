@@ -83,7 +83,6 @@ from mmfsdp.ckpt.layout import (
     remove_stale_tmp_dirs,
     resolve_checkpoint,
     write_complete_marker,
-    write_file_atomic,
     write_tracker,
 )
 from mmfsdp.ckpt.rng import capture_rng_state, restore_rng_state
