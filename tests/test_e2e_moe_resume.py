@@ -1,0 +1,77 @@
+"""Expert parallel through the real app: SIGKILL after a checkpoint, restart with the same command.
+
+`examples/qwen3vl-moe-tiny/config.yaml` as written (2 processes, `expert_parallel_size: 2`, router aux loss
+on), shortened to 6 steps with gradient accumulation 2 (4 steps per epoch). The reference runs the 6 steps
+uninterrupted. The second run saves every 3 steps and is SIGKILLed (launcher and ranks) as soon as its step-3
+checkpoint is published, then restarted with the same command: it must say it resumed at step 3, log only
+steps 4-6, and every logged LM loss, router aux loss and expert load of steps 1-6 must equal the reference
+bitwise (steps 4-6 cross the epoch boundary, so the data position and RNG come back too). Resharding an EP-2
+checkpoint to EP 1 is `tests/test_e2e_moe_router.py`.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import apprun
+from mmfsdp.ckpt import read_tracker
+from mmfsdp.data import prepare_dataset
+from mmfsdp.train.config import load_config
+
+ROOT = apprun.ROOT
+CONFIG = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
+STEPS = 6
+KEYS = ("loss", "aux_loss", "expert_load_max", "expert_load_mean", "grad_norm")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _items(tmp: Path, out: Path, **extra) -> dict:
+    return {
+        "data.dataset_param.preprocess_parameters.cutoff_len": 96,
+        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
+        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
+        "data.dataset_param.synthetic.num_train": 32,  # 8 samples per step -> 4 steps per epoch
+        "data.dataset_param.synthetic.num_eval": 4,
+        "training.micro_batch_size": 2,
+        "training.gradient_accumulation_steps": 2,
+        "training.train_iters": STEPS,
+        "training.lr_warmup_ratio": 0.0,
+        "training.log_interval": 1,
+        "training.output_dir": out,
+        **extra,
+    }
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_expert_parallel_kill_and_restart_is_exact(tmp_path):
+    cfg = load_config(CONFIG, apprun.overrides(_items(tmp_path, tmp_path / "prepare")))
+    assert cfg.parallel.expert_parallel_size == 2 and cfg.features.loss_cfg.router_aux_loss_coef > 0
+    prepare_dataset(cfg.data)
+
+    reference_out = tmp_path / "reference"
+    apprun.run(apprun.command(CONFIG, _items(tmp_path, reference_out)))
+    reference = {r["step"]: tuple(r[k] for k in KEYS) for r in _records(reference_out)}
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    out = tmp_path / "killed"
+    cmd = apprun.command(CONFIG, _items(tmp_path, out, **{
+        "training.save_interval": 3,
+        "training.save": out / "ckpt",
+        "training.load": out / "ckpt",
+    }))
+    apprun.kill_after_checkpoint(cmd, out / "ckpt", 3)
+    before = apprun.logged_steps(out)
+    assert before[:3] == [1, 2, 3] and max(before) < STEPS, before
+
+    restart = apprun.run(cmd)
+    assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
+    assert "training starts at step 1" not in restart.stdout
+    assert apprun.logged_steps(out)[len(before):] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
+    for record in _records(out):
+        got = tuple(record[k] for k in KEYS)
+        assert got == reference[record["step"]], f"step {record['step']}: {dict(zip(KEYS, got))} vs {reference[record['step']]}"
+    assert read_tracker(out / "ckpt") == STEPS
