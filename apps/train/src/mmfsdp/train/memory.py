@@ -136,7 +136,8 @@ def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, ima
         patches = tokens * image_token_share * entry.vision_patches_per_image_token(model.config)
         vision_layer = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
         vision_input = patches * vis.hidden_size * compute
-        vision = vis.num_hidden_layers * vision_input + vision_layer if recompute else vis.num_hidden_layers * vision_layer
+        depth = entry.vision_num_layers(model.config)
+        vision = depth * vision_input + vision_layer if recompute else depth * vision_layer
     return int(decoder + logits + vision)
 
 

@@ -104,6 +104,16 @@ class ModelEntry:
         merge = getattr(config, "spatial_merge_size", None) or getattr(config.vision_config, "spatial_merge_size", 1)
         return int(merge) ** 2
 
+    def vision_num_layers(self, config: Any) -> int:
+        """Blocks of the vision tower (the memory plan): `vision_config.num_hidden_layers`, or `depth` as Qwen-VL
+        configs name it (transformers before 5.2x has no alias between the two)."""
+        vision = config.vision_config
+        for name in ("num_hidden_layers", "depth"):
+            value = getattr(vision, name, None)
+            if value is not None:
+                return int(value)
+        raise AttributeError(f"{type(vision).__name__} has neither num_hidden_layers nor depth")
+
     def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[Any]:
         """The FSDP2 groups (`mmfsdp.parallel.FSDPGroup`): by default one, `parallel.fsdp_plan.apply_modules` (or
         `fsdp_modules`) on the FSDP mesh."""
