@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of weights and hidden states")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (each runs every variant)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (each runs every variant)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return parser
 
