@@ -6,7 +6,7 @@ attention projections of every layer, vision tower included (`q_proj`, `k_proj`,
 - With B = 0 the first step's loss is the full model's exactly (the full fine-tune from the same weights).
 - Per-step loss and gradient norm of every 2-process layout equal the 1-process LoRA run (relative 1e-5):
   FSDP2 (data parallel 2); meta-device init from the HF directory (`training.load`, `load_format: hf`) with
-  chunk loss and recompute; Ulysses 2; HSDP (2 replicas of 1 shard).
+  chunk loss and recompute; Ulysses 2; Ring 2; HSDP (2 replicas of 1 shard).
 - Only adapters change: after training every base tensor equals the HF file's bitwise (1 and 2 processes).
 - A bf16 base with fp32 adapters in the same FSDP2 groups trains (finite losses, adapters stay fp32).
 - `training.lora.pretrained_lora_path` = the trained run exported with `dcp_to_peft` starts a trainer with
@@ -82,6 +82,7 @@ RUNS = {
         },
     ),
     "ulysses2": (2, {**LORA, "parallel.ulysses_parallel_size": 2}),
+    "ring2": (2, {**LORA, "parallel.ring_attention_size": 2}),
     "hsdp": (
         2,
         {
@@ -150,7 +151,7 @@ def _train(rank, world_size, tmp, runs):
         trainer.train()
         result = {
             "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
-            "layout": (trainer.dims.dp_size, trainer.plan.ulysses),
+            "layout": (trainer.dims.dp_size, trainer.plan.ulysses, trainer.plan.ring),
         }
         if name in ("ref", "fsdp2"):
             result["base_changes"] = _base_changes(trainer, tmp / "hf")
@@ -199,11 +200,18 @@ def test_lora_first_step_with_zero_b_is_the_base_models_exactly(results):
 
 
 @pytest.mark.parametrize(
-    "name, layout", [("fsdp2", (2, 1)), ("fsdp2_meta_chunk_recompute", (2, 1)), ("ulysses2", (1, 2)), ("hsdp", (2, 1))]
+    "name, layout",
+    [
+        ("fsdp2", (2, 1, 1)),
+        ("fsdp2_meta_chunk_recompute", (2, 1, 1)),
+        ("ulysses2", (1, 2, 1)),
+        ("ring2", (1, 1, 2)),
+        ("hsdp", (2, 1, 1)),
+    ],
 )
 def test_lora_layout_matches_one_process(results, name, layout):
     _, out = results
-    assert out[name]["layout"] == layout and out["ref"]["layout"] == (1, 1), "(data-parallel size, Ulysses size)"
+    assert out[name]["layout"] == layout and out["ref"]["layout"] == (1, 1, 1), "(data-parallel, Ulysses, Ring size)"
     got, expected = out[name]["steps"], out["ref"]["steps"]
     assert len(got) == len(expected) == STEPS
     for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(got, expected), 1):

@@ -8,7 +8,9 @@ tokens (equal `num_tokens`):
 - Ulysses 2 and Ring 2 on 2 processes (one CP group: the same micro-batch as 1 process);
 - packing: packed rows on 2 processes (data parallel 2) against packed rows on 1
   process with twice the micro-batch;
-- Ulysses 2 × Ring 2 on 4 processes.
+- Ulysses 2 × Ring 2 on 4 processes;
+- LoRA (rank 8 on the decoder's and the vision tower's attention projections) under FSDP2 on 2 processes
+  against the 1-process LoRA run.
 
 The 1-process run's first step is also checked against plain HF: a
 `Qwen3VLForConditionalGeneration` with that run's initial weights, given the
@@ -59,16 +61,24 @@ def _packed(micro_batch_size: int, **extra) -> dict:
 
 
 CHUNK_LOSS = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
+LORA = {
+    "training.lora.enable": "true",
+    "training.lora.rank": 8,
+    "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj,qkv]",  # decoder and vision attention
+    "training.lr": 1.0e-2,
+}
 
 # name: (world size, overrides); the 1-process runs are the references
 RUNS = {
     "ref": (1, {}),
     "ref_packed_mbs2": (1, _packed(2)),
+    "ref_lora": (1, LORA),
     "fsdp2": (2, {"training.micro_batch_size": 2}),
     "fsdp2_chunk": (2, {"training.micro_batch_size": 2, **CHUNK_LOSS}),
     "ulysses2": (2, {"parallel.ulysses_parallel_size": 2}),
     "ring2": (2, {"parallel.ring_attention_size": 2}),
     "fsdp2_packed": (2, _packed(1)),
+    "fsdp2_lora": (2, {"training.micro_batch_size": 2, **LORA}),
     "ulysses2_ring2": (4, {"parallel.ulysses_parallel_size": 2, "parallel.ring_attention_size": 2}),
 }
 
@@ -145,6 +155,7 @@ def _close(value: float, reference: float) -> bool:
         ("ulysses2", "ref", {"world": 2, "dp": 1, "ring": 1, "ulysses": 2}),
         ("ring2", "ref", {"world": 2, "dp": 1, "ring": 2, "ulysses": 1}),
         ("fsdp2_packed", "ref_packed_mbs2", {"world": 2, "dp": 2, "ring": 1, "ulysses": 1}),
+        ("fsdp2_lora", "ref_lora", {"world": 2, "dp": 2, "ring": 1, "ulysses": 1}),
         ("ulysses2_ring2", "ref", {"world": 4, "dp": 1, "ring": 2, "ulysses": 2}),
     ],
 )
@@ -170,6 +181,6 @@ def test_qwen3vl_first_step_matches_plain_hf(results):
 def test_qwen3vl_references_pack_and_learn(results):
     """The packed reference really packs several samples per row, and the references learn."""
     assert max(results["ref_packed_mbs2"]["samples_per_row"]) > 1
-    for ref in ("ref", "ref_packed_mbs2"):
+    for ref in ("ref", "ref_packed_mbs2", "ref_lora"):
         steps = results[ref]["steps"]
         assert steps[-1][0] < steps[0][0], f"{ref} should learn"
