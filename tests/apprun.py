@@ -104,3 +104,19 @@ def kill_after_checkpoint(cmd: list[str], save_dir: Path, iteration: int) -> Non
     tracker = save_dir / "latest_checkpointed_iteration.txt"
     kill_when(start(cmd), lambda: tracker.is_file() and tracker.read_text().strip() == str(iteration),
               f"its step-{iteration} checkpoint")
+
+
+def kill_and_restart(cmd: list[str], out: Path, iteration: int, steps: int) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """SIGKILL the run of `cmd` (output `out`, checkpoints in `out/ckpt`) once its step-`iteration` checkpoint is
+    published, restart the same command to its end and check that it resumed there: the restart says so, does not
+    start at step 1 and logs exactly steps `iteration + 1 .. steps`. Returns the restart and the steps logged before
+    the kill."""
+    kill_after_checkpoint(cmd, out / "ckpt", iteration)
+    before = logged_steps(out)
+    assert before[:iteration] == list(range(1, iteration + 1)) and max(before) < steps, before
+    restart = run(cmd)
+    assert "resumed from" in restart.stdout and f"at step {iteration}" in restart.stdout, restart.stdout[-2000:]
+    assert "training starts at step 1" not in restart.stdout, restart.stdout[-2000:]
+    after = logged_steps(out)[len(before):]
+    assert after == list(range(iteration + 1, steps + 1)), f"the restart logged {after}, not the steps after {iteration}"
+    return restart, before

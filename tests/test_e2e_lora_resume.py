@@ -62,14 +62,8 @@ def test_lora_meta_init_kill_and_restart_resumes_bitwise(setup, tmp_path):
 
     out = tmp_path / "killed"
     cmd = _command(data, hf, out)
-    apprun.kill_after_checkpoint(cmd, out / "ckpt", 3)
-    before = apprun.logged_steps(out)
-    assert before[:3] == [1, 2, 3] and max(before) < STEPS, before
-
-    restart = apprun.run(cmd)
-    assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
+    restart, _ = apprun.kill_and_restart(cmd, out, 3, STEPS)
     assert "on the frozen base from HF weights from model.model_name_or_path" in restart.stdout, restart.stdout[-2000:]
-    assert apprun.logged_steps(out)[len(before) :] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
     for step, values in apprun.losses(out).items():
         assert all(v == reference[step] for v in values), f"step {step}: {values} vs uninterrupted {reference[step]}"
 

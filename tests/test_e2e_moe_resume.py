@@ -63,14 +63,7 @@ def test_expert_parallel_kill_and_restart_is_exact(tmp_path):
         "training.save": out / "ckpt",
         "training.load": out / "ckpt",
     }))
-    apprun.kill_after_checkpoint(cmd, out / "ckpt", 3)
-    before = apprun.logged_steps(out)
-    assert before[:3] == [1, 2, 3] and max(before) < STEPS, before
-
-    restart = apprun.run(cmd)
-    assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
-    assert "training starts at step 1" not in restart.stdout
-    assert apprun.logged_steps(out)[len(before):] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
+    apprun.kill_and_restart(cmd, out, 3, STEPS)
     for record in _records(out):
         got = tuple(record[k] for k in KEYS)
         assert got == reference[record["step"]], f"step {record['step']}: {dict(zip(KEYS, got))} vs {reference[record['step']]}"

@@ -73,14 +73,7 @@ def test_qwen3vl_meta_init_from_hf_then_kill_and_restart_is_exact(setup, tmp_pat
         "training.save": out / "ckpt",
         "training.load": out / "ckpt",
     }))
-    apprun.kill_after_checkpoint(cmd, out / "ckpt", 3)
-    before = apprun.logged_steps(out)
-    assert before[:3] == [1, 2, 3] and max(before) < STEPS, before
-
-    restart = apprun.run(cmd)
-    assert "resumed from" in restart.stdout and "at step 3" in restart.stdout, restart.stdout[-2000:]
-    assert "training starts at step 1" not in restart.stdout
-    assert apprun.logged_steps(out)[len(before):] == [4, 5, 6], "the restart continues after the step-3 checkpoint"
+    apprun.kill_and_restart(cmd, out, 3, STEPS)
     for step, values in apprun.losses(out).items():
         assert all(v == reference[step] for v in values), f"step {step}: {values} vs eager HF load {reference[step]}"
     assert read_tracker(out / "ckpt") == STEPS

@@ -7,7 +7,6 @@ uninterrupted run's bitwise. Both ways of naming the weights: `training.load` = 
 Split from test_e2e_resume.py so the two files run on different test workers.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -65,10 +64,6 @@ def meta_reference(data, hf_weights, tmp_path_factory):
     return {step: values[0] for step, values in losses.items()}
 
 
-def _kill_after_checkpoint(cmd: list[str], out: Path, iteration: int) -> None:
-    apprun.kill_after_checkpoint(cmd, out / "ckpt", iteration)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("load_is_save", [False, True], ids=["load_hf_dir", "load_equals_save"])
 def test_meta_init_kill_and_restart_resumes_bitwise(data, hf_weights, meta_reference, tmp_path, load_is_save):
@@ -76,16 +71,9 @@ def test_meta_init_kill_and_restart_resumes_bitwise(data, hf_weights, meta_refer
     not step 1) and every logged loss of steps 1-12 equals the uninterrupted run's bitwise."""
     out = tmp_path / "killed"
     cmd = _meta_command(data, out, hf_weights, load_is_save=load_is_save)
-    _kill_after_checkpoint(cmd, out, 6)
-    before = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert before[:6] == list(range(1, 7)) and max(before) < 9, before
-
-    restart = _run(cmd)
+    restart, before = apprun.kill_and_restart(cmd, out, 6, META_STEPS)
+    assert max(before) < 9, before
     assert "start: resuming from" in restart.stdout and "iter_0000006 (step 6" in restart.stdout, restart.stdout[-2000:]
-    assert "resumed from" in restart.stdout and "at step 6" in restart.stdout
-    assert "training starts at step 1" not in restart.stdout
-    after = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()][len(before):]
-    assert after == list(range(7, META_STEPS + 1)), "the restart continues after the step-6 checkpoint"
     for step, losses in _losses(out).items():
         assert all(loss == meta_reference[step] for loss in losses), f"step {step}: {losses} vs {meta_reference[step]}"
     assert read_tracker(out / "ckpt") == META_STEPS
