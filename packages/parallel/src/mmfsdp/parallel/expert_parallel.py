@@ -322,12 +322,14 @@ def expert_parallel_forward(
     num_experts: int,
     group: dist.ProcessGroup | None = None,
     implementation: Implementation = "auto",
+    counts_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H]: `out[t] = Σ_k topk_weight[t, k] · expert_{topk_idx[t, k]}(hidden[t])` with experts spread over `group`.
 
     `topk_idx` holds global expert ids; `gate_up_proj` / `down_proj` hold this
     rank's `num_experts / ep` experts (`shard_experts`). Every rank of `group` must
-    call this together (also with no tokens). See the module docstring for the flow.
+    call this together (also with no tokens). See the module docstring for the flow. `counts_E`: the tokens per
+    expert of `topk_idx` (`tokens_per_expert`) when the caller has them already.
     """
     num_tokens, top_k = topk_idx_TK.shape
     ep_size = _group_size(group)
@@ -337,7 +339,8 @@ def expert_parallel_forward(
             f"expected {num_local} local experts ({num_experts} over EP {ep_size}), got gate_up_proj "
             f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}"
         )
-    counts_E = tokens_per_expert(topk_idx_TK, num_experts)
+    if counts_E is None:
+        counts_E = tokens_per_expert(topk_idx_TK, num_experts)
     _, order_S = torch.sort(topk_idx_TK.reshape(-1), stable=True)
     token_S = order_S // top_k
     x_SH = hidden_TH.index_select(0, token_S)  # backward: index_add (advanced indexing's index_put is slower)
@@ -443,8 +446,8 @@ def experts_forward(
     (not while recomputing in the backward).
     """
     num_experts = getattr(module, "num_experts", module.gate_up_proj.shape[0])
+    counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
     if not _in_backward():
-        counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
         load = getattr(module, "expert_load", None)
         module.expert_load = counts_E if load is None else load + counts_E
     gate_up_proj, down_proj = _local(module.gate_up_proj), _local(module.down_proj)
@@ -460,6 +463,7 @@ def experts_forward(
         num_experts=num_experts,
         group=getattr(module, "ep_group", None),
         implementation=implementation,
+        counts_E=counts_E,
     )
 
 
