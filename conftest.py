@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports torch
 
 _FILE_SECONDS = {
+    "tests/test_e2e_text_only_parity.py": 200,
     "tests/test_e2e_resume_meta.py": 140,
     "tests/test_e2e_resume.py": 120,
     "tests/test_e2e_faults.py": 112,

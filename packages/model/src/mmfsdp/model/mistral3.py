@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
@@ -33,6 +34,16 @@ class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForCond
         super().__init__(config)
         install_per_image_attention(self.model.vision_tower)
         self.init_training_forward()
+
+    def placeholder_vision_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        """One black image of two merged tokens (`2 · spatial_merge_size²` patches): HF's feature split
+        squeezes away the token dim of a one-token image."""
+        vision = self.config.vision_config
+        side = vision.patch_size * self.config.spatial_merge_size
+        return {
+            "pixel_values": torch.zeros(1, vision.num_channels, side, 2 * side, device=device, dtype=dtype),
+            "image_sizes": torch.tensor([[side, 2 * side]], device=device),
+        }
 
 
 @register_model("mistral3")

@@ -154,6 +154,16 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
         )
         return kwargs
 
+    def placeholder_vision_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        """One black single-frame image of `spatial_merge_size`² patches: one merged visual token."""
+        vision = self.config.vision_config
+        merge = vision.spatial_merge_size
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        return {
+            "pixel_values": torch.zeros(merge * merge, patch_dim, device=device, dtype=dtype),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
+        }
+
     def split_decoder_kwargs(self, kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
         """M-RoPE positions along their last dim, deepstack features to this rank's visual tokens, the rest along S."""
         kwargs = dict(kwargs)

@@ -23,10 +23,19 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    HF varlen keywords `cu_seq_lens_q/k`, `max_length_q/k`: the cumulative lengths
    alone say which tokens attend to which. They go to the decoder only — the
    vision tower keeps its own per-image lengths.
-4. Under context parallel, `shift_labels` and `loss_weights` are split with the
+4. A call without any vision input (`vision_input_keys`: a micro-batch of
+   text-only samples) still runs the vision side, on the family's smallest
+   input (`placeholder_vision_inputs`), at the decoder's entry: the decoder
+   receives `inputs_embeds + 0 · Σ features`. Every rank thus runs the same
+   FSDP2 all-gathers and reduce-scatters, in the same order, whatever its
+   micro-batch holds (a rank that skipped the tower would pair its collectives
+   with the wrong ones of the others: gloo aborts, NCCL hangs), and the
+   placeholder contributes exactly zero to the loss and to every gradient
+   (docs/model.md, "Text-only micro-batches").
+5. Under context parallel, `shift_labels` and `loss_weights` are split with the
    batch's layout and the decoder runs on this rank's shard (its keywords split
    by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`).
-5. Without chunk loss the HF forward computes the logits and
+6. Without chunk loss the HF forward computes the logits and
    `weighted_cross_entropy` the loss; with chunk loss the HF base model stops at
    the final hidden states and `lm_head` computes the loss chunk by chunk
    (`mmfsdp.model.chunk_loss`), and the output has no logits. Either way
@@ -50,7 +59,7 @@ from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
 from mmfsdp.model.loss import weighted_cross_entropy
 
-__all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs"]
+__all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs", "vision_features"]
 
 NON_INPUT_KEYS = ("labels",)
 """Keys of a collated batch that are not model inputs; every other key (the family's HF inputs,
@@ -81,13 +90,33 @@ class _Uncast:
 
 
 class _DecoderCall:
-    """What the decoder's next forward receives on top of its HF keywords: varlen lengths and the CP split."""
+    """What the decoder's next forward receives on top of its HF keywords: varlen lengths, the CP split and
+    whether the vision placeholder runs at its entry."""
 
-    __slots__ = ("extra_kwargs", "cp_batch")
+    __slots__ = ("extra_kwargs", "cp_batch", "vision_placeholder")
 
-    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None):
+    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, vision_placeholder: bool):
         self.extra_kwargs = extra_kwargs
         self.cp_batch = cp_batch
+        self.vision_placeholder = vision_placeholder
+
+
+def _feature_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors of a vision output (a tensor, or nested tuples/lists of them)."""
+    if torch.is_tensor(value):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _feature_tensors(item)]
+    return []
+
+
+def vision_features(output: Any) -> list[torch.Tensor]:
+    """The tensors of a `get_image_features` output that the merge into the sequence uses: HF's
+    `pooler_output` (the per-image features) and, where present, `deepstack_features`; an output in the
+    older tuple form is used whole."""
+    if hasattr(output, "pooler_output"):
+        return _feature_tensors(output.pooler_output) + _feature_tensors(getattr(output, "deepstack_features", None))
+    return _feature_tensors(output)
 
 
 class TrainingForwardMixin:
@@ -97,6 +126,8 @@ class TrainingForwardMixin:
     """The text decoder: it receives the varlen keywords and, under CP, runs on the shard."""
     lm_head_name: ClassVar[str] = "lm_head"
     """The output projection that receives the loss function under chunk loss."""
+    vision_input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "pixel_values_videos")
+    """Keywords that carry media to the vision side; a call with none of them runs the vision placeholder."""
 
     def init_training_forward(self) -> None:
         """Call at the end of the family's `__init__`."""
@@ -115,6 +146,18 @@ class TrainingForwardMixin:
         """This CP rank's decoder keywords; the default splits `[B, S, ...]` tensors along S."""
         return split_sequence_kwargs(kwargs, batch)
 
+    def placeholder_vision_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The keywords of the smallest `get_image_features` call (one image of the fewest patches the tower
+        and its merger accept), for micro-batches without media; None: the family has no vision side."""
+        return None
+
+    def vision_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The vision side run on `placeholder_vision_inputs`: the features the merge would use (`vision_features`)."""
+        inputs = self.placeholder_vision_inputs(device, dtype)
+        if inputs is None:
+            return []
+        return vision_features(self.get_image_features(**inputs))
+
     # -- switches --------------------------------------------------------------------------------
     def enable_context_parallel(self, parallel_dims: Any) -> None:
         """Split the decoder's sequence over `parallel_dims`' CP group in the training forward (`mmfsdp.model.context_parallel`)."""
@@ -127,9 +170,18 @@ class TrainingForwardMixin:
         self.chunk_loss_size = chunk_size
 
     # -- forward ---------------------------------------------------------------------------------
+    def _needs_vision_placeholder(self, kwargs: dict[str, Any]) -> bool:
+        if any(kwargs.get(key) is not None for key in self.vision_input_keys):
+            return False
+        # a decoding step of generation (a filled cache) runs no vision side on any path
+        return kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+
     @contextlib.contextmanager
-    def _calling_decoder(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None) -> Iterator[None]:
-        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch) if extra_kwargs or cp_batch is not None else None
+    def _calling_decoder(
+        self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, vision_placeholder: bool = False
+    ) -> Iterator[None]:
+        needed = extra_kwargs or cp_batch is not None or vision_placeholder
+        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, vision_placeholder) if needed else None
         try:
             yield
         finally:
@@ -141,6 +193,14 @@ class TrainingForwardMixin:
             return None
         assert not args, "the decoder is called with keyword arguments"
         kwargs = {**kwargs, **call.extra_kwargs}
+        if call.vision_placeholder and kwargs.get("inputs_embeds") is not None:
+            # Here, after the embedding and where the real merge would have run the tower, so that the
+            # collectives keep their order in forward and backward; `0 · Σ` is exactly zero for finite features.
+            embeds = kwargs["inputs_embeds"]
+            features = self.vision_placeholder_features(embeds.device, embeds.dtype)
+            if features:
+                zero = sum(feature.float().mul(0).sum() for feature in features)
+                kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
         if call.cp_batch is not None:
             kwargs = self._context_parallel.split_decoder_inputs(kwargs, call.cp_batch, self.split_decoder_kwargs)
         return args, kwargs
@@ -172,10 +232,11 @@ class TrainingForwardMixin:
             kwargs = self.prepare_inputs(kwargs, cu_seq_lens)
         if cu_seq_lens is not None:
             kwargs["attention_mask"] = None
+        placeholder = not args and self._needs_vision_placeholder(kwargs)
         if loss_weights is None:
             if shift_labels is not None:
                 kwargs["shift_labels"] = shift_labels
-            with self._calling_decoder(decoder_kwargs):
+            with self._calling_decoder(decoder_kwargs, vision_placeholder=placeholder):
                 return super().forward(*args, **kwargs)
         if args:
             raise TypeError("the training forward (with loss_weights) takes its inputs by keyword")
@@ -189,7 +250,7 @@ class TrainingForwardMixin:
         if self._context_parallel is not None:
             cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
             shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
-        with self._calling_decoder(decoder_kwargs, cp_batch):
+        with self._calling_decoder(decoder_kwargs, cp_batch, placeholder):
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
