@@ -35,7 +35,8 @@ from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_da
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
 from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, get_plugin, register_plugin
-from mmfsdp.data.processor import MMProcessor, build_processor
+from mmfsdp.data.build import build_processor
+from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, MistralTemplate, Qwen3VLNoThinkTemplate, Qwen3VLTemplate, Template, get_template, register_template
 
 __all__ = [

@@ -74,7 +74,7 @@ def _render(ids: list[int], labels: list[int], processor: Any, plugin: Any, grid
 def _inspect(args: argparse.Namespace) -> int:
     from mmfsdp.data.config import DataConfig
     from mmfsdp.data.dataset import build_dataset, prepare_dataset
-    from mmfsdp.data.processor import build_processor
+    from mmfsdp.data.build import build_processor
 
     translated = load_translated(DataConfig, args.config, args.overrides, section="data")
     if translated.warning() is not None:  # stderr: with --json, stdout holds only the JSON

@@ -1,6 +1,6 @@
-"""Load the tokenizer and image processor of `preprocess_parameters.model_name_or_path`.
+"""The tokenizer and image processor of `preprocess_parameters.model_name_or_path` (`MMProcessor`).
 
-`build_processor(data_cfg)` returns an `MMProcessor`: the HF tokenizer
+`mmfsdp.data.build.build_processor(data_cfg)` returns an `MMProcessor`: the HF tokenizer
 (`AutoTokenizer`, so a `tokenizer.json` or Mistral's `tekken.json` both work), the
 HF processor the image plugin builds around it (for Pixtral a `PixtralProcessor`),
 and its image processor. It also owns the one way text is turned into ids:
@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.config import ConfigError
 
 from mmfsdp.data.config import DataConfig
 
-__all__ = ["MMProcessor", "build_processor", "load_tokenizer"]
+__all__ = ["MMProcessor", "load_tokenizer", "model_dir"]
 
 _KEY = "data.dataset_param.preprocess_parameters"
-log = get_logger(__name__)
 
 
 @dataclass
@@ -87,14 +86,15 @@ class MMProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _model_dir(data_cfg: DataConfig) -> Path:
+def model_dir(data_cfg: DataConfig) -> Path:
+    """The local model directory of `preprocess_parameters.model_name_or_path`; a `ConfigError` if unset or missing."""
     path = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
     if not path:
         raise ConfigError(f"{_KEY}.model_name_or_path", "is not set; point it at the local HF model directory (the one with config.json and the tokenizer)")
-    model_dir = Path(path).expanduser()
-    if not model_dir.is_dir():
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
         raise ConfigError(f"{_KEY}.model_name_or_path", f"{path!r} is not a directory; download the model first and give its local path")
-    return model_dir
+    return directory
 
 
 def load_tokenizer(data_cfg: DataConfig) -> Any:
@@ -102,26 +102,11 @@ def load_tokenizer(data_cfg: DataConfig) -> Any:
     from transformers import AutoTokenizer
 
     pp = data_cfg.dataset_param.preprocess_parameters
-    model_dir = _model_dir(data_cfg)
+    directory = model_dir(data_cfg)
     kwargs: dict[str, Any] = {"use_fast": pp.use_fast_tokenizer, "trust_remote_code": pp.trust_remote_code, "local_files_only": True}
     if pp.fix_mistral_regex is not None:
         kwargs["fix_mistral_regex"] = pp.fix_mistral_regex
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{_KEY}.model_name_or_path", f"cannot load a tokenizer from {str(model_dir)!r}: {err}") from None
-
-
-def build_processor(data_cfg: DataConfig) -> MMProcessor:
-    """The tokenizer and the image plugin's HF processor for `preprocess_parameters.model_name_or_path`."""
-    from mmfsdp.data.plugins import get_plugin
-    from mmfsdp.data.templates import get_template
-
-    pp = data_cfg.dataset_param.preprocess_parameters
-    template = get_template(pp.template)
-    plugin_cls = get_plugin(pp.image_plugin or template.default_plugin)
-    model_dir = _model_dir(data_cfg)
-    tokenizer = load_tokenizer(data_cfg)
-    hf_processor = plugin_cls.load_hf_processor(model_dir, tokenizer, trust_remote_code=pp.trust_remote_code)
-    log.info("data: loaded %s + %s from %s", type(tokenizer).__name__, type(hf_processor.image_processor).__name__, model_dir)
-    return MMProcessor(tokenizer=tokenizer, hf_processor=hf_processor, image_processor=hf_processor.image_processor, name_or_path=str(model_dir))
+        raise ConfigError(f"{_KEY}.model_name_or_path", f"cannot load a tokenizer from {str(directory)!r}: {err}") from None
