@@ -1,4 +1,4 @@
-"""Suite-wide test scheduling (ordering and threads only; no fixtures here).
+"""Suite-wide test set-up: ordering, threads and what distributed test ranks preload (no fixtures here).
 
 The suite runs on two xdist workers that take whole files (`-n 2 --dist loadfile`, pyproject.toml), in
 collection order. Longest first keeps the end of the run short: the files below (wall seconds of each file
@@ -11,6 +11,11 @@ environment) computes on one thread unless OMP_NUM_THREADS says otherwise; the a
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports torch
+
+from mmfsdp.parallel.testing import preload_for_ranks  # noqa: E402
+
+# what the ranks of `run_distributed` import once, in the forkserver they fork from
+preload_for_ranks("transformers", "mmfsdp.model.all_families", "mmfsdp.data", "mmfsdp.ckpt")
 
 _FILE_SECONDS = {
     "tests/test_e2e_text_only_parity.py": 200,

@@ -191,6 +191,12 @@ def _load_family(model_id: str) -> None:
         raise RuntimeError(f"entry point {point.value!r} of group {FAMILY_ENTRY_POINT_GROUP} did not register {model_id!r}")
 
 
+def load_all_families() -> None:
+    """Import every family a package declares (e.g. once in a process that forks workers)."""
+    for model_id in _declared_families():
+        _load_family(model_id)
+
+
 def get_model_entry(model_id: str) -> ModelEntry:
     """The entry registered under `model_id`, importing its family on first use; an unknown id is a
     `ConfigError` naming the closest one."""

@@ -3,9 +3,10 @@
 `run_distributed(fn, world_size, *args)` starts `world_size` fresh processes, each
 of which joins a gloo process group and calls `fn(rank, world_size, *args)`.
 The processes are forked from a multiprocessing forkserver that has imported
-torch, FSDP2/DCP, transformers' model classes and mmfsdp once (per test process):
-a spawned rank would spend about 12 s of CPU on those imports, the bulk of a
-small distributed test. The forkserver holds no threads, so forking it is safe;
+torch, FSDP2/DCP and `mmfsdp.parallel` once (per test process), plus whatever the
+caller names with `preload_for_ranks` (the suite's conftest.py names transformers,
+the model families, data and ckpt): a spawned rank would spend about 12 s of CPU
+on those imports, the bulk of a small distributed test. The forkserver holds no threads, so forking it is safe;
 each rank still starts its own process group, and gets the caller's current
 environment variables.
 It returns the per-rank return values (rank order). If any rank raises, the
@@ -32,7 +33,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-__all__ = ["run_distributed", "free_port"]
+__all__ = ["run_distributed", "free_port", "preload_for_ranks"]
 
 
 def free_port() -> int:
@@ -58,15 +59,15 @@ _PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.tensor",
-    "transformers",
     "mmfsdp.parallel",
-    "mmfsdp.model.mistral3",
-    "mmfsdp.model.qwen3_vl",
-    "mmfsdp.model.qwen3_vl_moe",
-    "mmfsdp.data",
-    "mmfsdp.ckpt",
 ]
 """Modules the forkserver imports once; a name that fails to import is skipped (multiprocessing's rule)."""
+
+
+def preload_for_ranks(*modules: str) -> None:
+    """Have the forkserver the ranks fork from import `modules` too; call before this process's first
+    `run_distributed` (the forkserver starts then and keeps its imports)."""
+    _PRELOAD.extend(module for module in modules if module not in _PRELOAD)
 
 
 def _context() -> mp.context.BaseContext:
