@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmfsdp.ckpt import dcp_to_hf, save_checkpoint
+from mmfsdp.ckpt import dcp_to_hf, hf_to_dcp, save_checkpoint
 from mmfsdp.ckpt.lora import LORA_METADATA
 from mmfsdp.model import apply_lora, get_model_entry
 from mmfsdp.model.config import ModelConfig
@@ -141,6 +141,20 @@ def test_hf_directory_of_another_model(capsys, tmp_path, ckpts):
     assert code == 2 and lines[-1].startswith("config error: training.load: ... and ")
     assert ("config error: training.load: model.language_model.layers.0.self_attn.k_proj.weight: shape (64, 128) in the "
             "model, (64, 96) in the checkpoint") in lines
+
+
+def test_released_weights(capsys, tmp_path, ckpts):
+    """`training.load` at an `mm-convert hf_to_dcp` output: the release's model tensors are compared."""
+    hf_to_dcp(ckpts["hf_good"], tmp_path / "good_dcp")
+    out = _passes(capsys, tmp_path, f"training.load={tmp_path / 'good_dcp'}")
+    assert "released DCP weights" in out
+    hf_to_dcp(ckpts["hf_edited"], tmp_path / "edited_dcp")
+    code, lines, _ = _check(capsys, tmp_path, f"training.load={tmp_path / 'edited_dcp'}")
+    assert code == 2 and "the released weights" in lines[0] and lines[1:] == [
+        "config error: training.load: missing key lm_head.weight (in the model, not in the checkpoint)",
+        "config error: training.load: unexpected key model.language_model.extra.weight "
+        "(in the checkpoint, not in the model)",
+    ]
 
 
 def test_lora_adapter_checkpoint(capsys, tmp_path, ckpts):
