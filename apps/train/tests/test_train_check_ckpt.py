@@ -29,7 +29,8 @@ TARGETS = ["q_proj", "v_proj"]
 
 def _build(model_id: str, assets: Path) -> torch.nn.Module:
     torch.manual_seed(0)
-    return get_model_entry(model_id).build(ModelConfig(model_id=model_id, model_name_or_path=str(assets), random_init=True))
+    model_cfg = ModelConfig(model_id=model_id, model_name_or_path=str(assets), random_init=True)
+    return get_model_entry(model_id).build(model_cfg)
 
 
 def _save_trained(model: torch.nn.Module, save_dir: Path, iteration: int = 4, **kwargs) -> Path:
@@ -109,7 +110,8 @@ def test_dcp_checkpoint_of_another_model_lists_its_mismatches(capsys, tmp_path, 
     assert str(ckpts["wrong"] / "iter_0000004") in lines[0]
     problems = [line.removeprefix("config error: training.save: ") for line in lines[1:]]
     assert len(problems) == MAX_LINES + 1 and problems[-1].startswith("... and ")
-    assert "model.language_model.embed_tokens.weight: shape (26, 128) in the model, (26, 96) in the checkpoint" in problems
+    embed = "model.language_model.embed_tokens.weight"
+    assert f"{embed}: shape (26, 128) in the model, (26, 96) in the checkpoint" in problems
     assert not any("optimizer" in line for line in lines)
 
     code, lines, _ = _check(capsys, tmp_path, f"training.load={ckpts['wrong']}", f"training.save={tmp_path / 'new'}")
@@ -131,16 +133,18 @@ def test_hf_directory_with_a_missing_and_an_extra_key(capsys, tmp_path, ckpts):
         "config error: training.load: unexpected key language_model.model.extra.weight "
         "(in the checkpoint, not in the model)",
     ]
-    code, lines, _ = _check(capsys, tmp_path, f"model.model_name_or_path={ckpts['hf_edited']}", "model.random_init=false")
-    assert code == 2 and len(lines) == 3 and all(line.startswith("config error: model.model_name_or_path: ") for line in lines)
+    code, lines, _ = _check(capsys, tmp_path, f"model.model_name_or_path={ckpts['hf_edited']}",
+                            "model.random_init=false")
+    assert code == 2 and len(lines) == 3
+    assert all(line.startswith("config error: model.model_name_or_path: ") for line in lines)
 
 
 def test_hf_directory_of_another_model(capsys, tmp_path, ckpts):
     hf_wrong = dcp_to_hf(ckpts["wrong"], tmp_path / "hf_wrong", ckpts["wrong"].parent / "wider_assets", progress=False)
     code, lines, _ = _check(capsys, tmp_path, f"training.load={hf_wrong}", "training.load_format=hf")
     assert code == 2 and lines[-1].startswith("config error: training.load: ... and ")
-    assert ("config error: training.load: model.language_model.layers.0.self_attn.k_proj.weight: shape (64, 128) in the "
-            "model, (64, 96) in the checkpoint") in lines
+    k_proj = "model.language_model.layers.0.self_attn.k_proj.weight"
+    assert f"config error: training.load: {k_proj}: shape (64, 128) in the model, (64, 96) in the checkpoint" in lines
 
 
 def test_released_weights(capsys, tmp_path, ckpts):
@@ -168,7 +172,8 @@ def test_lora_adapter_checkpoint(capsys, tmp_path, ckpts):
     # the frozen base comes from the initial weights: a LoRA run on the edited HF export reports its keys too
     code, lines, _ = _check(capsys, tmp_path, f"training.load={ckpts['hf_edited']}", "training.load_format=hf", *lora,
                             f"training.save={tmp_path / 'new'}")
-    assert code == 2 and "config error: training.load: missing key lm_head.weight (in the model, not in the checkpoint)" in lines
+    assert code == 2
+    assert "config error: training.load: missing key lm_head.weight (in the model, not in the checkpoint)" in lines
 
 
 def test_moe_checkpoint_under_expert_parallel(capsys, tmp_path, ckpts):
@@ -184,7 +189,8 @@ def test_moe_checkpoint_under_expert_parallel(capsys, tmp_path, ckpts):
     tensors = load_file(next(hf.glob("*.safetensors")))
     tensors[f"{experts}.down_proj"] = tensors[f"{experts}.down_proj"][:4].contiguous()  # 4 of the 8 experts
     save_file(tensors, next(hf.glob("*.safetensors")))
-    code, lines, _ = _check(capsys, tmp_path, f"training.load={hf}", "training.load_format=hf", config=MOE / "config.yaml")
+    code, lines, _ = _check(capsys, tmp_path, f"training.load={hf}", "training.load_format=hf",
+                            config=MOE / "config.yaml")
     assert code == 2 and any(f"{experts}" in line for line in lines[1:]), lines
     code, lines, _ = _check(capsys, tmp_path, f"training.save={ckpts['moe']}", "training.lora.enable=true",
                             "training.lora.target_modules=[q_proj]", config=MOE / "config.yaml")
