@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmfsdp.ckpt import dcp_to_hf, hf_to_dcp, save_checkpoint
-from mmfsdp.ckpt.lora import LORA_METADATA
+from mmfsdp.ckpt.lora import LORA_METADATA, dcp_to_peft
 from mmfsdp.model import apply_lora, get_model_entry
 from mmfsdp.model.config import ModelConfig
 from mmfsdp.model.lora import LoraConfig, lora_metadata
@@ -195,3 +195,16 @@ def test_moe_checkpoint_under_expert_parallel(capsys, tmp_path, ckpts):
     code, lines, _ = _check(capsys, tmp_path, f"training.save={ckpts['moe']}", "training.lora.enable=true",
                             "training.lora.target_modules=[q_proj]", config=MOE / "config.yaml")
     assert code == 2 and any("holds a whole model" in line for line in lines)
+
+
+def test_pretrained_lora_adapter(capsys, tmp_path, ckpts):
+    """`training.lora.pretrained_lora_path` (a PEFT directory, loaded at every start) against the LoRA model."""
+    peft = dcp_to_peft(ckpts["lora"], tmp_path / "peft")
+    lora = ("training.lora.enable=true", "training.lora.rank=4", f"training.lora.pretrained_lora_path={peft}",
+            "training.lora.alpha=16")
+    _passes(capsys, tmp_path, *lora, f"training.lora.target_modules=[{', '.join(TARGETS)}]")
+    code, lines, _ = _check(capsys, tmp_path, *lora, "training.lora.target_modules=[q_proj]")
+    assert code == 2 and "the PEFT adapter" in lines[0] and "(8 unexpected)" in lines[0]  # A and B of 4 v_proj layers
+    assert ("config error: training.lora.pretrained_lora_path: unexpected key "
+            "base_model.model.model.language_model.layers.0.self_attn.v_proj.lora_A.weight "
+            "(in the checkpoint, not in the model)") in lines

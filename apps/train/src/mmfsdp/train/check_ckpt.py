@@ -15,7 +15,9 @@ safetensors headers; never tensor data):
   (`training.load` with `load_format: hf`, or `model.model_name_or_path`) read
   through the family's state-dict adapter (HF names, transposed or per-expert
   MoE tensors); under `training.lora` the base layers by their stored names
-  (`mmfsdp.ckpt.lora.stored_key`).
+  (`mmfsdp.ckpt.lora.stored_key`);
+- `training.lora.pretrained_lora_path` (a PEFT adapter directory, loaded at
+  every start): its adapters against the LoRA model's.
 
 Sharded saves (FSDP2, expert parallel) store global shapes, so the unsharded
 meta model is the reference whatever the parallel layout. Each checkpoint that
@@ -74,7 +76,24 @@ def checkpoint_check(cfg, plan, entry, model) -> list[ConfigError]:
         else:
             errors += _report(key, f"the HF weights {plan.source}",
                               lambda: check_hf(plan.source, shapes, aliases), cfg, _MODEL_HINT)
+    if t.lora.enable and t.lora.pretrained_lora_path:
+        errors += _peft_adapter(t.lora.pretrained_lora_path, model, cfg)
     return errors
+
+
+def _peft_adapter(path: str, model, cfg) -> list[ConfigError]:
+    """`training.lora.pretrained_lora_path`: its adapters against the LoRA model's (every start loads them)."""
+    from mmfsdp.ckpt import CheckpointError
+    from mmfsdp.ckpt.lora import PeftFileAdapter, is_adapter_key, read_peft_config
+    from mmfsdp.ckpt.match import check_hf, expected_shapes
+
+    try:
+        read_peft_config(path)
+    except CheckpointError:
+        return []  # not an adapter directory: reported by the pattern checks
+    shapes, aliases = expected_shapes(model, key_map=lambda key: key if is_adapter_key(key) else None)
+    return _report("training.lora.pretrained_lora_path", f"the PEFT adapter {path}",
+                   lambda: check_hf(path, shapes, aliases, adapter=PeftFileAdapter()), cfg, _PEFT_HINT)
 
 
 def _under(path: Path, directory: str | None) -> bool:
@@ -85,6 +104,8 @@ _MODEL_HINT = ("it holds another model: point at a checkpoint of this model, or 
                "model it was saved from")
 _LORA_HINT = ("its run trained other adapters: use that run's training.lora (rank, target_modules) and model.freeze, "
               "or start a new training.save")
+
+_PEFT_HINT = "it adapts other modules or another rank: set training.lora.target_modules and rank to the adapter's"
 
 
 def _report(key: str, what: str, compare, cfg, hint: str) -> list[ConfigError]:
