@@ -41,6 +41,7 @@ _FILE_SECONDS = {
     "tests/test_tools_vision_attention_probe.py": 28,
     "tests/test_e2e_lora.py": 28,
     "packages/parallel/tests/test_parallel_expert_dispatch.py": 23,
+    "apps/train/tests/test_train_check_ckpt.py": 22,
     "packages/parallel/tests/test_parallel_cp_attention.py": 17,
     "tests/test_e2e_memory_measured.py": 14,
     "tests/test_e2e_cp.py": 13,

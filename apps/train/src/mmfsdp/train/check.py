@@ -25,10 +25,13 @@ is skipped, not reported twice):
    modules, and `pretrained_lora_path` must be a PEFT adapter directory.
 6. `training.output_dir`, `training.save` and the data cache directory are
    writable, or creatable (nothing is created).
+7. The checkpoints step 4 found fit the model of step 5: keys and shapes from
+   DCP `.metadata` or safetensors headers, through the family's state-dict
+   adapter, never tensor data (`mmfsdp.train.check_ckpt`).
 
 It is two halves so that a launcher need not import the model code:
 `host_check` (steps 1, 2 and 6: no transformers, no model) and `model_check`
-(steps 3–5). The app's own launcher runs `host_check` before it starts the
+(steps 3–5 and 7). The app's own launcher runs `host_check` before it starts the
 ranks, and its ranks run `model_check` before `init_process_group` (they import
 the model code anyway); `--check`, a single process and plain torchrun run both.
 """
@@ -62,10 +65,17 @@ def host_check(cfg: Config, world_size: int) -> list[ConfigError]:
 
 def model_check(cfg: Config) -> list[ConfigError]:
     """The checks that import the model code: attention backend, weights, and the module patterns (meta build)."""
+    from mmfsdp.train.check_ckpt import checkpoint_check
+
     errors: list[ConfigError] = []
     model_cfg = _attention(cfg, errors)
-    errors += _weights(cfg)
-    errors += _model_patterns(cfg, model_cfg)
+    weight_errors, plan = _weights(cfg)
+    errors += weight_errors
+    entry, model = _build_meta(cfg, model_cfg, errors)
+    if model is not None:
+        errors += _model_patterns(cfg, entry, model)
+        if plan is not None and not weight_errors:
+            errors += checkpoint_check(cfg, plan, entry, model)
     errors += _router(cfg)
     return errors
 
@@ -150,8 +160,9 @@ def _attention(cfg: Config, errors: list[ConfigError]):
     return cfg.model
 
 
-def _weights(cfg: Config) -> list[ConfigError]:
-    """What the run will load (`plan_start`, as the trainer applies it) exists and is complete."""
+def _weights(cfg: Config) -> tuple[list[ConfigError], object]:
+    """What the run will load (`plan_start`, as the trainer applies it) exists and is complete; the problems,
+    and the `StartPlan` (None when it cannot be made)."""
     from mmfsdp.ckpt import CheckpointError
     from mmfsdp.model import safetensors_problem
     from mmfsdp.train.start import plan_start
@@ -160,39 +171,43 @@ def _weights(cfg: Config) -> list[ConfigError]:
     load_is_save = t.load is not None and t.save is not None and Path(t.load).resolve() == Path(t.save).resolve()
     if t.load is not None and not load_is_save and not Path(t.load).exists():  # load == save: the first run has none yet
         what = "an HF directory" if t.load_format == "hf" else "a DCP checkpoint directory"
-        return [ConfigError("training.load", f"{t.load} does not exist; give {what}, or remove training.load")]
+        return [ConfigError("training.load", f"{t.load} does not exist; give {what}, or remove training.load")], None
     try:
         plan = plan_start(t, cfg.model)
     except ConfigError as err:
-        return [err]
+        return [err], None
     except CheckpointError as err:
-        return [ConfigError("training.load" if t.load else "training.save", str(err))]
+        return [ConfigError("training.load" if t.load else "training.save", str(err))], None
     key = {"hf": "training.load", "pretrained": "model.model_name_or_path"}.get(plan.weights)
     if key is None:  # a checkpoint or release verified by plan_start, or random weights
-        return []
+        return [], plan
     if not Path(plan.source).is_dir():
-        return [ConfigError(key, f"{plan.source} is not a directory of HF weights")]
+        return [ConfigError(key, f"{plan.source} is not a directory of HF weights")], plan
     problem = safetensors_problem(plan.source)
     if problem is not None:
         hint = "set model.random_init: true to train from random weights" if key == "model.model_name_or_path" else "point at the HF weights"
-        return [ConfigError(key, f"{problem}; {hint}")]
-    return []
+        return [ConfigError(key, f"{problem}; {hint}")], plan
+    return [], plan
 
 
-def _model_patterns(cfg: Config, model_cfg) -> list[ConfigError]:
-    """Build on the meta device and match every module pattern of the config against it."""
+def _build_meta(cfg: Config, model_cfg, errors: list[ConfigError]):
+    """(entry, model built on the meta device); None for what cannot be made (its problem added to `errors`)."""
     import torch
 
-    from mmfsdp.model import get_model_entry, resolve_lora_targets
+    from mmfsdp.model import get_model_entry
+
+    entry = _collect(errors, get_model_entry, cfg.model.model_id)
+    if entry is None:
+        return None, None
+    return entry, _collect(errors, lambda: entry.build(model_cfg, cfg.features, device=torch.device("meta")))
+
+
+def _model_patterns(cfg: Config, entry, model) -> list[ConfigError]:
+    """Match every module pattern of the config against the meta-built `model`."""
+    from mmfsdp.model import resolve_lora_targets
     from mmfsdp.parallel.expert_parallel import check_experts_module
 
     errors: list[ConfigError] = []
-    entry = _collect(errors, get_model_entry, cfg.model.model_id)
-    if entry is None:
-        return errors
-    model = _collect(errors, lambda: entry.build(model_cfg, cfg.features, device=torch.device("meta")))
-    if model is None:
-        return errors
     fsdp = cfg.parallel.fsdp_plan.apply_modules
     recompute = cfg.parallel.recompute_plan.apply_modules
     lists = [

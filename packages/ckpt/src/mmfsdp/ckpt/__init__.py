@@ -8,6 +8,9 @@
   checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`).
 - `mmfsdp.ckpt.lora`: the names of PEFT-wrapped layers (`stored_key`, the `key_map` that loads a base into a
   LoRA model), trainable-only checkpoints exported as a PEFT adapter directory or merged HF weights.
+- `mmfsdp.ckpt.match`: whether a checkpoint (DCP `.metadata`, safetensors headers through the state-dict
+  adapter) fits a model built on the meta device — missing, unexpected and mismatched keys, no tensor data read
+  (what `apps/train --check` reports).
 - `SaveDirLock`: `<save>/.mmfsdp.lock`, so two runs never write one save directory (see `lock`).
 - `StateDictAdapter` (`FromHF` / `ToHF`, `RenameAdapter`, `IDENTITY`): how a family's HF file
   tensors map to its `state_dict()` tensors (renames, experts stacked into one tensor); found by

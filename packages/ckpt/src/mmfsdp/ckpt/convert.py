@@ -61,6 +61,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import uuid
@@ -103,8 +104,8 @@ from mmfsdp.ckpt.hf import (
     shard_filename,
 )
 from mmfsdp.ckpt.layout import (
-    RELEASE, _iteration_from_dirname, iteration_dirname, list_iterations, make_tmp_dir_name, publish_dir,
-    resolve_checkpoint, write_tracker,
+    RELEASE, _iteration_from_dirname, checkpoint_near, iteration_dirname, list_iterations, make_tmp_dir_name,
+    publish_dir, resolve_checkpoint, write_tracker,
 )
 
 __all__ = ["HF_EXPORT_DIRNAME", "export_checkpoint_hf", "hf_to_dcp", "dcp_to_hf", "main"]
@@ -425,7 +426,15 @@ def dcp_to_hf(
     registered for the `model_type` of `model_assets_dir/config.json`.
     """
     max_shard_bytes = parse_size(max_shard_size)
-    path, iteration = resolve_checkpoint(load_dir)
+    try:
+        path, iteration = resolve_checkpoint(load_dir)
+    except CheckpointError as err:
+        near = checkpoint_near(load_dir)
+        if near is None:
+            raise
+        command = shlex.join(["mm-convert", "GenericDCPConverter", "dcp_to_hf", "--load_dir", os.fspath(near),
+                              "--save_dir", os.fspath(save_dir), "--model_assets_dir", os.fspath(model_assets_dir)])
+        raise CheckpointError(f"{err}; run: {command}") from None
     _refuse_overlap(save_dir, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
     if read_checkpoint_info(path).get("trainable_only"):
         raise CheckpointError(

@@ -37,6 +37,7 @@ __all__ = [
     "write_tracker",
     "resolve_checkpoint",
     "find_checkpoint",
+    "checkpoint_near",
     "publish_dir",
     "list_iterations",
     "prune_checkpoints",
@@ -102,10 +103,11 @@ def read_tracker(save_dir: str | os.PathLike) -> int | str:
     if not save_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {save_dir} does not exist; check training.load / --load_dir")
     if not tracker.is_file():
-        raise CheckpointError(
-            f"{save_dir} has no {TRACKER_FILENAME}; point at a training.save directory or an "
-            f"`mm-convert ... hf_to_dcp --dcp_dir` output, or directly at an iter_*/release directory"
-        )
+        near = checkpoint_near(save_dir)
+        where = f"{_holdings(save_dir)}: point at {near}" if near is not None else (
+            "point at a training.save directory or an `mm-convert ... hf_to_dcp --dcp_dir` output, or directly at an "
+            "iter_*/release directory")
+        raise CheckpointError(f"{save_dir} has no {TRACKER_FILENAME}; {where}")
     text = tracker.read_text().strip()
     if text == RELEASE:
         return RELEASE
@@ -125,7 +127,9 @@ def resolve_checkpoint(load_dir: str | os.PathLike) -> tuple[Path, int | str]:
     """(checkpoint directory, iteration) for a directory with a tracker, or an iter_*/release directory itself."""
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check training.load / --load_dir")
+        near = checkpoint_near(load_dir)
+        hint = f"; {_holdings(load_dir.parent)}: point at {near}" if near is not None else ""
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist; check training.load / --load_dir{hint}")
     if (load_dir / DCP_METADATA_FILENAME).is_file() and not (load_dir / TRACKER_FILENAME).exists():
         iteration = _iteration_from_dirname(load_dir.name)
         if iteration is None:
@@ -143,6 +147,46 @@ def resolve_checkpoint(load_dir: str | os.PathLike) -> tuple[Path, int | str]:
             "restore that directory or edit the tracker to name a complete checkpoint"
         )
     return path, iteration
+
+
+def _loads(path: Path) -> bool:
+    try:
+        resolve_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def checkpoint_near(load_dir: str | os.PathLike) -> Path | None:
+    """For a `load_dir` without a checkpoint, the directory next to it that has one (None when there is none).
+
+    `load_dir` missing inside a save directory (e.g. `save/release` where training wrote only `iter_*`): the
+    save directory when its tracker names a complete checkpoint, else its newest complete `iter_*`.
+    `load_dir` itself a save directory without a tracker: its newest complete `iter_*`.
+    """
+    load_dir = Path(load_dir)
+    save_dir = load_dir if load_dir.is_dir() else load_dir.parent
+    if load_dir.is_dir() and (load_dir / TRACKER_FILENAME).exists():
+        return None
+    if save_dir != load_dir and (save_dir / TRACKER_FILENAME).is_file() and _loads(save_dir):
+        return save_dir
+    for iteration in reversed(list_iterations(save_dir)):
+        path = save_dir / iteration_dirname(iteration)
+        if (path / DCP_METADATA_FILENAME).is_file():
+            return path
+    return None
+
+
+def _holdings(save_dir: Path) -> str:
+    """`save holds iter_0000004, iter_0000008 (its tracker names 8), no release`, for messages."""
+    names = [iteration_dirname(i) for i in list_iterations(save_dir)]
+    if (save_dir / RELEASE).is_dir():
+        names.append(RELEASE)
+    tracker = save_dir / TRACKER_FILENAME
+    named = tracker.read_text(errors="replace").strip()[:20] if tracker.is_file() else None
+    tracked = f" (its tracker names {named})" if named else f" (no {TRACKER_FILENAME})"
+    release = "" if RELEASE in names else f", no {RELEASE} (only `mm-convert ... hf_to_dcp` writes one)"
+    return f"{save_dir} holds {', '.join(names) or 'no checkpoint'}{tracked}{release}"
 
 
 def find_checkpoint(load_dir: str | os.PathLike | None) -> tuple[Path, int | str] | None:
