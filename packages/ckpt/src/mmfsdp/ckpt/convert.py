@@ -107,6 +107,9 @@ from mmfsdp.ckpt.layout import (
     RELEASE, _iteration_from_dirname, checkpoint_near, iteration_dirname, list_iterations, make_tmp_dir_name,
     publish_dir, resolve_checkpoint, write_tracker,
 )
+from mmfsdp.ckpt.outputs import (
+    check_output_dir, copy_model_assets, discard_output_dir, prepare_output_dir, publish_output_dir, refuse_overlap,
+)
 
 __all__ = ["HF_EXPORT_DIRNAME", "export_checkpoint_hf", "hf_to_dcp", "dcp_to_hf", "main"]
 
@@ -114,7 +117,6 @@ HF_EXPORT_DIRNAME = "hf"
 """Training checkpoints exported as HF directories go to `<save>/hf/iter_NNNNNNN` (`export_checkpoint_hf`)."""
 
 AUTO = "auto"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".distcp")
 
 
 def _progress(total: int, desc: str, show: bool | None) -> tqdm:
@@ -149,32 +151,6 @@ def _adapter(adapter: StateDictAdapter | str | None, config: dict | None) -> Sta
     return resolve_state_dict_adapter(None if adapter == AUTO else adapter, config)
 
 
-def _check_output_dir(path: Path, force: bool, flag: str) -> None:
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{flag} {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not force:
-        raise CheckpointError(f"{flag} {path} is not empty; choose an empty directory or pass --force to replace it")
-
-
-def _refuse_overlap(output: str | os.PathLike, out_flag: str, inputs: Sequence[tuple[str | os.PathLike, str]]) -> None:
-    """Refuse an output directory that is, holds or lies inside an input directory (symlinks and `..` resolved).
-
-    Writing there would replace or mix with what is being read (`--force` or not).
-    """
-    out = Path(output).expanduser().resolve()
-    for path, flag in inputs:
-        src = Path(path).expanduser().resolve()
-        if out == src:
-            how = "is the same directory as"
-        elif out.is_relative_to(src):
-            how = "is inside"
-        elif src.is_relative_to(out):
-            how = "contains"
-        else:
-            continue
-        raise CheckpointError(f"{out_flag} {output} {how} {flag} {path}; choose an output directory outside every input (--force does not change this)")
-
-
 def hf_to_dcp(
     hf_dir: str | os.PathLike,
     dcp_dir: str | os.PathLike,
@@ -190,11 +166,11 @@ def hf_to_dcp(
     `release/` and tracker in `dcp_dir` are replaced; other files there are kept.
     """
     weights = SafetensorsDir(hf_dir)
-    _refuse_overlap(dcp_dir, "--dcp_dir", [(hf_dir, "--hf_dir")])
+    refuse_overlap(dcp_dir, "--dcp_dir", [(hf_dir, "--hf_dir")])
     plans = plan_from_hf(_adapter(adapter, weights.config),
                          {key: (info.shape, info.dtype) for key, info in weights.tensors.items()})
     dcp_dir = Path(dcp_dir)
-    _check_output_dir(dcp_dir, force, "--dcp_dir")
+    check_output_dir(dcp_dir, force, "--dcp_dir")
     dcp_dir.mkdir(parents=True, exist_ok=True)
     tmp_dir = dcp_dir / make_tmp_dir_name(RELEASE, uuid.uuid4().hex[:8])
 
@@ -217,7 +193,7 @@ def hf_to_dcp(
                     "has_optimizer": False, "source": os.fspath(Path(hf_dir).resolve())}
             (tmp_dir / INFO_FILENAME).write_text(json.dumps(info, indent=1))
         except BaseException:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            discard_output_dir(tmp_dir)
             raise
     release_dir = dcp_dir / RELEASE
     publish_dir(tmp_dir, release_dir)
@@ -294,18 +270,6 @@ def _check_against_assets(shapes: dict[str, tuple[int, ...]], assets_weights: Sa
             + "\nPass the --model_assets_dir of the model this checkpoint was trained from, "
             "or --model_id if names differ."
         )
-
-
-def _copy_assets(assets: Path, out: Path) -> list[str]:
-    copied = []
-    for entry in sorted(assets.iterdir()):
-        if not entry.is_file() or entry.name.startswith("."):
-            continue
-        if entry.name.endswith(_WEIGHT_SUFFIXES) or entry.name.endswith(".index.json"):
-            continue
-        shutil.copy2(entry, out / entry.name)
-        copied.append(entry.name)
-    return copied
 
 
 class _Arena:
@@ -435,7 +399,6 @@ def dcp_to_hf(
         command = shlex.join(["mm-convert", "GenericDCPConverter", "dcp_to_hf", "--load_dir", os.fspath(near),
                               "--save_dir", os.fspath(save_dir), "--model_assets_dir", os.fspath(model_assets_dir)])
         raise CheckpointError(f"{err}; run: {command}") from None
-    _refuse_overlap(save_dir, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
     if read_checkpoint_info(path).get("trainable_only"):
         raise CheckpointError(
             f"{path} holds only the trainable parameters of its run (e.g. LoRA adapters), not a whole model; "
@@ -468,10 +431,9 @@ def dcp_to_hf(
     _check_against_config(shapes, config, assets)
 
     save_dir = Path(save_dir)
-    _check_output_dir(save_dir, force, "--save_dir")
-    save_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = save_dir.parent / f".{save_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp_dir.mkdir()
+    tmp_dir = prepare_output_dir(
+        save_dir, force, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")]
+    )
 
     def nbytes(name: str) -> int:
         return sum(TensorInfo(tmp_dir, *spec).nbytes for spec in plans[name].specs.values())
@@ -488,14 +450,11 @@ def dcp_to_hf(
                 weight_map.update({key: filename for name in shard for key in plans[name].specs})
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
-        _copy_assets(assets, tmp_dir)
+        copy_model_assets(assets, tmp_dir)
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        discard_output_dir(tmp_dir)
         raise
-    if save_dir.exists():
-        shutil.rmtree(save_dir)
-    os.rename(tmp_dir, save_dir)
-    return save_dir
+    return publish_output_dir(tmp_dir, save_dir)
 
 
 def export_checkpoint_hf(save_dir: str | os.PathLike, iteration: int, model_assets_dir: str | os.PathLike) -> Path:

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Mapping
 
@@ -53,6 +52,7 @@ from mmfsdp.ckpt.dcp_io import (
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import INDEX_FILENAME, SafetensorsDir, SafetensorsWriter, read_config
 from mmfsdp.ckpt.layout import resolve_checkpoint
+from mmfsdp.ckpt.outputs import copy_model_assets, discard_output_dir, prepare_output_dir, publish_output_dir
 
 __all__ = [
     "ADAPTER_NAME",
@@ -180,24 +180,6 @@ def _scale(lora: dict) -> float:
     return float(lora["alpha"]) / int(lora["r"])
 
 
-def _prepare_output(save_dir: Path, force: bool, inputs: list[tuple[str | os.PathLike, str]]) -> Path:
-    from mmfsdp.ckpt.convert import _check_output_dir, _refuse_overlap
-
-    _refuse_overlap(save_dir, "--save_dir", inputs)
-    _check_output_dir(save_dir, force, "--save_dir")
-    save_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = save_dir.parent / f".{save_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp_dir.mkdir()
-    return tmp_dir
-
-
-def _publish_output(tmp_dir: Path, save_dir: Path) -> Path:
-    if save_dir.exists():
-        shutil.rmtree(save_dir)
-    os.rename(tmp_dir, save_dir)
-    return save_dir
-
-
 def dcp_to_peft(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
@@ -210,7 +192,7 @@ def dcp_to_peft(
     lora = _lora_info(path)
     adapters = _load_adapters(path, lora)
     save_dir = Path(save_dir)
-    tmp_dir = _prepare_output(save_dir, force, [(load_dir, "--load_dir")])
+    tmp_dir = prepare_output_dir(save_dir, force, "--save_dir", [(load_dir, "--load_dir")])
     try:
         tensors = {}
         for module, (a, b) in adapters.items():
@@ -235,9 +217,9 @@ def dcp_to_peft(
         }
         (tmp_dir / PEFT_CONFIG_FILENAME).write_text(json.dumps(config, indent=2) + "\n")
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        discard_output_dir(tmp_dir)
         raise
-    return _publish_output(tmp_dir, save_dir)
+    return publish_output_dir(tmp_dir, save_dir)
 
 
 def _merge_targets(
@@ -275,8 +257,6 @@ def dcp_to_merged_hf(
 ) -> Path:
     """Merge the adapters of LoRA checkpoint `load_dir` into the base HF weights of `model_assets_dir` and write
     the result as an HF directory (same shards, names and dtypes; config, tokenizer, ... copied)."""
-    from mmfsdp.ckpt.convert import _copy_assets
-
     path, _ = resolve_checkpoint(load_dir)
     lora = _lora_info(path)
     adapters = _load_adapters(path, lora)
@@ -285,7 +265,7 @@ def dcp_to_merged_hf(
     family = resolve_state_dict_adapter(None if adapter in (None, "auto") else adapter, read_config(assets))
     targets = _merge_targets(adapters, weights, family)
     save_dir = Path(save_dir)
-    tmp_dir = _prepare_output(save_dir, force, [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
+    tmp_dir = prepare_output_dir(save_dir, force, "--save_dir", [(load_dir, "--load_dir"), (model_assets_dir, "--model_assets_dir")])
     scale = _scale(lora)
     try:
         for file in weights.files:
@@ -304,8 +284,8 @@ def dcp_to_merged_hf(
             writer.close()
         if (assets / INDEX_FILENAME).is_file():
             shutil.copy2(assets / INDEX_FILENAME, tmp_dir / INDEX_FILENAME)
-        _copy_assets(assets, tmp_dir)
+        copy_model_assets(assets, tmp_dir)
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        discard_output_dir(tmp_dir)
         raise
-    return _publish_output(tmp_dir, save_dir)
+    return publish_output_dir(tmp_dir, save_dir)
