@@ -188,6 +188,15 @@ def _auto_nproc() -> int:
     return device_count(device_type) if device_type != "cpu" else 2
 
 
+def _start_log(output_dir: str) -> None:
+    """The launcher's log file, named in the first line it holds (`mmfsdp.train.console`)."""
+    from mmfsdp.config import get_logger
+    from mmfsdp.train.console import start_console_log
+
+    path = start_console_log(output_dir)
+    get_logger("mmfsdp.train").info(f"log: {path} (this console: the launcher and every rank)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_intermixed_args(argv)  # options may come after CONFIG and the overrides
@@ -227,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         _print_check_report(cfg, world_size, args.device_memory, args.image_token_share)
         return 0
+    if not under_torchrun:  # the app is the launcher: its console, and every rank's, also goes to a file
+        _start_log(cfg.training.output_dir)
     if warns:
         warn_ignored_keys(translated)
 
