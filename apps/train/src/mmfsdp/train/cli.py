@@ -193,8 +193,13 @@ def _start_log(output_dir: str) -> None:
     from mmfsdp.config import get_logger
     from mmfsdp.train.console import start_console_log
 
-    path = start_console_log(output_dir)
-    get_logger("mmfsdp.train").info(f"log: {path} (this console: the launcher and every rank)")
+    log = get_logger("mmfsdp.train")
+    try:
+        path = start_console_log(output_dir)
+    except OSError as err:  # a run that cannot write its log file still trains; the console says why
+        log.warning(f"WARNING: no log file under {output_dir}/logs: {err}")
+        return
+    log.info(f"log: {path} (this console: the launcher and every rank)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ single process of a one-rank run), after the config passed its checks and before
    exec'd), and logs one line naming the file; that line is the file's first.
 
 The helper copies each chunk it reads to the original stream (stdout stays stdout, stderr stays stderr) and
-appends it to the file, until every writer has closed its end. It is a process, not a thread of the launcher, so
+appends it to the file, until every writer has closed its end; the launcher waits for it at exit (up to 5 s), so
+the last lines reach the console before the shell's prompt. It is a process, not a thread of the launcher, so
 what a process prints just before `os._exit`, or a rank's last words after its launcher was SIGKILLed, still
 reaches the file; it ignores SIGINT, so Ctrl-C in the terminal leaves it to drain the shutdown messages. A
 console that goes away (a closed terminal) stops the copies to it, not the file.
@@ -21,6 +22,7 @@ Under an external `torchrun` there is no launcher of ours: the example scripts `
 
 from __future__ import annotations
 
+import atexit
 import os
 import selectors
 import signal
@@ -32,6 +34,7 @@ from pathlib import Path
 __all__ = ["start_console_log"]
 
 _CHUNK = 1 << 16
+_DRAIN_S = 5.0
 
 
 def _open_log(output_dir: str | os.PathLike) -> tuple[Path, int]:
@@ -55,23 +58,43 @@ def start_console_log(output_dir: str | os.PathLike) -> Path:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        subprocess.Popen(
+        helper = subprocess.Popen(
             [sys.executable, "-m", "mmfsdp.train.console", str(log_fd), str(out_read), str(err_read)],
             stdin=subprocess.DEVNULL, pass_fds=(log_fd, out_read, err_read),
         )
     finally:
         for fd in (log_fd, out_read, err_read):
             os.close(fd)
+    atexit.register(_drain, helper, os.getpid(), os.dup(1), os.dup(2))
     os.dup2(out_write, 1)
     os.dup2(err_write, 2)
     os.close(out_write)
     os.close(err_write)
     # The streams now write to pipes: keep whole lines flowing (forked ranks inherit these objects; exec'd ranks
     # read PYTHONUNBUFFERED).
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     return path
+
+
+def _drain(helper: subprocess.Popen, launcher: int, console_out: int, console_err: int) -> None:
+    """At the launcher's normal exit: give back its ends of the pipes and let the helper copy what is left before
+    the launcher's own parent (a shell, `uv`) takes over the console again."""
+    if os.getpid() != launcher:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.dup2(console_out, 1)
+    os.dup2(console_err, 2)
+    try:
+        helper.wait(timeout=_DRAIN_S)
+    except subprocess.TimeoutExpired:  # a process that outlived the launcher still holds a pipe: do not wait for it
+        pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
