@@ -3,6 +3,8 @@
 across the two "nodes" (replicate 2 x fully_shard 2) and log the losses of one 4-process run of the app; a SIGKILL of
 one node's launcher ends every rank of both nodes within `parallel.heartbeat_timeout_s` plus a margin; the job then
 resumes on one node with 4 processes from the 2-node checkpoint and its first step follows the checkpoint.
+About 2.5 minutes on 2 CPU cores: three starts of 4 ranks, the torchrun ones exec'd (each imports torch and
+transformers and checks the config), the app's forked from its launcher.
 """
 
 import json
