@@ -37,7 +37,8 @@ def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def losses(out: Path) -> dict[int, list[float]]:
-    """Every logged loss of `out/metrics.jsonl` by step (a resumed run logs a step once per run)."""
+    """Every logged loss of `out/metrics.jsonl` by step (one per step: a resumed run drops the rows after its
+    checkpoint before it logs those steps again)."""
     by_step: dict[int, list[float]] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -109,14 +110,14 @@ def kill_after_checkpoint(cmd: list[str], save_dir: Path, iteration: int) -> Non
 def kill_and_restart(cmd: list[str], out: Path, iteration: int, steps: int) -> tuple[subprocess.CompletedProcess, list[int]]:
     """SIGKILL the run of `cmd` (output `out`, checkpoints in `out/ckpt`) once its step-`iteration` checkpoint is
     published, restart the same command to its end and check that it resumed there: the restart says so, does not
-    start at step 1 and logs exactly steps `iteration + 1 .. steps`. Returns the restart and the steps logged before
-    the kill."""
+    start at step 1, and `metrics.jsonl` then holds each of the steps 1..`steps` once (the rows the killed run logged
+    after `iteration` are replaced by the restart's). Returns the restart and the steps logged before the kill."""
     kill_after_checkpoint(cmd, out / "ckpt", iteration)
     before = logged_steps(out)
     assert before[:iteration] == list(range(1, iteration + 1)) and max(before) < steps, before
     restart = run(cmd)
     assert "resumed from" in restart.stdout and f"at step {iteration}" in restart.stdout, restart.stdout[-2000:]
     assert "training starts at step 1" not in restart.stdout, restart.stdout[-2000:]
-    after = logged_steps(out)[len(before):]
-    assert after == list(range(iteration + 1, steps + 1)), f"the restart logged {after}, not the steps after {iteration}"
+    after = logged_steps(out)
+    assert after == list(range(1, steps + 1)), f"metrics.jsonl holds steps {after} after the restart"
     return restart, before

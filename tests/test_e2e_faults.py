@@ -58,6 +58,19 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _rank_processes(launcher: int) -> list[int]:
+    """The launcher's live rank processes (named `mmfsdp-rank<r>`; the launcher's log copier, `mmfsdp-log`, is not
+    one)."""
+    return [pid for pid in _children(launcher) if _alive(pid) and _comm(pid).startswith("mmfsdp-rank")]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -96,17 +109,20 @@ def data(tmp_path_factory):
 def test_sigkill_of_the_launcher_leaves_no_rank(data, tmp_path, rank_start):
     out = tmp_path / "run"
     proc = _start_and_wait_for_step(_command(data, out) + ["--rank-start", rank_start], out, 1)
-    ranks = [pid for pid in _children(proc.pid) if _alive(pid)]
+    ranks = _rank_processes(proc.pid)
     assert len(ranks) == 2, ranks
+    copier = [pid for pid in _children(proc.pid) if _comm(pid) == "mmfsdp-log"]
+    assert len(copier) == 1, "the launcher's log copier"
     try:
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only, as a scheduler cancelling the job would
         proc.wait()
         deadline = time.time() + 10
-        while time.time() < deadline and any(_alive(pid) for pid in ranks):
+        while time.time() < deadline and any(_alive(pid) for pid in ranks + copier):
             time.sleep(0.1)
         assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
+        assert not _alive(copier[0]), "the log copier ends when the last rank has closed its output"
     finally:
-        for pid in ranks:
+        for pid in ranks + copier:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert (out / "ckpt" / LOCK_FILENAME).exists()  # left behind by the SIGKILL: the next run takes it over
@@ -155,7 +171,7 @@ def test_a_stopped_rank_makes_the_others_report_and_exit(data, tmp_path):
     cmd = _command(data, out, **{"parallel.collective_timeout_s": collective_timeout,
                                  "parallel.heartbeat_timeout_s": heartbeat})
     proc = _start_and_wait_for_step(cmd, out, 2, stderr=subprocess.PIPE)
-    ranks = {_rank_of(pid): pid for pid in _children(proc.pid) if _alive(pid)}
+    ranks = {_rank_of(pid): pid for pid in _rank_processes(proc.pid)}
     assert sorted(ranks) == [0, 1]
     stopped = ranks[1]
     try:

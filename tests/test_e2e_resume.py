@@ -45,16 +45,21 @@ def test_sigkill_and_restart_continue_bitwise(data, tmp_path):
     proc.wait()
     tracker = read_tracker(out / "ckpt")
     assert tracker in (3, 6), f"tracker points at {tracker!r}"
-    logged_before = len(metrics.read_text().splitlines())
+    # Mark the rows the killed run logged after its checkpoint: the restart must replace them, not keep them.
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    assert max(r["step"] for r in rows) > tracker
+    marked = [{**r, "killed_run": True} if r["step"] > tracker else r for r in rows]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in marked))
 
     restart = _run(_command(data, out))
     assert f"at step {tracker}" in restart.stdout, [l for l in restart.stdout.splitlines() if "step" in l][:5]
-    new_steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()[logged_before:]]
-    assert new_steps == list(range(tracker + 1, STEPS + 1)), "the restart continues after the last checkpoint"
-    resumed = _losses(out)
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    for step, losses in resumed.items():
-        assert all(loss == reference[step][0] for loss in losses), f"step {step}: {losses} vs {reference[step]}"
+    assert f"dropped {len(rows) - tracker} rows of metrics.jsonl after step {tracker}" in restart.stdout
+    after = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1)), "each step once"
+    assert after[:tracker] == rows[:tracker], "the rows up to the checkpoint are kept as they were"
+    assert not any("killed_run" in r for r in after[tracker:]), "the rows after the checkpoint are the restart's"
+    for record in after:
+        assert record["loss"] == reference[record["step"]][0], f"step {record['step']}: {record} vs {reference}"
 
 
 def test_resume_on_a_different_world_size_loads_model_and_optimizer(data, tmp_path):

@@ -6,4 +6,5 @@ set -euo pipefail
 
 export NPUS_PER_NODE=${NPUS_PER_NODE:-4}
 export CONFIG=${CONFIG:-examples/magistral-2509/config_4card.yaml}
+export LOG_NAME=${LOG_NAME:-$(basename "$0" .sh)}  # logs/finetune_4card_<time>_node<rank>.log
 exec bash "$(dirname "$0")/finetune_8card.sh" "$@"

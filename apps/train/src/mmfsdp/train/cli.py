@@ -122,11 +122,6 @@ def _resolve_config_path(args: argparse.Namespace) -> Path:
     raise ConfigError("", f"no config given and the default {DEFAULT_CONFIG} was not found; pass a CONFIG path")
 
 
-def _print_errors(errors: list[ConfigError]) -> None:
-    for err in errors:
-        print(f"config error: {err}", file=sys.stderr)
-
-
 def _world_size(args: argparse.Namespace, under_torchrun: bool) -> int:
     if under_torchrun:
         return int(os.environ["WORLD_SIZE"])
@@ -158,14 +153,26 @@ def _print_check_report(cfg, world_size: int, device_memory: int | None, image_t
 _REPORT_GRACE_S = 20.0
 
 
-def _report_check_errors(errors: list[ConfigError], under_torchrun: bool) -> int:
-    """Print the check's problems once (global rank 0 under torchrun) and return the config-error exit code."""
-    if not under_torchrun or os.environ.get("RANK", "0") == "0":
-        _print_errors(errors)
+def _speaks_for_the_job(under_torchrun: bool) -> bool:
+    """Whether this process prints the job's start-up errors: the app's own launcher, or global rank 0 of a job
+    started by torchrun (every rank of every node reads and checks the same config and finds the same problems)."""
+    return not under_torchrun or os.environ.get("RANK", "0") == "0"
+
+
+def _fail_once(lines: list[str], code: int, under_torchrun: bool) -> int:
+    """Print a start-up error once per job and return `code`: the other ranks exit with the same code in silence,
+    after a grace that lets rank 0 print before its launcher stops it."""
+    if _speaks_for_the_job(under_torchrun):
+        for line in lines:
+            print(line, file=sys.stderr)
         sys.stderr.flush()
     else:
         time.sleep(_REPORT_GRACE_S)
-    return CONFIG_ERROR_EXIT_CODE
+    return code
+
+
+def _config_errors(errors: list[ConfigError], under_torchrun: bool) -> int:
+    return _fail_once([f"config error: {err}" for err in errors], CONFIG_ERROR_EXIT_CODE, under_torchrun)
 
 
 def _device_type() -> str:
@@ -179,6 +186,20 @@ def _auto_nproc() -> int:
 
     device_type = detect_device_type()
     return device_count(device_type) if device_type != "cpu" else 2
+
+
+def _start_log(output_dir: str) -> None:
+    """The launcher's log file, named in the first line it holds (`mmfsdp.train.console`)."""
+    from mmfsdp.config import get_logger
+    from mmfsdp.train.console import start_console_log
+
+    log = get_logger("mmfsdp.train")
+    try:
+        path = start_console_log(output_dir)
+    except OSError as err:  # a run that cannot write its log file still trains; the console says why
+        log.warning(f"WARNING: no log file under {output_dir}/logs: {err}")
+        return
+    log.info(f"log: {path} (this console: the launcher and every rank)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,13 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, errors, translated = read_config(path, args.overrides)
         world_size = _world_size(args, under_torchrun)
     except ConfigError as err:
-        _print_errors(getattr(err, "errors", [err]))
-        return 2
-    if args.check:  # part of the report, whatever else the check finds
-        if translated.warning() is not None:
-            print(f"warning: {translated.warning()}")
-    elif not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ):  # the app's launcher has said it already
-        warn_ignored_keys(translated)
+        return _config_errors(getattr(err, "errors", [err]), under_torchrun)
+    if args.check and translated.warning() is not None:  # part of the report, whatever else the check finds
+        print(f"warning: {translated.warning()}")
+    # the --check report has it; a rank of the app's launcher leaves it to the launcher, which has said it already
+    warns = not args.check and not (under_torchrun and supervise.LAUNCHER_PID_ENV in os.environ)
     # The app's own launcher checks what needs no model code and leaves the model checks to its ranks,
     # which import the model anyway: the launcher itself never pays for importing transformers.
     launching = not under_torchrun and not args.check and world_size > 1
@@ -216,10 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         errors += deep_check(cfg, world_size)
     if errors:
-        return _report_check_errors(errors, under_torchrun)
+        if warns:
+            warn_ignored_keys(translated)
+        return _config_errors(errors, under_torchrun)
     if args.check:
         _print_check_report(cfg, world_size, args.device_memory, args.image_token_share)
         return 0
+    if not under_torchrun:  # the app is the launcher: its console, and every rank's, also goes to a file
+        _start_log(cfg.training.output_dir)
+    if warns:
+        warn_ignored_keys(translated)
 
     if not under_torchrun and cfg.training.save:
         from mmfsdp.ckpt import CheckpointError
@@ -235,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_dataset(cfg.data)
     except (ConfigError, DataError) as err:
-        print(f"data error: {err}", file=sys.stderr)
-        return 2
+        return _fail_once([f"data error: {err}"], CONFIG_ERROR_EXIT_CODE, under_torchrun)
     if not under_torchrun and world_size > 1:
         worker_args = [str(path), *args.overrides]
         if args.rank_start == "exec" or (args.rank_start == "auto" and _device_type() != "cpu"):

@@ -1,18 +1,62 @@
 """One human line per logged step on rank 0, and the same numbers as JSONL.
 
-`metrics.jsonl` is appended to (a resumed run continues the same file); `step`
-counts optimizer steps from 1.
+`<output_dir>/metrics.jsonl` holds each step once; `step` counts optimizer steps from 1.
+When the writer opens (rank 0, after the trainer knows where the run starts):
+
+- a resumed run at step N keeps the rows of steps 1..N and drops the later ones, which the
+  interrupted run logged after its last checkpoint: the resumed run logs those steps again. The
+  file is rewritten beside itself, fsynced and renamed over the old one, so a crash in between
+  leaves the old file or the new one, never a mix. Then it appends.
+- a fresh run (step 0) into an output_dir that already holds a `metrics.jsonl` moves that file
+  to `metrics.<YYYYmmdd_HHMMSS>.jsonl` (its last write time) and says so in one line: the new
+  run starts its own file instead of appending a second step-1 sequence.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
+from mmfsdp.ckpt.layout import write_file_atomic
 from mmfsdp.config import current_rank, get_logger
 
 log = get_logger("mmfsdp.train")
+
+
+def open_metrics_file(path: Path, start_step: int) -> str | None:
+    """Make `path` ready for a run that starts after `start_step` (see the module docstring); returns the line
+    saying what was done to an existing file, or None when nothing was."""
+    if not path.is_file():
+        return None
+    if start_step == 0:
+        stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(path.stat().st_mtime))
+        moved = path.with_name(f"metrics.{stamp}.jsonl")
+        suffix = 1
+        while moved.exists():
+            moved = path.with_name(f"metrics.{stamp}-{suffix}.jsonl")
+            suffix += 1
+        os.replace(path, moved)
+        return f"metrics: {path} held an earlier run's steps; moved it to {moved.name} (this run starts a new file)"
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if _row_step(line) is not None and _row_step(line) <= start_step]
+    if len(kept) == len(lines):
+        return None
+    if kept and not kept[-1].endswith(b"\n"):
+        kept[-1] += b"\n"
+    write_file_atomic(path, b"".join(kept))
+    return (f"metrics: dropped {len(lines) - len(kept)} rows of {path.name} after step {start_step} "
+            f"(logged after the checkpoint this run resumes from; they are logged again)")
+
+
+def _row_step(line: bytes) -> int | None:
+    """The step of one JSONL row; None for a row that is not a whole record (a line cut short by a kill)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def format_duration(seconds: float) -> str:
@@ -29,6 +73,10 @@ class MetricsWriter:
         self.total_steps = total_steps
         self.start_step = start_step
         self._started = time.perf_counter()
+        if current_rank() == 0:
+            note = open_metrics_file(self.path, start_step)
+            if note:
+                log.info(note)
 
     def eta_s(self, step: int) -> float:
         """Seconds left after `step`, from the steps actually done since the timer started."""

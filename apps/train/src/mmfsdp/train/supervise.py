@@ -69,6 +69,7 @@ __all__ = [
     "pause",
     "take_save_lock",
     "report_once",
+    "set_process_name",
 ]
 
 LAUNCHER_PID_ENV = "MMFSDP_LAUNCHER_PID"
@@ -106,7 +107,7 @@ def _parent_gone() -> None:
     os._exit(1)
 
 
-def _set_process_name(name: str) -> None:
+def set_process_name(name: str) -> None:
     """The kernel's name of this process (`/proc/<pid>/comm`, what `ps -o comm` and `top` show; 15 bytes)."""
     if not sys.platform.startswith("linux"):
         return
@@ -122,7 +123,7 @@ def guard_rank() -> None:
     process is named `mmfsdp-rank<RANK>` (a rank forked by the app's launcher shares its command line)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # not started by an elastic agent: the parent is whatever the user chose
-    _set_process_name(f"mmfsdp-rank{os.environ.get('RANK', '')}")
+    set_process_name(f"mmfsdp-rank{os.environ.get('RANK', '')}")
     _set_parent_death_signal(signal.SIGKILL)
     expected = os.environ.get(LAUNCHER_PID_ENV, "")
     parent = int(expected) if expected.isdigit() else os.getppid()
