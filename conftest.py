@@ -18,6 +18,8 @@ from mmfsdp.parallel.testing import preload_for_ranks  # noqa: E402
 preload_for_ranks("transformers", "mmfsdp.model.all_families", "mmfsdp.data", "mmfsdp.ckpt")
 
 _FILE_SECONDS = {
+    "tests/test_e2e_multinode.py": 165,
+    "tests/test_e2e_launch.py": 40,
     "tests/test_e2e_text_only_parity.py": 200,
     "tests/test_e2e_resume_meta.py": 140,
     "tests/test_e2e_resume.py": 120,

@@ -132,9 +132,7 @@ def _first_eval_batch_logits(trainer):
     import torch
 
     from mmfsdp.model import model_inputs
-    from mmfsdp.train.evaluate import _eval_batches
-
-    batch, _ = next(_eval_batches(trainer))
+    batch, _ = next(trainer.evaluator.batches())
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.model(**trainer._to_device(model_inputs(batch))).logits.float()

@@ -1,4 +1,5 @@
-"""Held-out evaluation at the end of a run: exact-match accuracy of the trained span.
+"""Evaluation, the training loop's component for held-out data (`Evaluator`): the validation loss every
+`training.val_interval` steps, and at the end of a run the exact-match accuracy of the trained span.
 
 A sample counts as correct when, under teacher forcing, the argmax prediction
 equals the target at every trained position (the assistant answer and its EOS).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,14 @@ from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
 
-if TYPE_CHECKING:
-    from mmfsdp.train.trainer import Trainer
+__all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "to_device"]
 
 log = get_logger("mmfsdp.train")
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The tensors of `batch` on `device` (non-blocking); other values as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -40,85 +45,117 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (~wrong.any(dim=-1)) & trained.any(dim=-1)
 
 
-def _eval_batches(trainer: "Trainer"):
-    """(batch, counted) of this rank's strided share of the evaluation split, `eval_batch_size` samples each.
+class Evaluator:
+    """Validation loss and held-out accuracy of `model` on the evaluation split (built on first use)."""
 
-    Every rank yields the same number of batches (FSDP2 gathers parameters collectively): where its share is
-    shorter it repeats its last batch, with `counted` False.
-    """
-    cfg = trainer.cfg
-    dims = trainer.dims
-    if trainer.eval_dataset is None:
-        trainer.eval_dataset = build_dataset(cfg.data, trainer.processor, split="eval")
-    dataset = trainer.eval_dataset
-    collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
-        pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=trainer._pad_multiple(), packing=False,
-    )
-    indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
-    batch_size = cfg.training.eval_batch_size
-    num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
-    for b in range(num_batches):
-        chunk = indices[b * batch_size : (b + 1) * batch_size]
-        real = bool(chunk)
-        if not real:
-            chunk = indices[-batch_size:] or [0]
-        items = [item for item in (dataset[i] for i in chunk) if "bad_reason" not in item]
-        if not items:  # every image of this chunk failed to decode; keep the collective count equal
-            items, real = [next(item for item in map(dataset.__getitem__, range(len(dataset))) if "bad_reason" not in item)], False
-        yield collate(items), real
+    def __init__(
+        self, cfg: Any, *, model: torch.nn.Module, processor: Any, dims: Any, device: torch.device,
+        pad_multiple: int, output_dir: Path, rank: int,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.processor = processor
+        self.dims = dims
+        self.device = device
+        self.pad_multiple = pad_multiple
+        self.output_dir = output_dir
+        self.rank = rank
+        self.dataset = None
+        """The evaluation split, built on first use."""
 
+    def batches(self) -> Iterator[tuple[dict[str, Any], bool]]:
+        """(batch, counted) of this rank's strided share of the evaluation split, `eval_batch_size` samples each.
 
-@torch.no_grad()
-def evaluate(trainer: "Trainer") -> dict:
-    cfg = trainer.cfg
-    model = trainer.model
-    model.eval()
-    correct = torch.zeros((), dtype=torch.int64)
-    counted = torch.zeros((), dtype=torch.int64)
-    for batch, real in _eval_batches(trainer):
-        logits = model(**trainer._to_device(model_inputs(batch))).logits.float()
-        hits = exact_match(logits.cpu(), shift_labels(batch["labels"], batch.get("cu_seq_lens")))
-        if real:
-            correct += hits.sum()
-            counted += hits.numel()
-    model.train()
-    totals = torch.stack([correct, counted]).to(trainer.device)
-    dist.all_reduce(totals, group=trainer.dims.dp_group)
-    num_correct, num_samples = (int(v) for v in totals.tolist())
-    return {
-        "accuracy": num_correct / max(num_samples, 1),
-        "chance": dataset_chance(cfg.data),
-        "num_samples": num_samples,
-        "num_correct": num_correct,
-        "step": trainer.step,
-    }
+        Every rank yields the same number of batches (FSDP2 gathers parameters collectively): where its share is
+        shorter it repeats its last batch, with `counted` False.
+        """
+        cfg, dims = self.cfg, self.dims
+        if self.dataset is None:
+            self.dataset = build_dataset(cfg.data, self.processor, split="eval")
+        dataset = self.dataset
+        collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
+            pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=self.pad_multiple, packing=False,
+        )
+        indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
+        batch_size = cfg.training.eval_batch_size
+        num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
+        for b in range(num_batches):
+            chunk = indices[b * batch_size : (b + 1) * batch_size]
+            real = bool(chunk)
+            if not real:
+                chunk = indices[-batch_size:] or [0]
+            items = [item for item in (dataset[i] for i in chunk) if "bad_reason" not in item]
+            if not items:  # every image of this chunk failed to decode; keep the collective count equal
+                first_good = next(item for item in map(dataset.__getitem__, range(len(dataset))) if "bad_reason" not in item)
+                items, real = [first_good], False
+            yield collate(items), real
 
+    @torch.no_grad()
+    def accuracy(self, step: int) -> dict:
+        """Exact-match accuracy over the evaluation split (collective), with chance and counts."""
+        model = self.model
+        model.eval()
+        correct = torch.zeros((), dtype=torch.int64)
+        counted = torch.zeros((), dtype=torch.int64)
+        for batch, real in self.batches():
+            logits = model(**to_device(model_inputs(batch), self.device)).logits.float()
+            hits = exact_match(logits.cpu(), shift_labels(batch["labels"], batch.get("cu_seq_lens")))
+            if real:
+                correct += hits.sum()
+                counted += hits.numel()
+        model.train()
+        totals = torch.stack([correct, counted]).to(self.device)
+        dist.all_reduce(totals, group=self.dims.dp_group)
+        num_correct, num_samples = (int(v) for v in totals.tolist())
+        return {
+            "accuracy": num_correct / max(num_samples, 1),
+            "chance": dataset_chance(self.cfg.data),
+            "num_samples": num_samples,
+            "num_correct": num_correct,
+            "step": step,
+        }
 
-@torch.no_grad()
-def validation_loss(trainer: "Trainer") -> float:
-    """Mean cross-entropy per trained token over the whole evaluation split, with the current weights.
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Mean cross-entropy per trained token over the whole evaluation split, with the current weights.
 
-    Each micro-batch goes through the training forward with weight 1 on every trained token, so `.loss` is
-    this rank's sum (its sequence shard's under context parallel, as in training): the sums are added over
-    all ranks and divided by the trained tokens, counted over the data-parallel group (the ranks of one CP
-    group see the same samples).
-    """
-    model = trainer.model
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-    tokens = torch.zeros((), dtype=torch.int64, device=trainer.device)
-    for batch, real in _eval_batches(trainer):
-        target = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
-        weight = (target != -100).float()
-        if not real:
-            weight.zero_()
-        out = model(**trainer._to_device(model_inputs(batch)), shift_labels=target.to(trainer.device), loss_weights=weight.to(trainer.device))
-        total += out.loss.double()
-        tokens += int(weight.sum().item())
-    model.train()
-    dist.all_reduce(total)
-    dist.all_reduce(tokens, group=trainer.dims.dp_group)
-    return float(total / tokens.clamp(min=1))
+        Each micro-batch goes through the training forward with weight 1 on every trained token, so `.loss` is
+        this rank's sum (its sequence shard's under context parallel, as in training): the sums are added over
+        all ranks and divided by the trained tokens, counted over the data-parallel group (the ranks of one CP
+        group see the same samples).
+        """
+        model, device = self.model, self.device
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = torch.zeros((), dtype=torch.int64, device=device)
+        for batch, real in self.batches():
+            target = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
+            weight = (target != -100).float()
+            if not real:
+                weight.zero_()
+            out = model(
+                **to_device(model_inputs(batch), device), shift_labels=target.to(device), loss_weights=weight.to(device)
+            )
+            total += out.loss.double()
+            tokens += int(weight.sum().item())
+        model.train()
+        dist.all_reduce(total)
+        dist.all_reduce(tokens, group=self.dims.dp_group)
+        return float(total / tokens.clamp(min=1))
+
+    def report(self, step: int) -> dict | None:
+        """The final held-out accuracy, logged and written to `<output_dir>/eval.json` (None without eval data)."""
+        if not has_eval_split(self.cfg.data):
+            return None
+        result = self.accuracy(step)
+        chance = result["chance"]
+        chance_text = f" (chance {chance:.3f})" if chance is not None else ""
+        log.info(f"eval: accuracy {result['accuracy']:.3f}{chance_text} on {result['num_samples']} held-out samples")
+        if self.rank == 0:
+            path = self.output_dir / "eval.json"
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            log.info(f"wrote {path}")
+        return result
 
 
 def has_eval_split(data_cfg) -> bool:
@@ -135,17 +172,3 @@ def dataset_chance(data_cfg) -> float | None:
         value = json.loads(meta.read_text()).get("chance")
         return float(value) if value is not None else None
     return None
-
-
-def evaluate_and_report(trainer: "Trainer") -> dict | None:
-    if not has_eval_split(trainer.cfg.data):
-        return None
-    result = evaluate(trainer)
-    chance = result["chance"]
-    chance_text = f" (chance {chance:.3f})" if chance is not None else ""
-    log.info(f"eval: accuracy {result['accuracy']:.3f}{chance_text} on {result['num_samples']} held-out samples")
-    if trainer.rank == 0:
-        path = trainer.output_dir / "eval.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        log.info(f"wrote {path}")
-    return result

@@ -21,7 +21,7 @@ and each rank's loss is its shard's part of the same weighted sum (summed over
 all ranks for the log; no CP all-reduce inside the model). The loader pads rows,
 and with packing every packed sample, to `required_multiple(ring, ulysses)`.
 
-Around the steps: every `val_interval` steps the validation loss (`evaluate.validation_loss`),
+Around the steps: every `val_interval` steps the validation loss (`Evaluator.validation_loss`),
 a torch.profiler trace and a memory snapshot (`tools.memory_profile`, `MemorySnapshot`) of
 chosen steps on chosen ranks, and with `save_format: hf` an HF export of each checkpoint.
 """
@@ -63,6 +63,7 @@ from mmfsdp.parallel import (
 )
 from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.config import Config, check_world, save_resolved
+from mmfsdp.train.evaluate import Evaluator, to_device
 from mmfsdp.train.metrics import MetricsWriter
 from mmfsdp.train.schedule import Scheduler
 from mmfsdp.train.supervise import beat, pause
@@ -161,8 +162,10 @@ class Trainer:
         self.history: list[StepResult] = []
         self.val_losses: dict[int, float] = {}
         """Validation loss by step (`training.val_interval`)."""
-        self.eval_dataset = None
-        """The evaluation split, built on first use."""
+        self.evaluator = Evaluator(
+            cfg, model=self.model, processor=self.processor, dims=self.dims, device=self.device,
+            pad_multiple=self._pad_multiple(), output_dir=self.output_dir, rank=self.rank,
+        )
         self._resume()
         self.metrics = MetricsWriter(self.output_dir, t.train_iters, start_step=self.step)
 
@@ -240,7 +243,7 @@ class Trainer:
 
     # -- train -------------------------------------------------------------------------------
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return to_device(batch, self.device)
 
     def train_step(self) -> StepResult:
         t = self.cfg.training
@@ -365,10 +368,8 @@ class Trainer:
 
     def _validate(self) -> float:
         """The validation loss now (collective); kept in `val_losses`."""
-        from mmfsdp.train.evaluate import validation_loss
-
         pause(f"validation at step {self.step}")
-        loss = validation_loss(self)
+        loss = self.evaluator.validation_loss()
         self.val_losses[self.step] = loss
         beat(f"step {self.step + 1}", arm=True)
         return loss
@@ -459,9 +460,7 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
         trainer.train()
         pause("the final evaluation")
         trainer.close()
-        from mmfsdp.train.evaluate import evaluate_and_report
-
-        evaluate_and_report(trainer)
+        trainer.evaluator.report(trainer.step)
     except (TrainingError, ConfigError, CheckpointError, DataError) as err:
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         # Only the first rank to fail prints, so an error every rank hits is printed once.
