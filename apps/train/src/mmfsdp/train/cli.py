@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch_forked(world_size, worker_args, cfg.model.model_id)
     from mmfsdp.train.trainer import run
 
-    return run(cfg, config_path=path)
+    return run(cfg)
 
 
 def _launch(world_size: int, worker_args: list[str]) -> int:

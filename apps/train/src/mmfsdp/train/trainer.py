@@ -443,7 +443,22 @@ class Trainer:
         finalize_pending()
 
 
-def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
+_LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+                    "Socket Timeout", "connection refused", "ProcessGroupNCCL's watchdog")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective that failed because another rank or its host went away."""
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistNetworkError", ())) or any(mark.lower() in text.lower() for mark in _LOST_PEER_MARKS)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__
+
+
+def run(cfg: Config) -> int:
     """Body of one rank: process group, save lock, heartbeat, train, evaluate, close. Returns the exit code."""
     from mmfsdp.train import supervise
 
@@ -465,6 +480,17 @@ def run(cfg: Config, *, config_path: str | Path | None = None) -> int:
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         # Only the first rank to fail prints, so an error every rank hits is printed once.
         supervise.report_once(f"error: {err}", rank=rank)
+        os._exit(1)
+    except Exception as err:
+        if not lost_peer(err):
+            raise
+        # Another rank or node is gone (killed, crashed, its host lost): every surviving rank's collective
+        # fails at once; one line for the job instead of a traceback per rank.
+        supervise.report_once(
+            f"error: lost contact with another rank ({_first_line(err)}); the job stops. The first failing rank's "
+            "output (or the heartbeat line) says why; restart with the same command to resume from the last checkpoint",
+            rank=rank,
+        )
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
