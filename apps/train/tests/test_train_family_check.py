@@ -1,0 +1,35 @@
+"""`--check` ties the data pieces and the parallel layout to what the model family declares (its entry's
+`data` and `capabilities`): a mismatch is one line naming the key, exit 2, before any process group."""
+
+from pathlib import Path
+
+from mmfsdp.train.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+QWEN3VL = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
+COLLATOR = "data.dataloader_param.collate_param.model_name"
+
+
+def _check_lines(capsys, tmp_path, config: Path, *overrides: str) -> tuple[int, list[str]]:
+    code = main([str(config), "--check", f"training.output_dir={tmp_path / 'out'}", *overrides, "--nproc-per-node", "2"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, [line for line in captured.err.splitlines() if line.startswith("config error: ")]
+
+
+def test_another_familys_collator_is_refused(capsys, tmp_path):
+    code, lines = _check_lines(capsys, tmp_path, QWEN3VL)
+    assert code == 0 and not lines
+    code, lines = _check_lines(capsys, tmp_path, QWEN3VL, f"{COLLATOR}=pixtral")
+    assert code == 2
+    assert lines == [f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen3vl'"]
+
+
+def test_another_familys_template_and_its_default_plugin_are_refused(capsys, tmp_path):
+    pre = "data.dataset_param.preprocess_parameters"
+    code, lines = _check_lines(capsys, tmp_path, QWEN3VL, f"{pre}.template=mistral", f"{pre}.image_plugin=null")
+    pre = f"config error: {pre}"
+    assert code == 2 and lines == [
+        f"{pre}.template: template 'mistral' is not for model_id 'qwen3_vl'; set it to 'qwen3_vl' or 'qwen3_vl_nothink'",
+        f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen2_vl'",
+    ]
