@@ -60,7 +60,7 @@ def test_context_parallel_on_a_family_that_does_not_declare_it(capsys, tmp_path)
     assert code == 2 and lines == [
         "config error: parallel.ulysses_parallel_size: 2 needs context parallel, which model_id 'llava' does not "
         "support (its entry does not declare capabilities.context_parallel); set it to 1",
-        f"{pre}.template: template 'mistral' is not for model_id 'llava'; it lists none",
-        f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'llava'; it lists none",
-        f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'llava'; it lists none",
+        f"{pre}.template: template 'mistral' is not for model_id 'llava'; its entry lists no templates",
+        f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'llava'; its entry lists no image_plugins",
+        f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'llava'; its entry lists no collators",
     ]

@@ -6,8 +6,8 @@
   `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `expert_modules`,
   `parallelize(model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, recompute, FSDP2),
   `init_non_persistent_buffers(model)`, `state_dict_adapter()`, `tiny_config(...)` and `test_batch(...)`;
-  what it supports (`capabilities`: `Capabilities`) and its data pieces by name (`data`: `DataNames`). Families: `mistral3`
-  (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
+  what it supports (`capabilities`: `Capabilities`) and its data pieces by name (`data`: `DataNames`).
+  Families: `mistral3` (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
   (`mmfsdp.model.qwen3_vl_moe`), `HFFamilyEntry` declarations whose model class mixes
   `TrainingForwardMixin` into the HF class.
 - MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`

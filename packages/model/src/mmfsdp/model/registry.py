@@ -109,7 +109,8 @@ class ModelEntry:
         process group; raise `ConfigError`. The default refuses what `capabilities` does not declare: context
         parallel, and expert parallel without an expert layout (a dense family) or with one `mmfsdp.parallel`
         does not know."""
-        for key, size in (("parallel.ulysses_parallel_size", plan.ulysses), ("parallel.ring_attention_size", plan.ring)):
+        cp_sizes = (("parallel.ulysses_parallel_size", plan.ulysses), ("parallel.ring_attention_size", plan.ring))
+        for key, size in cp_sizes:
             if size > 1 and not self.capabilities.context_parallel:
                 raise ConfigError(
                     key,
@@ -142,13 +143,14 @@ class ModelEntry:
         not checked), and packing needs `capabilities.packing`. One `ConfigError` per problem, naming the key."""
         pre = "data.dataset_param.preprocess_parameters"
         errors = []
-        for key, kind, name, names in (
-            (f"{pre}.template", "template", template, self.data.templates),
-            (f"{pre}.image_plugin", "image plugin", image_plugin, self.data.image_plugins),
-            ("data.dataloader_param.collate_param.model_name", "collator", collator, self.data.collators),
+        for key, kind, name, field in (
+            (f"{pre}.template", "template", template, "templates"),
+            (f"{pre}.image_plugin", "image plugin", image_plugin, "image_plugins"),
+            ("data.dataloader_param.collate_param.model_name", "collator", collator, "collators"),
         ):
+            names = getattr(self.data, field)
             if name is not None and name not in names:
-                fits = f"set it to {' or '.join(map(repr, names))}" if names else "it lists none"
+                fits = f"set it to {' or '.join(map(repr, names))}" if names else f"its entry lists no {field}"
                 errors.append(ConfigError(key, f"{kind} {name!r} is not for model_id {self.model_id!r}; {fits}"))
         if packing and not self.capabilities.packing:
             errors.append(ConfigError(
