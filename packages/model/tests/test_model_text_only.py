@@ -11,16 +11,13 @@ import pytest
 import torch
 
 from mmfsdp.model import compute_loss_weights, get_model_entry, registered_model_ids, shift_labels
-from mmfsdp.model.testing import model_inputs, model_pair, qwen3_vl_batch, qwen3_vl_sample, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
 
 FAMILIES = sorted(registered_model_ids())
 
 
 def _text_only_batch(model_id: str, config) -> dict[str, torch.Tensor]:
-    if model_id == "mistral3":
-        return tiny_batch(config, image_sizes=(), lengths=(32, 20), seed=3)
-    rows = [[qwen3_vl_sample(config, 20, seed=4)], [qwen3_vl_sample(config, 14, seed=5)]]
-    return qwen3_vl_batch(rows, seq_len=20)
+    return get_model_entry(model_id).test_batch(config, images=False, seed=3)
 
 
 def _vision_parameters(model, model_id: str) -> set[str]:
@@ -113,10 +110,7 @@ def test_placeholder_grads_match_the_image_path_parameters(family):
     sum(f.sum() for f in features).backward()
     reached = {name for name, p in ours.named_parameters() if p.grad is not None}
     ours.zero_grad(set_to_none=True)
-    if model_id == "mistral3":
-        batch = tiny_batch(config, image_sizes=((32, 32),), batch_size=1, seed=6)
-    else:
-        batch = qwen3_vl_batch([[qwen3_vl_sample(config, 20, [(4, 4)], seed=6)]], seq_len=20)
+    batch = get_model_entry(model_id).test_batch(config, images=True, seed=6)
     targets = shift_labels(batch["labels"])
     (weights,) = compute_loss_weights([targets], loss_type="per_token")
     ours(**model_inputs(batch), shift_labels=targets, loss_weights=weights).loss.backward()

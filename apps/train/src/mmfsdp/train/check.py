@@ -23,6 +23,8 @@ is skipped, not reported twice):
    freeze list must leave a parameter to train; with `training.lora`, every
    target must name `nn.Linear` modules (not `lm_head`), some outside the frozen
    modules, and `pretrained_lora_path` must be a PEFT adapter directory.
+   The template, image plugin and collator must be ones the model family
+   declares, and packing a capability it declares (`ModelEntry.check_data`).
 6. `training.output_dir`, `training.save` and the data cache directory are
    writable, or creatable (nothing is created).
 7. The checkpoints step 4 found fit the model of step 5: keys and shapes from
@@ -77,7 +79,35 @@ def model_check(cfg: Config) -> list[ConfigError]:
         if plan is not None and not weight_errors:
             errors += checkpoint_check(cfg, plan, entry, model)
     errors += _router(cfg)
+    errors += _family_data(cfg)
     return errors
+
+
+def _family_data(cfg: Config) -> list[ConfigError]:
+    """Template, image plugin and collator must be ones the model family lists, and packing one it supports
+    (`ModelEntry.check_data`); context and expert parallel are the entry's `validate_parallel` (step 1). An
+    unknown name is left to `_registry_names`, an unknown model id to the model section."""
+    from mmfsdp.data import get_collator, get_plugin, get_template
+    from mmfsdp.model import get_model_entry
+
+    def registered(get, name: str | None) -> str | None:
+        return name if name is not None and _collect([], get, name) is not None else None
+
+    try:
+        entry = get_model_entry(cfg.model.model_id)
+    except ConfigError:
+        return []
+    pre = cfg.data.dataset_param.preprocess_parameters
+    template = registered(get_template, pre.template)
+    plugin = pre.image_plugin
+    if plugin is None and template is not None:
+        plugin = get_template(template).default_plugin
+    return entry.check_data(
+        template=template,
+        image_plugin=registered(get_plugin, plugin),
+        collator=registered(get_collator, cfg.data.dataloader_param.collate_param.model_name),
+        packing=cfg.data.dataset_param.basic_parameters.packing,
+    )
 
 
 def _router(cfg: Config) -> list[ConfigError]:

@@ -5,8 +5,9 @@
   `build(model_cfg, features_cfg, device=, dtype=)`, the default plans (`fsdp_modules`,
   `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `expert_modules`,
   `parallelize(model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, recompute, FSDP2),
-  `init_non_persistent_buffers(model)` and `tiny_config(...)`. Families: `mistral3`
-  (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
+  `init_non_persistent_buffers(model)`, `state_dict_adapter()`, `tiny_config(...)` and `test_batch(...)`;
+  what it supports (`capabilities`: `Capabilities`) and its data pieces by name (`data`: `DataNames`).
+  Families: `mistral3` (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
   (`mmfsdp.model.qwen3_vl_moe`), `HFFamilyEntry` declarations whose model class mixes
   `TrainingForwardMixin` into the HF class.
 - MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`
@@ -31,6 +32,8 @@ from mmfsdp.config.lazy import lazy_exports
 # Names load on first use (PEP 562): reading a config needs `ModelConfig`, not transformers,
 # and a launcher that never builds a model never imports a family.
 _LAZY = {
+    "Capabilities": "mmfsdp.model.registry",
+    "DataNames": "mmfsdp.model.registry",
     "ModelEntry": "mmfsdp.model.registry",
     "get_model_entry": "mmfsdp.model.registry",
     "register_model": "mmfsdp.model.registry",
@@ -79,6 +82,8 @@ _LAZY = {
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
+    "Capabilities",
+    "DataNames",
     "ModelEntry",
     "HFFamilyEntry",
     "TrainingForwardMixin",

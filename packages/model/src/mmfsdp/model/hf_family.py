@@ -9,7 +9,7 @@ checkpoint names and layouts are its state-dict adapter's, `mmfsdp.model.adapter
 - otherwise the model is built from `config.json` on the meta device,
   materialised on the target device and filled from the safetensors weights of
   `model.model_name_or_path` by `mmfsdp.ckpt.load_hf_weights` through the
-  family's state-dict adapter — the same reader as a meta-device run, so both
+  family's state-dict adapter (`state_dict_adapter()`) — the same reader as a meta-device run, so both
   read a checkpoint alike (transformers' own conversions guess some layouts
   from shapes: the hub's transposed MoE `down_proj` `[E, I, H]` is taken as it
   is when I == H). A key that does not fit is a `ConfigError`, never a silent
@@ -71,9 +71,10 @@ class HFFamilyEntry(ModelEntry):
             model.to_empty(device=device)
             self.init_non_persistent_buffers(model)
             try:
-                load_hf_weights(model, path, adapter=self.model_id)
+                load_hf_weights(model, path, adapter=self.state_dict_adapter())
             except CheckpointError as err:
-                raise ConfigError("model.model_name_or_path", f"{err}\nCheck the checkpoint, or use random_init") from None
+                message = f"{err}\nCheck the checkpoint, or use random_init"
+                raise ConfigError("model.model_name_or_path", message) from None
         model.set_chunk_loss(features_cfg.chunkloss_plan.chunk_size if features_cfg.enable_chunk_loss else None)
         return model
 

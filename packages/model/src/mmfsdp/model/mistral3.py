@@ -7,8 +7,9 @@ addition is the per-image attention hook on the vision tower
 (`mmfsdp.model.vision`): the tower flattens the patches of all images into
 one sequence, and each image must attend only to itself.
 
-`Mistral3Entry` is the declaration: config and model classes, plans, the key
-map of the original checkpoint layout, and `tiny_config` for tests. Building,
+`Mistral3Entry` is the declaration: config and model classes, plans, what it
+supports (context parallel, packing), its data pieces (`mistral` template,
+`pixtral` plugin and collator), and `tiny_config` / `test_batch` for tests. Building,
 the parallel checks and meta init are `HFFamilyEntry`'s.
 """
 
@@ -20,7 +21,7 @@ import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
-from mmfsdp.model.registry import register_model
+from mmfsdp.model.registry import Capabilities, DataNames, register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
 from mmfsdp.model.vision import install_per_image_attention
 
@@ -61,6 +62,16 @@ class Mistral3Entry(HFFamilyEntry):
     )
     recompute_modules = ("model.vision_tower.transformer.layers.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
+    capabilities = Capabilities(context_parallel=True, packing=True)
+    data = DataNames(templates=("mistral",), image_plugins=("pixtral",), collators=("pixtral",))
+
+    def test_batch(self, config: Mistral3Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """`mmfsdp.model.testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the
+        first two rows (32x32 and 16x48), none in the last."""
+        from mmfsdp.model.testing import tiny_batch
+
+        sizes = ((32, 32), (16, 48)) if images else ()
+        return tiny_batch(config, batch_size=3, image_sizes=sizes, lengths=(32, 27, 19), seed=seed)
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_index: int = 10, **overrides: Any) -> Mistral3Config:
         """A Mistral3 config of ~0.1M parameters for tests and examples (fp32, untied lm_head).

@@ -39,7 +39,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from mmfsdp.model.context_parallel import CPBatch, split_sequence_kwargs
 from mmfsdp.model.hf_family import HFFamilyEntry
 from mmfsdp.model.loss import sample_starts
-from mmfsdp.model.registry import register_model
+from mmfsdp.model.registry import Capabilities, DataNames, register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin
 
 __all__ = [
@@ -205,6 +205,23 @@ class Qwen3VLEntry(HFFamilyEntry):
     )
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
+    capabilities = Capabilities(context_parallel=True, packing=True)
+    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen2_vl",), collators=("qwen3vl",))
+
+    def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """`mmfsdp.model.testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
+        the processor's `mm_token_type_ids`; with images, two of different sizes in the first row, one in the
+        second, none in the last."""
+        from mmfsdp.model.testing import qwen3_vl_batch, qwen3_vl_sample
+
+        grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
+        rows = [
+            [qwen3_vl_sample(config, length, row_grids, seed=seed * 3 + b)]
+            for b, (length, row_grids) in enumerate(zip((30, 24, 17), grids))
+        ]
+        batch = qwen3_vl_batch(rows, seq_len=30)
+        batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
+        return batch
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
         """A config of the entry's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).

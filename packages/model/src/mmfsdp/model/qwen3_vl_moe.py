@@ -33,7 +33,7 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
 from mmfsdp.model.qwen3_vl import Qwen3VLEntry, Qwen3VLTrainingMixin
-from mmfsdp.model.registry import register_model
+from mmfsdp.model.registry import Capabilities, register_model
 from mmfsdp.model.router import RouterLoadRecorder
 
 __all__ = ["Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeEntry"]
@@ -75,6 +75,7 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
     """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
     router_modules = ("model.language_model.layers.{*}.mlp.gate",)
     """The routers (`weight` `[E, H]`), replicated over expert parallel."""
+    capabilities = Capabilities(context_parallel=True, packing=True, expert_layout="hf_fused")
 
     def num_experts(self, config: Qwen3VLMoeConfig) -> int:
         return int(config.text_config.num_experts)

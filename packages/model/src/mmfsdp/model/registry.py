@@ -7,7 +7,11 @@ FSDP and activation-checkpointing plans as module name patterns, which modules
 are the vision side, where the decoder and `lm_head` are, how it is
 parallelised (`parallelize`: checkpointing, activation offload, then FSDP2 over
 one or more `(patterns, mesh)` groups), how to fill the non-persistent buffers
-after a meta build, and (through its state-dict adapter, `mmfsdp.model.adapters`) how HF checkpoint keys map to its state dict.
+after a meta build, and (through its state-dict adapter, `state_dict_adapter()`) how HF checkpoint keys map to
+its state dict. It also declares what it supports (`capabilities`: context parallel, packing, an expert layout,
+video; each off unless declared) and, by registry name, the data pieces its batches come from (`data`:
+templates, image plugins, collators of `mmfsdp.data`; this package never imports the data package), so the
+trainer's checks refuse an unsupported or mismatched choice before any process starts.
 Adding a family means writing an entry, decorating it with
 `@register_model("id")` and declaring its module in the `mmfsdp.model_families`
 entry-point group of its package (so `registered_model_ids()` knows the id
@@ -18,6 +22,7 @@ which builds any HF model class.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -25,7 +30,38 @@ from torch import nn
 
 from mmfsdp.config import ConfigError, Registry
 
-__all__ = ["ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
+__all__ = ["Capabilities", "DataNames", "ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capabilities:
+    """What a family supports beyond plain FSDP2 data parallel; everything is off unless the family declares it,
+    and `--check` refuses a config that asks for what is off."""
+
+    context_parallel: bool = False
+    """Ulysses and Ring attention over the decoder's sequence (the decoder's attention is full causal attention
+    through transformers' attention interface, which context parallel replaces)."""
+    packing: bool = False
+    """Several samples per row delimited by `cu_seq_lens` (every decoder attention call takes the varlen keywords,
+    and the family's inputs restart per sample where they must, e.g. M-RoPE positions)."""
+    expert_layout: str | None = None
+    """MoE families: the layout of the stacked expert weights that expert parallel splits, one of
+    `mmfsdp.parallel.expert_parallel.EXPERT_LAYOUTS`; None for a dense family."""
+    video: bool = False
+    """Video inputs (no family has them yet)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataNames:
+    """The `mmfsdp.data` pieces a family's batches come from, by the registry names users write in YAML; the first
+    of each is the family's default. A family that lists none of a kind accepts none (its data is its own)."""
+
+    templates: tuple[str, ...] = ()
+    """`data.dataset_param.preprocess_parameters.template` values that tokenise for this family."""
+    image_plugins: tuple[str, ...] = ()
+    """`data.dataset_param.preprocess_parameters.image_plugin` values (or the template's default plugin)."""
+    collators: tuple[str, ...] = ()
+    """`data.dataloader_param.collate_param.model_name` values whose batches this family's forward takes."""
 
 
 class ModelEntry:
@@ -47,6 +83,10 @@ class ModelEntry:
     empty for a dense model. Their training forward also returns `outputs.router_load` (`mmfsdp.model.router`)."""
     router_modules: tuple[str, ...] = ()
     """MoE families: the routers (replicated over expert parallel)."""
+    capabilities: Capabilities = Capabilities()
+    """What the family supports (context parallel, packing, expert layout, video); off unless declared."""
+    data: DataNames = DataNames()
+    """The templates, image plugins and collators (registry names of `mmfsdp.data`) that fit the family."""
 
     @property
     def decoder_name(self) -> str:
@@ -66,13 +106,73 @@ class ModelEntry:
 
     def validate_parallel(self, model_cfg: Any, plan: Any) -> None:
         """Checks of the parallel layout (`mmfsdp.parallel.MeshPlan`) against the model's config, before any
-        process group; raise `ConfigError`. The default refuses expert parallel on a dense family."""
-        if getattr(plan, "ep", 1) > 1 and not self.expert_modules:
+        process group; raise `ConfigError`. The default refuses what `capabilities` does not declare: context
+        parallel, and expert parallel without an expert layout (a dense family) or with one `mmfsdp.parallel`
+        does not know."""
+        cp_sizes = (("parallel.ulysses_parallel_size", plan.ulysses), ("parallel.ring_attention_size", plan.ring))
+        for key, size in cp_sizes:
+            if size > 1 and not self.capabilities.context_parallel:
+                raise ConfigError(
+                    key,
+                    f"{size} needs context parallel, which model_id {self.model_id!r} does not support "
+                    "(its entry does not declare capabilities.context_parallel); set it to 1",
+                )
+        if getattr(plan, "ep", 1) <= 1:
+            return
+        layout = self.capabilities.expert_layout
+        if layout is None:
             raise ConfigError(
                 "parallel.expert_parallel_size",
                 f"{plan.ep} needs a mixture-of-experts model, but model_id {self.model_id!r} is dense (no experts to "
                 "split); set it to 1",
             )
+        from mmfsdp.parallel.expert_parallel import EXPERT_LAYOUTS
+
+        if layout not in EXPERT_LAYOUTS:
+            raise ConfigError(
+                "parallel.expert_parallel_size",
+                f"{plan.ep}: model_id {self.model_id!r} declares expert layout {layout!r}, which expert parallel "
+                f"cannot split (it knows {', '.join(EXPERT_LAYOUTS)}); set it to 1",
+            )
+
+    def check_data(
+        self, *, template: str | None, image_plugin: str | None, collator: str | None, packing: bool
+    ) -> list[ConfigError]:
+        """The data choices of a config against the family's declarations: each of template, image plugin (the
+        configured one, or the template's default) and collator must be one the family lists in `data` (None:
+        not checked), and packing needs `capabilities.packing`. One `ConfigError` per problem, naming the key."""
+        pre = "data.dataset_param.preprocess_parameters"
+        errors = []
+        for key, kind, name, field in (
+            (f"{pre}.template", "template", template, "templates"),
+            (f"{pre}.image_plugin", "image plugin", image_plugin, "image_plugins"),
+            ("data.dataloader_param.collate_param.model_name", "collator", collator, "collators"),
+        ):
+            names = getattr(self.data, field)
+            if name is not None and name not in names:
+                fits = f"set it to {' or '.join(map(repr, names))}" if names else f"its entry lists no {field}"
+                errors.append(ConfigError(key, f"{kind} {name!r} is not for model_id {self.model_id!r}; {fits}"))
+        if packing and not self.capabilities.packing:
+            errors.append(ConfigError(
+                "data.dataset_param.basic_parameters.packing",
+                f"true, but model_id {self.model_id!r} does not support packed rows (its entry does not declare "
+                "capabilities.packing); set it to false",
+            ))
+        return errors
+
+    def state_dict_adapter(self) -> Any:
+        """The family's `mmfsdp.ckpt.StateDictAdapter` (HF file names and layouts <-> `state_dict()`): by default
+        the one an installed package declares under this model id (entry-point group `mmfsdp.state_dict_adapters`);
+        a family defined outside an installed package returns its own."""
+        from mmfsdp.ckpt.adapters import get_state_dict_adapter
+
+        return get_state_dict_adapter(self.model_id)
+
+    def test_batch(self, config: Any, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """For tests (the family contract test): a collated batch for the tiny `config` — rows of different
+        lengths with right padding and `labels`; with `images`, images of different sizes in some rows and none
+        in others; without, no vision input at all."""
+        raise NotImplementedError(f"model_id {self.model_id!r} has no test_batch")
 
     def num_experts(self, config: Any) -> int | None:
         """Experts per MoE layer in the HF `config`; None for a dense family."""

@@ -84,6 +84,7 @@ from mmfsdp.config import ConfigError
 from mmfsdp.parallel.patterns import match_module_names
 
 __all__ = [
+    "EXPERT_LAYOUTS",
     "EXPERT_PARAM_NAMES",
     "check_expert_parallel_size",
     "shard_experts",
@@ -101,6 +102,11 @@ __all__ = [
 
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
 """The fused expert parameters (dim 0 = expert) of HF's MoE expert modules."""
+
+EXPERT_LAYOUTS = ("hf_fused",)
+"""Expert weight layouts expert parallel can split, the names a family declares as `capabilities.expert_layout`:
+`hf_fused` is HF's fused experts module (`EXPERT_PARAM_NAMES`, `gate_up_proj [E, 2I, H]` with the gate rows
+first, `down_proj [E, H, I]`, and `act_fn`)."""
 
 Implementation = Literal["auto", "grouped", "loop"]
 

@@ -1,0 +1,2 @@
+"""Model families written where users write theirs: outside the installed packages, registered through the public
+API when a test imports them."""
