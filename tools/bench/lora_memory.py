@@ -14,7 +14,11 @@ AdamW state; the second is measured: forward + backward of a `--batch` x `--seq-
 Peak memory is the CPU stand-in for an accelerator's `max_memory_allocated`:
 `mmfsdp.parallel.tensor_memory.TensorMemory`, the most tensor bytes alive at once during the step on the rank, counting the
 state it starts with (parameter shards, AdamW moments) and everything the step allocates (all-gathered
-parameters, activations, gradients). Both variants are measured in the same run; the last line is one JSON
+parameters while they are gathered, activations, gradients). FSDP2 frees a gathered layer by resizing its storage
+to 0 bytes and gathers into the same storage again later; the counter follows those resizes and tells storages
+apart by their `StorageImpl`, so the figure is the same in every run (before 2026-12-05 it counted each gathered
+parameter from its first gather to the end and keyed storages by address, which gave 0.55-0.60 from run to run).
+Both variants are measured in the same run; the last line is one JSON
 object with each variant's largest per-rank peak and `lora_over_full_peak` (target <= 0.5).
 """
 

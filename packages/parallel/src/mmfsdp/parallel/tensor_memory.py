@@ -7,6 +7,14 @@ the storage is freed (a weak-reference finaliser on the storage), so `peak` is t
 at once inside the context. Tensors that exist before it (parameters, optimizer states) are counted with
 `hold(...)`. A `DTensor` counts its local shard; storages shared by views count once.
 
+Storages are told apart by their `StorageImpl` (`_cdata`), not by their data pointer, and resizing a storage
+in place counts: FSDP2 frees an unsharded parameter after its layer with `storage.resize_(0)` and all-gathers
+into the same storage object later (`resize_(size)`), which no operator shows. Inside the context
+`UntypedStorage.resize_` reports to the counter, so a gathered layer counts while it is gathered and not after.
+Keyed by data pointer, every gather looked like a new storage that was never freed (the whole unsharded model
+counted from its first gather on), and whether a later allocation that reused a freed address was counted
+depended on the allocator's address reuse, which changed from run to run.
+
 What it cannot see: memory an operator allocates and frees inside one call (a kernel's workspace), and
 tensors created outside the dispatcher (e.g. `torch.from_numpy`). Both are small next to the activations it
 exists to measure.
@@ -14,6 +22,7 @@ exists to measure.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Iterable
 
@@ -37,7 +46,28 @@ class TensorMemory(TorchDispatchMode):
         self.device_type = device_type
         self.current = 0
         self.peak = 0
-        self._live: set[int] = set()
+        self._bytes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it
+        self._lock = threading.Lock()  # a storage can die on a communication thread
+        self._resize = None
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        counter = weakref.ref(self)
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            out = original(storage, size)
+            mem = counter()
+            if mem is not None:
+                mem._resized(storage, before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def hold(self, tensors: Iterable[torch.Tensor]) -> int:
         """Count tensors that already exist (each storage once); returns the bytes added."""
@@ -50,21 +80,39 @@ class TensorMemory(TorchDispatchMode):
         tensor = _local(tensor)
         if tensor.device.type != self.device_type or tensor.is_meta:
             return 0
-        storage = tensor.untyped_storage()
+        return self._track_storage(tensor.untyped_storage())
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> int:
         nbytes = storage.nbytes()
-        key = storage.data_ptr()
-        if nbytes == 0 or key in self._live:
-            return 0
-        self._live.add(key)
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key, nbytes)
+        key = storage._cdata
+        with self._lock:
+            if nbytes == 0 or key in self._bytes:
+                return 0
+            self._bytes[key] = nbytes
+            self._add(nbytes)
+        weakref.finalize(storage, self._free, key)
         return nbytes
 
-    def _free(self, key: int, nbytes: int) -> None:
-        if key in self._live:
-            self._live.discard(key)
-            self.current -= nbytes
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        if storage.device.type != self.device_type:
+            return
+        key = storage._cdata
+        with self._lock:
+            counted = self._bytes.get(key)
+            if counted is not None:  # freed to 0 bytes or grown back: only the difference
+                self._bytes[key] = storage.nbytes()
+                self._add(storage.nbytes() - counted)
+                return
+        if storage.nbytes() > before:  # storage made before the context, allocated again inside it
+            self._track_storage(storage)
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.current -= self._bytes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

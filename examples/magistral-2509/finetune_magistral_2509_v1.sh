@@ -1,0 +1,1 @@
+finetune_8card.sh

@@ -1,0 +1,1 @@
+finetune_4card.sh
