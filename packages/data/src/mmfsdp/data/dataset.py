@@ -45,6 +45,7 @@ from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_di
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, format_counts
+from mmfsdp.data.paths import media_path
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
@@ -62,7 +63,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_PREPROCESS_VERSION = 2
+_PREPROCESS_VERSION = 3
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
@@ -318,21 +319,8 @@ class SampleEncoder:
         self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:
-        """Where image `path` of a row is read from; a relative path must stay inside `dataset_dir` once resolved.
-
-        The check resolves `..` and symlinks without opening anything, so a refused file is never read.
-        """
-        p = Path(path).expanduser()
-        if p.is_absolute():
-            return str(p)
-        joined = self.dataset_dir / p
-        if not self.allow_outside and not joined.resolve().is_relative_to(self.dataset_dir):
-            raise BadSample(
-                "image_outside_dataset_dir",
-                f"{path} resolves to {joined.resolve()}, outside dataset_dir {self.dataset_dir}; "
-                "set basic_parameters.allow_paths_outside_dataset_dir: true to accept it",
-            )
-        return str(joined)
+        """Where image `path` of a row is read from (`mmfsdp.data.paths.media_path`: no `..` escape, symlinks followed)."""
+        return media_path(path, self.dataset_dir, allow_outside=self.allow_outside)
 
     def encode_row(self, row: Any) -> dict[str, Any]:
         """Tokenize one row (a parsed JSON value); raises `BadSample`."""
