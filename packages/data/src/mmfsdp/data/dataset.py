@@ -44,7 +44,7 @@ from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_di
 
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
-from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, format_counts
+from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, all_rows_bad_message, format_counts, top_reason
 from mmfsdp.data.paths import media_path
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
@@ -521,6 +521,16 @@ class SFTDataset(torch.utils.data.Dataset):
         return item
 
 
+def _first_bad_row(files: list[Path], tables: list[Any], reason: str | None) -> tuple[str, int, str] | None:
+    """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
+    for path, table in zip(files, tables):
+        reasons = _column(table, "bad_reason")
+        if reason in reasons:
+            row = reasons.index(reason)
+            return str(path), row, table[row]["bad_detail"]
+    return None
+
+
 def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "train") -> SFTDataset:
     """The tokenized, filtered dataset of `split`; images are decoded only when an item is read."""
     _check_split(split)
@@ -538,10 +548,9 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     dataset = SFTDataset(tables, files, encoder, strict=strict)
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
-        raise DataError(
-            f"every one of the {dataset.num_rows} rows of {names} is bad ({format_counts(dataset.bad_row_counts) or 'no rows'}); "
-            f"nothing to train on. Check basic_parameters.dataset_dir (images are resolved against it) and dataset_param.attr (column and role names)"
-        )
+        counts = dataset.bad_row_counts
+        example = _first_bad_row(files, tables, top_reason(counts))
+        raise DataError(all_rows_bad_message(dataset.num_rows, names, counts, example))
     skipped = dataset.num_rows - len(dataset)
     log.info(
         "data: %s: %d samples from %s (%d rows%s%s), %d tokens, longest %d",
