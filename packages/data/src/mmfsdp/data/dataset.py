@@ -135,8 +135,10 @@ def _prepare_synthetic(data_cfg: DataConfig) -> None:
 
     syn = data_cfg.dataset_param.synthetic
     dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
-    if not (dataset_dir / "meta.json").is_file():
-        make_shapes_dataset(dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed)
+    make_shapes_dataset(  # generates when missing; data generated with other settings is an error, never reused
+        dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed,
+        text_only_share=syn.text_only_share,
+    )
     model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
     if model_dir and not Path(model_dir).expanduser().exists():
         write_tiny_processor(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
