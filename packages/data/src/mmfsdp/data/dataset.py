@@ -321,7 +321,7 @@ class SampleEncoder:
         self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:
-        """Where image `path` of a row is read from (`mmfsdp.data.paths.media_path`: no `..` escape, symlinks followed)."""
+        """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""
         return media_path(path, self.dataset_dir, allow_outside=self.allow_outside)
 
     def encode_row(self, row: Any) -> dict[str, Any]:

@@ -9,7 +9,9 @@ the row index and the reason. `DataError` is also raised when no usable row is l
 
 from __future__ import annotations
 
-__all__ = ["BAD_REASONS", "BAD_REASON_ADVICE", "BadSample", "DataError", "all_rows_bad_message", "format_counts", "top_reason"]
+__all__ = [
+    "BAD_REASONS", "BAD_REASON_ADVICE", "BadSample", "DataError", "all_rows_bad_message", "format_counts", "top_reason",
+]
 
 BAD_REASONS = (
     "not_utf8",
@@ -34,15 +36,26 @@ BAD_REASON_ADVICE = {
     "nested_too_deep": "the rows are not conversations; check basic_parameters.dataset names the right file",
     "number_too_long": "the rows are not conversations; check basic_parameters.dataset names the right file",
     "lone_surrogate": "the file holds broken \\ud800-\\udfff escapes; re-export it from its source",
-    "empty_conversation": "check dataset_param.attr.messages (the column holding the messages, `conversations` for sharegpt files) and attr.content_tag",
-    "bad_content": "check dataset_param.attr (messages, images, content_tag) against the file's column names and that the file is JSON/JSONL",
-    "wrong_role_order": "check dataset_param.attr.role_tag, user_tag, assistant_tag and system_tag (sharegpt: from, human, gpt, system)",
+    "empty_conversation": (
+        "check dataset_param.attr.messages (the column holding the messages, `conversations` for sharegpt files) "
+        "and attr.content_tag"
+    ),
+    "bad_content": (
+        "check dataset_param.attr (messages, images, content_tag) against the file's column names "
+        "and that the file is JSON/JSONL"
+    ),
+    "wrong_role_order": (
+        "check dataset_param.attr.role_tag, user_tag, assistant_tag and system_tag (sharegpt: from, human, gpt, system)"
+    ),
     "no_assistant_turn": "check dataset_param.attr.assistant_tag (sharegpt files use gpt) and attr.role_tag",
-    "image_count_mismatch": "check dataset_param.attr.images (the column holding the image paths) and that each image has one <image> placeholder",
+    "image_count_mismatch": (
+        "check dataset_param.attr.images (the column holding the image paths) "
+        "and that each image has one <image> placeholder"
+    ),
     "image_in_wrong_turn": "move <image> placeholders into user turns (or check attr.user_tag / assistant_tag)",
     "image_outside_dataset_dir": (
-        "write image paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir may point "
-        "anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
+        "write image paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
+        "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
     ),
     "missing_image": "check basic_parameters.dataset_dir: relative image paths are resolved against it",
     "corrupt_image": "check the image files (and clear cache_dir if they changed after the cache was built)",
@@ -70,12 +83,15 @@ def top_reason(counts: dict[str, int]) -> str | None:
     return max(BAD_REASONS, key=lambda reason: counts.get(reason, 0)) if any(counts.values()) else None
 
 
-def all_rows_bad_message(num_rows: int, names: str, counts: dict[str, int], example: tuple[str, int, str] | None) -> str:
+def all_rows_bad_message(
+    num_rows: int, names: str, counts: dict[str, int], example: tuple[str, int, str] | None
+) -> str:
     """The one-line error for a split with no usable row: counts, the top reason, one example row and its fix.
 
     `example` is (file, row, detail) of a row skipped for the most common reason.
     """
-    message = f"every one of the {num_rows} rows of {names} is bad ({format_counts(counts) or 'no rows'}); nothing to train on"
+    counted = format_counts(counts) or "no rows"
+    message = f"every one of the {num_rows} rows of {names} is bad ({counted}); nothing to train on"
     if not counts:
         return f"{message}. Check basic_parameters.dataset names a file with rows"
     top = top_reason(counts)

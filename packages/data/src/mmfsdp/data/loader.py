@@ -251,7 +251,9 @@ class StatefulDataLoader:
         if self._yielded_in_epoch == 0:
             top = top_reason(counts)
             advice = f". Fix: {BAD_REASON_ADVICE[top]}" if top else ""
-            raise DataError(f"epoch {self.epoch} produced no batch: every sample was bad ({format_counts(counts)}){advice}")
+            raise DataError(
+                f"epoch {self.epoch} produced no batch: every sample was bad ({format_counts(counts)}){advice}"
+            )
         log.info(
             "data: epoch %d done: %d batches%s",
             self.epoch,
