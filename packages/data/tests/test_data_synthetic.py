@@ -146,9 +146,11 @@ def test_text_only_share_of_the_shapes_data(tmp_path, tiny_processor, h):
     assert len(rows) == 40 and len(text_rows) == 12
     for r in text_rows:  # the text task: a fixed object -> colour lookup, worded unlike the image question
         question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
-        assert "<image>" not in question and question != PROMPT and TEXT_ONLY_OBJECTS[question[len("What colour is "):-1]] == answer
+        assert "<image>" not in question and question != PROMPT
+        assert TEXT_ONLY_OBJECTS[question.removeprefix("What colour is ").removesuffix("?")] == answer
     assert all(r["messages"][0]["content"] == PROMPT for r in rows if r["images"])
-    assert all(json.loads(line)["images"] for line in (tmp_path / "s" / "eval.jsonl").read_text().splitlines())  # eval: the image task only
+    eval_rows = (tmp_path / "s" / "eval.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["images"] for line in eval_rows)  # eval: the image task only
     basic = {"dataset": str(tmp_path / "s" / "train.jsonl"), "dataset_dir": str(tmp_path / "s")}
     dataset = build_dataset(h.data_config(tiny_processor.name_or_path, tmp_path, basic=basic), tiny_processor)
     unk = tiny_processor_ids()["unk_token_id"]
@@ -157,7 +159,7 @@ def test_text_only_share_of_the_shapes_data(tmp_path, tiny_processor, h):
     make_shapes_dataset(tmp_path / "zero", num_train=24, num_eval=6, image_size=32, seed=7, text_only_share=0.0)
     make_shapes_dataset(tmp_path / "plain", num_train=24, num_eval=6, image_size=32, seed=7)
     assert (tmp_path / "zero" / "train.jsonl").read_bytes() == (tmp_path / "plain" / "train.jsonl").read_bytes()
-    with pytest.raises(DataError, match=r"generated with other settings \(text_only_share: 0\.3 there, 0\.0 asked\); delete"):
+    with pytest.raises(DataError, match=r"other settings \(text_only_share: 0\.3 there, 0\.0 asked\); delete"):
         make_shapes_dataset(tmp_path / "s", num_train=40, num_eval=6, image_size=32, seed=7)
     legacy = json.loads((tmp_path / "plain" / "meta.json").read_text())
     del legacy["text_only_share"]  # meta.json written before the setting existed: its data had no text-only rows
@@ -177,3 +179,12 @@ def test_varlen_text_only_share_is_exact_and_deterministic(tmp_path):
     assert sum(not json.loads(line)["images"] for line in (tmp_path / "m" / "eval.jsonl").read_text().splitlines()) == 2
     make_varlen_dataset(tmp_path / "n", num_train=30, num_eval=5, seed=3, min_images=1, text_only_share=0.4)
     assert (tmp_path / "m" / "train.jsonl").read_bytes() == (tmp_path / "n" / "train.jsonl").read_bytes()
+
+
+def test_a_tiny_processor_from_before_the_text_words_is_an_error_not_reused(tmp_path):
+    write_tiny_processor(tmp_path / "tiny", image_size=32, patch_size=4, spatial_merge_size=2)
+    raw = json.loads((tmp_path / "tiny" / "tokenizer.json").read_text())
+    del raw["model"]["vocab"]["banana"]
+    (tmp_path / "tiny" / "tokenizer.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"tokenizer\.json lacks the words \['banana'\]"):
+        write_tiny_processor(tmp_path / "tiny", image_size=32, patch_size=4, spatial_merge_size=2)

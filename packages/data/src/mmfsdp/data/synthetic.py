@@ -90,7 +90,10 @@ def _existing_meta(out_dir: Path, meta: dict[str, Any]) -> dict[str, Any] | None
         from mmfsdp.data.errors import DataError
 
         settings = ", ".join(f"{k}: {old!r} there, {new!r} asked" for k, (old, new) in differs.items())
-        raise DataError(f"{out_dir} holds synthetic data generated with other settings ({settings}); delete the directory to regenerate it, or point basic_parameters.dataset_dir elsewhere")
+        raise DataError(
+            f"{out_dir} holds synthetic data generated with other settings ({settings}); delete the directory "
+            "to regenerate it, or point basic_parameters.dataset_dir elsewhere"
+        )
     return existing
 
 
@@ -293,6 +296,14 @@ def write_tiny_processor(out_dir: str | Path, *, image_size: int, patch_size: in
 
     out_dir = Path(out_dir)
     if out_dir.is_dir() and (out_dir / "tokenizer.json").is_file():
+        vocab = json.loads((out_dir / "tokenizer.json").read_text()).get("model", {}).get("vocab", {})
+        if missing := [w for w in _WORDS if w not in vocab]:
+            from mmfsdp.data.errors import DataError
+
+            raise DataError(
+                f"{out_dir}/tokenizer.json lacks the words {missing} of the synthetic data (written by an older "
+                "version); delete the directory to regenerate it"
+            )
         return tiny_processor_ids()
 
     def write(tmp: Path) -> None:
