@@ -61,3 +61,23 @@ def test_errors_and_help(config_file, capsys):
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     assert all(flag in help_text for flag in ("--index", "--split", "--json", "KEY=VALUE", "data: section"))
+
+
+@pytest.mark.parametrize("position", ["before", "after", "between"])
+def test_overrides_may_come_before_after_or_between_options(config_file, capsys, position):
+    override = "data.dataset_param.preprocess_parameters.cutoff_len=128"
+    argv = {
+        "before": ["inspect", str(config_file), override, "--index", "0", "--split", "train"],
+        "after": ["inspect", str(config_file), "--index", "0", "--split", "train", override],
+        "between": ["inspect", str(config_file), "--index", "0", override, "--split", "train"],
+    }[position]
+    assert main(argv) == 0
+    assert "cutoff_len: 128)" in capsys.readouterr().out  # the override applied (the YAML says 4096)
+
+
+def test_top_level_help_names_the_command_and_where_its_flags_are(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-h"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "inspect" in help_text and "mm-data COMMAND -h" in help_text

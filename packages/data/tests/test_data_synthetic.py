@@ -7,11 +7,15 @@ import multiprocessing
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
+
+from mmfsdp.data import DataError
 
 from mmfsdp.data.synthetic import (
     COLOURS,
     PROMPT,
+    TEXT_ONLY_OBJECTS,
     VARLEN_IMAGE_SIZES,
     make_shapes_dataset,
     make_varlen_dataset,
@@ -130,3 +134,57 @@ def test_varlen_dataset_tokenizes_without_unknown_words(tiny_processor, tmp_path
     assert len(dataset) == 16 and len(set(dataset.lengths)) >= 10
     unk = tiny_processor_ids()["unk_token_id"]
     assert all(unk not in dataset[i]["input_ids"].tolist() for i in range(len(dataset)))
+
+
+def test_text_only_share_of_the_shapes_data(tmp_path, tiny_processor, h):
+    from mmfsdp.data import build_dataset
+
+    meta = make_shapes_dataset(tmp_path / "s", num_train=40, num_eval=6, image_size=32, seed=7, text_only_share=0.3)
+    assert meta["text_only_share"] == 0.3 and meta["num_text_only_train"] == 12 and meta["chance"] == 1 / 12
+    rows = [json.loads(line) for line in (tmp_path / "s" / "train.jsonl").read_text().splitlines()]
+    text_rows = [r for r in rows if not r["images"]]
+    assert len(rows) == 40 and len(text_rows) == 12
+    for r in text_rows:  # the text task: a fixed object -> colour lookup, worded unlike the image question
+        question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
+        assert "<image>" not in question and question != PROMPT
+        assert TEXT_ONLY_OBJECTS[question.removeprefix("What colour is ").removesuffix("?")] == answer
+    assert all(r["messages"][0]["content"] == PROMPT for r in rows if r["images"])
+    eval_rows = (tmp_path / "s" / "eval.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["images"] for line in eval_rows)  # eval: the image task only
+    basic = {"dataset": str(tmp_path / "s" / "train.jsonl"), "dataset_dir": str(tmp_path / "s")}
+    dataset = build_dataset(h.data_config(tiny_processor.name_or_path, tmp_path, basic=basic), tiny_processor)
+    unk = tiny_processor_ids()["unk_token_id"]
+    assert len(dataset) == 40 and all(unk not in dataset[i]["input_ids"].tolist() for i in range(len(dataset)))
+    # Share 0 writes exactly the image-only data of before; a directory generated with another share is never reused.
+    make_shapes_dataset(tmp_path / "zero", num_train=24, num_eval=6, image_size=32, seed=7, text_only_share=0.0)
+    make_shapes_dataset(tmp_path / "plain", num_train=24, num_eval=6, image_size=32, seed=7)
+    assert (tmp_path / "zero" / "train.jsonl").read_bytes() == (tmp_path / "plain" / "train.jsonl").read_bytes()
+    with pytest.raises(DataError, match=r"other settings \(text_only_share: 0\.3 there, 0\.0 asked\); delete"):
+        make_shapes_dataset(tmp_path / "s", num_train=40, num_eval=6, image_size=32, seed=7)
+    legacy = json.loads((tmp_path / "plain" / "meta.json").read_text())
+    del legacy["text_only_share"]  # meta.json written before the setting existed: its data had no text-only rows
+    (tmp_path / "plain" / "meta.json").write_text(json.dumps(legacy))
+    assert make_shapes_dataset(tmp_path / "plain", num_train=24, num_eval=6, image_size=32, seed=7)["num_train"] == 24
+    with pytest.raises(DataError, match="text_only_share: 0.0 there, 0.5 asked"):
+        make_shapes_dataset(tmp_path / "plain", num_train=24, num_eval=6, image_size=32, seed=7, text_only_share=0.5)
+    with pytest.raises(ValueError, match=r"text_only_share must be in \[0, 1\)"):
+        make_shapes_dataset(tmp_path / "bad", num_train=4, num_eval=1, image_size=32, seed=7, text_only_share=1.0)
+
+
+def test_varlen_text_only_share_is_exact_and_deterministic(tmp_path):
+    make_varlen_dataset(tmp_path / "m", num_train=30, num_eval=5, seed=3, min_images=1, text_only_share=0.4)
+    rows = [json.loads(line) for line in (tmp_path / "m" / "train.jsonl").read_text().splitlines()]
+    assert sum(not r["images"] for r in rows) == 12  # exactly 40 %: min_images=1 holds for the others
+    assert all(not any("<image>" in m["content"] for m in r["messages"]) for r in rows if not r["images"])
+    assert sum(not json.loads(line)["images"] for line in (tmp_path / "m" / "eval.jsonl").read_text().splitlines()) == 2
+    make_varlen_dataset(tmp_path / "n", num_train=30, num_eval=5, seed=3, min_images=1, text_only_share=0.4)
+    assert (tmp_path / "m" / "train.jsonl").read_bytes() == (tmp_path / "n" / "train.jsonl").read_bytes()
+
+
+def test_a_tiny_processor_from_before_the_text_words_is_an_error_not_reused(tmp_path):
+    write_tiny_processor(tmp_path / "tiny", image_size=32, patch_size=4, spatial_merge_size=2)
+    raw = json.loads((tmp_path / "tiny" / "tokenizer.json").read_text())
+    del raw["model"]["vocab"]["banana"]
+    (tmp_path / "tiny" / "tokenizer.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"tokenizer\.json lacks the words \['banana'\]"):
+        write_tiny_processor(tmp_path / "tiny", image_size=32, patch_size=4, spatial_merge_size=2)

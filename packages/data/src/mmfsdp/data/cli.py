@@ -2,7 +2,8 @@
 
     mm-data inspect CONFIG.yaml [data.key.path=value ...] --index N [--split eval] [--json]
 
-Reads the whole YAML but uses only its `data:` section; dotted overrides apply first.
+Reads the whole YAML but uses only its `data:` section; dotted overrides apply first
+and may stand before or after the options.
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ __all__ = ["main"]
 TRAIN_OPEN, TRAIN_CLOSE = "⟦", "⟧"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mm-data", description="Inspect mmfsdp training data.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `mm-data` parser and its `inspect` subparser (parsed on its own, so overrides may follow options)."""
+    parser = argparse.ArgumentParser(
+        prog="mm-data",
+        description="Inspect mmfsdp training data. `mm-data COMMAND -h` explains a command's arguments.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     inspect = sub.add_parser(
         "inspect",
         help="show one preprocessed sample",
         description=(
             "Show one sample exactly as the model will see it: the decoded text with the trained "
             f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image block shown as its grid, the token "
-            "count and each image's grid and processed size. Builds (or reuses) the tokenized cache."
+            "count and each image's grid and processed size. Builds (or reuses) the tokenized cache. "
+            "Overrides may come before or after the options."
         ),
     )
     inspect.add_argument("config", help="training YAML file; only its data: section is used")
@@ -37,7 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--index", type=int, default=0, help="sample index after bad rows are removed (default 0); negative counts from the end")
     inspect.add_argument("--split", choices=("train", "eval"), default="train", help="which dataset: train = basic_parameters.dataset, eval = basic_parameters.eval_dataset (default train)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object with input_ids, labels, image_sizes (and grids, source file and row) instead of text")
-    return parser
+    return parser, inspect
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse `argv`; `inspect`'s arguments are parsed intermixed, so `CONFIG --index 0 KEY=VALUE` keeps the override.
+
+    (argparse's intermixed parsing does not support subparsers, so the subcommand's own parser takes its arguments.)
+    """
+    parser, inspect = _parsers()
+    if argv and argv[0] == "inspect":
+        args = inspect.parse_intermixed_args(argv[1:])
+        args.command = "inspect"
+        return args
+    return parser.parse_args(argv)
 
 
 def _render(ids: list[int], labels: list[int], processor: Any, plugin: Any, grids: list[tuple[int, ...]]) -> str:
@@ -125,7 +144,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(sys.argv[1:] if argv is None else argv)
     from mmfsdp.data.errors import DataError
 
     logger = get_logger()

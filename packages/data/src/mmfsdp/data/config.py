@@ -128,7 +128,7 @@ class BasicParametersConfig:
     dataset_dir: str = "./data"
     """Root directory that image paths (and relative dataset paths not found as given) are resolved against."""
     allow_paths_outside_dataset_dir: bool = False
-    """Accept relative image paths that leave `dataset_dir` (via `..` or symlinks, once resolved); false = such rows are bad (`image_outside_dataset_dir`). Absolute paths are always accepted and counted."""
+    """Accept relative image paths whose `..` components leave `dataset_dir`; false = such rows are bad (`image_outside_dataset_dir`). Symlinks inside `dataset_dir` are always followed; absolute paths are always accepted and counted."""
     dataset: str | None = None
     """Training data: a JSON/JSONL file, or a comma-separated list of them."""
     eval_dataset: str | None = None
@@ -181,6 +181,8 @@ class SyntheticConfig:
     """Side of the square PNG images in pixels."""
     seed: int = 0
     """Seed of the generator."""
+    text_only_share: float = 0.3
+    """Share of the training rows that have no image (a text question, "What colour is a banana?" -> "yellow"); the eval rows all have one, so the held-out accuracy stays the image task's. In [0, 1)."""
     patch_size: int = 8
     """Vision patch size of the tiny processor written when `model_name_or_path` does not exist yet."""
     spatial_merge_size: int = 2
@@ -190,6 +192,8 @@ class SyntheticConfig:
         for key in ("num_train", "num_eval", "image_size", "patch_size", "spatial_merge_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.text_only_share < 1.0:
+            raise ConfigError("text_only_share", f"must be in [0, 1), got {self.text_only_share}")
         if self.image_size < self.patch_size * self.spatial_merge_size:
             raise ConfigError("image_size", f"{self.image_size} is smaller than patch_size × spatial_merge_size")
 

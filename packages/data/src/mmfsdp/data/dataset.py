@@ -44,7 +44,8 @@ from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_di
 
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
-from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, format_counts
+from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, all_rows_bad_message, format_counts, top_reason
+from mmfsdp.data.paths import media_path
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
@@ -62,7 +63,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_PREPROCESS_VERSION = 2
+_PREPROCESS_VERSION = 3
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
@@ -134,8 +135,10 @@ def _prepare_synthetic(data_cfg: DataConfig) -> None:
 
     syn = data_cfg.dataset_param.synthetic
     dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
-    if not (dataset_dir / "meta.json").is_file():
-        make_shapes_dataset(dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed)
+    make_shapes_dataset(  # generates when missing; data generated with other settings is an error, never reused
+        dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed,
+        text_only_share=syn.text_only_share,
+    )
     model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
     if model_dir and not Path(model_dir).expanduser().exists():
         write_tiny_processor(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
@@ -318,21 +321,8 @@ class SampleEncoder:
         self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
 
     def image_path(self, path: str) -> str:
-        """Where image `path` of a row is read from; a relative path must stay inside `dataset_dir` once resolved.
-
-        The check resolves `..` and symlinks without opening anything, so a refused file is never read.
-        """
-        p = Path(path).expanduser()
-        if p.is_absolute():
-            return str(p)
-        joined = self.dataset_dir / p
-        if not self.allow_outside and not joined.resolve().is_relative_to(self.dataset_dir):
-            raise BadSample(
-                "image_outside_dataset_dir",
-                f"{path} resolves to {joined.resolve()}, outside dataset_dir {self.dataset_dir}; "
-                "set basic_parameters.allow_paths_outside_dataset_dir: true to accept it",
-            )
-        return str(joined)
+        """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""
+        return media_path(path, self.dataset_dir, allow_outside=self.allow_outside)
 
     def encode_row(self, row: Any) -> dict[str, Any]:
         """Tokenize one row (a parsed JSON value); raises `BadSample`."""
@@ -533,6 +523,16 @@ class SFTDataset(torch.utils.data.Dataset):
         return item
 
 
+def _first_bad_row(files: list[Path], tables: list[Any], reason: str | None) -> tuple[str, int, str] | None:
+    """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
+    for path, table in zip(files, tables):
+        reasons = _column(table, "bad_reason")
+        if reason in reasons:
+            row = reasons.index(reason)
+            return str(path), row, table[row]["bad_detail"]
+    return None
+
+
 def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "train") -> SFTDataset:
     """The tokenized, filtered dataset of `split`; images are decoded only when an item is read."""
     _check_split(split)
@@ -550,10 +550,9 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     dataset = SFTDataset(tables, files, encoder, strict=strict)
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
-        raise DataError(
-            f"every one of the {dataset.num_rows} rows of {names} is bad ({format_counts(dataset.bad_row_counts) or 'no rows'}); "
-            f"nothing to train on. Check basic_parameters.dataset_dir (images are resolved against it) and dataset_param.attr (column and role names)"
-        )
+        counts = dataset.bad_row_counts
+        example = _first_bad_row(files, tables, top_reason(counts))
+        raise DataError(all_rows_bad_message(dataset.num_rows, names, counts, example))
     skipped = dataset.num_rows - len(dataset)
     log.info(
         "data: %s: %d samples from %s (%d rows%s%s), %d tokens, longest %d",

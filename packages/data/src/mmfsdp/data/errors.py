@@ -9,7 +9,9 @@ the row index and the reason. `DataError` is also raised when no usable row is l
 
 from __future__ import annotations
 
-__all__ = ["BAD_REASONS", "BadSample", "DataError", "format_counts"]
+__all__ = [
+    "BAD_REASONS", "BAD_REASON_ADVICE", "BadSample", "DataError", "all_rows_bad_message", "format_counts", "top_reason",
+]
 
 BAD_REASONS = (
     "not_utf8",
@@ -29,6 +31,38 @@ BAD_REASONS = (
 )
 """Every reason a row can be skipped for, in the order they are checked."""
 
+BAD_REASON_ADVICE = {
+    "not_utf8": "re-save the file as UTF-8",
+    "nested_too_deep": "the rows are not conversations; check basic_parameters.dataset names the right file",
+    "number_too_long": "the rows are not conversations; check basic_parameters.dataset names the right file",
+    "lone_surrogate": "the file holds broken \\ud800-\\udfff escapes; re-export it from its source",
+    "empty_conversation": (
+        "check dataset_param.attr.messages (the column holding the messages, `conversations` for sharegpt files) "
+        "and attr.content_tag"
+    ),
+    "bad_content": (
+        "check dataset_param.attr (messages, images, content_tag) against the file's column names "
+        "and that the file is JSON/JSONL"
+    ),
+    "wrong_role_order": (
+        "check dataset_param.attr.role_tag, user_tag, assistant_tag and system_tag (sharegpt: from, human, gpt, system)"
+    ),
+    "no_assistant_turn": "check dataset_param.attr.assistant_tag (sharegpt files use gpt) and attr.role_tag",
+    "image_count_mismatch": (
+        "check dataset_param.attr.images (the column holding the image paths) "
+        "and that each image has one <image> placeholder"
+    ),
+    "image_in_wrong_turn": "move <image> placeholders into user turns (or check attr.user_tag / assistant_tag)",
+    "image_outside_dataset_dir": (
+        "write image paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
+        "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
+    ),
+    "missing_image": "check basic_parameters.dataset_dir: relative image paths are resolved against it",
+    "corrupt_image": "check the image files (and clear cache_dir if they changed after the cache was built)",
+    "too_long": "raise preprocess_parameters.cutoff_len or lower image_max_pixels",
+}
+"""What to check or change for each bad-row reason: the all-bad error names the advice of the most common reason."""
+
 
 class DataError(RuntimeError):
     """The data cannot be used as configured (a bad row in strict mode, or no usable rows at all)."""
@@ -42,6 +76,30 @@ class BadSample(Exception):
         self.reason = reason
         self.detail = detail
         super().__init__(f"{reason}: {detail}")
+
+
+def top_reason(counts: dict[str, int]) -> str | None:
+    """The most common reason of `counts` (the first in `BAD_REASONS` order on a tie); None when there is none."""
+    return max(BAD_REASONS, key=lambda reason: counts.get(reason, 0)) if any(counts.values()) else None
+
+
+def all_rows_bad_message(
+    num_rows: int, names: str, counts: dict[str, int], example: tuple[str, int, str] | None
+) -> str:
+    """The one-line error for a split with no usable row: counts, the top reason, one example row and its fix.
+
+    `example` is (file, row, detail) of a row skipped for the most common reason.
+    """
+    counted = format_counts(counts) or "no rows"
+    message = f"every one of the {num_rows} rows of {names} is bad ({counted}); nothing to train on"
+    if not counts:
+        return f"{message}. Check basic_parameters.dataset names a file with rows"
+    top = top_reason(counts)
+    message += f". Top reason: {top} ({counts[top]} of {num_rows} rows)"
+    if example is not None:
+        source, row, detail = example
+        message += f", e.g. {source} row {row}: {detail}"
+    return f"{message}. Fix: {BAD_REASON_ADVICE[top]}"
 
 
 def format_counts(counts: dict[str, int]) -> str:

@@ -43,7 +43,7 @@ from mmfsdp.config import get_logger, warn_once
 
 from mmfsdp.data.collators import get_collator
 from mmfsdp.data.config import DataConfig
-from mmfsdp.data.errors import BAD_REASONS, DataError, format_counts
+from mmfsdp.data.errors import BAD_REASON_ADVICE, BAD_REASONS, DataError, format_counts, top_reason
 
 __all__ = ["StatefulDataLoader", "build_dataloader", "pack_rows", "plan_epoch"]
 
@@ -249,7 +249,11 @@ class StatefulDataLoader:
     def _end_epoch(self) -> None:
         counts = self.bad_row_counts
         if self._yielded_in_epoch == 0:
-            raise DataError(f"epoch {self.epoch} produced no batch: every sample was bad ({format_counts(counts)})")
+            top = top_reason(counts)
+            advice = f". Fix: {BAD_REASON_ADVICE[top]}" if top else ""
+            raise DataError(
+                f"epoch {self.epoch} produced no batch: every sample was bad ({format_counts(counts)}){advice}"
+            )
         log.info(
             "data: epoch %d done: %d batches%s",
             self.epoch,

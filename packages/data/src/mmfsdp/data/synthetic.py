@@ -5,6 +5,12 @@
 grey background, so a model must really look at the pixels to answer
 "What shape and colour is this?" with e.g. "a red circle" (chance: 1/12).
 
+With `text_only_share` > 0, that share of the *training* rows has no image and asks a
+text question instead ("What colour is a banana?" -> "yellow": a fixed object -> colour
+lookup, learnable from text alone and worded unlike the image question, so it never makes
+the image question ambiguous). The evaluation split stays image-only, so the held-out
+accuracy and its chance keep their meaning.
+
 `make_varlen_dataset` writes a test set of the same images and words whose rows vary:
 0-2 images of several sizes, 1-3 turns, answers of 1-15 words. Parity tests use it,
 because equal-length samples hide what padding and packing do to a batch.
@@ -31,17 +37,25 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 __all__ = [
-    "COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "VARLEN_IMAGE_SIZES", "make_shapes_dataset", "make_varlen_dataset",
-    "tiny_processor_ids", "write_tiny_processor",
+    "COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "TEXT_ONLY_OBJECTS", "VARLEN_IMAGE_SIZES", "make_shapes_dataset",
+    "make_varlen_dataset", "tiny_processor_ids", "write_tiny_processor",
 ]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
 SHAPES = ("circle", "square", "triangle")
 PROMPT = "<image>What shape and colour is this?"
+TEXT_ONLY_OBJECTS = {
+    "a banana": "yellow", "a lemon": "yellow", "a tomato": "red", "a cherry": "red",
+    "a leaf": "green", "a frog": "green", "the sky": "blue", "the sea": "blue",
+}
+"""The text-only task: "What colour is {object}?" -> its colour."""
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")
 """Control tokens of the tiny tokenizer, with ids 0, 1, ... in this order."""
-_WORDS = ("a", *COLOURS, *SHAPES, "What", "shape", "and", "colour", "is", "this", "?")
+_WORDS = (
+    "a", *COLOURS, *SHAPES, "What", "shape", "and", "colour", "is", "this", "?",
+    "the", *dict.fromkeys(obj.split()[1] for obj in TEXT_ONLY_OBJECTS),
+)
 
 
 def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
@@ -58,6 +72,37 @@ def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _existing_meta(out_dir: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The meta of data already generated in `out_dir`, or None; an error if it was generated with other settings.
+
+    Generated data is reused only when every generator setting matches (a missing `text_only_share`
+    means 0, as data from before that setting had none), so a changed setting is never silently ignored.
+    """
+    path = out_dir / "meta.json"
+    if not path.is_file():
+        return None
+    existing = json.loads(path.read_text())
+    differs = {k: (existing.get(k, 0.0 if k == "text_only_share" else None), v) for k, v in meta.items()}
+    differs = {k: pair for k, pair in differs.items() if pair[0] != pair[1]}
+    if differs:
+        from mmfsdp.data.errors import DataError
+
+        settings = ", ".join(f"{k}: {old!r} there, {new!r} asked" for k, (old, new) in differs.items())
+        raise DataError(
+            f"{out_dir} holds synthetic data generated with other settings ({settings}); delete the directory "
+            "to regenerate it, or point basic_parameters.dataset_dir elsewhere"
+        )
+    return existing
+
+
+def _text_only_rows(count: int, share: float, seed: int) -> set[int]:
+    """The row indices (of `count`) that are text-only: exactly round(share × count) of them, chosen from `seed`."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"text_only_share must be in [0, 1), got {share}")
+    rng = np.random.default_rng([seed, 1])  # a stream of its own: share 0 leaves the image rows as they were
+    return set(rng.permutation(count)[: round(share * count)].tolist())
 
 
 def _draw(rng: np.random.Generator, colour: str, shape: str, width: int, height: int) -> Image.Image:
@@ -86,10 +131,15 @@ def _draw(rng: np.random.Generator, colour: str, shape: str, width: int, height:
     return image
 
 
-def make_shapes_dataset(out_dir: str | Path, *, num_train: int, num_eval: int, image_size: int, seed: int) -> dict[str, Any]:
+def make_shapes_dataset(
+    out_dir: str | Path, *, num_train: int, num_eval: int, image_size: int, seed: int, text_only_share: float = 0.0,
+) -> dict[str, Any]:
     """Write `images/*.png`, `train.jsonl`, `eval.jsonl` (mllm format) and `meta.json` into `out_dir`; returns the meta.
 
-    Deterministic in its arguments. If `out_dir/meta.json` already exists nothing is written.
+    `text_only_share` of the `num_train` training rows (rounded) are text-only questions
+    (`TEXT_ONLY_OBJECTS`); the `num_eval` rows all have an image. Deterministic in its
+    arguments. If `out_dir/meta.json` already exists nothing is written; it must record the
+    same arguments (`DataError` otherwise).
     """
     out_dir = Path(out_dir)
     classes = [(c, s) for c in COLOURS for s in SHAPES]
@@ -103,23 +153,34 @@ def make_shapes_dataset(out_dir: str | Path, *, num_train: int, num_eval: int, i
         "num_eval": num_eval,
         "image_size": image_size,
         "seed": seed,
+        "text_only_share": text_only_share,
     }
-    if (out_dir / "meta.json").is_file():
-        return json.loads((out_dir / "meta.json").read_text())
+    text_only = _text_only_rows(num_train, text_only_share, seed)
+    existing = _existing_meta(out_dir, meta)
+    if existing is not None:
+        return existing
+    meta["num_text_only_train"] = len(text_only)
 
     def write(tmp: Path) -> None:
         (tmp / "images").mkdir()
         rng = np.random.default_rng(seed)
-        for split, count in (("train", num_train), ("eval", num_eval)):
-            labels = rng.permutation(np.arange(count) % len(classes))
+        text_rng = np.random.default_rng([seed, 2])
+        objects = list(TEXT_ONLY_OBJECTS)
+        for split, count, text_rows in (("train", num_train, text_only), ("eval", num_eval, set())):
+            labels = iter(rng.permutation(np.arange(count - len(text_rows)) % len(classes)).tolist())
             with open(tmp / f"{split}.jsonl", "w") as f:
-                for i, label in enumerate(labels.tolist()):
-                    colour, shape = classes[label]
-                    name = f"images/{split}_{i:06d}.png"
-                    _draw(rng, colour, shape, image_size, image_size).save(tmp / name)
+                for i in range(count):
+                    if i in text_rows:
+                        obj = objects[int(text_rng.integers(len(objects)))]
+                        question, answer, images = f"What colour is {obj}?", TEXT_ONLY_OBJECTS[obj], []
+                    else:
+                        colour, shape = classes[next(labels)]
+                        name = f"images/{split}_{i:06d}.png"
+                        _draw(rng, colour, shape, image_size, image_size).save(tmp / name)
+                        question, answer, images = PROMPT, f"a {colour} {shape}", [name]
                     row = {
-                        "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": f"a {colour} {shape}"}],
-                        "images": [name],
+                        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                        "images": images,
                     }
                     f.write(json.dumps(row) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -146,6 +207,7 @@ def make_varlen_dataset(
     max_images: int = 2,
     max_turns: int = 3,
     max_answer_words: int = 15,
+    text_only_share: float = 0.0,
 ) -> dict[str, Any]:
     """A variable-length test set in mllm format (`images/*.png`, `train.jsonl`, `eval.jsonl`, `meta.json`); returns meta.
 
@@ -153,10 +215,12 @@ def make_varlen_dataset(
     1 .. `max_turns` user/assistant turns (each image placeholder in a random user
     turn) and answers of 1 .. `max_answer_words` words, all from the tiny
     tokenizer's vocabulary — so samples differ in length, image count and image
-    size, as real data does, while the shapes dataset's are all alike. (`min_images: 1`
-    is for data-parallel runs: a micro-batch without any image skips the FSDP-wrapped
-    vision tower on its rank only, and FSDP2's all-gathers then mismatch.) Deterministic
-    in its arguments; if `out_dir/meta.json` exists nothing is written.
+    size, as real data does, while the shapes dataset's are all alike. Exactly
+    round(`text_only_share` × rows) rows of each split have no image whatever
+    `min_images` says (more may, when `min_images` is 0): text-only rows are supported in
+    every layout (docs/data.md), and tests use the share to get mixed micro-batches
+    deterministically. Deterministic in its arguments; if `out_dir/meta.json` exists
+    nothing is written (it must record the same arguments, `DataError` otherwise).
     """
     out_dir = Path(out_dir)
     meta = {
@@ -169,14 +233,21 @@ def make_varlen_dataset(
         "max_images": max_images,
         "max_turns": max_turns,
         "max_answer_words": max_answer_words,
+        "text_only_share": text_only_share,
     }
-    if (out_dir / "meta.json").is_file():
-        return json.loads((out_dir / "meta.json").read_text())
+    text_only = {
+        "train": _text_only_rows(num_train, text_only_share, seed),
+        "eval": _text_only_rows(num_eval, text_only_share, seed + 1),
+    }
+    existing = _existing_meta(out_dir, meta)
+    if existing is not None:
+        return existing
     answer_words = ("a", "and", *COLOURS, *SHAPES)
 
-    def row(rng: np.random.Generator, tmp: Path, name: str) -> dict[str, Any]:
+    def row(rng: np.random.Generator, tmp: Path, name: str, text_only: bool) -> dict[str, Any]:
         num_turns = int(rng.integers(1, max_turns + 1))
-        image_turns = sorted(rng.integers(0, num_turns, int(rng.integers(min_images, max_images + 1))).tolist())
+        num_images = int(rng.integers(min_images, max_images + 1))
+        image_turns = sorted(rng.integers(0, num_turns, 0 if text_only else num_images).tolist())
         images = []
         for i, _ in enumerate(image_turns):
             width, height = image_sizes[int(rng.integers(len(image_sizes)))]
@@ -197,7 +268,7 @@ def make_varlen_dataset(
         for split, count in (("train", num_train), ("eval", num_eval)):
             with open(tmp / f"{split}.jsonl", "w") as f:
                 for i in range(count):
-                    f.write(json.dumps(row(rng, tmp, f"{split}_{i:06d}")) + "\n")
+                    f.write(json.dumps(row(rng, tmp, f"{split}_{i:06d}", i in text_only[split])) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
     _publish(out_dir, write)
@@ -225,6 +296,14 @@ def write_tiny_processor(out_dir: str | Path, *, image_size: int, patch_size: in
 
     out_dir = Path(out_dir)
     if out_dir.is_dir() and (out_dir / "tokenizer.json").is_file():
+        vocab = json.loads((out_dir / "tokenizer.json").read_text()).get("model", {}).get("vocab", {})
+        if missing := [w for w in _WORDS if w not in vocab]:
+            from mmfsdp.data.errors import DataError
+
+            raise DataError(
+                f"{out_dir}/tokenizer.json lacks the words {missing} of the synthetic data (written by an older "
+                "version); delete the directory to regenerate it"
+            )
         return tiny_processor_ids()
 
     def write(tmp: Path) -> None:
