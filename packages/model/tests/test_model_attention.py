@@ -192,7 +192,10 @@ def test_packed_rows_do_not_attend_across_samples(tiny_config, fake_npu, backend
             alone = reference(input_ids=samples[index][None]).logits[0]
             assert rel_diff(packed[row, offset : offset + len(samples[index])], alone) <= TOL, (backend, index)
     if backend == "mmfsdp_npu_fusion":
-        assert set(fake_npu.layouts) == {"TND"}
+        # the text-only batch runs the vision placeholder (one whole image) first, then the packed decoder
+        num_decoder = tiny_config.text_config.num_hidden_layers
+        assert set(fake_npu.layouts[-num_decoder:]) == {"TND"}
+        assert len(fake_npu.layouts) == num_decoder + tiny_config.vision_config.num_hidden_layers
 
 
 def test_npu_backend_matches_sdpa_without_packing(tiny_config, fake_npu):
