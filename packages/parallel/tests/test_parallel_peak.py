@@ -31,6 +31,10 @@ def test_parallel_peak_unknown_device_has_no_table_entry():
     assert device_name(torch.device("cpu")) == "cpu"
 
 
-def test_parallel_peak_cpu_gemm_is_measured():
+def test_parallel_peak_cpu_gemm_is_measured_without_touching_the_global_rng():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
     tflops = measure_gemm_tflops(torch.device("cpu"), torch.float32, size=128, seconds=0.02)
     assert 0 < tflops < 100
+    assert torch.equal(torch.rand(4), expected)

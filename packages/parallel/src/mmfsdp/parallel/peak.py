@@ -60,8 +60,10 @@ def table_peak_tflops(name: str, dtype: torch.dtype) -> float | None:
 def measure_gemm_tflops(device: torch.device, dtype: torch.dtype, *, size: int = 512, seconds: float = 0.2) -> float:
     """TFLOP/s of `size`² × `size`² matmuls in `dtype` on `device`, run back to back for about `seconds` after one
     warm-up."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # a generator of its own: the run's RNG streams (restored on resume) are left as they are
+    generator = torch.Generator().manual_seed(0)
+    a = torch.rand(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.rand(size, size, generator=generator).to(device=device, dtype=dtype)
     torch.mm(a, b)
     done = 0
     started = time.perf_counter()
