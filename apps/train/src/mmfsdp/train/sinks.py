@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from mmfsdp.ckpt.layout import write_file_atomic
 from mmfsdp.config import dump_yaml, get_logger
 
 log = get_logger("mmfsdp.train")
@@ -60,6 +61,7 @@ class WandbSink:
     def __init__(self, run_dir: Path, *, start_step: int, project: str, name: str, config: dict[str, Any]):
         os.environ.setdefault("WANDB_SILENT", "true")
         os.environ.setdefault("WANDB_DISABLE_GIT", "true")
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports sent anywhere
         if not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
         import wandb
@@ -74,7 +76,7 @@ class WandbSink:
             settings=settings, reinit="create_new",
         )
         if not resume:
-            id_file.write_text(run_id + "\n")
+            write_file_atomic(id_file, f"{run_id}\n".encode())
         mode = os.environ.get("WANDB_MODE", "online")
         log.info(f"metrics: W&B run {run_id} ({'resumed' if resume else 'new'}, {mode}) under {run_dir}")
 
