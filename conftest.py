@@ -26,6 +26,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_faults.py": 112,
     "tests/test_e2e_qwen3vl_30b_recipe.py": 105,  # serial, 2026-12-05 (two script runs of ~35 s, --check ~12 s)
     "tests/test_e2e_magistral_smoke.py": 93,
+    "tests/test_e2e_metrics_sinks.py": 71,  # serial, 2026-12-05 (two app runs on a busy machine)
     "tests/test_e2e_errors.py": 70,
     "tests/test_e2e_lora_resume.py": 69,
     "tests/test_e2e_qwen3vl_resume.py": 68,

@@ -13,6 +13,9 @@ family. Per family:
 - the state-dict adapter round trip HF -> ours -> HF is bitwise;
 - FSDP2 on 2 processes equals 1 process with 2 micro-batches (loss and grad norm of 2 AdamW steps, rel <= 1e-5),
   one micro-batch with images and one text-only, so the ranks hold different media;
+- the FLOP count of its entry (`flop_shape`, `image_patches`; MFU) equals the matmul FLOPs torch's FlopCounterMode
+  measures in its forward on the padded batch with images, within 1 % (attention and the patch convolution
+  aside; the family's glue, e.g. a class token or the weighting of the experts' outputs, is within that);
 - context parallel (Ulysses, Ring) is refused by the pre-start check unless the family declares it, and passes
   the capability check where it does; the data pieces of other families are refused.
 """
@@ -219,3 +222,38 @@ def test_contract_data_pieces_are_the_familys_own(family):
     if not entry.capabilities.packing:
         (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=True)
         assert error.key == "data.dataset_param.basic_parameters.packing"
+
+
+_MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm")
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """`_grouped_mm` of `[T, K]` tokens by `[G, K, N]` weights (tokens in groups by `offs`): 2·T·K·N."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def test_contract_flop_count_equals_the_measured_matmuls(family):
+    import dataclasses
+
+    from torch.utils import flop_counter
+
+    from mmfsdp.model.flops import tower_forward
+
+    entry, config, ours, _ = family
+    if torch.ops.aten._grouped_mm not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+    batch = entry.test_batch(config, images=True)
+    with flop_counter.FlopCounterMode(display=False) as counter, torch.no_grad():
+        ours(**model_inputs(batch))
+    measured = sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in _MATMULS)
+    shape = entry.flop_shape(config)
+    rows, seq_len = batch["input_ids"].shape
+    # the model computes every padded position; attention and the convolution are left out of both sides
+    counted = tower_forward(dataclasses.replace(shape.decoder, attention_dim=0), [seq_len] * rows)
+    patches = entry.image_patches(config, batch)
+    assert patches, "the test batch has images"
+    if entry.vision_modules:
+        assert shape.vision is not None, "a family with a vision tower describes it (vision_flops)"
+        counted = counted + tower_forward(dataclasses.replace(shape.vision, attention_dim=0, params_outside=0), patches)
+    total = counted.layers + counted.other
+    assert abs(total - measured) <= 0.01 * measured, (entry.model_id, total, measured)

@@ -198,6 +198,17 @@ ALIASES = [
     ("tools.profile.static_param.with_stack", True, "tools.profile.with_stack", True),
     ("tools.profile.static_param.with_cpu", False, "tools.profile.with_cpu", False),
     ("tools.profile.static_param.save_path", "prof", "tools.profile.output_dir", "prof"),
+    ("report_to", "wandb", "tools.report_to", ["wandb"]),
+    ("logging_dir", "tb", "tools.tensorboard_dir", "tb"),
+    ("run_name", "sft", "tools.run_name", "sft"),
+    ("training.report_to", ["tensorboard"], "tools.report_to", ["tensorboard"]),
+    ("training.logging_dir", "tb", "tools.tensorboard_dir", "tb"),
+    ("training.run_name", "sft", "tools.run_name", "sft"),
+    ("training.tensorboard_dir", "tb", "tools.tensorboard_dir", "tb"),
+    ("training.wandb_project", "proj", "tools.wandb_project", "proj"),
+    ("training.wandb_exp_name", "exp", "tools.run_name", "exp"),
+    ("training.wandb_save_dir", "wb", "tools.wandb_dir", "wb"),
+    ("tools.logging_dir", "tb", "tools.tensorboard_dir", "tb"),
 ]
 VALUE_ALIASES = [
     ("features.loss_cfg.loss_type", "per_sample_loss", "per_sample"),

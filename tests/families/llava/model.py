@@ -17,6 +17,7 @@ from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForCon
 
 from families.llava.adapter import LlavaAdapter
 from mmfsdp.model import Capabilities, DataNames, HFFamilyEntry, TrainingForwardMixin, register_model
+from mmfsdp.model.flops import TowerFlops
 
 __all__ = ["LlavaEntry", "LlavaForConditionalGenerationFSDP"]
 
@@ -62,6 +63,25 @@ class LlavaEntry(HFFamilyEntry):
         embeddings = model.get_submodule("model.vision_tower.embeddings")
         positions = torch.arange(embeddings.num_positions, device=embeddings.position_ids.device)
         embeddings.position_ids.copy_(positions.expand(1, -1))
+
+    def vision_flops(self, config: LlavaConfig) -> TowerFlops:
+        """CLIP layers (q, k, v, o; fc1, fc2), the patch convolution, and per image token the projector (`linear_1`,
+        `linear_2`). The class token is one more position of the tower; its projector row is counted too."""
+        vision, text = config.vision_config, config.text_config
+        hidden, layers = vision.hidden_size, vision.num_hidden_layers
+        return TowerFlops(
+            num_layers=layers, params_per_token=layers * (4 * hidden * hidden + 2 * hidden * vision.intermediate_size),
+            attention_dim=hidden, causal=False, params_outside=vision.num_channels * vision.patch_size**2 * hidden,
+            params_per_merged_token=hidden * text.hidden_size + text.hidden_size**2,
+        )
+
+    def image_patches(self, config: LlavaConfig, batch: dict[str, Any]) -> list[int]:
+        """Every image is CLIP's fixed size: its patches and the class token."""
+        pixels = batch.get("pixel_values")
+        if pixels is None:
+            return []
+        vision = config.vision_config
+        return [(vision.image_size // vision.patch_size) ** 2 + 1] * pixels.shape[0]
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> LlavaConfig:
         """A LLaVA config of ~0.2M parameters (fp32, untied lm_head): CLIP hidden 32, 2 layers, 16x16 images of

@@ -12,6 +12,7 @@ mistake is one line naming the key, never a traceback from rank 3.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,14 @@ class TrainingConfig:
         "plugin": Ignored("model and dataset code comes from mmfsdp's registered packages, not from paths"),
         "quantization_plan": Ignored("low-precision (MXFP8) training is not implemented; the run computes in the configured dtypes"),
         "no_save_rng": Ignored("RNG states are always saved (a few KB); no_load_rng decides whether a resume restores them"),
+        # HF TrainingArguments' names (LLaMA-Factory) and Megatron's (MindSpeed's) for the metrics sinks
+        "report_to": Alias("tools.report_to"),
+        "logging_dir": Alias("tools.tensorboard_dir"),
+        "run_name": Alias("tools.run_name"),
+        "tensorboard_dir": Alias("tools.tensorboard_dir"),
+        "wandb_project": Alias("tools.wandb_project"),
+        "wandb_exp_name": Alias("tools.run_name"),
+        "wandb_save_dir": Alias("tools.wandb_dir"),
     }
 
     def __post_init__(self) -> None:
@@ -190,12 +199,53 @@ class MemoryProfileConfig:
             raise ConfigError("max_entries", f"must be >= 1 or null, got {self.max_entries}")
 
 
+REPORT_SINKS = ("tensorboard", "wandb")
+"""The metrics sinks `tools.report_to` can name (`mmfsdp.train.sinks`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ToolsConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler settings."""
     memory_profile: MemoryProfileConfig = field(default_factory=MemoryProfileConfig)
     """Device memory snapshot settings."""
+    report_to: list[str] | str = field(default_factory=list)
+    """Where rank 0 also sends every scalar of metrics.jsonl and the resolved config: `tensorboard`, `wandb`, a list
+    of them, `all` or `none` (LLaMA-Factory's values); needs the `mmfsdp-train[metrics]` extra."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (default `<output_dir>/tensorboard`); a resumed run hides the steps logged after its
+    checkpoint (purge_step)."""
+    wandb_dir: str | None = None
+    """W&B run files (default `<output_dir>/wandb`); it also holds the run id a resumed run continues. Offline
+    unless WANDB_API_KEY is set (or WANDB_MODE says otherwise)."""
+    wandb_project: str = "mmfsdp"
+    """W&B project name."""
+    run_name: str | None = None
+    """W&B run name (default: the name of `output_dir`)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; null: from the device table (H100/H200/A100/B200, Ascend 910B/950), or
+    on a CPU (or an unknown device) measured once by a GEMM at start."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "logging_dir": Alias("tools.tensorboard_dir"),
+    }
+
+    def __post_init__(self) -> None:
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        names = [part.strip() for name in names for part in name.split(",") if part.strip()]
+        resolved: list[str] = []
+        for name in names:
+            if name == "all":
+                resolved += REPORT_SINKS
+            elif name in REPORT_SINKS:
+                resolved.append(name)
+            elif name != "none":
+                raise ConfigError(
+                    "report_to", f"{name!r} is not a metrics sink here; use {', '.join(REPORT_SINKS)}, all or none"
+                )
+        self.report_to = sorted(set(resolved), key=REPORT_SINKS.index)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError("peak_tflops", f"must be > 0 or null, got {self.peak_tflops}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,7 +261,14 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Optimisation, schedule, checkpoints, logging."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    """Profiling, memory snapshots and other tools."""
+    """Profiling, memory snapshots, metrics sinks (TensorBoard, W&B) and the MFU peak."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        # a LLaMA-Factory file's top-level keys
+        "report_to": Alias("tools.report_to"),
+        "logging_dir": Alias("tools.tensorboard_dir"),
+        "run_name": Alias("tools.run_name"),
+    }
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -315,6 +372,13 @@ def check_sections(cfg: Config) -> None:
             f"{t.val_interval} needs evaluation data: set data.dataset_param.basic_parameters.eval_dataset "
             "(MindSpeed-MM: data.val_dataset_param), or set val_interval to 0",
         )
+    for sink, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if sink in cfg.tools.report_to and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                "tools.report_to",
+                f"{sink} needs the {module} package: install the extra, `pip install 'mmfsdp-train[metrics]'` "
+                "(a checkout: `uv sync`), or leave it out",
+            )
     if t.save_format == "hf" and not m.model_name_or_path:
         raise ConfigError(
             "training.save_format",

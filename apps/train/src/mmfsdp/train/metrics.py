@@ -1,4 +1,7 @@
-"""One human line per logged step on rank 0, and the same numbers as JSONL.
+"""One human line per logged step on rank 0, the same numbers as JSONL, and to the metrics sinks.
+
+Each record also goes to the sinks of `tools.report_to` (TensorBoard, W&B: `mmfsdp.train.sinks`), which
+continue a resumed run's series the same way.
 
 `<output_dir>/metrics.jsonl` holds each step once; `step` counts optimizer steps from 1.
 When the writer opens (rank 0, after the trainer knows where the run starts):
@@ -18,9 +21,11 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Sequence
 
 from mmfsdp.ckpt.layout import write_file_atomic
 from mmfsdp.config import current_rank, get_logger
+from mmfsdp.train.sinks import MetricsSink
 
 log = get_logger("mmfsdp.train")
 
@@ -67,11 +72,15 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0):
-        """`start_step`: the step the run is at when the timer starts (the resumed step, 0 for a fresh run)."""
+    def __init__(
+        self, output_dir: str | Path, total_steps: int, start_step: int = 0, sinks: Sequence[MetricsSink] = ()
+    ):
+        """`start_step`: the step the run is at when the timer starts (the resumed step, 0 for a fresh run);
+        `sinks`: where each record's scalars also go (`mmfsdp.train.sinks`, rank 0's)."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.total_steps = total_steps
         self.start_step = start_step
+        self.sinks = list(sinks)
         self._started = time.perf_counter()
         if current_rank() == 0:
             note = open_metrics_file(self.path, start_step)
@@ -86,8 +95,9 @@ class MetricsWriter:
         return (time.perf_counter() - self._started) / done * (self.total_steps - step)
 
     def log_step(self, record: dict) -> None:
-        """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb (and for a
-        MoE family aux_loss, expert_load_max, expert_load_mean; at a validation step val_loss)."""
+        """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb, tflops, mfu
+        (hfu with recompute; for a MoE family aux_loss, expert_load_max, expert_load_mean; at a validation step
+        val_loss)."""
         if current_rank() != 0:
             return
         step = record["step"]
@@ -100,8 +110,19 @@ class MetricsWriter:
             + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
             + f" | grad_norm {record['grad_norm']:.3f}"
             f" | lr {record['lr']:.3e} | {record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step"
-            f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"
+            + (f" | {record['tflops']:.3g} TFLOP/s | MFU {record['mfu']:.1%}" if "mfu" in record else "")
+            + (f" | HFU {record['hfu']:.1%}" if "hfu" in record else "")
+            + f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
+        scalars = {key: value for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
+        for sink in self.sinks:
+            sink.write(step, scalars)
+
+    def close(self) -> None:
+        """Flush and close the sinks (the end of the run)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -23,7 +23,9 @@ and with packing every packed sample, to `required_multiple(ring, ulysses)`.
 
 Around the steps: every `val_interval` steps the validation loss (`Evaluator.validation_loss`),
 a torch.profiler trace and a memory snapshot (`tools.memory_profile`, `MemorySnapshot`) of
-chosen steps on chosen ranks, and with `save_format: hf` an HF export of each checkpoint.
+chosen steps on chosen ranks, and with `save_format: hf` an HF export of each checkpoint. Each logged step's
+record (with the step's FLOPs, MFU and TFLOP/s from `FlopMeter`) goes to `metrics.jsonl` and to the sinks of
+`tools.report_to` (TensorBoard, W&B) through the `MetricsWriter`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from mmfsdp.model import (
     apply_lora, compute_loss_weights, expert_load_summary, freeze_modules, get_model_entry, init_lora_adapters,
     load_balancing_loss, load_lora_adapter, lora_metadata, model_inputs, shift_labels,
 )
+from mmfsdp.model.flops import ForwardFlops
 from mmfsdp.parallel import (
     build_parallel_dims,
     clip_grad_norm,
@@ -65,7 +68,9 @@ from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.evaluate import Evaluator, to_device
 from mmfsdp.train.metrics import MetricsWriter
+from mmfsdp.train.mfu import FlopMeter
 from mmfsdp.train.schedule import Scheduler
+from mmfsdp.train.sinks import build_sinks
 from mmfsdp.train.supervise import beat, pause
 from mmfsdp.train.start import plan_start
 
@@ -88,6 +93,8 @@ class StepResult:
     """The LM loss of the global batch (the router aux loss is not in it)."""
     grad_norm: float
     num_tokens: int
+    flops: ForwardFlops = ForwardFlops()
+    """Forward FLOPs of the step's global batch (`mmfsdp.model.flops`; MFU from it)."""
     aux_loss: float | None = None
     """MoE families: the router load-balancing loss of the global batch (mean over micro-batches), unscaled."""
     expert_load: dict[str, float] | None = None
@@ -167,9 +174,25 @@ class Trainer:
             pad_multiple=self._pad_multiple(), output_dir=self.output_dir, rank=self.rank,
         )
         self._resume()
-        self.metrics = MetricsWriter(self.output_dir, t.train_iters, start_step=self.step)
+        self.flop_meter = FlopMeter(
+            self.entry, self.model.config, device=self.device, world_size=self.world_size,
+            dtype=_DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
+            peak_tflops=cfg.tools.peak_tflops,
+        )
+        self.metrics = MetricsWriter(self.output_dir, t.train_iters, start_step=self.step, sinks=self._sinks())
 
     # -- build -------------------------------------------------------------------------------
+    def _sinks(self) -> list:
+        """Rank 0's metrics sinks (`tools.report_to`), opened where the run starts."""
+        tools = self.cfg.tools
+        if self.rank != 0 or not tools.report_to:
+            return []
+        return build_sinks(
+            tools.report_to, output_dir=self.output_dir, start_step=self.step, config=self.cfg,
+            tensorboard_dir=tools.tensorboard_dir, wandb_dir=tools.wandb_dir, wandb_project=tools.wandb_project,
+            run_name=tools.run_name,
+        )
+
     def _pad_multiple(self) -> int:
         configured = self.cfg.data.dataloader_param.collate_param.pad_to_multiple_of
         needed = required_multiple(self.plan.ring, self.plan.ulysses)
@@ -257,7 +280,8 @@ class Trainer:
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_aux: torch.Tensor | None = None
         expert_counts: torch.Tensor | None = None
-        num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        num_tokens = 0
+        flops = ForwardFlops()
         last = len(micro_batches) - 1
         for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
             beat(f"step {self.step + 1} micro-batch {i + 1}/{len(micro_batches)}")
@@ -273,11 +297,16 @@ class Trainer:
                 expert_counts = counts if expert_counts is None else expert_counts + counts
             (loss * self.world_size).backward()
             local_loss += out.loss.detach().float()
-            num_tokens += mb["attention_mask"].sum().to(self.device)
+            num_tokens += int(mb["attention_mask"].sum())
+            flops = flops + self.flop_meter.count(mb)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
         dist.all_reduce(local_loss)
-        dist.all_reduce(num_tokens, group=self.dims.dp_group)
-        result = StepResult(loss=local_loss.item(), grad_norm=float(grad_norm), num_tokens=int(num_tokens.item()))
+        # tokens and FLOPs of the data-parallel group in one all-reduce (a CP group holds one batch, counted once)
+        counts = torch.tensor([num_tokens, flops.layers, flops.other], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counts, group=self.dims.dp_group)
+        num_tokens, layers, other = counts.tolist()
+        result = StepResult(loss=local_loss.item(), grad_norm=float(grad_norm), num_tokens=num_tokens,
+                            flops=ForwardFlops(layers, other))
         if local_aux is not None:
             dist.all_reduce(local_aux)
             result.aux_loss = float(local_aux)
@@ -350,6 +379,7 @@ class Trainer:
                     "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                     "num_tokens": result.num_tokens, "tokens_per_s": result.num_tokens / step_time,
                     "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
+                    **self.flop_meter.scalars(result.flops, step_time),
                     **self._router_metrics(result), **({"val_loss": val_loss} if val_loss is not None else {}),
                 })
             if t.save and t.save_interval and self.step % t.save_interval == 0:
@@ -441,6 +471,7 @@ class Trainer:
         from mmfsdp.ckpt import finalize_pending
 
         finalize_pending()
+        self.metrics.close()
 
 
 _LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",

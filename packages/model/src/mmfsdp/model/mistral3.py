@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
+from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
 from mmfsdp.model.registry import Capabilities, DataNames, register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
@@ -64,6 +65,30 @@ class Mistral3Entry(HFFamilyEntry):
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
     capabilities = Capabilities(context_parallel=True, packing=True)
     data = DataNames(templates=("mistral",), image_plugins=("pixtral",), collators=("pixtral",))
+
+    def vision_flops(self, config: Mistral3Config) -> TowerFlops:
+        """Pixtral blocks (q, k, v, o of the hidden size; gated MLP), the patch convolution, and per merged token
+        the projector: patch merger (`merge²·d → d`), `linear_1`, `linear_2`."""
+        vision, text = config.vision_config, config.text_config
+        hidden, layers = vision.hidden_size, vision.num_hidden_layers
+        feature_layers = 1 if isinstance(config.vision_feature_layer, int) else len(config.vision_feature_layer)
+        merge = config.spatial_merge_size**2
+        return TowerFlops(
+            num_layers=layers, params_per_token=layers * (4 * hidden * hidden + 3 * hidden * vision.intermediate_size),
+            attention_dim=vision.num_attention_heads * (vision.head_dim or hidden // vision.num_attention_heads),
+            causal=False, params_outside=vision.num_channels * vision.patch_size**2 * hidden,
+            params_per_merged_token=merge * hidden * hidden + hidden * feature_layers * text.hidden_size
+            + text.hidden_size**2,
+            merge=merge,
+        )
+
+    def image_patches(self, config: Mistral3Config, batch: dict[str, Any]) -> list[int]:
+        """From `image_sizes` (height, width in pixels; `pixel_values` is padded to the largest image)."""
+        sizes = batch.get("image_sizes")
+        if sizes is None:
+            return []
+        patch = config.vision_config.patch_size
+        return [int(h) // patch * (int(w) // patch) for h, w in sizes.tolist()]
 
     def test_batch(self, config: Mistral3Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`mmfsdp.model.testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the

@@ -37,6 +37,7 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from mmfsdp.model.context_parallel import CPBatch, split_sequence_kwargs
+from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry
 from mmfsdp.model.loss import sample_starts
 from mmfsdp.model.registry import Capabilities, DataNames, register_model
@@ -207,6 +208,28 @@ class Qwen3VLEntry(HFFamilyEntry):
     vision_modules = ("model.visual",)
     capabilities = Capabilities(context_parallel=True, packing=True)
     data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen2_vl",), collators=("qwen3vl",))
+
+    def vision_flops(self, config: Qwen3VLConfig) -> TowerFlops:
+        """Qwen3-VL vision blocks (fused qkv and proj of the hidden size; MLP fc1, fc2), the 3-D patch convolution,
+        and per merged token the merger and each DeepStack merger (fc1 `merge²·d → merge²·d`, fc2 to the decoder's
+        size)."""
+        vision = config.vision_config
+        hidden, layers = vision.hidden_size, self.vision_num_layers(config)
+        merge = vision.spatial_merge_size**2
+        merger = (merge * hidden) ** 2 + merge * hidden * vision.out_hidden_size
+        return TowerFlops(
+            num_layers=layers, params_per_token=layers * (4 * hidden * hidden + 2 * hidden * vision.intermediate_size),
+            attention_dim=hidden, causal=False,
+            params_outside=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * hidden,
+            params_per_merged_token=(1 + len(vision.deepstack_visual_indexes or ())) * merger, merge=merge,
+        )
+
+    def image_patches(self, config: Qwen3VLConfig, batch: dict[str, Any]) -> list[int]:
+        """`t·h·w` of each row of `image_grid_thw`; each image attends to its own patches."""
+        grids = batch.get("image_grid_thw")
+        if grids is None:
+            return []
+        return [int(t) * int(h) * int(w) for t, h, w in grids.tolist()]
 
     def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`mmfsdp.model.testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with

@@ -85,6 +85,20 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
         logits)."""
         return float(config.text_config.router_aux_loss_coef)
 
+    def decoder_mlp_params(self, text_config: Any) -> int:
+        """Per sparse layer the router (`H·E`) and the top-k experts (gate, up, down of `moe_intermediate_size`);
+        a layer in `mlp_only_layers` or off the `decoder_sparse_step` has the dense MLP (HF's rule)."""
+        hidden = text_config.hidden_size
+        experts = text_config.num_experts_per_tok * 3 * hidden * text_config.moe_intermediate_size
+        sparse = hidden * text_config.num_experts + experts
+        dense = 3 * hidden * text_config.intermediate_size
+        only_mlp = set(getattr(text_config, "mlp_only_layers", None) or ())
+        step = getattr(text_config, "decoder_sparse_step", 1) or 1
+        return sum(
+            sparse if i not in only_mlp and text_config.num_experts > 0 and (i + 1) % step == 0 else dense
+            for i in range(text_config.num_hidden_layers)
+        )
+
     def decoder_values_per_token(self, text_config: Any) -> float:
         """As the dense layer, with the MLP's 5 values per token for each of the top-k experts' intermediate
         size, plus the router's logits and probabilities (2 E-sized)."""

@@ -199,6 +199,31 @@ class ModelEntry:
         kv = text_config.num_key_value_heads * head_dim
         return 8 + 3 * kv / hidden + 5 * text_config.intermediate_size / hidden
 
+    def flop_shape(self, config: Any) -> Any:
+        """The model's towers in the numbers FLOP counting needs (`mmfsdp.model.flops.FlopShape`, for MFU): the
+        decoder from `config.text_config` (grouped-query attention, `decoder_mlp_params`, `lm_head`) and the vision
+        tower from `vision_flops`."""
+        from mmfsdp.model.flops import FlopShape, gated_decoder
+
+        text_config = config.text_config
+        return FlopShape(decoder=gated_decoder(text_config, self.decoder_mlp_params(text_config)),
+                         vision=self.vision_flops(config))
+
+    def decoder_mlp_params(self, text_config: Any) -> int:
+        """Matmul weights of the decoder's MLPs one token passes through, all layers together: by default a gated MLP
+        (gate, up, down) of `intermediate_size` in every layer. MoE families count the router and top-k experts."""
+        return text_config.num_hidden_layers * 3 * text_config.hidden_size * text_config.intermediate_size
+
+    def vision_flops(self, config: Any) -> Any:
+        """The vision tower and projector for FLOP counting (`mmfsdp.model.flops.TowerFlops`); None: not counted
+        (a text-only family). Families with a vision tower describe it."""
+        return None
+
+    def image_patches(self, config: Any, batch: dict[str, Any]) -> list[int]:
+        """Vision-tower patches of each image of a collated `batch` of the model of HF `config`, in order (FLOP
+        counting); [] when it has none."""
+        return []
+
     def vision_patches_per_image_token(self, config: Any) -> int:
         """Vision-tower patches behind one image token of the decoder: the patch merger's `merge²`."""
         merge = getattr(config, "spatial_merge_size", None) or getattr(config.vision_config, "spatial_merge_size", 1)

@@ -1,0 +1,70 @@
+"""MFU and TFLOP/s of each step: the FLOPs of its real batch over the devices' peak.
+
+`FlopMeter` counts each micro-batch as the trainer takes it (`count`, host-side: sample lengths from the attention
+mask and `cu_seq_lens`, image patches through the family's `image_patches`; `mmfsdp.model.flops` has the
+formulas), the trainer sums the counts over the data-parallel group together with the token count (one
+all-reduce), and `scalars` turns a step's sum into the record's numbers:
+
+- `tflops`: achieved model TFLOP/s per device, `3 × forward FLOPs / step time / world size`;
+- `mfu`: that over the peak of one device (`mmfsdp.parallel.peak`: `tools.peak_tflops`, the device table, or on a
+  CPU a GEMM timed once at start);
+- `hfu` (with `parallel.recompute`): the same with the recomputed forward of the layers counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mmfsdp.config import get_logger
+from mmfsdp.model.flops import ForwardFlops, count_forward, sample_lengths
+from mmfsdp.parallel.peak import device_name, measure_gemm_tflops, table_peak_tflops
+
+log = get_logger("mmfsdp.train")
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> tuple[float, str]:
+    """Peak TFLOP/s of one device and where it comes from. A measured peak is the mean over all ranks, which time
+    their GEMMs at the same moment (a collective: every rank calls this)."""
+    if configured is not None:
+        return configured, "tools.peak_tflops"
+    name = device_name(device)
+    peak = None if device.type == "cpu" else table_peak_tflops(name, dtype)
+    if peak is not None:
+        return peak, f"the table's {name} {_DTYPE_NAMES.get(dtype, dtype)}"
+    measured = torch.tensor([measure_gemm_tflops(device, dtype)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(measured)
+        measured /= dist.get_world_size()
+    return float(measured), f"measured by a 512x512 {_DTYPE_NAMES.get(dtype, dtype)} GEMM on {name}, mean of the ranks"
+
+
+class FlopMeter:
+    def __init__(self, entry: Any, model_config: Any, *, device: torch.device, dtype: torch.dtype, world_size: int,
+                 recompute: bool, peak_tflops: float | None = None):
+        """`entry`: the model family's `ModelEntry`; `model_config`: the HF config of the built model; `dtype`: the
+        compute dtype (the peak is per dtype)."""
+        self.entry = entry
+        self.model_config = model_config
+        self.shape = entry.flop_shape(model_config)
+        self.world_size = world_size
+        self.recompute = recompute
+        self.peak_tflops, source = resolve_peak_tflops(device, dtype, peak_tflops)
+        log.info(f"mfu: peak {self.peak_tflops:.3g} TFLOP/s per device ({source})")
+
+    def count(self, batch: dict[str, Any]) -> ForwardFlops:
+        """Forward FLOPs of one collated micro-batch (on the host, before it moves to the device)."""
+        lens = sample_lengths(batch["attention_mask"], batch.get("cu_seq_lens"))
+        return count_forward(self.shape, lens, self.entry.image_patches(self.model_config, batch))
+
+    def scalars(self, flops: ForwardFlops, step_time_s: float) -> dict[str, float]:
+        """`tflops`, `mfu` (and `hfu` with recompute) of a step whose data-parallel group computed `flops`."""
+        per_device = flops.model / step_time_s / self.world_size / 1e12
+        out = {"tflops": per_device, "mfu": per_device / self.peak_tflops}
+        if self.recompute:
+            out["hfu"] = flops.hardware(True) / step_time_s / self.world_size / 1e12 / self.peak_tflops
+        return out
