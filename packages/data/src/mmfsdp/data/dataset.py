@@ -49,6 +49,7 @@ from mmfsdp.data.paths import media_path
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
+from mmfsdp.data.video import VideoOptions
 
 __all__ = [
     "SFTDataset",
@@ -63,7 +64,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_PREPROCESS_VERSION = 3
+_PREPROCESS_VERSION = 4
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
@@ -318,7 +319,9 @@ class SampleEncoder:
         self.template = template_cls(
             processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
         )
-        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
+        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(
+            processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels, video=VideoOptions.from_config(pp),
+        )
 
     def image_path(self, path: str) -> str:
         """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""
@@ -331,13 +334,21 @@ class SampleEncoder:
         if _INVALID in row:
             raise BadSample(*row[_INVALID])
         conversation = parse_row(row, self.attr)
+        if conversation.videos and not self.plugin.supports_video:
+            raise BadSample("video_not_supported", f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} (this model family) reads no video")
         paths = [self.image_path(p) for p in conversation.images]
+        video_paths = [media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir") for p in conversation.videos]
         grids = [self.plugin.read_grid(p) for p in paths]
+        video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
         blocks = [self.plugin.image_tokens(grid) for grid in grids]
-        input_ids, labels = self.template.encode(conversation, blocks)
+        video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
+        input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
-        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images)
-        return {"input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids], "absolute_images": num_absolute}
+        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        return {
+            "input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids],
+            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+        }
 
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
@@ -355,13 +366,14 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "images", "image_grids", "absolute_images", "length", "bad_reason", "bad_detail")}
+        keys = ("input_ids", "labels", "images", "image_grids", "videos", "video_grids", "absolute_images", "length", "bad_reason", "bad_detail")
+        out: dict[str, list[Any]] = {k: [] for k in keys}
         for text in batch["row"]:
             try:
                 sample = self.encode_row(json.loads(text))
                 bad_reason = bad_detail = ""
             except BadSample as bad:
-                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": [], "absolute_images": 0}
+                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [], "absolute_images": 0}
                 bad_reason, bad_detail = bad.reason, bad.detail
             for key, value in sample.items():
                 out[key].append(value)
@@ -405,6 +417,8 @@ def _features() -> Any:
             "labels": seq(datasets.Value("int32")),
             "images": seq(datasets.Value("string")),
             "image_grids": seq(seq(datasets.Value("int32"))),
+            "videos": seq(datasets.Value("string")),
+            "video_grids": seq(seq(datasets.Value("int64"))),
             "absolute_images": datasets.Value("int32"),
             "length": datasets.Value("int32"),
             "bad_reason": datasets.Value("string"),
@@ -467,7 +481,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.encoder = encoder
         self.sources = [str(s) for s in sources]
         self.strict = strict
-        self._tables = [t.select_columns(["input_ids", "labels", "images", "image_grids"]) for t in tables]
+        self._tables = [t.select_columns(["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]) for t in tables]
         refs, lengths = [], []
         counts: Counter[str] = Counter()
         self.num_rows = 0
@@ -486,7 +500,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
         """Rows skipped while preprocessing, by reason."""
         self.absolute_image_rows = absolute_rows
-        """Usable samples with at least one absolute image path (allowed, but reported: they bypass `dataset_dir`)."""
+        """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass `dataset_dir`)."""
 
     @property
     def processor(self) -> MMProcessor:
@@ -512,9 +526,13 @@ class SFTDataset(torch.utils.data.Dataset):
             "labels": torch.tensor(record["labels"], dtype=torch.long),
         }
         item.update(self.encoder.plugin.token_inputs(item["input_ids"]))
-        if record["images"]:
+        if record["images"] or record["videos"]:
+            plugin = self.encoder.plugin
             try:
-                item.update(self.encoder.plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
+                if record["images"]:
+                    item.update(plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
+                if record["videos"]:
+                    item.update(plugin.video_inputs(record["videos"], [tuple(g) for g in record["video_grids"]]))
             except BadSample as bad:
                 source, row = self.location(index)
                 if self.strict:
