@@ -15,8 +15,8 @@ Two steps, at two times:
 Bounded in time: every packet and every frame checks a deadline (`timeout_s` per video,
 counted from opening the file), so a stream that decodes slowly or never ends is abandoned
 (`video_timeout`) after at most the deadline plus one packet's decode; `av.open` gets the
-same bound as its open/read timeout (it applies where FFmpeg's I/O can block, e.g. on
-network file systems). A file that yields fewer frames than its header announced
+same bound as its open and per-read timeout (FFmpeg's interrupt callback, so a read that
+blocks — a stalled network file system — is interrupted too). A file that yields fewer frames than its header announced
 (truncated, corrupt) is `corrupt_video`.
 """
 
@@ -63,6 +63,8 @@ def _open(path: str, timeout_s: float):
         raise BadSample("missing_video", f"{path} does not exist")
     try:
         return av.open(path, mode="r", timeout=(timeout_s, timeout_s))
+    except av.error.ExitError:  # FFmpeg's interrupt callback: the open/read timeout fired
+        raise BadSample("video_timeout", f"{path}: opening it took over {timeout_s:g} s") from None
     except Exception as err:  # PyAV raises FFmpeg's many error types (InvalidDataError, ...) for unreadable files
         raise BadSample("corrupt_video", f"{path} is not a readable video container ({type(err).__name__}: {err})") from None
 
@@ -125,6 +127,8 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
         if time.monotonic() > deadline:
             raise BadSample("video_timeout", f"{path}: decoding {len(indices)} frames up to frame {last} took over {timeout_s:g} s (at frame {seen})")
 
+    import av
+
     container = _open(path, timeout_s)
     try:
         stream = _video_stream(container, path)
@@ -141,6 +145,8 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
                 break
     except BadSample:
         raise
+    except av.error.ExitError:
+        raise BadSample("video_timeout", f"{path}: a read took over {timeout_s:g} s (at frame {seen})") from None
     except Exception as err:  # a decoder error mid-stream: the file is damaged
         raise BadSample("corrupt_video", f"{path} breaks at frame {seen} ({type(err).__name__}: {err})") from None
     finally:
