@@ -189,3 +189,31 @@ def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_p
     assert int((batch["mm_token_type_ids"] == 2).sum()) == sum(int((it["mm_token_type_ids"] == 2).sum()) for it in items)
     packed = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id, packing=True)([items])
     assert torch.equal(packed["video_grid_thw"], batch["video_grid_thw"]) and packed["input_ids"].shape[0] == 1
+
+
+@pytest.mark.timeout(120)
+def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_processor, media, h, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from mmfsdp.data.cli import main
+
+    rows = [_row([("<image>and <video>: what moves?", "The square.")], ["img0.png"], ["a.mp4"])]
+    data = {
+        "dataset_param": {
+            "preprocess_parameters": {"model_name_or_path": qwen_processor.name_or_path, "template": "qwen3_vl_nothink", "video_fps": VIDEO_FPS, "video_maxlen": VIDEO_MAXLEN},
+            "basic_parameters": {"dataset_dir": str(media), "dataset": str(h.write_jsonl(tmp_path / "rows.jsonl", rows)), "cache_dir": str(tmp_path / "cache")},
+            "attr": {"videos": "videos"},
+        },
+        "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "qwen3vl"}},
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"data": data}))
+    assert main(["inspect", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "video 0: " in out and "6 frames at 0.00, 0.25, 0.50, 0.88, 1.12, 1.38 s (48x32 px) -> grid 3x2x4 patches -> 6 <|video_pad|> in 3 groups" in out
+    assert "<video 3x2x4 6 frames>What moves" not in out and "<image 1x4x2>and <video 3x2x4 6 frames>: what moves?" in out
+    assert main(["inspect", str(config), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["video_grids"][0][:3] == [3, 2, 4] and shown["video_frame_times"][0][-1] == 11 / 8
