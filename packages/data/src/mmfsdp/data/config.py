@@ -102,7 +102,7 @@ class PreprocessParametersConfig:
     video_max_pixels: int | None = None
     """Downscale each video frame with more pixels than this (keeping aspect ratio) before the video processor; null = no limit."""
     video_min_pixels: int | None = None
-    """Upscale each video frame with fewer pixels than this (keeping aspect ratio) before the video processor; null = no limit."""
+    """Upscale each video frame with fewer pixels than this (keeping aspect ratio) before the video processor; null or 0 = no limit."""
     video_total_pixels: int | None = None
     """Budget of one sample's video pixels (all sampled frames of all its videos): each frame's limit becomes at most this ÷ the sample's frame count (never under `video_min_pixels`), so a long video shrinks its frames instead of blowing a micro-batch; null = no budget."""
     video_timeout: float = 60.0
@@ -131,10 +131,12 @@ class PreprocessParametersConfig:
             raise ConfigError("video_fps", f"must be a positive number, got {self.video_fps}")
         if self.video_maxlen < 1:
             raise ConfigError("video_maxlen", f"must be >= 1, got {self.video_maxlen}")
-        for key in ("video_max_pixels", "video_min_pixels", "video_total_pixels"):
+        for key in ("video_max_pixels", "video_total_pixels"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(key, f"must be >= 1 or null, got {value}")
+        if self.video_min_pixels is not None and self.video_min_pixels < 0:
+            raise ConfigError("video_min_pixels", f"must be >= 0 or null, got {self.video_min_pixels}")
         if self.video_max_pixels is not None and self.video_min_pixels is not None and self.video_min_pixels > self.video_max_pixels:
             raise ConfigError("video_min_pixels", f"{self.video_min_pixels} is larger than video_max_pixels {self.video_max_pixels}")
         if not self.video_timeout > 0:
