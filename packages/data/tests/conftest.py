@@ -122,8 +122,11 @@ def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = 
     return str(path)
 
 
-def write_video(path: Path, num_frames: int, width: int, height: int, fps: Any = 8, codec: str = "mpeg4", seed: int = 0) -> str:
-    """A clip of a white square moving right over noise, written with PyAV (mpeg4 / libx264 are in its wheels); returns its path."""
+def write_video(
+    path: Path, num_frames: int, width: int, height: int, fps: Any = 8, codec: str = "mpeg4", seed: int = 0
+) -> str:
+    """A clip of a white square moving right over noise, written with PyAV (its wheels have mpeg4 and libx264);
+    returns its path."""
     import av
 
     rng = np.random.default_rng(seed)

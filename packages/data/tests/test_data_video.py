@@ -67,10 +67,21 @@ def _reference(processor, media: Path, turns, images, videos, *, system=None, te
 
     image_processor = Qwen2VLImageProcessor.from_pretrained(processor.name_or_path)
     video_processor = Qwen3VLVideoProcessor(
-        patch_size=16, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], fps=VIDEO_FPS, max_frames=VIDEO_MAXLEN,
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        fps=VIDEO_FPS,
+        max_frames=VIDEO_MAXLEN,
     )
-    hf = Qwen3VLProcessor(image_processor=image_processor, tokenizer=processor.tokenizer, video_processor=video_processor, chat_template=(DATA / template).read_text())
+    hf = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=processor.tokenizer,
+        video_processor=video_processor,
+        chat_template=(DATA / template).read_text(),
+    )
     messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
     for user, assistant in turns:
         content = []
@@ -79,7 +90,10 @@ def _reference(processor, media: Path, turns, images, videos, *, system=None, te
                 content.append({"type": piece[1:-1]})
             elif piece:
                 content.append({"type": "text", "text": piece})
-        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": assistant}]}]
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
+        ]
     text = hf.apply_chat_template(messages, tokenize=False)
     decoded = [_all_frames(media / name) for name in videos]
     frames = [_resized(f, frame_max_pixels) if frame_max_pixels else f for f, _ in decoded]
@@ -87,8 +101,13 @@ def _reference(processor, media: Path, turns, images, videos, *, system=None, te
     if "cap_pixels_per_frame" in getattr(Qwen3VLVideoProcessor.valid_kwargs, "__annotations__", {}):
         kwargs["cap_pixels_per_frame"] = False
     return hf(
-        text=[text], images=[Image.open(media / name).convert("RGB") for name in images] or None, videos=frames or None,
-        video_metadata=[m for _, m in decoded] or None, do_sample_frames=True, return_tensors="pt", **kwargs,
+        text=[text],
+        images=[Image.open(media / name).convert("RGB") for name in images] or None,
+        videos=frames or None,
+        video_metadata=[m for _, m in decoded] or None,
+        do_sample_frames=True,
+        return_tensors="pt",
+        **kwargs,
     )
 
 
@@ -104,12 +123,26 @@ def _config(h, processor, media, template="qwen3_vl_nothink", basic=None, **prep
     return h.data_config(processor.name_or_path, media, preprocess=pp, attr={"videos": "videos"}, basic=basic or {})
 
 
-def _compare(h, processor, media, turns, images=(), videos=(), *, system=None, template="qwen3_vl_nothink", frame_max_pixels=None, **preprocess):
+def _compare(
+    h,
+    processor,
+    media,
+    turns,
+    images=(),
+    videos=(),
+    *,
+    system=None,
+    template="qwen3_vl_nothink",
+    frame_max_pixels=None,
+    **preprocess,
+):
     cfg = _config(h, processor, media, template, **preprocess)
     encoder = SampleEncoder(cfg, processor)
     sample = encoder.encode_row(_row(turns, list(images), list(videos), system))
     hf_template = INSTRUCT if template == "qwen3_vl_nothink" else THINKING
-    reference = _reference(processor, media, turns, images, videos, system=system, template=hf_template, frame_max_pixels=frame_max_pixels)
+    reference = _reference(
+        processor, media, turns, images, videos, system=system, template=hf_template, frame_max_pixels=frame_max_pixels
+    )
     assert sample["input_ids"] == reference["input_ids"][0].tolist()
     token_types = encoder.plugin.token_inputs(torch.tensor(sample["input_ids"]))["mm_token_type_ids"]
     assert torch.equal(token_types, torch.as_tensor(reference["mm_token_type_ids"][0]).long())
@@ -125,17 +158,26 @@ def _compare(h, processor, media, turns, images=(), videos=(), *, system=None, t
 
 @pytest.mark.timeout(120)
 def test_one_video(qwen_processor, media, h):
-    encoder, sample = _compare(h, qwen_processor, media, [("<video>Which way does the square move?", "Right.")], videos=["a.mp4"])
+    encoder, sample = _compare(
+        h, qwen_processor, media, [("<video>Which way does the square move?", "Right.")], videos=["a.mp4"]
+    )
     grid = sample["video_grids"][0]
     assert grid[:3] == [3, 2, 4] and grid[9:] == [0, 2, 4, 7, 9, 11]  # 12 frames at 8 fps sampled at 4 fps: 6 frames
     assert sum(t == encoder.plugin.video_id for t in sample["input_ids"]) == 3 * 2 * 4 // 4
-    assert all(label == -100 for t, label in zip(sample["input_ids"], sample["labels"]) if t in encoder.plugin.image_token_ids)
+    assert all(
+        label == -100 for t, label in zip(sample["input_ids"], sample["labels"]) if t in encoder.plugin.image_token_ids
+    )
 
 
 @pytest.mark.timeout(120)
 def test_two_videos_of_different_lengths_and_sizes(qwen_processor, media, h):
-    _, sample = _compare(h, qwen_processor, media, [("First <video> then <video>: same motion?", "Yes.")], videos=["b.mp4", "c.mp4"])
-    assert [len(g) - 9 for g in sample["video_grids"]] == [7, 6]  # b capped by video_maxlen (odd: the last group repeats)
+    _, sample = _compare(
+        h, qwen_processor, media, [("First <video> then <video>: same motion?", "Yes.")], videos=["b.mp4", "c.mp4"]
+    )
+    assert [len(g) - 9 for g in sample["video_grids"]] == [
+        7,
+        6,
+    ]  # b capped by video_maxlen (odd: the last group repeats)
     assert sample["video_grids"][0][:3] != sample["video_grids"][1][:3]
 
 
@@ -146,7 +188,15 @@ def test_videos_and_images_in_a_multi_turn_conversation(qwen_processor, media, h
         ("Now <video> and <image> together.", "A square moves over noise."),
         ("And this one? <video>", "It moves right.\n"),
     ]
-    _compare(h, qwen_processor, media, turns, images=["img0.png", "img1.png"], videos=["a.mp4", "c.mp4"], system="Answer briefly.")
+    _compare(
+        h,
+        qwen_processor,
+        media,
+        turns,
+        images=["img0.png", "img1.png"],
+        videos=["a.mp4", "c.mp4"],
+        system="Answer briefly.",
+    )
 
 
 @pytest.mark.timeout(120)
@@ -157,14 +207,24 @@ def test_thinking_template_multi_turn(qwen_processor, media, h):
 
 @pytest.mark.timeout(120)
 def test_video_max_pixels_scales_each_frame_before_the_video_processor(qwen_processor, media, h):
-    _, sample = _compare(h, qwen_processor, media, [("<video>?", "ok")], videos=["b.mp4"], frame_max_pixels=1200, video_max_pixels=1200)
+    _, sample = _compare(
+        h, qwen_processor, media, [("<video>?", "ok")], videos=["b.mp4"], frame_max_pixels=1200, video_max_pixels=1200
+    )
     assert sample["video_grids"][0][5:7] == [43, 27]
 
 
 @pytest.mark.timeout(120)
 def test_video_total_pixels_shares_the_budget_over_the_sample_frames(qwen_processor, media, h):
     budget = 13 * 600  # 6 + 7 sampled frames
-    _, sample = _compare(h, qwen_processor, media, [("<video><video>?", "ok")], videos=["a.mp4", "b.mp4"], frame_max_pixels=600, video_total_pixels=budget)
+    _, sample = _compare(
+        h,
+        qwen_processor,
+        media,
+        [("<video><video>?", "ok")],
+        videos=["a.mp4", "b.mp4"],
+        frame_max_pixels=600,
+        video_total_pixels=budget,
+    )
     assert all(g[5] * g[6] <= 600 for g in sample["video_grids"])
 
 
@@ -176,7 +236,12 @@ def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_p
         _row([("Hello", "Hi.")], [], []),
         _row([("<video><image>Both?", "Yes.")], ["img1.png"], ["c.mp4"]),
     ]
-    cfg = _config(h, qwen_processor, media, basic={"dataset": str(h.write_jsonl(tmp_path / "train.jsonl", rows)), "cache_dir": str(tmp_path / "cache")})
+    cfg = _config(
+        h,
+        qwen_processor,
+        media,
+        basic={"dataset": str(h.write_jsonl(tmp_path / "train.jsonl", rows)), "cache_dir": str(tmp_path / "cache")},
+    )
     dataset = build_dataset(cfg, qwen_processor)
     assert len(dataset) == 4
     items = [dataset[i] for i in range(4)]
@@ -184,9 +249,13 @@ def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_p
     collator = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id)
     batch = collator(items)
     assert torch.equal(batch["video_grid_thw"], torch.cat([items[0]["video_grid_thw"], items[3]["video_grid_thw"]]))
-    assert torch.equal(batch["pixel_values_videos"], torch.cat([items[0]["pixel_values_videos"], items[3]["pixel_values_videos"]]))
+    assert torch.equal(
+        batch["pixel_values_videos"], torch.cat([items[0]["pixel_values_videos"], items[3]["pixel_values_videos"]])
+    )
     assert torch.equal(batch["image_grid_thw"], torch.cat([items[1]["image_grid_thw"], items[3]["image_grid_thw"]]))
-    assert int((batch["mm_token_type_ids"] == 2).sum()) == sum(int((it["mm_token_type_ids"] == 2).sum()) for it in items)
+    assert int((batch["mm_token_type_ids"] == 2).sum()) == sum(
+        int((it["mm_token_type_ids"] == 2).sum()) for it in items
+    )
     packed = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id, packing=True)([items])
     assert torch.equal(packed["video_grid_thw"], batch["video_grid_thw"]) and packed["input_ids"].shape[0] == 1
 
@@ -202,8 +271,17 @@ def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_proc
     rows = [_row([("<image>and <video>: what moves?", "The square.")], ["img0.png"], ["a.mp4"])]
     data = {
         "dataset_param": {
-            "preprocess_parameters": {"model_name_or_path": qwen_processor.name_or_path, "template": "qwen3_vl_nothink", "video_fps": VIDEO_FPS, "video_maxlen": VIDEO_MAXLEN},
-            "basic_parameters": {"dataset_dir": str(media), "dataset": str(h.write_jsonl(tmp_path / "rows.jsonl", rows)), "cache_dir": str(tmp_path / "cache")},
+            "preprocess_parameters": {
+                "model_name_or_path": qwen_processor.name_or_path,
+                "template": "qwen3_vl_nothink",
+                "video_fps": VIDEO_FPS,
+                "video_maxlen": VIDEO_MAXLEN,
+            },
+            "basic_parameters": {
+                "dataset_dir": str(media),
+                "dataset": str(h.write_jsonl(tmp_path / "rows.jsonl", rows)),
+                "cache_dir": str(tmp_path / "cache"),
+            },
             "attr": {"videos": "videos"},
         },
         "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "qwen3vl"}},
@@ -212,8 +290,11 @@ def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_proc
     config.write_text(yaml.safe_dump({"data": data}))
     assert main(["inspect", str(config)]) == 0
     out = capsys.readouterr().out
-    assert "video 0: " in out and "6 frames at 0.00, 0.25, 0.50, 0.88, 1.12, 1.38 s (48x32 px) -> grid 3x2x4 patches -> 6 <|video_pad|> in 3 groups" in out
-    assert "<video 3x2x4 6 frames>What moves" not in out and "<image 1x4x2>and <video 3x2x4 6 frames>: what moves?" in out
+    times = "6 frames at 0.00, 0.25, 0.50, 0.88, 1.12, 1.38 s (48x32 px)"
+    assert f"video 0: {media / 'a.mp4'}: {times} -> grid 3x2x4 patches -> 6 <|video_pad|> in 3 groups" in out
+    assert (
+        "<video 3x2x4 6 frames>What moves" not in out and "<image 1x4x2>and <video 3x2x4 6 frames>: what moves?" in out
+    )
     assert main(["inspect", str(config), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["video_grids"][0][:3] == [3, 2, 4] and shown["video_frame_times"][0][-1] == 11 / 8

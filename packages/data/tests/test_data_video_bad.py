@@ -20,12 +20,17 @@ from mmfsdp.data.video import decode_frames, read_video_info
 
 
 def _row(videos, text="<video>What moves?"):
-    return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "A square."}], "videos": videos}
+    return {
+        "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "A square."}],
+        "videos": videos,
+    }
 
 
 @pytest.fixture
 def encoder(qwen_processor, h, tmp_path):
-    cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, attr={"videos": "videos"})
+    cfg = h.data_config(
+        qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, attr={"videos": "videos"}
+    )
     return SampleEncoder(cfg, qwen_processor)
 
 
@@ -117,7 +122,10 @@ def test_a_path_escaping_dataset_dir_is_never_opened(encoder, tmp_path, monkeypa
 def test_placeholder_mismatch_and_wrong_turn(encoder, tmp_path):
     assert _reason(encoder, _row(["a.mp4", "b.mp4"])) == "video_count_mismatch"
     assert _reason(encoder, _row([], text="What moves? <video>")) == "video_count_mismatch"
-    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<video>"}], "videos": ["a.mp4"]}
+    row = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<video>"}],
+        "videos": ["a.mp4"],
+    }
     assert _reason(encoder, row) == "video_in_wrong_turn"
 
 
@@ -138,7 +146,13 @@ def test_bad_video_rows_are_counted_and_strict_names_file_row_and_reason(qwen_pr
     (tmp_path / "noise.mp4").write_bytes(b"not a video at all" * 64)
     rows = [_row(["good.mp4"]), _row(["noise.mp4"]), _row(["../x.mp4"]), _row(["absent.mp4"])]
     train = h.write_jsonl(tmp_path / "train.jsonl", rows)
-    cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, attr={"videos": "videos"}, basic={"dataset": str(train)})
+    cfg = h.data_config(
+        qwen_processor.name_or_path,
+        tmp_path,
+        preprocess={"template": "qwen3_vl_nothink"},
+        attr={"videos": "videos"},
+        basic={"dataset": str(train)},
+    )
     dataset = build_dataset(cfg, qwen_processor)
     assert len(dataset) == 1
     assert dataset.bad_row_counts == {"video_outside_dataset_dir": 1, "missing_video": 1, "corrupt_video": 1}
@@ -147,7 +161,13 @@ def test_bad_video_rows_are_counted_and_strict_names_file_row_and_reason(qwen_pr
     plugin = dataset.encoder.plugin
     plugin.video_options = dataclasses.replace(plugin.video_options, timeout_s=1e-9)
     assert dataset[0]["bad_reason"] == "video_timeout"
-    strict = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, attr={"videos": "videos"}, basic={"dataset": str(train), "strict": True, "cache_dir": str(tmp_path / "strict")})
+    strict = h.data_config(
+        qwen_processor.name_or_path,
+        tmp_path,
+        preprocess={"template": "qwen3_vl_nothink"},
+        attr={"videos": "videos"},
+        basic={"dataset": str(train), "strict": True, "cache_dir": str(tmp_path / "strict")},
+    )
     with pytest.raises(DataError, match=r"train\.jsonl row 1: corrupt_video: .*noise\.mp4"):
         build_dataset(strict, qwen_processor)
 
@@ -155,9 +175,18 @@ def test_bad_video_rows_are_counted_and_strict_names_file_row_and_reason(qwen_pr
 @pytest.mark.timeout(60)
 def test_a_family_without_video_counts_a_video_row(tekken_processor, h, tmp_path):
     h.write_video(tmp_path / "good.mp4", 8, 48, 32)
-    rows = [_row(["good.mp4"]), {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    rows = [
+        _row(["good.mp4"]),
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+    ]
     train = h.write_jsonl(tmp_path / "train.jsonl", rows)
-    cfg = h.data_config(tekken_processor.name_or_path, tmp_path, preprocess={"template": "mistral"}, attr={"videos": "videos"}, basic={"dataset": str(train)})
+    cfg = h.data_config(
+        tekken_processor.name_or_path,
+        tmp_path,
+        preprocess={"template": "mistral"},
+        attr={"videos": "videos"},
+        basic={"dataset": str(train)},
+    )
     dataset = build_dataset(cfg, tekken_processor)
     assert len(dataset) == 1 and dataset.bad_row_counts == {"video_not_supported": 1}
     assert json.loads(json.dumps(dataset.bad_row_counts))  # plain, printable counts

@@ -21,15 +21,22 @@ TOL = 1e-5
 
 
 def _row(user, videos=(), images=(), answer="It moves right."):
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], "videos": list(videos), "images": list(images)}
+    return {
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+        "videos": list(videos),
+        "images": list(images),
+    }
 
 
 @pytest.fixture(scope="module")
 def tiny_config(qwen_processor):
     tid = qwen_processor.token_id
     config = get_model_entry("qwen3_vl").tiny_config(
-        vocab_size=len(qwen_processor.tokenizer), image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+        vocab_size=len(qwen_processor.tokenizer),
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
     )
     vision = config.vision_config
     assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (16, 2, 2)
@@ -45,13 +52,23 @@ def pair(tiny_config):
 @pytest.fixture(scope="module")
 def encoder(qwen_processor, h, tmp_path_factory):
     out = tmp_path_factory.mktemp("video_model")
-    cfg = h.data_config(qwen_processor.name_or_path, out, preprocess={"template": "qwen3_vl_nothink", "video_fps": 4.0, "video_maxlen": 9}, attr={"videos": "videos"})
+    cfg = h.data_config(
+        qwen_processor.name_or_path,
+        out,
+        preprocess={"template": "qwen3_vl_nothink", "video_fps": 4.0, "video_maxlen": 9},
+        attr={"videos": "videos"},
+    )
     return SampleEncoder(cfg, qwen_processor), out
 
 
 @pytest.mark.timeout(300)
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(num_frames=st.integers(2, 14), width=st.integers(20, 100), height=st.integers(20, 100), fps=st.sampled_from([5, 8, 12]))
+@given(
+    num_frames=st.integers(2, 14),
+    width=st.integers(20, 100),
+    height=st.integers(20, 100),
+    fps=st.sampled_from([5, 8, 12]),
+)
 def test_video_tokens_equal_the_vision_tower_features(encoder, pair, h, num_frames, width, height, fps):
     encoder, out = encoder
     width, height = width // 2 * 2, height // 2 * 2  # yuv420p needs even sides
@@ -82,8 +99,11 @@ def items(qwen_processor, h, tmp_path_factory):
         _row("<image> then <video>", ["b.mp4"], ["img.png"], answer="Both."),
     ]
     cfg = h.data_config(
-        qwen_processor.name_or_path, out, preprocess={"template": "qwen3_vl_nothink", "video_fps": 4.0, "video_maxlen": 9},
-        attr={"videos": "videos"}, basic={"dataset": str(h.write_jsonl(out / "train.jsonl", rows))},
+        qwen_processor.name_or_path,
+        out,
+        preprocess={"template": "qwen3_vl_nothink", "video_fps": 4.0, "video_maxlen": 9},
+        attr={"videos": "videos"},
+        basic={"dataset": str(h.write_jsonl(out / "train.jsonl", rows))},
     )
     dataset = build_dataset(cfg, qwen_processor)
     return [dataset[i] for i in range(len(dataset))]
@@ -115,12 +135,17 @@ def test_packed_video_samples_equal_separate_runs(qwen_processor, pair, items):
     """M-RoPE restarts per sample with each sample's own video and image grids taken in order."""
     ours, _ = pair
     collate = get_collator("qwen3vl")
-    packed = collate(pad_token_id=qwen_processor.pad_token_id, packing=True)([[items[1], items[0], items[3]], [items[2]]])
+    packed = collate(pad_token_id=qwen_processor.pad_token_id, packing=True)(
+        [[items[1], items[0], items[3]], [items[2]]]
+    )
 
     def summed(batch):
         return (shift_labels(batch["labels"], batch.get("cu_seq_lens")) != -100).float()
 
     with torch.no_grad():
         loss = _train_forward(ours, packed, summed(packed))
-        expected = sum(_train_forward(ours, alone, summed(alone)) for alone in (collate(pad_token_id=qwen_processor.pad_token_id)([item]) for item in items))
+        expected = sum(
+            _train_forward(ours, alone, summed(alone))
+            for alone in (collate(pad_token_id=qwen_processor.pad_token_id)([item]) for item in items)
+        )
     assert rel_diff(loss, expected) <= TOL

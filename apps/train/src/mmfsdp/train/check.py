@@ -85,7 +85,8 @@ def model_check(cfg: Config) -> list[ConfigError]:
 
 def _family_data(cfg: Config) -> list[ConfigError]:
     """Template, image plugin and collator must be ones the model family lists, and packing and a video column
-    (`attr.videos`) ones it supports (`ModelEntry.check_data`); context and expert parallel are the entry's `validate_parallel` (step 1). An
+    (`attr.videos`) ones it supports (`ModelEntry.check_data`); context and expert parallel are the entry's
+    `validate_parallel` (step 1). An
     unknown name is left to `_registry_names`, an unknown model id to the model section."""
     from mmfsdp.data import get_collator, get_plugin, get_template
     from mmfsdp.model import get_model_entry

@@ -34,7 +34,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description=(
             "Show one sample exactly as the model will see it: the decoded text with the trained "
             f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image or video block shown as its grid, the token "
-            "count, each image's grid and processed size, and each video's sampled frame times, grid and token count. Builds (or reuses) the tokenized cache. "
+            "count, each image's grid and processed size, and each video's sampled frame times, grid and token "
+            "count. Builds (or reuses) the tokenized cache. "
             "Overrides may come before or after the options."
         ),
     )
@@ -42,7 +43,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     inspect.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied to the YAML first, e.g. data.dataset_param.preprocess_parameters.cutoff_len=2048")
     inspect.add_argument("--index", type=int, default=0, help="sample index after bad rows are removed (default 0); negative counts from the end")
     inspect.add_argument("--split", choices=("train", "eval"), default="train", help="which dataset: train = basic_parameters.dataset, eval = basic_parameters.eval_dataset (default train)")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object with input_ids, labels, image_sizes (and image and video grids, frame times, source file and row) instead of text")
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with input_ids, labels, image_sizes (and image and video grids, frame times, "
+        "source file and row) instead of text",
+    )
     return parser, inspect
 
 

@@ -260,7 +260,8 @@ class Qwen3VLCollator(_RowCollator):
         text, spans, segments = self._text(rows)
         batch: dict[str, Any] = dict(text)
         token_types = torch.zeros_like(text["input_ids"])
-        media: dict[str, list[torch.Tensor]] = {key: [] for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+        media_keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        media: dict[str, list[torch.Tensor]] = {key: [] for key in media_keys}
         for b, row in enumerate(rows):
             for sample, (start, _) in zip(row, spans[b]):
                 if "mm_token_type_ids" in sample:

@@ -43,7 +43,8 @@ class AttrConfig:
     images: str | None = "images"
     """Column holding the image paths (a list, or one string), relative to `basic_parameters.dataset_dir`; null = text only."""
     videos: str | None = None
-    """Column holding the video paths (a list, or one string), relative to `basic_parameters.dataset_dir`, one per `<video>` placeholder; null = no video column (MindSpeed-MM's Qwen3-VL configs set `videos`)."""
+    """Column holding the video paths (a list, or one string), relative to `basic_parameters.dataset_dir`, one per
+    `<video>` placeholder; null = no video column (MindSpeed-MM's Qwen3-VL configs set `videos`)."""
     system: str | None = None
     """Column holding a per-row system prompt; null = only a leading system message counts."""
     role_tag: str = "role"
@@ -96,17 +97,19 @@ class PreprocessParametersConfig:
     image_min_pixels: int | None = None
     """Upscale images with fewer pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
     video_fps: float = 2.0
-    """Frames sampled per second of video (before `video_maxlen` caps them), as Qwen3-VL's video processor samples them."""
+    """Frames sampled per second of video (before `video_maxlen` caps them), as Qwen3-VL's video processor samples."""
     video_maxlen: int = 128
     """Most frames sampled from one video."""
     video_max_pixels: int | None = None
-    """Downscale each video frame with more pixels than this (keeping aspect ratio) before the video processor; null = no limit."""
+    """Downscale each video frame with more pixels than this (aspect kept) before the video processor; null = none."""
     video_min_pixels: int | None = None
-    """Upscale each video frame with fewer pixels than this (keeping aspect ratio) before the video processor; null or 0 = no limit."""
+    """Upscale each video frame with fewer pixels than this (aspect kept) before the video processor; null, 0 = none."""
     video_total_pixels: int | None = None
-    """Budget of one sample's video pixels (all sampled frames of all its videos): each frame's limit becomes at most this ÷ the sample's frame count (never under `video_min_pixels`), so a long video shrinks its frames instead of blowing a micro-batch; null = no budget."""
+    """Budget of one sample's video pixels (all sampled frames of all its videos): each frame's limit becomes at most
+    this ÷ the sample's frame count (never under `video_min_pixels`), so a long video shrinks its frames instead of
+    blowing a micro-batch; null = no budget."""
     video_timeout: float = 60.0
-    """Seconds one video may take to open or to decode its sampled frames before its row is skipped (`video_timeout`)."""
+    """Seconds one video may take to open or to decode its sampled frames before it is skipped (`video_timeout`)."""
     train_on_prompt: bool = False
     """Also train on system and user text (image tokens stay masked)."""
     mask_history: bool = False
@@ -137,8 +140,9 @@ class PreprocessParametersConfig:
                 raise ConfigError(key, f"must be >= 1 or null, got {value}")
         if self.video_min_pixels is not None and self.video_min_pixels < 0:
             raise ConfigError("video_min_pixels", f"must be >= 0 or null, got {self.video_min_pixels}")
-        if self.video_max_pixels is not None and self.video_min_pixels is not None and self.video_min_pixels > self.video_max_pixels:
-            raise ConfigError("video_min_pixels", f"{self.video_min_pixels} is larger than video_max_pixels {self.video_max_pixels}")
+        low, high = self.video_min_pixels, self.video_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ConfigError("video_min_pixels", f"{low} is larger than video_max_pixels {high}")
         if not self.video_timeout > 0:
             raise ConfigError("video_timeout", f"must be > 0 seconds, got {self.video_timeout}")
         if self.train_on_prompt and self.mask_history:
@@ -176,7 +180,10 @@ class BasicParametersConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"{_PRE}.{key}") for key in ("cutoff_len", "template", "train_on_prompt", "mask_history", "enable_thinking")},
-        **{key: Alias(f"{_PRE}.{key}") for key in ("video_fps", "video_maxlen", "video_max_pixels", "video_min_pixels", "video_total_pixels")},
+        **{
+            key: Alias(f"{_PRE}.{key}")
+            for key in ("video_fps", "video_maxlen", "video_max_pixels", "video_min_pixels", "video_total_pixels")
+        },
         "preprocessing_num_workers": Alias(f"{_BASIC}.num_proc"),
         "val_dataset": Alias(f"{_BASIC}.eval_dataset"),
         "preprocessing_batch_size": Ignored("rows per tokenization call; the tokens are the same"),

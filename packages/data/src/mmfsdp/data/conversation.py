@@ -98,10 +98,12 @@ def parse_row(row: dict[str, Any], attr: AttrConfig) -> Conversation:
         if system is not None and placeholder in system:
             raise BadSample(f"{kind}_in_wrong_turn", f"the system prompt contains {placeholder}")
         if any(placeholder in texts[i] for i in range(1, len(texts), 2)):
-            raise BadSample(f"{kind}_in_wrong_turn", f"an assistant message contains {placeholder}; {kind}s belong to user turns")
+            detail = f"an assistant message contains {placeholder}; {kind}s belong to user turns"
+            raise BadSample(f"{kind}_in_wrong_turn", detail)
         num_placeholders = sum(texts[i].count(placeholder) for i in range(0, len(texts), 2))
         if num_placeholders != len(media):
-            raise BadSample(f"{kind}_count_mismatch", f"{num_placeholders} {placeholder} placeholder(s) but {len(media)} {kind}(s)")
+            detail = f"{num_placeholders} {placeholder} placeholder(s) but {len(media)} {kind}(s)"
+            raise BadSample(f"{kind}_count_mismatch", detail)
 
     turns = [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
     return Conversation(system=system, turns=turns, images=images, videos=videos)

@@ -11,14 +11,15 @@ The flow for one file:
    shape aborts the run. `max_samples` keeps the first N rows.
 2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
-   header for its grid (an opaque tuple of ints from the plugin), expand placeholders
-   into the plugin's image tokens, apply the
+   header for its grid (an opaque tuple of ints from the plugin) and each video's headers
+   for its sampled frames and grid, expand placeholders into the plugin's image and video
+   tokens, apply the
    template and labels, truncate at `cutoff_len`. A bad row keeps its reason instead
    of tokens. The result is cached as an Arrow file named by a fingerprint of the
    file, the tokenizer and every setting that changes tokens, built under a file
    lock, so concurrent ranks build it once and later runs reuse it.
 3. *`SFTDataset`* — the good rows; `dataset[i]` decodes and processes that sample's
-   images (the only pixel work, done lazily in DataLoader workers) and returns
+   images and videos (the only pixel work, done lazily in DataLoader workers) and returns
    `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
    `pixel_values`, a list of `[3, h, w]`, and `image_sizes`).
 
@@ -70,6 +71,11 @@ _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
 _MAX_JSON_DEPTH = 100
 """Deepest nesting of lists/objects a row may have (real conversations use about 4); deeper is `nested_too_deep`."""
+_EMPTY_SAMPLE = {
+    "input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [],
+    "absolute_images": 0,
+}
+"""The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
@@ -320,7 +326,10 @@ class SampleEncoder:
             processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
         )
         self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(
-            processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels, video=VideoOptions.from_config(pp),
+            processor,
+            image_max_pixels=pp.image_max_pixels,
+            image_min_pixels=pp.image_min_pixels,
+            video=VideoOptions.from_config(pp),
         )
 
     def image_path(self, path: str) -> str:
@@ -335,9 +344,16 @@ class SampleEncoder:
             raise BadSample(*row[_INVALID])
         conversation = parse_row(row, self.attr)
         if conversation.videos and not self.plugin.supports_video:
-            raise BadSample("video_not_supported", f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} (this model family) reads no video")
+            raise BadSample(
+                "video_not_supported",
+                f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} "
+                "(this model family) reads no video",
+            )
         paths = [self.image_path(p) for p in conversation.images]
-        video_paths = [media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir") for p in conversation.videos]
+        video_paths = [
+            media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir")
+            for p in conversation.videos
+        ]
         grids = [self.plugin.read_grid(p) for p in paths]
         video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
         blocks = [self.plugin.image_tokens(grid) for grid in grids]
@@ -366,14 +382,14 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        keys = ("input_ids", "labels", "images", "image_grids", "videos", "video_grids", "absolute_images", "length", "bad_reason", "bad_detail")
+        keys = (*_EMPTY_SAMPLE, "length", "bad_reason", "bad_detail")
         out: dict[str, list[Any]] = {k: [] for k in keys}
         for text in batch["row"]:
             try:
                 sample = self.encode_row(json.loads(text))
                 bad_reason = bad_detail = ""
             except BadSample as bad:
-                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [], "absolute_images": 0}
+                sample = dict(_EMPTY_SAMPLE)
                 bad_reason, bad_detail = bad.reason, bad.detail
             for key, value in sample.items():
                 out[key].append(value)
@@ -481,7 +497,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.encoder = encoder
         self.sources = [str(s) for s in sources]
         self.strict = strict
-        self._tables = [t.select_columns(["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]) for t in tables]
+        columns = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
+        self._tables = [t.select_columns(columns) for t in tables]
         refs, lengths = [], []
         counts: Counter[str] = Counter()
         self.num_rows = 0
@@ -500,7 +517,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
         """Rows skipped while preprocessing, by reason."""
         self.absolute_image_rows = absolute_rows
-        """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass `dataset_dir`)."""
+        """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass
+        `dataset_dir`)."""
 
     @property
     def processor(self) -> MMProcessor:

@@ -11,7 +11,12 @@ Every plugin implements `ImagePlugin`. The dataset sees only that protocol:
 - `token_inputs(input_ids)` -> per-token inputs besides the ids (Qwen's
   `mm_token_type_ids`; none for Pixtral).
 - `fingerprint()` -> every setting that changes tokens, for the cache key.
-- `image_token_ids` -> the ids that belong to image blocks (never trained, never cut).
+- `image_token_ids` -> the ids that belong to image (and video) blocks (never trained, never cut).
+- `supports_video` -> whether it also implements `VideoPlugin`: `read_video_grids(paths)`
+  (preprocessing, headers only: samples the frames), `video_tokens(grid)`,
+  `video_inputs(paths, grids)` (workers: decodes only the sampled frames, bounded in
+  time by `video_timeout`, see `mmfsdp.data.video`). A video row for a plugin without it
+  is a bad row (`video_not_supported`).
 
 `pixtral` (Pixtral / Mistral3 / Magistral):
 
@@ -43,7 +48,22 @@ batch (zeros at the bottom/right up to the batch's largest side).
    `[Σ t·h·w, C·T·P·P]` (patches flattened, `T` = temporal_patch_size) and
    `image_grid_thw` `[n, 3]`.
 
-Pixels are decoded only in `pixel_inputs`, i.e. in DataLoader workers.
+Videos (Qwen3-VL's semantics; `Qwen3VLVideoProcessor` from `video_preprocessor_config.json`,
+else one with the image processor's settings):
+
+1. The headers give frame count and rate; the frames are sampled by the video processor's
+   own `sample_frames` at `video_fps`, at most `video_maxlen`.
+2. Each frame is scaled into [`video_min_pixels`, `video_max_pixels`] (the max lowered to
+   the sample's share of `video_total_pixels`), then the video `smart_resize` sizes all
+   frames together; the grid is `(ceil(frames / T), h, w)`.
+3. The video becomes `<|vision_start|>`, per temporal group `<{t:.1f} seconds>`
+   `<|vision_start|>` `<|video_pad|> × h·w / merge²` `<|vision_end|>`, then
+   `<|vision_end|>` — what `Qwen3VLProcessor` (transformers 5) makes of the chat
+   template's video item; `t` is the mean time of the group's first and last frame.
+4. `video_inputs` is the video processor's own output on the decoded frames:
+   `pixel_values_videos` `[Σ t·h·w, C·T·P·P]` and `video_grid_thw` `[n, 3]`.
+
+Pixels are decoded only in `pixel_inputs` / `video_inputs`, i.e. in DataLoader workers.
 """
 
 from __future__ import annotations
@@ -224,7 +244,7 @@ def video_settings_of(image_processor: Any) -> dict[str, Any]:
         "patch_size": int(image_processor.patch_size),
         "temporal_patch_size": int(image_processor.temporal_patch_size),
         "merge_size": int(image_processor.merge_size),
-        "size": {"shortest_edge": _size_value(size, "shortest_edge"), "longest_edge": _size_value(size, "longest_edge")},
+        "size": {key: _size_value(size, key) for key in ("shortest_edge", "longest_edge")},
         "image_mean": list(image_processor.image_mean),
         "image_std": list(image_processor.image_std),
     }
@@ -424,7 +444,10 @@ class Qwen2VLPlugin:
         self.video_options = video or VideoOptions()
         self.video_processor = getattr(processor.hf_processor, "video_processor", None)
         if self.video_processor is None:
-            raise ConfigError(f"{_KEY}.image_plugin", "the qwen2_vl plugin needs an HF processor with a video_processor (build it with Qwen2VLPlugin.load_hf_processor)")
+            raise ConfigError(
+                f"{_KEY}.image_plugin",
+                "the qwen2_vl plugin needs an HF processor with a video_processor (Qwen2VLPlugin.load_hf_processor)",
+            )
         vp = self.video_processor
         self.temporal_patch_size = int(vp.temporal_patch_size)
         self.video_patch_size = int(vp.patch_size)
@@ -470,14 +493,21 @@ class Qwen2VLPlugin:
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid_thw}
 
     def token_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`mm_token_type_ids`: 1 on `<|image_pad|>`, 2 on `<|video_pad|>`, 0 elsewhere (what `Qwen3VLProcessor` returns)."""
+        """`mm_token_type_ids`: 1 on `<|image_pad|>`, 2 on `<|video_pad|>`, 0 elsewhere (as `Qwen3VLProcessor`)."""
         return {"mm_token_type_ids": (input_ids == self.image_id).long() + 2 * (input_ids == self.video_id).long()}
 
     def fingerprint(self) -> list[Any]:
         video = self.video_processor.to_dict()
         return [
-            self.name, self.patch_size, self.merge_size, self.min_pixels, self.max_pixels, type(self.video_processor).__name__,
-            json.loads(json.dumps(video, sort_keys=True, default=str)), repr(self.video_options), self._video_kwargs,
+            self.name,
+            self.patch_size,
+            self.merge_size,
+            self.min_pixels,
+            self.max_pixels,
+            type(self.video_processor).__name__,
+            json.loads(json.dumps(video, sort_keys=True, default=str)),
+            repr(self.video_options),
+            self._video_kwargs,
         ]
 
     def describe(self, grid: tuple[int, ...]) -> str:
@@ -495,11 +525,14 @@ class Qwen2VLPlugin:
         at `video_fps`, at most `video_maxlen` frames)."""
         from transformers.video_utils import VideoMetadata
 
-        metadata = VideoMetadata(total_num_frames=info.num_frames, fps=float(info.fps), width=info.width, height=info.height, duration=info.duration)
+        metadata = VideoMetadata(
+            total_num_frames=info.num_frames, fps=float(info.fps), width=info.width, height=info.height,
+            duration=info.duration,
+        )
         return [int(i) for i in self._sampler.sample_frames(metadata, fps=self.video_options.fps)]
 
     def video_resize(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
-        """(height, width) the video processor resizes `num_frames` frames of this size to (HF's video `smart_resize`)."""
+        """(height, width) the video processor resizes `num_frames` frames of this size to (its `smart_resize`)."""
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
         factor = self.video_patch_size * self.video_merge_size
@@ -507,7 +540,10 @@ class Qwen2VLPlugin:
         if self.cap_pixels_per_frame:
             frame_cap = int(getattr(self.video_processor, "max_video_tokens", 768)) * factor * factor
             max_pixels = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05)) * num_frames
-        return smart_resize(num_frames, height, width, temporal_factor=self.temporal_patch_size, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return smart_resize(
+            num_frames, height, width, temporal_factor=self.temporal_patch_size, factor=factor,
+            min_pixels=min_pixels, max_pixels=max_pixels,
+        )
 
     def read_video_grids(self, paths: list[str]) -> list[tuple[int, ...]]:
         """Per video: `(t, h, w, width, height, frame_width, frame_height, fps_num, fps_den, *frame_indices)`.
@@ -521,17 +557,25 @@ class Qwen2VLPlugin:
         grids = []
         for path, info, frames in zip(paths, infos, indices):
             if len(frames) < self.temporal_patch_size:
-                raise BadSample("unsupported_video", f"{path} gives {len(frames)} sampled frame(s) ({info.num_frames} in all); Qwen3-VL needs at least temporal_patch_size = {self.temporal_patch_size}")
+                raise BadSample(
+                    "unsupported_video",
+                    f"{path} gives {len(frames)} sampled frame(s) ({info.num_frames} in all); Qwen3-VL needs at least "
+                    f"temporal_patch_size = {self.temporal_patch_size}",
+                )
             width, height = scale_to_pixel_limits(info.width, info.height, frame_max, self.video_options.min_pixels)
             if width < 1 or height < 1:
-                raise BadSample("unsupported_video", f"{path} is {info.width}x{info.height}, too thin to scale to the video pixel limits")
+                detail = f"{path} is {info.width}x{info.height}, too thin to scale to the video pixel limits"
+                raise BadSample("unsupported_video", detail)
             try:
                 resized_h, resized_w = self.video_resize(len(frames), height, width)
             except ValueError as err:
-                raise BadSample("unsupported_video", f"{path} is {info.width}x{info.height}, which the Qwen3-VL video processor cannot resize ({err})") from None
+                detail = f"{path} is {info.width}x{info.height}, which the Qwen3-VL video processor cannot resize"
+                detail += f" ({err})"
+                raise BadSample("unsupported_video", detail) from None
             t = -(-len(frames) // self.temporal_patch_size)
-            grid = (t, resized_h // self.video_patch_size, resized_w // self.video_patch_size, info.width, info.height, width, height)
-            grids.append((*grid, info.fps.numerator, info.fps.denominator, *frames))
+            patches = (t, resized_h // self.video_patch_size, resized_w // self.video_patch_size)
+            sizes = (info.width, info.height, width, height)
+            grids.append((*patches, *sizes, info.fps.numerator, info.fps.denominator, *frames))
         return grids
 
     def frame_times(self, grid: tuple[int, ...]) -> list[float]:
@@ -548,9 +592,10 @@ class Qwen2VLPlugin:
         return [(times[i] + times[i + size - 1]) / 2 for i in range(0, len(times), size)]
 
     def video_tokens(self, grid: tuple[int, ...]) -> list[int]:
-        """`<|vision_start|>`, then per temporal group `<{t:.1f} seconds><|vision_start|><|video_pad|>×n<|vision_end|>`,
-        then `<|vision_end|>` — transformers' expansion of the chat template's `<|vision_start|><|video_pad|><|vision_end|>`
-        (it replaces only the pad, so the outer pair stays)."""
+        """`<|vision_start|>`, then per temporal group
+        `<{t:.1f} seconds><|vision_start|><|video_pad|>×n<|vision_end|>`, then `<|vision_end|>`: transformers'
+        expansion of the chat template's `<|vision_start|><|video_pad|><|vision_end|>` (it replaces only the pad, so
+        the outer pair stays)."""
         t, h, w = grid[:3]
         per_group = h * w // self.video_merge_size**2
         stamps = self.processor.encode_texts([f"<{time:.1f} seconds>" for time in self.group_times(grid)])
@@ -561,22 +606,27 @@ class Qwen2VLPlugin:
         return ids + [self.end_id]
 
     def video_inputs(self, paths: list[str], grids: list[tuple[int, ...]]) -> dict[str, Any]:
-        """`pixel_values_videos` `[Σ t·h·w, C·T·P·P]` and `video_grid_thw` `[n, 3]`, as the video processor returns them
-        for the decoded sampled frames."""
+        """`pixel_values_videos` `[Σ t·h·w, C·T·P·P]` and `video_grid_thw` `[n, 3]`, as the video processor
+        returns them for the decoded sampled frames."""
         videos = []
         for path, grid in zip(paths, grids):
             width, height, frame_w, frame_h = grid[3:7]
             frames = decode_frames(path, list(grid[9:]), timeout_s=self.video_options.timeout_s)
             if frames.shape[1:3] != (height, width):
-                raise BadSample("corrupt_video", f"{path} decodes to {frames.shape[2]}x{frames.shape[1]} frames, not the {width}x{height} of its header")
+                detail = f"{path} decodes to {frames.shape[2]}x{frames.shape[1]} frames, not its header's"
+                detail += f" {width}x{height}"
+                raise BadSample("corrupt_video", detail)
             if (frame_w, frame_h) != (width, height):
-                frames = np.stack([np.asarray(Image.fromarray(f).resize((frame_w, frame_h), Image.Resampling.BICUBIC)) for f in frames])
+                resize = Image.Resampling.BICUBIC
+                frames = np.stack([np.asarray(Image.fromarray(f).resize((frame_w, frame_h), resize)) for f in frames])
             videos.append(frames)
         out = self.video_processor(videos=videos, **self._video_kwargs)
         grid_thw = torch.as_tensor(out["video_grid_thw"], dtype=torch.long).reshape(-1, 3)
         for path, grid, got in zip(paths, grids, grid_thw.tolist()):
             if tuple(got) != tuple(grid[:3]):
-                raise BadSample("corrupt_video", f"{path} now gives a {got} grid, not the {list(grid[:3])} it was tokenized with; clear the cache")
+                detail = f"{path} now gives a {got} grid, not the {list(grid[:3])} it was tokenized with"
+                detail += "; clear the cache"
+                raise BadSample("corrupt_video", detail)
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid_thw}
 
     def describe_video(self, grid: tuple[int, ...]) -> str:
@@ -584,8 +634,8 @@ class Qwen2VLPlugin:
         n = t * h * w // self.video_merge_size**2
         times = ", ".join(f"{time:.2f}" for time in self.frame_times(grid))
         return (
-            f"{len(grid) - 9} frames at {times} s ({grid[5]}x{grid[6]} px) -> grid {t}x{h}x{w} patches -> {n} <|video_pad|> "
-            f"in {t} groups, {len(self.video_tokens(grid))} tokens with timestamps"
+            f"{len(grid) - 9} frames at {times} s ({grid[5]}x{grid[6]} px) -> grid {t}x{h}x{w} patches -> "
+            f"{n} <|video_pad|> in {t} groups, {len(self.video_tokens(grid))} tokens with timestamps"
         )
 
     def video_label(self, grid: tuple[int, ...]) -> str:

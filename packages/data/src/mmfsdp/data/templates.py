@@ -99,7 +99,9 @@ class Template(ABC):
         """What of the template changes the tokens (part of the dataset cache key)."""
         return [self.name, self.train_on_prompt, self.mask_history]
 
-    def _user_parts(self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = "") -> list[Part]:
+    def _user_parts(
+        self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = ""
+    ) -> list[Part]:
         """A user message's text runs with its image and video blocks in place of the placeholders."""
         parts: list[Part] = []
         for j, piece in enumerate(_PLACEHOLDERS.split(user)):

@@ -16,8 +16,8 @@ Bounded in time: every packet and every frame checks a deadline (`timeout_s` per
 counted from opening the file), so a stream that decodes slowly or never ends is abandoned
 (`video_timeout`) after at most the deadline plus one packet's decode; `av.open` gets the
 same bound as its open and per-read timeout (FFmpeg's interrupt callback, so a read that
-blocks — a stalled network file system — is interrupted too). A file that yields fewer frames than its header announced
-(truncated, corrupt) is `corrupt_video`.
+blocks — a stalled network file system — is interrupted too). A file that yields fewer
+frames than its header announced (truncated, corrupt) is `corrupt_video`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ import numpy as np
 
 from mmfsdp.data.errors import BadSample
 
-__all__ = ["MAX_VIDEO_DURATION_S", "MAX_VIDEO_FRAME_PIXELS", "VIDEO_TIMEOUT_S", "VideoInfo", "VideoOptions", "decode_frames", "read_video_info"]
+__all__ = [
+    "MAX_VIDEO_DURATION_S",
+    "MAX_VIDEO_FRAME_PIXELS",
+    "VIDEO_TIMEOUT_S",
+    "VideoInfo",
+    "VideoOptions",
+    "decode_frames",
+    "read_video_info",
+]
 
 MAX_VIDEO_FRAME_PIXELS = 8192 * 8192
 """Largest frame (width × height) a video may have; larger is `unsupported_video` (one frame would take 200 MB)."""
@@ -66,7 +74,9 @@ def _open(path: str, timeout_s: float):
     except av.error.ExitError:  # FFmpeg's interrupt callback: the open/read timeout fired
         raise BadSample("video_timeout", f"{path}: opening it took over {timeout_s:g} s") from None
     except Exception as err:  # PyAV raises FFmpeg's many error types (InvalidDataError, ...) for unreadable files
-        raise BadSample("corrupt_video", f"{path} is not a readable video container ({type(err).__name__}: {err})") from None
+        raise BadSample(
+            "corrupt_video", f"{path} is not a readable video container ({type(err).__name__}: {err})"
+        ) from None
 
 
 def _video_stream(container, path: str):
@@ -79,7 +89,9 @@ def _video_stream(container, path: str):
     try:
         av.Codec(name, "r")
     except Exception:
-        raise BadSample("unsupported_video", f"{path}: its codec {name!r} cannot be decoded by PyAV's bundled FFmpeg") from None
+        raise BadSample(
+            "unsupported_video", f"{path}: its codec {name!r} cannot be decoded by PyAV's bundled FFmpeg"
+        ) from None
     return stream
 
 
@@ -102,10 +114,17 @@ def read_video_info(path: str, *, timeout_s: float = VIDEO_TIMEOUT_S) -> VideoIn
     if num_frames < 1:
         raise BadSample("corrupt_video", f"{path}: the video stream has no frames")
     if width < 1 or height < 1 or width * height > MAX_VIDEO_FRAME_PIXELS:
-        raise BadSample("unsupported_video", f"{path} is {width}x{height}; frames must have between 1 and {MAX_VIDEO_FRAME_PIXELS} pixels")
+        raise BadSample(
+            "unsupported_video",
+            f"{path} is {width}x{height}; frames must have between 1 and {MAX_VIDEO_FRAME_PIXELS} pixels",
+        )
     duration = float(num_frames / fps)
     if duration > MAX_VIDEO_DURATION_S:
-        raise BadSample("unsupported_video", f"{path} lasts {duration:.0f} s ({num_frames} frames at {float(fps):g} fps), over {MAX_VIDEO_DURATION_S:.0f} s")
+        raise BadSample(
+            "unsupported_video",
+            f"{path} lasts {duration:.0f} s ({num_frames} frames at {float(fps):g} fps), "
+            f"over {MAX_VIDEO_DURATION_S:.0f} s",
+        )
     return VideoInfo(num_frames=num_frames, fps=fps, duration=duration, width=width, height=height, codec=codec)
 
 
@@ -125,7 +144,11 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
 
     def overdue() -> None:
         if time.monotonic() > deadline:
-            raise BadSample("video_timeout", f"{path}: decoding {len(indices)} frames up to frame {last} took over {timeout_s:g} s (at frame {seen})")
+            raise BadSample(
+                "video_timeout",
+                f"{path}: decoding {len(indices)} frames up to frame {last} took over {timeout_s:g} s "
+                f"(at frame {seen})",
+            )
 
     import av
 
@@ -153,7 +176,10 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
         container.close()
     if seen <= last:
         what = "no decodable frames" if seen == 0 else f"only {seen} decodable frames"
-        raise BadSample("corrupt_video", f"{path} has {what}, but frame {last} was sampled from its header (truncated or damaged file)")
+        raise BadSample(
+            "corrupt_video",
+            f"{path} has {what}, but frame {last} was sampled from its header (truncated or damaged file)",
+        )
     shapes = {f.shape for f in frames if f is not None}
     if len(shapes) != 1:
         raise BadSample("corrupt_video", f"{path}: the frame size changes within the stream ({sorted(shapes)})")
@@ -181,8 +207,12 @@ class VideoOptions:
     def from_config(cls, pp) -> VideoOptions:
         """From a `PreprocessParametersConfig`."""
         return cls(
-            fps=pp.video_fps, maxlen=pp.video_maxlen, max_pixels=pp.video_max_pixels, min_pixels=pp.video_min_pixels,
-            total_pixels=pp.video_total_pixels, timeout_s=pp.video_timeout,
+            fps=pp.video_fps,
+            maxlen=pp.video_maxlen,
+            max_pixels=pp.video_max_pixels,
+            min_pixels=pp.video_min_pixels,
+            total_pixels=pp.video_total_pixels,
+            timeout_s=pp.video_timeout,
         )
 
     def frame_max_pixels(self, num_frames_in_sample: int) -> int | None:

@@ -137,7 +137,13 @@ class ModelEntry:
             )
 
     def check_data(
-        self, *, template: str | None, image_plugin: str | None, collator: str | None, packing: bool, videos: bool = False
+        self,
+        *,
+        template: str | None,
+        image_plugin: str | None,
+        collator: str | None,
+        packing: bool,
+        videos: bool = False,
     ) -> list[ConfigError]:
         """The data choices of a config against the family's declarations: each of template, image plugin (the
         configured one, or the template's default) and collator must be one the family lists in `data` (None:
