@@ -49,18 +49,18 @@ def test_corrupt_and_missing_files(encoder, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_truncated_file(encoder, tmp_path, h):
-    whole = h.write_video(tmp_path / "whole.avi", 12, 48, 32)
-    data = open(whole, "rb").read()
-    (tmp_path / "cut.avi").write_bytes(data[: len(data) // 2])
-    grid = None
-    try:
-        grid = encoder.encode_row(_row(["cut.avi"]))["video_grids"][0]
-    except BadSample as bad:  # the header already shows the damage
-        assert bad.reason == "corrupt_video"
-    if grid is not None:  # the header still announces every frame: the decode finds them missing
-        with pytest.raises(BadSample, match="decodable frames") as bad:
-            encoder.plugin.video_inputs([str(tmp_path / "cut.avi")], [tuple(grid)])
+    """Matroska keeps its duration in the front header: a cut file still announces 12 frames, and the worker finds
+    only the first ones (cut at 90 %) or none (cut inside the first, key, frame)."""
+    data = open(h.write_video(tmp_path / "whole.mkv", 12, 48, 32), "rb").read()
+    for name, keep, found in (("cut.mkv", 9 / 10, "only 6 decodable frames"), ("stub.mkv", 1 / 3, "no decodable frames")):
+        (tmp_path / name).write_bytes(data[: int(len(data) * keep)])
+        sample = encoder.encode_row(_row([name]))
+        assert sample["video_grids"][0][9:] == [0, 4, 7, 11]  # sampled from the header's 12 frames at 8 fps
+        with pytest.raises(BadSample, match=found) as bad:
+            encoder.plugin.video_inputs(sample["videos"], [tuple(g) for g in sample["video_grids"]])
         assert bad.value.reason == "corrupt_video"
+    (tmp_path / "cut.avi").write_bytes(open(h.write_video(tmp_path / "whole.avi", 12, 48, 32), "rb").read()[:2000])
+    assert _reason(encoder, _row(["cut.avi"])) == "corrupt_video"  # AVI: the damage already shows in the header
 
 
 def _reason_anywhere(encoder, row) -> str:
