@@ -52,7 +52,8 @@ def test_truncated_file(encoder, tmp_path, h):
     """Matroska keeps its duration in the front header: a cut file still announces 12 frames, and the worker finds
     only the first ones (cut at 90 %) or none (cut inside the first, key, frame)."""
     data = open(h.write_video(tmp_path / "whole.mkv", 12, 48, 32), "rb").read()
-    for name, keep, found in (("cut.mkv", 9 / 10, "only 6 decodable frames"), ("stub.mkv", 1 / 3, "no decodable frames")):
+    cuts = (("cut.mkv", 9 / 10, "only 6 decodable frames"), ("stub.mkv", 1 / 3, "no decodable frames"))
+    for name, keep, found in cuts:
         (tmp_path / name).write_bytes(data[: int(len(data) * keep)])
         sample = encoder.encode_row(_row([name]))
         assert sample["video_grids"][0][9:] == [0, 4, 7, 11]  # sampled from the header's 12 frames at 8 fps
