@@ -32,7 +32,7 @@ import families.llava  # noqa: F401  (registers the test-only family)
 from mmfsdp.ckpt.adapters import plan_from_hf, plan_to_hf
 from mmfsdp.config import ConfigError
 from mmfsdp.data.collators import collator_names
-from mmfsdp.data.plugins import plugin_names
+from mmfsdp.data.plugins import get_plugin, plugin_names
 from mmfsdp.data.templates import template_names
 from mmfsdp.model import ModelConfig, compute_loss_weights, get_model_entry, registered_model_ids, shift_labels
 from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
@@ -222,6 +222,11 @@ def test_contract_data_pieces_are_the_familys_own(family):
     if not entry.capabilities.packing:
         (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=True)
         assert error.key == "data.dataset_param.basic_parameters.packing"
+    if entry.capabilities.video:  # a family declaring video reads it with its own image plugin
+        assert own.image_plugins and get_plugin(own.image_plugins[0]).supports_video
+    else:
+        (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=False, videos=True)
+        assert error.key == "data.dataset_param.attr.videos" and "\n" not in str(error)
 
 
 _MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm")

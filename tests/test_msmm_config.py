@@ -123,6 +123,13 @@ def test_the_magistral_layout_means_what_it_says(paths, tmp_path):
 # (their key, a value, our key, the value we expect): every `Alias` with a target of every section.
 ALIASES = [
     ("data.dataset_param.basic_parameters.cutoff_len", 77, "data.dataset_param.preprocess_parameters.cutoff_len", 77),
+    *(
+        (f"data.dataset_param.basic_parameters.{key}", value, f"data.dataset_param.preprocess_parameters.{key}", value)
+        for key, value in (
+            ("video_fps", 1.0), ("video_maxlen", 16), ("video_max_pixels", 4096), ("video_min_pixels", 256),
+            ("video_total_pixels", 100_000),
+        )
+    ),
     (
         "data.dataset_param.basic_parameters.template",
         "qwen3_vl",
@@ -322,9 +329,9 @@ def test_the_warning_is_logged_once_and_on_rank_0_only(tmp_path, monkeypatch):
             "set it to lm_head",
         ),
         (
-            "data:\n  dataset_param:\n    attr:\n      videos: videos\n",
-            "data.dataset_param.attr.videos",
-            "video rows are not supported",
+            "data:\n  dataset_param:\n    attr:\n      audios: audios\n",
+            "data.dataset_param.attr.audios",
+            "audio rows are not supported",
         ),
         ("tools:\n  profile:\n    profile_type: dynamic\n", "tools.profile.profile_type", "set it to static"),
     ],

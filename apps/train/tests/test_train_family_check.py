@@ -64,3 +64,15 @@ def test_context_parallel_on_a_family_that_does_not_declare_it(capsys, tmp_path)
         f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'llava'; its entry lists no image_plugins",
         f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'llava'; its entry lists no collators",
     ]
+
+
+def test_a_video_column_needs_a_family_with_video(capsys, tmp_path):
+    """qwen3_vl declares video; mistral3 (examples/tiny) does not: asking it for videos is one line."""
+    code, lines = _check_lines(capsys, tmp_path, QWEN3VL, "data.dataset_param.attr.videos=videos")
+    assert code == 0 and not lines
+    tiny = ROOT / "examples" / "tiny" / "config.yaml"
+    code, lines = _check_lines(capsys, tmp_path, tiny, "data.dataset_param.attr.videos=videos")
+    assert code == 2 and lines == [
+        "config error: data.dataset_param.attr.videos: is set, but model_id 'mistral3' takes no video input (its "
+        "entry does not declare capabilities.video); set it to null and drop the video rows"
+    ]

@@ -122,6 +122,29 @@ def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = 
     return str(path)
 
 
+def write_video(
+    path: Path, num_frames: int, width: int, height: int, fps: Any = 8, codec: str = "mpeg4", seed: int = 0
+) -> str:
+    """A clip of a white square moving right over noise, written with PyAV (its wheels have mpeg4 and libx264);
+    returns its path."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    background = rng.integers(0, 128, (height, width, 3), dtype=np.uint8)
+    side = max(2, min(width, height) // 4)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            frame = background.copy()
+            x = (i * max(1, (width - side) // max(1, num_frames - 1))) % (width - side + 1)
+            frame[height // 3 : height // 3 + side, x : x + side] = 255
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return str(path)
+
+
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     with open(path, "w") as f:
         for row in rows:
@@ -134,6 +157,7 @@ class Helpers:
 
     data_config = staticmethod(data_config)
     write_image = staticmethod(write_image)
+    write_video = staticmethod(write_video)
     write_jsonl = staticmethod(write_jsonl)
 
 

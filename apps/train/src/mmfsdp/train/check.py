@@ -84,8 +84,9 @@ def model_check(cfg: Config) -> list[ConfigError]:
 
 
 def _family_data(cfg: Config) -> list[ConfigError]:
-    """Template, image plugin and collator must be ones the model family lists, and packing one it supports
-    (`ModelEntry.check_data`); context and expert parallel are the entry's `validate_parallel` (step 1). An
+    """Template, image plugin and collator must be ones the model family lists, and packing and a video column
+    (`attr.videos`) ones it supports (`ModelEntry.check_data`); context and expert parallel are the entry's
+    `validate_parallel` (step 1). An
     unknown name is left to `_registry_names`, an unknown model id to the model section."""
     from mmfsdp.data import get_collator, get_plugin, get_template
     from mmfsdp.model import get_model_entry
@@ -107,6 +108,7 @@ def _family_data(cfg: Config) -> list[ConfigError]:
         image_plugin=registered(get_plugin, plugin),
         collator=registered(get_collator, cfg.data.dataloader_param.collate_param.model_name),
         packing=cfg.data.dataset_param.basic_parameters.packing,
+        videos=cfg.data.dataset_param.attr.videos is not None,
     )
 
 

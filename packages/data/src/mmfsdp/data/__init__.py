@@ -34,7 +34,8 @@ from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
 from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, has_eval_data, prepare_dataset, register_dataset_type
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
-from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, get_plugin, register_plugin
+from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, VideoPlugin, get_plugin, register_plugin
+from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
 from mmfsdp.data.build import build_processor
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, MistralTemplate, Qwen3VLNoThinkTemplate, Qwen3VLTemplate, Template, get_template, register_template
@@ -55,6 +56,11 @@ __all__ = [
     "IGNORE_INDEX",
     "IMAGE_PLACEHOLDER",
     "ImagePlugin",
+    "VideoInfo",
+    "VideoOptions",
+    "VideoPlugin",
+    "decode_frames",
+    "read_video_info",
     "KeySpec",
     "MMProcessor",
     "MistralTemplate",

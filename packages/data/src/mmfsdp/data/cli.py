@@ -33,8 +33,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="show one preprocessed sample",
         description=(
             "Show one sample exactly as the model will see it: the decoded text with the trained "
-            f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image block shown as its grid, the token "
-            "count and each image's grid and processed size. Builds (or reuses) the tokenized cache. "
+            f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image or video block shown as its grid, the token "
+            "count, each image's grid and processed size, and each video's sampled frame times, grid and token "
+            "count. Builds (or reuses) the tokenized cache. "
             "Overrides may come before or after the options."
         ),
     )
@@ -42,7 +43,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     inspect.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied to the YAML first, e.g. data.dataset_param.preprocess_parameters.cutoff_len=2048")
     inspect.add_argument("--index", type=int, default=0, help="sample index after bad rows are removed (default 0); negative counts from the end")
     inspect.add_argument("--split", choices=("train", "eval"), default="train", help="which dataset: train = basic_parameters.dataset, eval = basic_parameters.eval_dataset (default train)")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object with input_ids, labels, image_sizes (and grids, source file and row) instead of text")
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with input_ids, labels, image_sizes (and image and video grids, frame times, "
+        "source file and row) instead of text",
+    )
     return parser, inspect
 
 
@@ -59,12 +65,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _render(ids: list[int], labels: list[int], processor: Any, plugin: Any, grids: list[tuple[int, ...]]) -> str:
-    """Decoded text; each image block collapses to `<image LABEL>` (the plugin's label of its grid); trained runs are bracketed."""
+def _render(
+    ids: list[int], labels: list[int], processor: Any, plugin: Any, grids: list[tuple[int, ...]],
+    video_grids: list[tuple[int, ...]] = (),
+) -> str:
+    """Decoded text; each image block collapses to `<image LABEL>`, each video block to `<video LABEL>` (the plugin's
+    labels of their grids); trained runs are bracketed."""
     out: list[str] = []
     run: list[int] = []
     run_trained = False
     blocks = iter(grids)
+    videos = iter(video_grids)
+    next_video = next(videos, None)
 
     def flush() -> None:
         if run:
@@ -74,6 +86,14 @@ def _render(ids: list[int], labels: list[int], processor: Any, plugin: Any, grid
 
     i = 0
     while i < len(ids):
+        if next_video is not None and ids[i : i + 1] == plugin.video_tokens(next_video)[:1]:
+            tokens = plugin.video_tokens(next_video)
+            if ids[i : i + len(tokens)] == tokens:  # media blocks come in text order; a video's starts like an image's
+                flush()
+                out.append(f"<video {plugin.video_label(next_video)}>")
+                i += len(tokens)
+                next_video = next(videos, None)
+                continue
         if ids[i] in plugin.image_token_ids:
             flush()
             grid = next(blocks)
@@ -110,6 +130,7 @@ def _inspect(args: argparse.Namespace) -> int:
     source, row = dataset.location(index)
     ids, labels = list(record["input_ids"]), list(record["labels"])
     image_sizes = item["image_sizes"].tolist() if "image_sizes" in item else []
+    plugin = dataset.encoder.plugin
     if args.json:
         print(
             json.dumps(
@@ -123,23 +144,28 @@ def _inspect(args: argparse.Namespace) -> int:
                     "image_sizes": image_sizes,
                     "image_grids": record["image_grids"],
                     "images": record["images"],
+                    "video_grids": record["video_grids"],
+                    "videos": record["videos"],
+                    "video_frame_times": [plugin.frame_times(tuple(g)) for g in record["video_grids"]],
                     **({"bad_reason": item["bad_reason"], "bad_detail": item["bad_detail"]} if "bad_reason" in item else {}),
                 }
             )
         )
         return 0
-    plugin = dataset.encoder.plugin
     trained = sum(1 for t in labels if t != -100)
     print(f"sample {index} of {len(dataset)} ({args.split}): {source} row {row}")
     print(f"tokens: {len(ids)} (trained: {trained}, cutoff_len: {dataset.encoder.cutoff_len})")
     if "bad_reason" in item:
-        print(f"images: cannot be loaded: {item['bad_reason']}: {item['bad_detail']}")
+        print(f"media: cannot be loaded: {item['bad_reason']}: {item['bad_detail']}")
     grids = [tuple(g) for g in record["image_grids"]]
     for k, (path, grid) in enumerate(zip(record["images"], grids)):
         size = f", processed to {image_sizes[k][0]}x{image_sizes[k][1]} px" if image_sizes else ""
         print(f"image {k}: {path}: {plugin.describe(grid)}{size}")
+    video_grids = [tuple(g) for g in record["video_grids"]]
+    for k, (path, grid) in enumerate(zip(record["videos"], video_grids)):
+        print(f"video {k}: {path}: {plugin.describe_video(grid)}")
     print(f"text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
-    print(_render(ids, labels, dataset.processor, plugin, grids))
+    print(_render(ids, labels, dataset.processor, plugin, grids, video_grids))
     return 0
 
 

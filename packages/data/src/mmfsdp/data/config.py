@@ -11,6 +11,7 @@ check (it passes the multiple into `build_dataloader`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -41,6 +42,9 @@ class AttrConfig:
     """Column holding the list of messages (`conversations` for sharegpt files)."""
     images: str | None = "images"
     """Column holding the image paths (a list, or one string), relative to `basic_parameters.dataset_dir`; null = text only."""
+    videos: str | None = None
+    """Column holding the video paths (a list, or one string), relative to `basic_parameters.dataset_dir`, one per
+    `<video>` placeholder; null = no video column (MindSpeed-MM's Qwen3-VL configs set `videos`)."""
     system: str | None = None
     """Column holding a per-row system prompt; null = only a leading system message counts."""
     role_tag: str = "role"
@@ -55,7 +59,6 @@ class AttrConfig:
     """Role value of a system message (allowed only as the first message); null = none."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
-        "videos": Ignored("video rows are not supported, only images", allowed=(None,)),
         "audios": Ignored("audio rows are not supported", allowed=(None,)),
         "tools": Ignored("tool-calling rows are not supported", allowed=(None,)),
         "observation_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
@@ -93,6 +96,20 @@ class PreprocessParametersConfig:
     """Downscale images with more pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
     image_min_pixels: int | None = None
     """Upscale images with fewer pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
+    video_fps: float = 2.0
+    """Frames sampled per second of video (before `video_maxlen` caps them), as Qwen3-VL's video processor samples."""
+    video_maxlen: int = 128
+    """Most frames sampled from one video."""
+    video_max_pixels: int | None = None
+    """Downscale each video frame with more pixels than this (aspect kept) before the video processor; null = none."""
+    video_min_pixels: int | None = None
+    """Upscale each video frame with fewer pixels than this (aspect kept) before the video processor; null, 0 = none."""
+    video_total_pixels: int | None = None
+    """Budget of one sample's video pixels (all sampled frames of all its videos): each frame's limit becomes at most
+    this ÷ the sample's frame count (never under `video_min_pixels`), so a long video shrinks its frames instead of
+    blowing a micro-batch; null = no budget."""
+    video_timeout: float = 60.0
+    """Seconds one video may take to open or to decode its sampled frames before it is skipped (`video_timeout`)."""
     train_on_prompt: bool = False
     """Also train on system and user text (image tokens stay masked)."""
     mask_history: bool = False
@@ -102,10 +119,6 @@ class PreprocessParametersConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "split_special_tokens": Ignored("control-token strings inside message text are always read as plain text"),
-        "video_max_pixels": Ignored("video settings; video rows are not supported"),
-        "video_min_pixels": Ignored("video settings; video rows are not supported"),
-        "video_fps": Ignored("video settings; video rows are not supported"),
-        "video_maxlen": Ignored("video settings; video rows are not supported"),
     }
 
     def __post_init__(self) -> None:
@@ -117,6 +130,21 @@ class PreprocessParametersConfig:
                 raise ConfigError(key, f"must be >= 1 or null, got {value}")
         if self.image_max_pixels is not None and self.image_min_pixels is not None and self.image_min_pixels > self.image_max_pixels:
             raise ConfigError("image_min_pixels", f"{self.image_min_pixels} is larger than image_max_pixels {self.image_max_pixels}")
+        if not (self.video_fps > 0 and math.isfinite(self.video_fps)):
+            raise ConfigError("video_fps", f"must be a positive number, got {self.video_fps}")
+        if self.video_maxlen < 1:
+            raise ConfigError("video_maxlen", f"must be >= 1, got {self.video_maxlen}")
+        for key in ("video_max_pixels", "video_total_pixels"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(key, f"must be >= 1 or null, got {value}")
+        if self.video_min_pixels is not None and self.video_min_pixels < 0:
+            raise ConfigError("video_min_pixels", f"must be >= 0 or null, got {self.video_min_pixels}")
+        low, high = self.video_min_pixels, self.video_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ConfigError("video_min_pixels", f"{low} is larger than video_max_pixels {high}")
+        if not self.video_timeout > 0:
+            raise ConfigError("video_timeout", f"must be > 0 seconds, got {self.video_timeout}")
         if self.train_on_prompt and self.mask_history:
             raise ConfigError("mask_history", "cannot be combined with train_on_prompt; set one of them to false")
 
@@ -152,6 +180,10 @@ class BasicParametersConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"{_PRE}.{key}") for key in ("cutoff_len", "template", "train_on_prompt", "mask_history", "enable_thinking")},
+        **{
+            key: Alias(f"{_PRE}.{key}")
+            for key in ("video_fps", "video_maxlen", "video_max_pixels", "video_min_pixels", "video_total_pixels")
+        },
         "preprocessing_num_workers": Alias(f"{_BASIC}.num_proc"),
         "val_dataset": Alias(f"{_BASIC}.eval_dataset"),
         "preprocessing_batch_size": Ignored("rows per tokenization call; the tokens are the same"),

@@ -1,4 +1,4 @@
-"""One dataset row -> a checked `Conversation` (system prompt, user/assistant turns, image paths).
+"""One dataset row -> a checked `Conversation` (system prompt, user/assistant turns, image and video paths).
 
 Rows are role-tagged message lists; `AttrConfig` names the columns and role values,
 so the mllm format (`messages` / `role` / `content`) and sharegpt
@@ -8,16 +8,18 @@ raises `BadSample` with its reason; image files are checked later by the plugin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmfsdp.data.config import AttrConfig
 from mmfsdp.data.errors import BadSample
 
-__all__ = ["IMAGE_PLACEHOLDER", "Conversation", "parse_row"]
+__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "Conversation", "parse_row"]
 
 IMAGE_PLACEHOLDER = "<image>"
 """Marks where an image goes in a user message; the i-th placeholder is the row's i-th image."""
+VIDEO_PLACEHOLDER = "<video>"
+"""Marks where a video goes in a user message; the i-th placeholder is the row's i-th video."""
 
 
 @dataclass(slots=True)
@@ -28,18 +30,20 @@ class Conversation:
     """(user text, assistant text) pairs in order; user text may hold image placeholders."""
     images: list[str]
     """Image paths as written in the row, one per placeholder."""
+    videos: list[str] = field(default_factory=list)
+    """Video paths as written in the row, one per `<video>` placeholder."""
 
 
-def _images_of(row: dict[str, Any], attr: AttrConfig) -> list[str]:
-    if attr.images is None:
+def _paths_of(row: dict[str, Any], column: str | None, kind: str) -> list[str]:
+    if column is None:
         return []
-    value = row.get(attr.images)
+    value = row.get(column)
     if value is None:
         return []
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
-        raise BadSample("bad_content", f"column {attr.images!r} must be an image path or a list of paths, got {value!r:.80}")
+        raise BadSample("bad_content", f"column {column!r} must be {kind} path or a list of paths, got {value!r:.80}")
     return list(value)
 
 
@@ -69,8 +73,9 @@ def parse_row(row: dict[str, Any], attr: AttrConfig) -> Conversation:
             raise BadSample("wrong_role_order", f"message {i} has unknown role {role!r}")
         texts.append(text)
 
-    images = _images_of(row, attr)
-    if not images and not any(t.strip() for t in texts):
+    images = _paths_of(row, attr.images, "an image")
+    videos = _paths_of(row, attr.videos, "a video")
+    if not images and not videos and not any(t.strip() for t in texts):
         raise BadSample("empty_conversation", "every message is empty")
 
     system = None
@@ -89,13 +94,16 @@ def parse_row(row: dict[str, Any], attr: AttrConfig) -> Conversation:
     if roles != expected[: len(roles)] or len(roles) % 2:
         raise BadSample("wrong_role_order", f"roles must alternate user, assistant, ... and end with assistant; got {', '.join(roles)}")
 
-    if system is not None and IMAGE_PLACEHOLDER in system:
-        raise BadSample("image_in_wrong_turn", f"the system prompt contains {IMAGE_PLACEHOLDER}")
-    if any(IMAGE_PLACEHOLDER in texts[i] for i in range(1, len(texts), 2)):
-        raise BadSample("image_in_wrong_turn", f"an assistant message contains {IMAGE_PLACEHOLDER}; images belong to user turns")
-    num_placeholders = sum(texts[i].count(IMAGE_PLACEHOLDER) for i in range(0, len(texts), 2))
-    if num_placeholders != len(images):
-        raise BadSample("image_count_mismatch", f"{num_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)")
+    for placeholder, media, kind in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+        if system is not None and placeholder in system:
+            raise BadSample(f"{kind}_in_wrong_turn", f"the system prompt contains {placeholder}")
+        if any(placeholder in texts[i] for i in range(1, len(texts), 2)):
+            detail = f"an assistant message contains {placeholder}; {kind}s belong to user turns"
+            raise BadSample(f"{kind}_in_wrong_turn", detail)
+        num_placeholders = sum(texts[i].count(placeholder) for i in range(0, len(texts), 2))
+        if num_placeholders != len(media):
+            detail = f"{num_placeholders} {placeholder} placeholder(s) but {len(media)} {kind}(s)"
+            raise BadSample(f"{kind}_count_mismatch", detail)
 
     turns = [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
-    return Conversation(system=system, turns=turns, images=images)
+    return Conversation(system=system, turns=turns, images=images, videos=videos)

@@ -11,14 +11,15 @@ The flow for one file:
    shape aborts the run. `max_samples` keeps the first N rows.
 2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
-   header for its grid (an opaque tuple of ints from the plugin), expand placeholders
-   into the plugin's image tokens, apply the
+   header for its grid (an opaque tuple of ints from the plugin) and each video's headers
+   for its sampled frames and grid, expand placeholders into the plugin's image and video
+   tokens, apply the
    template and labels, truncate at `cutoff_len`. A bad row keeps its reason instead
    of tokens. The result is cached as an Arrow file named by a fingerprint of the
    file, the tokenizer and every setting that changes tokens, built under a file
    lock, so concurrent ranks build it once and later runs reuse it.
 3. *`SFTDataset`* — the good rows; `dataset[i]` decodes and processes that sample's
-   images (the only pixel work, done lazily in DataLoader workers) and returns
+   images and videos (the only pixel work, done lazily in DataLoader workers) and returns
    `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
    `pixel_values`, a list of `[3, h, w]`, and `image_sizes`).
 
@@ -49,6 +50,7 @@ from mmfsdp.data.paths import media_path
 from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
+from mmfsdp.data.video import VideoOptions
 
 __all__ = [
     "SFTDataset",
@@ -63,12 +65,17 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_PREPROCESS_VERSION = 3
+_PREPROCESS_VERSION = 4
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _KEY = "data.dataset_param"
 _INVALID = "__mmfsdp_invalid__"
 _MAX_JSON_DEPTH = 100
 """Deepest nesting of lists/objects a row may have (real conversations use about 4); deeper is `nested_too_deep`."""
+_EMPTY_SAMPLE = {
+    "input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [],
+    "absolute_images": 0,
+}
+"""The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
@@ -318,7 +325,12 @@ class SampleEncoder:
         self.template = template_cls(
             processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
         )
-        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(processor, image_max_pixels=pp.image_max_pixels, image_min_pixels=pp.image_min_pixels)
+        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(
+            processor,
+            image_max_pixels=pp.image_max_pixels,
+            image_min_pixels=pp.image_min_pixels,
+            video=VideoOptions.from_config(pp),
+        )
 
     def image_path(self, path: str) -> str:
         """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""
@@ -331,13 +343,28 @@ class SampleEncoder:
         if _INVALID in row:
             raise BadSample(*row[_INVALID])
         conversation = parse_row(row, self.attr)
+        if conversation.videos and not self.plugin.supports_video:
+            raise BadSample(
+                "video_not_supported",
+                f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} "
+                "(this model family) reads no video",
+            )
         paths = [self.image_path(p) for p in conversation.images]
+        video_paths = [
+            media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir")
+            for p in conversation.videos
+        ]
         grids = [self.plugin.read_grid(p) for p in paths]
+        video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
         blocks = [self.plugin.image_tokens(grid) for grid in grids]
-        input_ids, labels = self.template.encode(conversation, blocks)
+        video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
+        input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
-        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images)
-        return {"input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids], "absolute_images": num_absolute}
+        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        return {
+            "input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids],
+            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+        }
 
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
@@ -355,13 +382,14 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "images", "image_grids", "absolute_images", "length", "bad_reason", "bad_detail")}
+        keys = (*_EMPTY_SAMPLE, "length", "bad_reason", "bad_detail")
+        out: dict[str, list[Any]] = {k: [] for k in keys}
         for text in batch["row"]:
             try:
                 sample = self.encode_row(json.loads(text))
                 bad_reason = bad_detail = ""
             except BadSample as bad:
-                sample = {"input_ids": [], "labels": [], "images": [], "image_grids": [], "absolute_images": 0}
+                sample = dict(_EMPTY_SAMPLE)
                 bad_reason, bad_detail = bad.reason, bad.detail
             for key, value in sample.items():
                 out[key].append(value)
@@ -405,6 +433,8 @@ def _features() -> Any:
             "labels": seq(datasets.Value("int32")),
             "images": seq(datasets.Value("string")),
             "image_grids": seq(seq(datasets.Value("int32"))),
+            "videos": seq(datasets.Value("string")),
+            "video_grids": seq(seq(datasets.Value("int64"))),
             "absolute_images": datasets.Value("int32"),
             "length": datasets.Value("int32"),
             "bad_reason": datasets.Value("string"),
@@ -467,7 +497,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.encoder = encoder
         self.sources = [str(s) for s in sources]
         self.strict = strict
-        self._tables = [t.select_columns(["input_ids", "labels", "images", "image_grids"]) for t in tables]
+        columns = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
+        self._tables = [t.select_columns(columns) for t in tables]
         refs, lengths = [], []
         counts: Counter[str] = Counter()
         self.num_rows = 0
@@ -486,7 +517,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
         """Rows skipped while preprocessing, by reason."""
         self.absolute_image_rows = absolute_rows
-        """Usable samples with at least one absolute image path (allowed, but reported: they bypass `dataset_dir`)."""
+        """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass
+        `dataset_dir`)."""
 
     @property
     def processor(self) -> MMProcessor:
@@ -512,9 +544,13 @@ class SFTDataset(torch.utils.data.Dataset):
             "labels": torch.tensor(record["labels"], dtype=torch.long),
         }
         item.update(self.encoder.plugin.token_inputs(item["input_ids"]))
-        if record["images"]:
+        if record["images"] or record["videos"]:
+            plugin = self.encoder.plugin
             try:
-                item.update(self.encoder.plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
+                if record["images"]:
+                    item.update(plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
+                if record["videos"]:
+                    item.update(plugin.video_inputs(record["videos"], [tuple(g) for g in record["video_grids"]]))
             except BadSample as bad:
                 source, row = self.location(index)
                 if self.strict:

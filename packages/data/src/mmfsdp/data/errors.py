@@ -24,9 +24,17 @@ BAD_REASONS = (
     "no_assistant_turn",
     "image_count_mismatch",
     "image_in_wrong_turn",
+    "video_count_mismatch",
+    "video_in_wrong_turn",
+    "video_not_supported",
     "image_outside_dataset_dir",
+    "video_outside_dataset_dir",
     "missing_image",
     "corrupt_image",
+    "missing_video",
+    "corrupt_video",
+    "unsupported_video",
+    "video_timeout",
     "too_long",
 )
 """Every reason a row can be skipped for, in the order they are checked."""
@@ -53,13 +61,39 @@ BAD_REASON_ADVICE = {
         "and that each image has one <image> placeholder"
     ),
     "image_in_wrong_turn": "move <image> placeholders into user turns (or check attr.user_tag / assistant_tag)",
+    "video_count_mismatch": (
+        "set dataset_param.attr.videos to the column holding the video paths "
+        "and check that each video has one <video> placeholder"
+    ),
+    "video_in_wrong_turn": "move <video> placeholders into user turns (or check attr.user_tag / assistant_tag)",
+    "video_not_supported": (
+        "this model family has no video input: remove the video rows or set dataset_param.attr.videos: null "
+        "(or train a family whose entry declares capabilities.video, e.g. qwen3_vl)"
+    ),
     "image_outside_dataset_dir": (
         "write image paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
         "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
     ),
+    "video_outside_dataset_dir": (
+        "write video paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
+        "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
+    ),
     "missing_image": "check basic_parameters.dataset_dir: relative image paths are resolved against it",
     "corrupt_image": "check the image files (and clear cache_dir if they changed after the cache was built)",
-    "too_long": "raise preprocess_parameters.cutoff_len or lower image_max_pixels",
+    "missing_video": "check basic_parameters.dataset_dir: relative video paths are resolved against it",
+    "corrupt_video": (
+        "check the video files play to their end (ffprobe -count_frames), re-encode damaged ones, "
+        "and clear cache_dir if they changed after the cache was built"
+    ),
+    "unsupported_video": (
+        "re-encode the video with a common codec (H.264, MPEG-4, VP9) at a sane size and length, "
+        "or cut long videos into clips"
+    ),
+    "video_timeout": (
+        "the video decodes too slowly to its last sampled frame: cut it into shorter clips or re-encode it; "
+        "preprocess_parameters.video_timeout raises the bound"
+    ),
+    "too_long": "raise preprocess_parameters.cutoff_len or lower image_max_pixels / video_max_pixels / video_maxlen",
 }
 """What to check or change for each bad-row reason: the all-bad error names the advice of the most common reason."""
 

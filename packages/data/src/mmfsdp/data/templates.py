@@ -34,17 +34,19 @@ MindSpeed-MM configs use):
 
 Labels are `-100` except on assistant text and its end token (`</s>`, `<|im_end|>`).
 `train_on_prompt` also trains on every other text and control token; `mask_history`
-trains only on the last assistant reply. Image tokens are always `-100`.
+trains only on the last assistant reply. Image and video blocks (Qwen3-VL's frame timestamps included) are
+always `-100`.
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Iterator, Sequence
 
 from mmfsdp.config import Registry
 
-from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation
+from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from mmfsdp.data.processor import MMProcessor
 
 __all__ = [
@@ -59,11 +61,12 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 # A template describes a conversation as parts, assembled by `Template._assemble`:
 #   ("ids", [token ids], trained)           control tokens
 #   ("text", "text", trained)               one run of text between control tokens
-#   ("image", [token ids], False)           an image block (never trained)
+#   ("image", [token ids], False)           an image or video block (never trained)
 #   ("split", ("head", "tail"), (h, t))     one run of text whose head and tail train differently
 Part = tuple[str, object, object]
 
@@ -86,20 +89,26 @@ class Template(ABC):
         """Used by templates with a think block (`qwen3_vl`); the others ignore it."""
 
     @abstractmethod
-    def encode(self, conversation: Conversation, image_blocks: list[list[int]]) -> tuple[list[int], list[int]]:
-        """Ids and labels of `conversation`; the i-th placeholder becomes `image_blocks[i]`."""
+    def encode(
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        """Ids and labels of `conversation`; the i-th `<image>` becomes `image_blocks[i]`, the i-th `<video>`
+        `video_blocks[i]`."""
 
     def fingerprint(self) -> list[object]:
         """What of the template changes the tokens (part of the dataset cache key)."""
         return [self.name, self.train_on_prompt, self.mask_history]
 
-    def _user_parts(self, user: str, images, prefix: str = "") -> list[Part]:
-        """A user message's text runs with its image blocks in place of the placeholders."""
+    def _user_parts(
+        self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = ""
+    ) -> list[Part]:
+        """A user message's text runs with its image and video blocks in place of the placeholders."""
         parts: list[Part] = []
-        for j, piece in enumerate(user.split(IMAGE_PLACEHOLDER)):
-            if j:
-                parts.append(("image", next(images), False))
-            parts.append(("text", prefix + piece if j == 0 else piece, self.train_on_prompt))
+        for j, piece in enumerate(_PLACEHOLDERS.split(user)):
+            if j % 2:
+                parts.append(("image", next(images if piece == IMAGE_PLACEHOLDER else videos), False))
+            else:
+                parts.append(("text", prefix + piece if j == 0 else piece, self.train_on_prompt))
         return parts
 
     def _assemble(self, parts: list[Part]) -> tuple[list[int], list[int]]:
@@ -170,17 +179,19 @@ class MistralTemplate(Template):
         self.system_ids = (tid(self.system_prefix), tid(self.system_suffix))
         self.user_ids = (tid(self.user_prefix), tid(self.user_suffix))
 
-    def encode(self, conversation: Conversation, image_blocks: list[list[int]]) -> tuple[list[int], list[int]]:
-        assert len(image_blocks) == len(conversation.images)
+    def encode(
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         parts: list[Part] = [("ids", [self.bos_id], prompt)]
         if conversation.system is not None:
             parts += [("ids", [self.system_ids[0]], prompt), ("text", conversation.system, prompt), ("ids", [self.system_ids[1]], prompt)]
-        images = iter(image_blocks)
+        images, videos = iter(image_blocks), iter(video_blocks)
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
             parts.append(("ids", [self.user_ids[0]], prompt))
-            parts += self._user_parts(user, images)
+            parts += self._user_parts(user, images, videos)
             parts.append(("ids", [self.user_ids[1]], prompt))
             trained = not self.mask_history or i == last
             parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]
@@ -201,18 +212,20 @@ class Qwen3VLNoThinkTemplate(Template):
         self.start_id = processor.token_id(self.im_start)
         self.end_id = processor.token_id(self.im_end)
 
-    def encode(self, conversation: Conversation, image_blocks: list[list[int]]) -> tuple[list[int], list[int]]:
-        assert len(image_blocks) == len(conversation.images)
+    def encode(
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
         newline = ("text", "\n", prompt)
         parts: list[Part] = []
         if conversation.system is not None:
             parts += [start, ("text", "system\n" + conversation.system, prompt), end, newline]
-        images = iter(image_blocks)
+        images, videos = iter(image_blocks), iter(video_blocks)
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
-            parts += [start, *self._user_parts(user, images, prefix="user\n"), end, newline, start]
+            parts += [start, *self._user_parts(user, images, videos, prefix="user\n"), end, newline, start]
             trained = not self.mask_history or i == last
             parts += self._assistant_parts(assistant, i == last, trained)
             parts += [("ids", [self.end_id], trained), newline]

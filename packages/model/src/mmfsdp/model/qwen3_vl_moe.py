@@ -75,7 +75,7 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
     """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
     router_modules = ("model.language_model.layers.{*}.mlp.gate",)
     """The routers (`weight` `[E, H]`), replicated over expert parallel."""
-    capabilities = Capabilities(context_parallel=True, packing=True, expert_layout="hf_fused")
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
 
     def num_experts(self, config: Qwen3VLMoeConfig) -> int:
         return int(config.text_config.num_experts)

@@ -48,7 +48,8 @@ class Capabilities:
     """MoE families: the layout of the stacked expert weights that expert parallel splits, one of
     `mmfsdp.parallel.expert_parallel.EXPERT_LAYOUTS`; None for a dense family."""
     video: bool = False
-    """Video inputs (no family has them yet)."""
+    """Video rows (`data.dataset_param.attr.videos`): the family's image plugin reads videos and its model takes
+    `pixel_values_videos` / `video_grid_thw`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,11 +137,18 @@ class ModelEntry:
             )
 
     def check_data(
-        self, *, template: str | None, image_plugin: str | None, collator: str | None, packing: bool
+        self,
+        *,
+        template: str | None,
+        image_plugin: str | None,
+        collator: str | None,
+        packing: bool,
+        videos: bool = False,
     ) -> list[ConfigError]:
         """The data choices of a config against the family's declarations: each of template, image plugin (the
         configured one, or the template's default) and collator must be one the family lists in `data` (None:
-        not checked), and packing needs `capabilities.packing`. One `ConfigError` per problem, naming the key."""
+        not checked), packing needs `capabilities.packing` and a video column (`videos`) `capabilities.video`.
+        One `ConfigError` per problem, naming the key."""
         pre = "data.dataset_param.preprocess_parameters"
         errors = []
         for key, kind, name, field in (
@@ -157,6 +165,12 @@ class ModelEntry:
                 "data.dataset_param.basic_parameters.packing",
                 f"true, but model_id {self.model_id!r} does not support packed rows (its entry does not declare "
                 "capabilities.packing); set it to false",
+            ))
+        if videos and not self.capabilities.video:
+            errors.append(ConfigError(
+                "data.dataset_param.attr.videos",
+                f"is set, but model_id {self.model_id!r} takes no video input (its entry does not declare "
+                "capabilities.video); set it to null and drop the video rows",
             ))
         return errors
 
