@@ -19,8 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from mmfsdp.config import ConfigError
 from mmfsdp.parallel.expert_parallel import (
     check_expert_parallel_size,
-    collect_expert_load,
-    expert_load_summary,
     expert_major_order,
     expert_parallel_forward,
     experts_forward,
@@ -111,7 +109,7 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return error / scale if scale > 0 else error
 
 
-def _run_ours(hidden, idx, weight, cotangent, module, group, implementation):
+def _run_ours(hidden, idx, weight, cotangent, module, implementation):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = experts_forward(module, hidden, idx, weight, implementation=implementation)
     (out * cotangent).sum().backward()
@@ -121,7 +119,6 @@ def _run_ours(hidden, idx, weight, cotangent, module, group, implementation):
         "weight": weight.grad,
         "gate_up_proj": module.gate_up_proj.grad,
         "down_proj": module.down_proj.grad,
-        "load": collect_expert_load(module, group),
     }
 
 
@@ -139,7 +136,7 @@ def _distributed_cases(rank: int, world_size: int):
             for implementation in IMPLEMENTATIONS:
                 module = shard_experts(_Experts(*_case_weights(name, ep_size, group_index)), group)
                 assert (module.ep_rank, module.ep_size, module.num_experts) == (ep_rank, ep_size, NUM_EXPERTS)
-                results[(name, ep_size, implementation)] = _run_ours(*inputs, module, group, implementation)
+                results[(name, ep_size, implementation)] = _run_ours(*inputs, module, implementation)
 
     meta = torch.device("meta")
     on_meta = shard_experts(_Experts(*(t.to(meta) for t in _weights(0))), dist.group.WORLD)
@@ -162,22 +159,21 @@ def distributed_results():
 
 
 def _reference_for_group(name: str, ep_size: int, group_index: int):
-    """Per-member (out, hidden grad, weight grad), the full expert-weight grads and the group's tokens per expert."""
+    """Per-member (out, hidden grad, weight grad) and the full expert-weight grads."""
     gate_up, down = (t.clone().requires_grad_() for t in _case_weights(name, ep_size, group_index))
-    members, total, loads = [], 0, torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    members, total = [], 0
     for rank in range(group_index * ep_size, (group_index + 1) * ep_size):
         hidden, idx, weight, cotangent = _case_inputs(name, ep_size, rank)
         hidden.requires_grad_()
         weight.requires_grad_()
         out = _dense_reference(hidden, idx, weight, gate_up, down)
         total = total + (out * cotangent).sum()
-        loads += torch.bincount(idx.flatten(), minlength=NUM_EXPERTS)
         members.append((out, hidden, weight))
     total.backward()
     per_member = [
         {"out": out.detach(), "hidden": hidden.grad, "weight": weight.grad} for out, hidden, weight in members
     ]
-    return per_member, {"gate_up_proj": gate_up.grad, "down_proj": down.grad}, loads
+    return per_member, {"gate_up_proj": gate_up.grad, "down_proj": down.grad}
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -186,7 +182,7 @@ def _reference_for_group(name: str, ep_size: int, group_index: int):
 def test_expert_parallel_matches_dense_reference(distributed_results, name, ep_size, implementation):
     for group_index in range(WORLD_SIZE // ep_size):
         ranks = range(group_index * ep_size, (group_index + 1) * ep_size)
-        per_member, full_grads, loads = _reference_for_group(name, ep_size, group_index)
+        per_member, full_grads = _reference_for_group(name, ep_size, group_index)
         ours = [distributed_results[rank][(name, ep_size, implementation)] for rank in ranks]
         for ep_rank, (mine, expected) in enumerate(zip(ours, per_member)):
             for what, value in expected.items():
@@ -194,7 +190,6 @@ def test_expert_parallel_matches_dense_reference(distributed_results, name, ep_s
                 assert error <= TOLERANCE, (
                     f"EP rank {ep_rank} of group {group_index}: {what} relative error {error:.2e}"
                 )
-            assert torch.equal(mine["load"], loads[None]), (mine["load"], loads)
         for what, full in full_grads.items():
             gathered = torch.cat([mine[what] for mine in ours])
             error = _relative(gathered, full)
@@ -221,7 +216,7 @@ def test_ep1_without_process_group_matches_dense_reference(implementation, num_t
     hidden, idx, weight, cotangent = _inputs(3, num_tokens, 2, [e for e in range(NUM_EXPERTS) if e != 2])
     module = shard_experts(_Experts(gate_up, down), None)
     assert (module.ep_size, module.ep_rank, module.ep_group) == (1, 0, None)
-    ours = _run_ours(hidden, idx, weight, cotangent, module, None, implementation)
+    ours = _run_ours(hidden, idx, weight, cotangent, module, implementation)
 
     gate_up, down = gate_up.requires_grad_(), down.requires_grad_()
     hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
@@ -236,7 +231,6 @@ def test_ep1_without_process_group_matches_dense_reference(implementation, num_t
     ]:
         assert _relative(ours[what], value) <= TOLERANCE, what
     assert ours["gate_up_proj"][2].abs().max() == 0  # the expert nobody chose
-    assert torch.equal(ours["load"][0], torch.bincount(idx.flatten(), minlength=NUM_EXPERTS))
 
 
 @pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="grouped GEMM is not available on this CPU build of torch")
@@ -286,21 +280,6 @@ def test_expert_parallel_size_errors():
             F.silu,
             num_experts=NUM_EXPERTS,
         )
-
-
-def test_expert_load_is_not_counted_again_when_checkpointing_recomputes():
-    module = _Experts(*_weights(1))
-    hidden, idx, weight, _ = _inputs(2, 10, 2, list(range(NUM_EXPERTS)))
-    hidden.requires_grad_()
-    for _ in range(2):  # two micro-batches accumulate
-        out = checkpoint(experts_forward, module, hidden, idx, weight, use_reentrant=False)
-        out.sum().backward()
-    counts = collect_expert_load(module)
-    assert torch.equal(counts, 2 * torch.bincount(idx.flatten(), minlength=NUM_EXPERTS)[None])
-    assert module.expert_load is None  # reset
-    summary = expert_load_summary(counts)
-    assert summary["expert_load_mean"] == 2 * 10 * 2 / NUM_EXPERTS
-    assert summary["expert_load_max"] == counts.max().item()
 
 
 def test_matches_hf_qwen3_vl_moe_experts():

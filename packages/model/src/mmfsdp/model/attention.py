@@ -51,7 +51,6 @@ __all__ = [
     "AttentionBackend",
     "attention_backend_names",
     "resolve_attention_backend",
-    "set_attention_backend",
     "varlen_block_mask",
     "NpuLayout",
     "npu_layout",
@@ -376,7 +375,3 @@ def resolve_attention_backend(name: str, device_type: str) -> AttentionBackend:
         raise ConfigError(key, f"{name!r} on {device_type} needs the {backend.requires!r} package, which is not installed; install it or use sdpa")
     return backend
 
-
-def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
-    """Point every attention module of an HF `model` (text and vision) at `backend`."""
-    model.set_attn_implementation(backend.hf_name)

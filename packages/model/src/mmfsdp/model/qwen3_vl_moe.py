@@ -17,8 +17,7 @@ tower already attends per image). What the MoE adds:
   top-k assignments and summed router probabilities of this rank's tokens, padding
   excluded), from which `load_balancing_loss` gives HF's unscaled `aux_loss` and
   `expert_load_summary` the load statistics. The LM loss `outputs.loss` is
-  unchanged; the trainer adds `router_aux_loss_coef × aux` (its config, or
-  `entry.router_aux_loss_coef(config)` for the checkpoint's own).
+  unchanged; the trainer adds `features.loss_cfg.router_aux_loss_coef × aux`.
 - Checkpoints: `mmfsdp.model.adapters.Qwen3VLMoeAdapter` reads the hub's fused
   layout, transformers 5's `save_pretrained` layout and per-expert exports.
 
@@ -79,11 +78,6 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
 
     def num_experts(self, config: Qwen3VLMoeConfig) -> int:
         return int(config.text_config.num_experts)
-
-    def router_aux_loss_coef(self, config: Qwen3VLMoeConfig) -> float:
-        """The checkpoint's `text_config.router_aux_loss_coef` (HF adds coef × aux to `loss` when it outputs router
-        logits)."""
-        return float(config.text_config.router_aux_loss_coef)
 
     def decoder_mlp_params(self, text_config: Any) -> int:
         """Per sparse layer the router (`H·E`) and the top-k experts (gate, up, down of `moe_intermediate_size`);

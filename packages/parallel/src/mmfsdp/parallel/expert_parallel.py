@@ -58,13 +58,8 @@ that `apply_expert_parallel` installs scales the local experts' gradient by
 over its group — which needs no FSDP option and holds with HSDP too.
 Context parallel needs nothing: each rank dispatches the tokens of its own
 sequence shard. Activation checkpointing recomputes the forward, including the
-exchanges, in the backward; `experts_forward` does not count those tokens twice
-in the expert-load statistics.
-
-Load statistics: `experts_forward` adds this rank's tokens per expert into
-`module.expert_load` ([E], int64); `collect_expert_load(model, group)` sums them
-over a process group (the data-parallel group gives the global batch), stacks one
-row per MoE module and resets them; `expert_load_summary` gives max/mean.
+exchanges, in the backward. The expert-load statistics come from the routers
+(`mmfsdp.model.router`), not from here.
 """
 
 from __future__ import annotations
@@ -96,8 +91,6 @@ __all__ = [
     "grouped_mm_supported",
     "expert_major_order",
     "tokens_per_expert",
-    "collect_expert_load",
-    "expert_load_summary",
 ]
 
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
@@ -429,11 +422,6 @@ def apply_expert_parallel(
     return names
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing recomputing a forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def experts_forward(
     module: nn.Module,
     hidden_TH: torch.Tensor,
@@ -448,14 +436,10 @@ def experts_forward(
     The module's EP group and expert count come from `shard_experts`; an
     unsharded module runs with EP 1. `grad_scale` multiplies the gradient of the
     local expert weights (`apply_expert_parallel`: 1 / ep under FSDP2, see the
-    module docstring). Adds this rank's tokens per expert to `module.expert_load`
-    (not while recomputing in the backward).
+    module docstring).
     """
     num_experts = getattr(module, "num_experts", module.gate_up_proj.shape[0])
     counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
-    if not _in_backward():
-        load = getattr(module, "expert_load", None)
-        module.expert_load = counts_E if load is None else load + counts_E
     gate_up_proj, down_proj = _local(module.gate_up_proj), _local(module.down_proj)
     if grad_scale != 1.0:
         gate_up_proj, down_proj = _ScaleGrad.apply(gate_up_proj, grad_scale), _ScaleGrad.apply(down_proj, grad_scale)
@@ -471,30 +455,3 @@ def experts_forward(
         implementation=implementation,
         counts_E=counts_E,
     )
-
-
-def collect_expert_load(model: nn.Module, group: dist.ProcessGroup | None = None, reset: bool = True) -> torch.Tensor:
-    """[M, E] int64 tokens per expert since the last reset, one row per MoE module (in `model.modules()` order).
-
-    Summed over `group` (every rank of it must call this; pass the data-parallel
-    group for the global batch). Modules whose forward has not run yet are skipped,
-    so every rank must have run the same MoE modules. Empty `[0, 0]` for no MoE module.
-    """
-    modules = [m for m in model.modules() if getattr(m, "expert_load", None) is not None]
-    if not modules:
-        return torch.zeros(0, 0, dtype=torch.int64)
-    counts_ME = torch.stack([m.expert_load for m in modules])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts_ME, group=group)
-    if reset:
-        for m in modules:
-            m.expert_load = None
-    return counts_ME
-
-
-def expert_load_summary(counts_ME: torch.Tensor) -> dict[str, float]:
-    """`expert_load_max` (busiest expert of any module) and `expert_load_mean` (tokens per expert) of `[M, E]` counts."""
-    if counts_ME.numel() == 0:
-        return {}
-    counts = counts_ME.to(torch.float64)
-    return {"expert_load_max": counts.max().item(), "expert_load_mean": counts.mean().item()}
