@@ -37,9 +37,10 @@ import torch
 from mmfsdp.model import get_model_entry
 from mmfsdp.parallel import ActivationOffload, apply_activation_checkpointing, apply_activation_offload
 from mmfsdp.parallel import detect_device_type
+from mmfsdp.parallel.dtypes import DTYPES
 
 OFFLOAD_PATTERN = "model.language_model.layers.{*}"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {name: DTYPES[name] for name in ("fp32", "bf16")}
 
 
 class _CountingOffload(ActivationOffload):

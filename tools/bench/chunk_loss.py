@@ -41,8 +41,10 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import get_args
 
-DTYPES = ("fp32", "bf16", "fp16")
+from mmfsdp.parallel.config import DType
+
 VARIANTS = ("plain", "chunked")
 
 
@@ -52,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (Magistral: 5120)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the batch")
     parser.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk of the chunked variant")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the hidden states and weight")
+    parser.add_argument("--dtype", choices=get_args(DType), default="fp32", help="dtype of the hidden states and weight")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (each runs both variants) after a warm-up")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -83,7 +85,9 @@ class _Setup:
         if self.device.type == "npu":
             import torch_npu  # noqa: F401  (registers the device)
         self.accel = None if self.device.type == "cpu" else getattr(torch, self.device.type)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        from mmfsdp.parallel.dtypes import DTYPES
+
+        dtype = DTYPES[args.dtype]
         generator = torch.Generator().manual_seed(0)
         self.weight = (torch.randn(args.vocab, args.hidden, generator=generator) * 0.02).to(self.device, dtype).requires_grad_()
         self.hidden = torch.randn(args.tokens, args.hidden, generator=generator).to(self.device, dtype).requires_grad_()

@@ -40,10 +40,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.expert_parallel import experts_forward, grouped_mm_supported, shard_experts
 from mmfsdp.parallel.testing import run_distributed
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {name: DTYPES[name] for name in ("fp32", "bf16")}
 GPU_COMMAND = (
     "uv run python tools/bench/moe_dispatch.py --device cuda --dtype bf16 --experts 128 --top-k 8 "
     "--tokens 16384 --hidden 2048 --intermediate 768"
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--intermediate", type=int, default=128, help="expert intermediate size (Qwen3-VL-30B-A3B: 768)"
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of weights and hidden states")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="dtype of weights and hidden states")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (each runs every variant)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -102,7 +103,7 @@ class _Variants:
 
     def __init__(self, args: argparse.Namespace):
         self.device = torch.device(args.device)
-        dtype = DTYPES[args.dtype]
+        dtype = _DTYPES[args.dtype]
         self.block = _moe_block(args, self.device, dtype)
         generator = torch.Generator().manual_seed(1)
         self.hidden = torch.randn(1, args.tokens, args.hidden, generator=generator).to(self.device, dtype)

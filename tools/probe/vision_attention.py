@@ -40,8 +40,8 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import attention_backend_names, resolve_attention_backend
 from mmfsdp.model.vision import install_per_image_attention
 from mmfsdp.parallel import detect_device_type
+from mmfsdp.parallel.dtypes import DTYPES
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 _CHECKS = ("vision", "varlen_causal", "varlen_full")
 
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dtype",
-        choices=tuple(_DTYPES),
+        choices=tuple(DTYPES),
         default=None,
         help="compute dtype on the device (default: fp32 on cpu, bf16 on an accelerator)",
     )
@@ -225,7 +225,7 @@ def probe(args: argparse.Namespace) -> dict:
     device_type = _device_type(args.device)
     _import_npu(device_type)
     dtype_name = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
-    dtype, tolerance = _DTYPES[dtype_name], _TOLERANCE[dtype_name]
+    dtype, tolerance = DTYPES[dtype_name], _TOLERANCE[dtype_name]
     device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
     names = (
         attention_backend_names()

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
+from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
 
 __all__ = ["MemoryPlan", "memory_plan", "memory_plan_lines"]
 
 GiB = 2**30
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
 
 def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, image_token_share: float) -> int:
     text = model.config.text_config
-    compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
+    compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     tokens = cfg.training.micro_batch_size * cfg.data.dataset_param.preprocess_parameters.cutoff_len // (plan.ring * plan.ulysses)
     per_layer = tokens * text.hidden_size * entry.decoder_values_per_token(text) * compute
     layer_input = tokens * text.hidden_size * compute
@@ -165,7 +165,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
         host += parameters + gradients + moments
         parameters = gradients = moments = 0
     patterns = cfg.parallel.fsdp_plan.apply_modules or list(entry.fsdp_modules)
-    compute = _BYTES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype]
+    compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     copies = 2 * _largest_unit(model, patterns) * compute
     activations = _activations(cfg, model, entry, mesh, image_token_share)
     if device_memory_bytes is None:

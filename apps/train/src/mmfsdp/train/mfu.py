@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from mmfsdp.config import get_logger
 from mmfsdp.model.flops import ForwardFlops, count_forward, sample_lengths
+from mmfsdp.parallel.dtypes import dtype_name
 from mmfsdp.parallel.peak import device_name, measure_gemm_tflops, table_peak_tflops
 
 log = get_logger("mmfsdp.train")
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> tuple[float, str]:
@@ -35,12 +35,12 @@ def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: fl
     name = device_name(device)
     peak = None if device.type == "cpu" else table_peak_tflops(name, dtype)
     if peak is not None:
-        return peak, f"the table's {name} {_DTYPE_NAMES.get(dtype, dtype)}"
+        return peak, f"the table's {name} {dtype_name(dtype)}"
     measured = torch.tensor([measure_gemm_tflops(device, dtype)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(measured)
         measured /= dist.get_world_size()
-    return float(measured), f"measured by a 512x512 {_DTYPE_NAMES.get(dtype, dtype)} GEMM on {name}, mean of the ranks"
+    return float(measured), f"measured by a 512x512 {dtype_name(dtype)} GEMM on {name}, mean of the ranks"
 
 
 class FlopMeter:

@@ -19,6 +19,7 @@ from typing import ClassVar, Literal
 
 from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored
 from mmfsdp.model.registry import registered_model_ids
+from mmfsdp.parallel.config import DType
 
 ATTENTION_BACKEND_NAMES = ("sdpa", "eager", "flash_attention_2")
 """The values of `model.attn_implementation` (the backends of `mmfsdp.model.attention`)."""
@@ -46,7 +47,7 @@ class ModelConfig:
     """Module name patterns ({*} and {a-b} allowed) whose parameters are not trained."""
     trust_remote_code: bool = False
     """Passed to transformers when reading the config and weights."""
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: DType = "fp32"
     """Storage dtype of the built model's parameters."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {

@@ -39,7 +39,7 @@ from mmfsdp.model.registry import ModelEntry
 from mmfsdp.parallel.cp import validate_ulysses_heads
 from mmfsdp.parallel.device import detect_device_type
 from mmfsdp.parallel.expert_parallel import check_expert_parallel_size
-from mmfsdp.parallel.fsdp import DTYPES
+from mmfsdp.parallel.dtypes import DTYPES
 
 __all__ = ["HFFamilyEntry", "safetensors_problem", "model_dir"]
 

@@ -46,11 +46,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.parallel.config import FSDPPlanConfig
+from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.patterns import match_module_names
 
-__all__ = ["apply_fsdp", "apply_fsdp_groups", "FSDPGroup", "DTYPES"]
+__all__ = ["apply_fsdp", "apply_fsdp_groups", "FSDPGroup"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _KEY = "parallel.fsdp_plan"
 
 
