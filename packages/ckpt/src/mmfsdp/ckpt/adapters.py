@@ -47,7 +47,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.errors import CheckpointError, preview
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -218,11 +218,6 @@ def _meta(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _preview(items: Sequence[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-
-
 def plan_from_hf(
     adapter: StateDictAdapter, hf_specs: Mapping[str, tuple[Shape, torch.dtype]]
 ) -> dict[str, PlannedFromHF]:
@@ -241,8 +236,8 @@ def plan_from_hf(
             user[key] = name
     unused = [key for key in hf_specs if key not in user]
     if unknown or unused:
-        lines = [f"asks for file keys the files do not have: {_preview(unknown)}"] if unknown else []
-        lines += [f"leaves file keys unused: {_preview(unused)}"] if unused else []
+        lines = [f"asks for file keys the files do not have: {preview(unknown)}"] if unknown else []
+        lines += [f"leaves file keys unused: {preview(unused)}"] if unused else []
         raise CheckpointError(f"state-dict adapter {adapter.name} does not fit these files: " + "; ".join(lines))
     planned = {}
     for name, source in plans.items():
@@ -253,7 +248,7 @@ def plan_from_hf(
                 out = source.combine([_meta(*hf_specs[key]) for key in source.hf_keys])
             except (RuntimeError, ValueError, IndexError, TypeError) as e:
                 raise CheckpointError(
-                    f"state-dict adapter {adapter.name} cannot make {name} from {_preview(list(source.hf_keys))}: {e}"
+                    f"state-dict adapter {adapter.name} cannot make {name} from {preview(list(source.hf_keys))}: {e}"
                 ) from None
             shape, dtype = tuple(out.shape), out.dtype
         planned[name] = PlannedFromHF(source, tuple(shape), dtype)
@@ -268,8 +263,8 @@ def plan_to_hf(
     missing = [name for name in model_specs if name not in plans]
     unknown = [name for name in plans if name not in model_specs]
     if missing or unknown:
-        lines = [f"writes no HF key for {_preview(missing)}"] if missing else []
-        lines += [f"plans model keys the checkpoint does not have: {_preview(unknown)}"] if unknown else []
+        lines = [f"writes no HF key for {preview(missing)}"] if missing else []
+        lines += [f"plans model keys the checkpoint does not have: {preview(unknown)}"] if unknown else []
         raise CheckpointError(f"state-dict adapter {adapter.name} does not fit this checkpoint: " + "; ".join(lines))
     writer: dict[str, str] = {}
     planned = {}

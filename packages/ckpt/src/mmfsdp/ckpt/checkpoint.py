@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mmfsdp.ckpt._log import info_rank0, warn_once
 from mmfsdp.ckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner, quiet_single_process
-from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.errors import CheckpointError, preview
 from mmfsdp.ckpt.layout import (
     RELEASE,
     TRACKER_FILENAME,
@@ -397,9 +397,9 @@ def _check_model_keys(
     if missing or mismatched:
         lines = []
         if missing:
-            lines.append(f"{len(missing)} model keys missing from the checkpoint: {_preview(missing)}")
+            lines.append(f"{len(missing)} model keys missing from the checkpoint: {preview(missing)}")
         if mismatched:
-            lines.append(f"{len(mismatched)} shape mismatches: {_preview(mismatched)}")
+            lines.append(f"{len(mismatched)} shape mismatches: {preview(mismatched)}")
         what = (" It holds only the trainable parameters of the run that saved it (e.g. LoRA adapters): train the "
                 "same ones (the same training.lora)." if trainable_only else "")
         raise CheckpointError(
@@ -419,11 +419,6 @@ def _first_line(error: BaseException) -> str:
             return line[:300]
     text = str(error).strip().splitlines()
     return (text[0][:300] if text else "") or type(error).__name__
-
-
-def _preview(items: list[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def read_checkpoint_info(path: str | os.PathLike) -> dict:
@@ -595,7 +590,7 @@ def load_checkpoint(
     on_meta = [name for name, value in model.state_dict(keep_vars=True).items() if value.is_meta]
     if on_meta:
         raise CheckpointError(
-            f"{len(on_meta)} model tensors are on the meta device ({_preview(on_meta)}); "
+            f"{len(on_meta)} model tensors are on the meta device ({preview(on_meta)}); "
             "materialise the model first, e.g. model.to_empty(device=...)"
         )
     rank, world_size = _rank_world()

@@ -35,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
-from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.errors import CheckpointError, preview
 from mmfsdp.ckpt.adapters import PlannedFromHF, StateDictAdapter, plan_from_hf, resolve_state_dict_adapter
 
 __all__ = [
@@ -157,9 +157,9 @@ class SafetensorsDir:
         if not_found or unlisted:
             lines = []
             if not_found:
-                lines.append(f"{len(not_found)} keys listed in the index are not in the named shard: {_preview(not_found)}")
+                lines.append(f"{len(not_found)} keys listed in the index are not in the named shard: {preview(not_found)}")
             if unlisted:
-                lines.append(f"{len(unlisted)} tensors in the shards are not in the index: {_preview(unlisted)}")
+                lines.append(f"{len(unlisted)} tensors in the shards are not in the index: {preview(unlisted)}")
             raise CheckpointError(f"{self.path / INDEX_FILENAME} does not match its shards:\n  " + "\n  ".join(lines))
 
     @property
@@ -177,11 +177,6 @@ class SafetensorsDir:
         info = self.tensors[key]
         with safe_open(os.fspath(info.file), framework="pt") as f:
             return f.get_slice(key)[index]
-
-
-def _preview(items: list[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 class HFLoadResult(NamedTuple):
@@ -259,11 +254,11 @@ def load_hf_weights(
     ]
     problems = []
     if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatches: {_preview(mismatched)}")
+        problems.append(f"{len(mismatched)} shape mismatches: {preview(mismatched)}")
     if strict and missing:
-        problems.append(f"{len(missing)} model keys not in the files: {_preview(missing)}")
+        problems.append(f"{len(missing)} model keys not in the files: {preview(missing)}")
     if strict and unexpected:
-        problems.append(f"{len(unexpected)} file keys the model does not have: {_preview(unexpected)}")
+        problems.append(f"{len(unexpected)} file keys the model does not have: {preview(unexpected)}")
     if problems:
         raise CheckpointError(
             f"weights in {weights.path} do not match the model:\n  " + "\n  ".join(problems)
@@ -272,7 +267,7 @@ def load_hf_weights(
     on_meta = [name for name in plans if name in targets and targets[name].is_meta]
     if on_meta:
         raise CheckpointError(
-            f"{len(on_meta)} model tensors are on the meta device ({_preview(on_meta)}); "
+            f"{len(on_meta)} model tensors are on the meta device ({preview(on_meta)}); "
             "materialise the model first, e.g. model.to_empty(device=...)"
         )
     for name, plan in plans.items():
