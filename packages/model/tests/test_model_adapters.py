@@ -1,6 +1,6 @@
 """The families' state-dict adapters (`mmfsdp.model.adapters`), found by `mmfsdp.ckpt` through entry points.
 
-mistral3: renames both ways, the same table as the model entry's `hf_key_map`, `mm-convert` and
+mistral3: renames both ways, the same table as the adapter's `key_mapping()` for `from_pretrained`, `mm-convert` and
 `load_hf_weights` on files in the original naming. qwen3_vl: a tiny `Qwen3VLForConditionalGeneration`
 saved with `save_pretrained` in several shards goes HF -> DCP -> HF bit-exact through `mm-convert`
 (model type detected from config.json, or `--model_id`), and `from_pretrained` of the export gives
