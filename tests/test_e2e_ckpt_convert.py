@@ -15,7 +15,7 @@ import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, load_hf_weights
-from mmfsdp.ckpt.convert import main as mm_convert
+from mmfsdp.ckpt.cli import main as mm_convert
 
 IMAGE_TOKEN = 5
 

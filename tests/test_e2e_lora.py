@@ -248,7 +248,7 @@ def test_lora_checkpoint_exports_give_the_trained_logits_and_are_small(results):
     from peft import PeftModel
     from transformers import Mistral3ForConditionalGeneration
 
-    from mmfsdp.ckpt.convert import main as mm_convert
+    from mmfsdp.ckpt.cli import main as mm_convert
     from mmfsdp.model.testing import rel_diff
 
     tmp, out = results

@@ -33,7 +33,7 @@ from mmfsdp.ckpt import (
     save_checkpoint,
 )
 from mmfsdp.ckpt.adapters import plan_from_hf, plan_to_hf
-from mmfsdp.ckpt.convert import main
+from mmfsdp.ckpt.cli import main
 from mmfsdp.ckpt.dcp_io import read_dcp_metadata, tensor_entries
 
 NUM_EXPERTS = 3
@@ -309,7 +309,7 @@ def test_unknown_model_type_is_refused_by_the_cli(tmp_path, toy_adapters, capsys
 def test_console_script_finds_entry_points_in_a_fresh_process(tmp_path, toy_adapters):
     hf = _write(tmp_path / "hf", _moe_files(), {"model_type": "toy_moe"})
     script = Path(sys.executable).with_name("mm-convert")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.convert"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.cli"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.fspath(toy_adapters), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [*command, "GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(hf), "--dcp_dir", str(tmp_path / "dcp")],
@@ -326,7 +326,7 @@ def test_console_script_finds_entry_points_in_a_fresh_process(tmp_path, toy_adap
 
 def test_ckpt_names_no_model_family_and_imports_no_model_package():
     code = (
-        "import sys, mmfsdp.ckpt, mmfsdp.ckpt.convert; "
+        "import sys, mmfsdp.ckpt, mmfsdp.ckpt.convert, mmfsdp.ckpt.cli; "
         "print([m for m in sys.modules if m.startswith(('mmfsdp.model', 'transformers'))])"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, read_tracker, save_checkpoint
-from mmfsdp.ckpt.convert import _build_parser, main
+from mmfsdp.ckpt.cli import _build_parser, main
 
 ASSETS = {
     "config.json": json.dumps({"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2}),  # no model_type: identity
@@ -259,7 +259,7 @@ def test_help_documents_every_flag(capsys):
 
 def test_console_script_reports_errors_without_traceback(tmp_path):
     script = Path(sys.executable).with_name("mm-convert")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.convert"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.cli"]
     proc = subprocess.run([*command, "GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(tmp_path / "missing"),
                            "--dcp_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmfsdp.ckpt import SafetensorsDir, save_checkpoint
-from mmfsdp.ckpt.convert import main
+from mmfsdp.ckpt.cli import main
 from mmfsdp.ckpt.layout import TRACKER_FILENAME
 
 

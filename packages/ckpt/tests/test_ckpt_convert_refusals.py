@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmfsdp.ckpt.convert import main
+from mmfsdp.ckpt.cli import main
 
 
 def _convert(*argv) -> int:

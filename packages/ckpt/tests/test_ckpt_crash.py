@@ -38,7 +38,7 @@ def _block_forever(ready: Path) -> None:
 def _child(save_dir: Path, point: str, ready: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    import mmfsdp.ckpt.checkpoint as checkpoint_module
+    import mmfsdp.ckpt.save as checkpoint_module
 
     model = _model()
     save_checkpoint(save_dir, 1, model=model)

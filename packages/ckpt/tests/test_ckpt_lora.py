@@ -22,7 +22,7 @@ from mmfsdp.ckpt import (
     read_checkpoint_info,
     save_checkpoint,
 )
-from mmfsdp.ckpt.convert import main as mm_convert
+from mmfsdp.ckpt.cli import main as mm_convert
 from mmfsdp.ckpt.lora import (
     PEFT_CONFIG_FILENAME,
     PEFT_WEIGHTS_FILENAME,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import mmfsdp.ckpt.checkpoint as checkpoint_module
+import mmfsdp.ckpt.save as checkpoint_module
 from mmfsdp.ckpt import (
     CheckpointError,
     finalize_pending,

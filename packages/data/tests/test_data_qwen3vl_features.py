@@ -4,8 +4,8 @@ A tiny random-init `Qwen3VLForConditionalGeneration` (16-px patches, spatial mer
 temporal patch 2, fp32, eval) encodes the collated `pixel_values` / `image_grid_thw`;
 per image, the number of feature vectors must equal the number of `<|image_pad|>`
 tokens in that image's block, and the full forward — fed exactly the model inputs
-the `qwen3vl` collator's `batch_schema` declares, which HF checks against the
-features itself — must run.
+of the `qwen3vl` collator's batch (every key but `labels`), which HF checks against
+the features itself — must run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmfsdp.data import BadSample, Qwen3VLCollator, SampleEncoder, split_batch
+from mmfsdp.data import BadSample, Qwen3VLCollator, SampleEncoder
+from mmfsdp.model import model_inputs
 
 SIZE = st.tuples(st.integers(1, 400), st.integers(1, 400))
 
@@ -90,8 +91,8 @@ def test_image_tokens_equal_image_features(qwen_processor, qwen_model, tmp_path,
     item.update(plugin.token_inputs(item["input_ids"]))
     item.update(plugin.pixel_inputs(sample["images"], [tuple(g) for g in sample["image_grids"]]))
     batch = Qwen3VLCollator(pad_token_id=qwen_processor.pad_token_id, pad_to_multiple_of=8)([item])
-    inputs, labels, boundaries = split_batch(batch, Qwen3VLCollator.batch_schema)
-    assert set(labels) == {"labels"} and not boundaries
+    inputs = model_inputs(batch)
+    assert set(batch) - set(inputs) == {"labels"} and "cu_seq_lens" not in batch
     with torch.no_grad():
         features = qwen_model.model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]).pooler_output
         per_image = [f.shape[0] for f in features]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mmfsdp.ckpt import load_hf_weights, save_checkpoint
-from mmfsdp.ckpt.convert import main as mm_convert
+from mmfsdp.ckpt.cli import main as mm_convert
 from mmfsdp.ckpt.lora import stored_key
 from mmfsdp.config import ConfigError, build
 from mmfsdp.model import ModelConfig, get_model_entry

@@ -2,7 +2,8 @@
 
 - `save_checkpoint` / `load_checkpoint` / `finalize_pending`: training
   checkpoints under `<save>/iter_NNNNNNN/` with an atomically moved
-  `latest_checkpointed_iteration.txt` (see `checkpoint` and `layout`).
+  `latest_checkpointed_iteration.txt` (modules `save`, `load`, `state_files`, `layout`);
+  `find_resume_point` / `verify_checkpoint`: which checkpoint a run continues from (`resume`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
 - `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`; `export_checkpoint_hf`: a training
   checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`).
@@ -32,18 +33,6 @@ from mmfsdp.ckpt.adapters import (
     get_state_dict_adapter,
     registered_adapter_ids,
 )
-from mmfsdp.ckpt.checkpoint import (
-    LoadedCheckpoint,
-    ResumePoint,
-    SaveHandle,
-    finalize_pending,
-    find_resume_point,
-    load_checkpoint,
-    load_tensor_file,
-    read_checkpoint_info,
-    save_checkpoint,
-    verify_checkpoint,
-)
 from mmfsdp.ckpt.convert import HF_EXPORT_DIRNAME, dcp_to_hf, export_checkpoint_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
@@ -59,8 +48,12 @@ from mmfsdp.ckpt.layout import (
     resolve_checkpoint,
     write_tracker,
 )
+from mmfsdp.ckpt.load import LoadedCheckpoint, load_checkpoint
 from mmfsdp.ckpt.lock import LOCK_FILENAME, SaveDirLock
+from mmfsdp.ckpt.resume import ResumePoint, find_resume_point, verify_checkpoint
 from mmfsdp.ckpt.rng import capture_rng_state, restore_rng_state
+from mmfsdp.ckpt.save import SaveHandle, finalize_pending, save_checkpoint
+from mmfsdp.ckpt.state_files import load_tensor_file, read_checkpoint_info
 
 __all__ = [
     "save_checkpoint",

@@ -1,62 +1,19 @@
-"""`mm-convert`: HF safetensors <-> DCP conversion, one tensor (or one output shard) in memory at a time.
+"""HF safetensors <-> DCP conversion, one tensor (or one output shard) in memory at a time — the library behind
+`mm-convert` (its command line: `mmfsdp.ckpt.cli`; LoRA exports: `mmfsdp.ckpt.lora`).
 
-```
-mm-convert GenericDCPConverter hf_to_dcp --hf_dir HF --dcp_dir DCP [--model_id ID] [--force]
-mm-convert GenericDCPConverter dcp_to_hf --load_dir DIR --save_dir OUT --model_assets_dir HF
-                                         [--model_id ID] [--max_shard_size 5GB] [--force]
-```
+- `hf_to_dcp`: a HF directory -> `DCP/release/` + the tracker (= `release`), through one `dcp.save` of meta
+  tensors whose planner reads (and combines) each model tensor's file tensors only when DCP writes it.
+- `dcp_to_hf`: a training checkpoint or release -> HF safetensors shards in the naming and layout of
+  `model_assets_dir`, validated against its headers and `config.json`, its non-weight files copied.
+- `export_checkpoint_hf`: `<save>/iter_N` -> `<save>/hf/iter_N` (`training.save_format: hf`).
 
-Names and layouts are the family's state-dict adapter's (`adapters`): the one
-registered under `--model_id`, or by default the one for `config.json`'s
-`model_type` (of `--hf_dir`, of `--model_assets_dir`).
-
-hf_to_dcp
-    Reads the safetensors headers, asks the adapter which file tensors make each
-    model tensor, builds a state dict of *meta* tensors named
-    `model.<state_dict name>`, and saves it with one `dcp.save` whose planner
-    (`LazySavePlanner`) reads a model tensor's file tensors (and combines them,
-    e.g. stacks experts) only when DCP writes it, through
-    `FileSystemWriter(single_file_per_rank=False)` which writes one file per
-    tensor and drops it before the next. Peak memory is about the largest tensor
-    (twice that for a combined one). The result is `DCP/release/` plus
-    `DCP/latest_checkpointed_iteration.txt` = `release`, exactly what
-    `load_checkpoint` of a release expects.
-
-dcp_to_hf
-    Reads the DCP metadata, asks the adapter which HF tensors each `model.*`
-    tensor is written as, and splits the model tensors into output shards of at
-    most `--max_shard_size` (the HF tensors of one model tensor stay together).
-    Each shard is a safetensors file whose header is written first
-    (`SafetensorsWriter`); then each tensor's bytes are appended. A renamed tensor
-    that is alone in its DCP data file (the `hf_to_dcp` layout) is copied from
-    there with `os.copy_file_range`, inside the kernel; the others (training
-    checkpoints, FSDP-sharded by any number of ranks, and tensors the adapter
-    splits) are loaded with one `dcp.load` per shard into a reused buffer, which
-    reassembles the shards. Peak memory is about one output shard. HF names
-    follow the file naming and layout of `--model_assets_dir` (the adapter's, or
-    the `state_dict()` names and shapes when its weights use those), are validated against its
-    safetensors headers (keys and shapes) and its `config.json`, and its
-    non-weight files (config, tokenizer, processor, chat template, ...) are copied.
-
-LoraConverter (LoRA checkpoints, `mmfsdp.ckpt.lora`)
-```
-mm-convert LoraConverter dcp_to_peft      --load_dir DIR --save_dir OUT [--base_model_name_or_path NAME] [--force]
-mm-convert LoraConverter dcp_to_merged_hf --load_dir DIR --save_dir OUT --model_assets_dir HF [--model_id ID] [--force]
-```
-    The adapters of an adapter-only training checkpoint as a PEFT adapter
-    directory, or merged into the base HF weights of `--model_assets_dir`.
-
-Every sub-command refuses an output directory that is, contains or lies inside one of their input
-directories (`--hf_dir`; `--load_dir`, `--model_assets_dir`), after resolving
-symlinks and `..`, with or without `--force`: the export would replace its input.
-
-Both write to a temporary directory and move it into place at the end, so an
-interrupted conversion never leaves a complete-looking output.
+Names and layouts are the family's state-dict adapter's (`adapters`). Outputs are written beside their final
+place and published with `layout.publish_dir` (`outputs`); an output that overlaps an input is refused. The
+steps and their memory bounds: docs/checkpoints.md, "Conversion: `mm-convert`".
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -66,7 +23,7 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -79,10 +36,9 @@ from mmfsdp.ckpt.adapters import (
     StateDictAdapter,
     plan_from_hf,
     plan_to_hf,
-    registered_adapter_ids,
     resolve_state_dict_adapter,
 )
-from mmfsdp.ckpt.checkpoint import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX, read_checkpoint_info
+from mmfsdp.ckpt.state_files import FORMAT_NAME, FORMAT_VERSION, INFO_FILENAME, MODEL_PREFIX, read_checkpoint_info
 from mmfsdp.ckpt.dcp_io import (
     LazySavePlanner,
     SafeFileSystemReader,
@@ -111,12 +67,13 @@ from mmfsdp.ckpt.outputs import (
     check_output_dir, copy_model_assets, discard_output_dir, prepare_output_dir, publish_output_dir, refuse_overlap,
 )
 
-__all__ = ["HF_EXPORT_DIRNAME", "export_checkpoint_hf", "hf_to_dcp", "dcp_to_hf", "main"]
+__all__ = ["AUTO", "HF_EXPORT_DIRNAME", "export_checkpoint_hf", "hf_to_dcp", "dcp_to_hf"]
 
 HF_EXPORT_DIRNAME = "hf"
 """Training checkpoints exported as HF directories go to `<save>/hf/iter_NNNNNNN` (`export_checkpoint_hf`)."""
 
 AUTO = "auto"
+"""The adapter argument that picks the state-dict adapter from `config.json`'s `model_type`."""
 
 
 def _progress(total: int, desc: str, show: bool | None) -> tqdm:
@@ -473,112 +430,3 @@ def export_checkpoint_hf(save_dir: str | os.PathLike, iteration: int, model_asse
         if isinstance(found, int) and found not in kept and entry.is_dir():
             shutil.rmtree(entry)
     return out
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mm-convert",
-        description="Convert model weights between HF safetensors and PyTorch Distributed Checkpoint (DCP).",
-    )
-    converters = parser.add_subparsers(dest="converter", required=True, metavar="CONVERTER")
-    generic = converters.add_parser(
-        "GenericDCPConverter",
-        help="HF safetensors <-> DCP for any model with a state-dict adapter (chosen by config.json model_type)",
-        description="HF safetensors <-> DCP for any model; see `hf_to_dcp -h` and `dcp_to_hf -h`.",
-    )
-    commands = generic.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_id_help = (
-        "model id of the state-dict adapter that maps {what} (registered: " + ", ".join(registered_adapter_ids())
-        + "; identity keeps names as they are; --key_map is the old spelling). "
-        "Default auto: the adapter registered for the model_type in {config}"
-    )
-
-    to_dcp = commands.add_parser(
-        "hf_to_dcp",
-        help="HF safetensors directory -> DCP_DIR/release + latest_checkpointed_iteration.txt",
-        description="Convert a HF safetensors directory (single file or sharded with an index) into a DCP "
-        "checkpoint DCP_DIR/release/ and write DCP_DIR/latest_checkpointed_iteration.txt = release. "
-        "Point training.load at DCP_DIR.",
-    )
-    to_dcp.add_argument("--hf_dir", required=True, help="HF model directory with *.safetensors (and model.safetensors.index.json when sharded)")
-    to_dcp.add_argument("--dcp_dir", required=True, help="output directory; release/ and the tracker are written here")
-    to_dcp.add_argument("--force", action="store_true", help="replace release/ and the tracker if --dcp_dir is not empty (other files are kept)")
-    to_dcp.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
-                                                  config="--hf_dir/config.json (identity when it has none)"))
-
-    to_hf = commands.add_parser(
-        "dcp_to_hf",
-        help="DCP checkpoint (release or iter_*) -> HF safetensors shards + index + assets",
-        description="Export the model weights of a DCP checkpoint as HF safetensors shards with "
-        "model.safetensors.index.json, in HF naming, dtypes preserved, and copy config, tokenizer, "
-        "processor and chat-template files from --model_assets_dir.",
-    )
-    to_hf.add_argument("--load_dir", required=True, help="a training.save / --dcp_dir directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN or release directory")
-    to_hf.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
-    to_hf.add_argument("--model_assets_dir", required=True, help="the original HF model directory: config.json, tokenizer, processor and chat template are copied from it, and its weights (if present) are used to validate names and shapes")
-    to_hf.add_argument("--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
-    to_hf.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
-    to_hf.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                       help=model_id_help.format(what="model state_dict tensors back to HF file tensors",
-                                                 config="--model_assets_dir/config.json; the state_dict names are "
-                                                 "kept when only they match the assets' own weights"))
-
-    lora = converters.add_parser(
-        "LoraConverter",
-        help="LoRA training checkpoints (adapters only) -> a PEFT adapter directory, or HF weights with the adapters merged",
-        description="Export the adapters of a LoRA training checkpoint; see `dcp_to_peft -h` and `dcp_to_merged_hf -h`.",
-    )
-    lora_commands = lora.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    to_peft = lora_commands.add_parser(
-        "dcp_to_peft",
-        help="LoRA checkpoint -> adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained(base, OUT))",
-        description="Write the adapters of a LoRA training checkpoint as a PEFT adapter directory that "
-        "peft.PeftModel.from_pretrained(base_model, SAVE_DIR) loads onto the HF base model.",
-    )
-    to_peft.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
-    to_peft.add_argument("--save_dir", required=True, help="output adapter directory (must be empty or new unless --force)")
-    to_peft.add_argument("--base_model_name_or_path", default=None, help="recorded in adapter_config.json (the base model's HF id or directory)")
-    to_peft.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
-    merged = lora_commands.add_parser(
-        "dcp_to_merged_hf",
-        help="LoRA checkpoint + base HF weights -> HF weights with W + (alpha/r)·B·A",
-        description="Merge the adapters of a LoRA training checkpoint into the base HF weights of --model_assets_dir "
-        "and write the result as an HF directory (the assets' shards, names and dtypes; other files copied).",
-    )
-    merged.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
-    merged.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
-    merged.add_argument("--model_assets_dir", required=True, help="the base HF model the adapters were trained on (config.json and safetensors weights)")
-    merged.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
-                                                  config="--model_assets_dir/config.json"))
-    merged.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    try:
-        if args.command == "hf_to_dcp":
-            out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, adapter=args.model_id)
-            print(f"wrote {out} and {Path(args.dcp_dir) / 'latest_checkpointed_iteration.txt'} (release)")
-        elif args.command == "dcp_to_peft":
-            from mmfsdp.ckpt.lora import dcp_to_peft
-
-            print(f"wrote {dcp_to_peft(args.load_dir, args.save_dir, base_model_name_or_path=args.base_model_name_or_path, force=args.force)}")
-        elif args.command == "dcp_to_merged_hf":
-            from mmfsdp.ckpt.lora import dcp_to_merged_hf
-
-            print(f"wrote {dcp_to_merged_hf(args.load_dir, args.save_dir, args.model_assets_dir, adapter=args.model_id, force=args.force)}")
-        else:
-            out = dcp_to_hf(args.load_dir, args.save_dir, args.model_assets_dir,
-                            max_shard_size=args.max_shard_size, force=args.force, adapter=args.model_id)
-            print(f"wrote {out}")
-    except (CheckpointError, ValueError) as e:
-        print(f"mm-convert: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

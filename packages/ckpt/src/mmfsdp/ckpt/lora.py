@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from mmfsdp.ckpt.adapters import FromHF, StateDictAdapter, plan_from_hf, resolve_state_dict_adapter
-from mmfsdp.ckpt.checkpoint import MODEL_PREFIX, read_checkpoint_info
+from mmfsdp.ckpt.state_files import MODEL_PREFIX, read_checkpoint_info
 from mmfsdp.ckpt.dcp_io import (
     SafeFileSystemReader,
     SafeLoadPlanner,

@@ -28,20 +28,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from mmfsdp.ckpt.adapters import StateDictAdapter, plan_from_hf, resolve_state_dict_adapter
 from mmfsdp.ckpt.dcp_io import read_dcp_metadata, tensor_entries
 from mmfsdp.ckpt.hf import SafetensorsDir
+from mmfsdp.ckpt.state_files import MODEL_PREFIX, KeyMap
 
 __all__ = ["KeyReport", "expected_shapes", "dcp_shapes", "hf_shapes", "compare_shapes", "check_dcp", "check_hf"]
 
 Shape = tuple[int, ...]
-KeyMap = Callable[[str], "str | None"]
-
-MODEL_PREFIX = "model."
 
 
 @dataclass(frozen=True, slots=True)

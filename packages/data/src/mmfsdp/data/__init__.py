@@ -9,9 +9,7 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
    plugin, cached), images decoded lazily per item; bad rows skipped and counted.
 4. `build_dataloader(dataset, data_cfg, micro_batch_size=, dp_rank=, dp_size=, seed=,
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
-   batches: the keys the collator declares in its `batch_schema` (model inputs such as
-   `input_ids`, `attention_mask`, `pixel_values`; `labels`; with packing the
-   boundaries `cu_seq_lens`, `max_length`); `split_batch(batch, schema)` separates them.
+   batches (the batch contract: docs/data.md, "Batches").
 
 Each of templates (`mistral`, `qwen3_vl`, `qwen3_vl_nothink`), image plugins
 (`pixtral`, `qwen2_vl`), collators (`pixtral`, `qwen3vl`) and dataset types
@@ -19,7 +17,7 @@ Each of templates (`mistral`, `qwen3_vl`, `qwen3_vl_nothink`), image plugins
 See docs/data.md.
 """
 
-from mmfsdp.data.collators import Collator, KeySpec, PixtralCollator, Qwen3VLCollator, get_collator, register_collator, split_batch
+from mmfsdp.data.collators import Collator, PixtralCollator, Qwen3VLCollator, get_collator, register_collator
 from mmfsdp.data.config import (
     AttrConfig,
     BasicParametersConfig,
@@ -61,7 +59,6 @@ __all__ = [
     "VideoPlugin",
     "decode_frames",
     "read_video_info",
-    "KeySpec",
     "MMProcessor",
     "MistralTemplate",
     "PixtralCollator",
@@ -92,5 +89,4 @@ __all__ = [
     "register_dataset_type",
     "register_plugin",
     "register_template",
-    "split_batch",
 ]

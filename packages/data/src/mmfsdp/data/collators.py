@@ -1,63 +1,17 @@
-"""Collators: samples -> one padded batch dict, registry keyed by `collate_param.model_name`.
+"""Collators: rows of samples -> one padded batch dict, a registry keyed by `collate_param.model_name`.
 
-Every collator implements `Collator` and declares its batch in `batch_schema`: for
-each key it may return, a `KeySpec` saying what the key is —
-
-- `"input"`: a model input, passed to the model's forward as it is (nothing
-  generic lists a family's input names; the trainer reads them from the schema);
-- `"labels"`: the targets (`-100` = not trained), for the loss, never the model;
-- `"boundary"`: sample boundaries (`cu_seq_lens`, `max_length`), for varlen attention
-  and context parallel —
-
-and how it packs and splits: `seq_dim` is its token dimension (what context parallel
-splits, what padding extends, filled with `pad_value`); `None` = not per token
-(pixels, grids, boundaries), kept whole. Keys absent from a batch (no image, no
-packing) are simply missing. VeOmni's `DataCollateInfo` is the model.
-
-A collator receives *rows*, each a list of samples (one sample per row without
-packing, several with packing). Per row the samples' tokens are concatenated; the
-batch is right-padded to the longest row rounded up to `pad_to_multiple_of`
-(`input_ids` with the pad id, `labels` with -100, `attention_mask` 0).
-
-`sample_multiple` (context parallel's `required_multiple`) makes every sample's
-length a multiple of it: without packing it joins the row multiple; with packing
-each sample is followed by its own padding up to the multiple (pad ids, labels
--100, attention_mask 0), which stays inside the sample's `cu_seq_lens` segment, so
-context parallel can split every packed sample. With packing the padding at the end
-of a row is a segment of its own, and `cu_seq_lens` lists every segment's
-boundaries over the flattened `B·S` tokens (int32, from 0 to `B·S`), so varlen
-attention never mixes two samples (or a sample and padding). `max_length` is the
-longest segment.
-
-`pixtral` also returns `position_ids`, restarting at 0 for every sample (without
-packing a row's positions run on through its padding, `arange(S)`; with packing
-the end-of-row padding segment restarts too, so the boundaries derived from
-`position_ids` and `cu_seq_lens` always agree). Images of all samples, in row
-order, are padded with zeros at the bottom/right to the batch's tallest and widest
-image and stacked into `pixel_values` `[N, 3, H, W]` — the layout the HF Pixtral
-image processor returns for the same images — with `image_sizes` `[N, 2]` (height,
-width). Both keys are absent when no sample has an image.
-
-`qwen3vl` returns no `position_ids`: Qwen3-VL computes its M-RoPE positions itself
-from `input_ids`, `image_grid_thw`, `video_grid_thw` and `mm_token_type_ids` (0 text,
-1 image token, 2 video token; transformers' `Qwen3VLModel` requires it whenever images
-or videos are passed). Samples carry
-their own `mm_token_type_ids` (from the image plugin's `token_inputs`); the
-collator pads them with 0.
-`pixel_values` `[Σ t·h·w, C·T·P·P]` are the samples' flattened patches concatenated
-in row order and `image_grid_thw` `[N, 3]` their grids, as `Qwen2VLImageProcessor`
-returns them for the same images; both are absent when no sample has an image.
-Videos likewise: `pixel_values_videos` `[Σ t·h·w, C·T·P·P]` and `video_grid_thw`
-`[N, 3]` concatenated in row order, as `Qwen3VLVideoProcessor` returns them, absent
-when no sample has a video. Under packing each sample's media stay in its order, so
-the model can take each sample's grids back in turn.
+A collator receives *rows*, each a list of samples (one sample per row without packing, several with
+packing), and returns a batch that keeps the batch contract of docs/data.md, "Batches" (per-token keys
+`[B, S]` right-padded, per-media keys in sample order, `cu_seq_lens` / `max_length` with packing).
+`_RowCollator` is the row layout every collator shares: padding, each sample's span in its row and the
+packing segments. `sample_multiple` (context parallel's `required_multiple`) pads every packed sample to a
+multiple of it inside its own segment, so context parallel can split every sample (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -67,48 +21,24 @@ from mmfsdp.data.templates import IGNORE_INDEX
 
 __all__ = [
     "Collator",
-    "KeySpec",
     "PixtralCollator",
     "Qwen3VLCollator",
     "collator_names",
     "get_collator",
     "register_collator",
-    "split_batch",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class KeySpec:
-    """What one key of a batch is and how it packs and splits."""
-
-    kind: Literal["input", "labels", "boundary"]
-    """`input` = passed to the model as is; `labels` = the loss targets; `boundary` = sample boundaries."""
-    seq_dim: int | None = None
-    """The key's token dimension (split by context parallel, extended by padding); None = not per token, kept whole."""
-    pad_value: int | None = None
-    """What padding positions along `seq_dim` hold."""
 
 
 @runtime_checkable
 class Collator(Protocol):
-    """Rows of samples -> one batch dict whose keys `batch_schema` declares."""
+    """Rows of samples -> one batch dict that keeps the batch contract (docs/data.md, "Batches")."""
 
     name: ClassVar[str]
     """The name users write in `collate_param.model_name`."""
-    batch_schema: ClassVar[Mapping[str, KeySpec]]
-    """Every key the collator may return."""
 
     def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False, sample_multiple: int = 1): ...
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]: ...
-
-
-def split_batch(batch: Mapping[str, Any], schema: Mapping[str, KeySpec]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model inputs, labels, boundaries) of `batch`, by each key's `KeySpec.kind`; a key the schema lacks is a bug."""
-    out: dict[str, dict[str, Any]] = {"input": {}, "labels": {}, "boundary": {}}
-    for key, value in batch.items():
-        out[schema[key].kind][key] = value
-    return out["input"], out["labels"], out["boundary"]
 
 
 _COLLATORS: Registry[type[Collator]] = Registry("collator", "data.dataloader_param.collate_param.model_name")
@@ -124,9 +54,6 @@ def collator_names() -> list[str]:
 
 def get_collator(name: str) -> type[Collator]:
     return _COLLATORS.get(name)
-
-
-_BOUNDARIES = {"cu_seq_lens": KeySpec("boundary"), "max_length": KeySpec("boundary")}
 
 
 def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
@@ -198,19 +125,13 @@ class _RowCollator:
 
 @register_collator
 class PixtralCollator(_RowCollator):
-    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`."""
+    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`.
+
+    Without packing a row's positions run on through its padding (`arange(S)`); with packing the end-of-row
+    padding segment restarts too, so `position_ids` and `cu_seq_lens` always agree. Images are zero-padded at
+    the bottom/right to the batch's largest and stacked `[N, 3, H, W]`, as the HF Pixtral processor does."""
 
     name = "pixtral"
-    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
-        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
-        "position_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "pixel_values": KeySpec("input"),
-        "image_sizes": KeySpec("input"),
-        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
-        **_BOUNDARIES,
-    }
-    """`input_ids` pad with the tokenizer's pad id; `position_ids` padding continues the positions (see the module docstring)."""
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows = self._rows(rows)
@@ -242,18 +163,6 @@ class Qwen3VLCollator(_RowCollator):
     patches in sample order; with packing adds `cu_seq_lens`."""
 
     name = "qwen3vl"
-    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
-        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
-        "mm_token_type_ids": KeySpec("input", seq_dim=1, pad_value=0),
-        "pixel_values": KeySpec("input"),
-        "image_grid_thw": KeySpec("input"),
-        "pixel_values_videos": KeySpec("input"),
-        "video_grid_thw": KeySpec("input"),
-        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
-        **_BOUNDARIES,
-    }
-    """`input_ids` pad with the tokenizer's pad id."""
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows = self._rows(rows)

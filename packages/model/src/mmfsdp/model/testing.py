@@ -65,7 +65,7 @@ def assert_bit_exact(actual: dict[str, torch.Tensor], expected: dict[str, torch.
 
 def mm_convert(*argv) -> int:
     """`mm-convert GenericDCPConverter *argv` in this process; its exit code."""
-    from mmfsdp.ckpt.convert import main
+    from mmfsdp.ckpt.cli import main
 
     return main(["GenericDCPConverter", *map(str, argv)])
 
