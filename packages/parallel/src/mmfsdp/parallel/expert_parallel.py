@@ -1,65 +1,17 @@
 """Expert parallel (EP): top-k token dispatch over an EP group, local expert compute, weighted combine.
 
-Legend: T tokens on this rank, K experts per token (top-k), S = T·K (token, slot)
-pairs, H hidden size, I expert intermediate size, E experts in the model,
-L = E / ep experts held by one rank, P ranks in the EP group, N rows this rank's
-experts receive. Expert weights use HF's fused layout: `gate_up_proj [E, 2I, H]`
-(gate rows first, then up rows) and `down_proj [E, H, I]`; an expert computes
-`down · (act(gate · x) ⊙ (up · x))` — `nn.functional.linear` against each slice.
+`expert_parallel_forward` sorts the (token, slot) pairs by expert, exchanges counts and then rows with two
+all-to-alls (autograd functions whose backward is the same exchange with the splits swapped), runs the
+local experts (grouped GEMM where a one-time probe allows it, else a loop) and sends the results back to be
+summed with their routing weights on the token's own rank. `shard_experts` / `apply_expert_parallel` keep
+each rank's `E / ep` slice of HF's fused expert parameters as a DTensor `Shard(0)` over the `ep` mesh and
+route the module's forward through `experts_forward`, which scales the local experts' gradient by `1 / ep`
+so FSDP2's mean over `efsdp` gives the right sum. The steps, the mesh and the gradient argument:
+docs/parallelism.md, "Expert parallel: dispatch" and "Expert parallel: in the trainer".
 
-`expert_parallel_forward(hidden_TH, topk_idx_TK, topk_weight_TK, ...)`:
-1. sort the S pairs by expert id (stable, so pairs of one expert stay in token
-   order) and gather their hidden states; EP rank r holds experts
-   `[r·L, (r+1)·L)`, so the sorted rows are already grouped by destination rank;
-2. count the pairs per expert (`counts_E`) and exchange the counts with one
-   equal-split all-to-all: each rank learns how many rows every source sends to
-   each of its local experts (`counts_PL`), hence the split sizes;
-3. all-to-all the rows with those variable splits (`_AllToAll`: its backward is
-   the same exchange with the splits swapped) — received rows are ordered by
-   source rank, then local expert; reorder them expert-major
-   (`expert_major_order`), run the local experts, undo the reorder;
-4. all-to-all the results back (the reverse exchange), put the pairs back in
-   (token, slot) order and sum each token's K results weighted by their routing
-   weights (one batched `[1, K] × [K, H]` product per token).
-Gradients flow through both all-to-alls, the gathers and the routing weights; the
-routing-weight product happens on the token's own rank, so no weight is sent.
-With `group=None` (or an EP group of one rank) steps 2–3 and the reverse
-exchange are skipped; everything else is the same code.
-
-Local experts (`local_experts`): `torch._grouped_mm` (`nn.functional.grouped_mm`
-where torch has it) over the expert-sorted rows with cumulative offsets, where a
-one-time probe shows the device and dtype support it and the sizes meet its
-16-byte alignment; otherwise a loop over the local experts (`split` / `unbind`,
-whose backwards write each gradient once instead of a full-size zero tensor per
-expert). Both give the same numbers; `implementation="grouped" | "loop"` forces one.
-
-FSDP2 and the mesh: `shard_experts(module, ep)` keeps this rank's `E / ep` slice
-of the fused expert parameters (call it on the meta model, before `fully_shard`).
-Given the `ep` `DeviceMesh` (`ParallelDims.ep_mesh`), the kept slice becomes a
-DTensor `Shard(0)` over it, so the parameter keeps the global `[E, ...]` shape:
-FSDP2 then shards the local experts over the ranks that hold the same experts
-(`ParallelDims.expert_fsdp_mesh`) as a 2-D `(efsdp, ep)` DTensor, and DCP saves,
-loads and reshards them to another EP size (or none) like any parameter, as
-`load_hf_weights` reads only each rank's rows. A process group instead of a mesh
-keeps plain local tensors (tests, benchmarks). The forward uses the local
-tensors of the gathered parameters.
-`apply_expert_parallel(model, patterns, ep_mesh)` does this for every matched
-experts module and routes its forward through `experts_forward` (at EP 1 too:
-the sorted grouped/looped compute replaces HF's loop over experts).
-
-Gradients under FSDP2: FSDP averages a parameter's gradient over the ranks that
-shard it, and the trainer backwards `loss × world size` to turn that mean into
-the sum of every rank's contribution (`mmfsdp.parallel.fsdp`). An expert's
-gradient on one EP rank, though, already sums the tokens of its whole EP group
-(the all-to-all brings them back), and FSDP averages it over only the `efsdp`
-ranks (world size / ep): it would come out `ep` times too large. So the forward
-that `apply_expert_parallel` installs scales the local experts' gradient by
-`1 / ep` (`grad_scale`) — the mean over the EP group, as FSDP takes the mean
-over its group — which needs no FSDP option and holds with HSDP too.
-Context parallel needs nothing: each rank dispatches the tokens of its own
-sequence shard. Activation checkpointing recomputes the forward, including the
-exchanges, in the backward. The expert-load statistics come from the routers
-(`mmfsdp.model.router`), not from here.
+Legend: T tokens on this rank, K experts per token (top-k), S = T·K (token, slot) pairs, H hidden size,
+I expert intermediate size, E experts in the model, L = E / ep experts held by one rank, P ranks in the EP
+group, N rows this rank's experts receive. `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`.
 """
 
 from __future__ import annotations
