@@ -125,3 +125,11 @@ def test_plan_shards():
     assert plan_shards(sizes, 100) == [["a", "b", "c", "d", "e"]]
     assert shard_filename(0, 3) == "model-00001-of-00003.safetensors"
 
+
+
+def test_preview_shows_the_first_keys_and_counts_the_rest():
+    from mmfsdp.ckpt.errors import preview
+
+    assert preview(["a", "b"]) == "a, b"
+    assert preview([f"k{i}" for i in range(12)]) == "k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, ... (2 more)"
+    assert preview(["a", "b", "c"], limit=2) == "a, b, ... (1 more)"

@@ -94,3 +94,17 @@ def test_mesh_plan_expert_parallel_must_divide_the_shard_group():
 
     with pytest.raises(ConfigError, match=r"^parallel\.expert_parallel_size: 4 does not divide the FSDP shard group of 2 ranks"):
         MeshPlan.from_config(ParallelConfig(expert_parallel_size=4, data_parallel_replicate_size=2), 4)
+
+
+def test_one_dtype_table_for_every_dtype_name_the_config_accepts():
+    from typing import get_args
+
+    import torch
+
+    from mmfsdp.parallel import DTYPES, dtype_name
+    from mmfsdp.parallel.config import DType
+
+    assert tuple(DTYPES) == get_args(DType)
+    assert DTYPES["bf16"] is torch.bfloat16 and DTYPES["fp32"].itemsize == 4
+    assert [dtype_name(dtype) for dtype in DTYPES.values()] == list(DTYPES)
+    assert dtype_name(torch.float64) == "float64"
