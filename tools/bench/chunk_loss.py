@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (Magistral: 5120)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the batch")
     parser.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk of the chunked variant")
-    parser.add_argument("--dtype", choices=get_args(DType), default="fp32", help="dtype of the hidden states and weight")
+    parser.add_argument(
+        "--dtype", choices=get_args(DType), default="fp32", help="dtype of the hidden states and weight"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (each runs both variants) after a warm-up")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -72,8 +72,8 @@ def test_qwen3vl_batch(qwen_processor, tmp_path, h, rows, packing):
     assert "position_ids" not in batch
     expected = {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "labels"}
     assert set(batch) == expected | ({"cu_seq_lens", "max_length"} if packing else set())
-    seq_len = batch["input_ids"].shape
-    assert all(batch[key].shape == seq_len for key in ("labels", "attention_mask", "mm_token_type_ids"))
+    shape = batch["input_ids"].shape
+    assert all(batch[key].shape == shape for key in ("labels", "attention_mask", "mm_token_type_ids"))
 
     answers = [[a for _, a, _ in ROWS[:2]], [ROWS[2][1]]] if packing else [[a] for _, a, _ in ROWS]
     _check_labels(qwen_processor, batch, answers)
@@ -122,8 +122,8 @@ def test_dataset_with_the_qwen2_vl_plugin(qwen_processor, tmp_path, h, rows):
 
     loader = build_dataloader(dataset, h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, basic={"dataset": str(path), "shuffle": False}, loader={"collate_param": {"model_name": "qwen3vl"}}), micro_batch_size=3, dp_rank=0, dp_size=1, seed=0)
     batch = next(loader)
-    assert set(batch) == {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "labels"}
-    assert batch["image_grid_thw"].shape == (3, 3)
+    expected = {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "labels"}
+    assert set(batch) == expected and batch["image_grid_thw"].shape == (3, 3)
 
     fingerprint = SampleEncoder(cfg, qwen_processor).fingerprint()
     smaller = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink", "image_max_pixels": 64 * 64}, basic={"dataset": str(path)})

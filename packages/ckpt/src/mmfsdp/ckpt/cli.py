@@ -15,6 +15,7 @@ from typing import Sequence
 from mmfsdp.ckpt.adapters import registered_adapter_ids
 from mmfsdp.ckpt.convert import AUTO, dcp_to_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.lora import dcp_to_merged_hf, dcp_to_peft
 
 __all__ = ["main"]
 
@@ -32,7 +33,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     commands = generic.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_id_help = (
-        "model id of the state-dict adapter that maps {what} (registered: " + ", ".join(registered_adapter_ids())
+        "model id of the state-dict adapter that maps {what} (registered: "
+        + ", ".join(registered_adapter_ids())
         + "; identity keeps names as they are; --key_map is the old spelling). "
         "Default auto: the adapter registered for the model_type in {config}"
     )
@@ -44,12 +46,28 @@ def _build_parser() -> argparse.ArgumentParser:
         "checkpoint DCP_DIR/release/ and write DCP_DIR/latest_checkpointed_iteration.txt = release. "
         "Point training.load at DCP_DIR.",
     )
-    to_dcp.add_argument("--hf_dir", required=True, help="HF model directory with *.safetensors (and model.safetensors.index.json when sharded)")
+    to_dcp.add_argument(
+        "--hf_dir",
+        required=True,
+        help="HF model directory with *.safetensors (and model.safetensors.index.json when sharded)",
+    )
     to_dcp.add_argument("--dcp_dir", required=True, help="output directory; release/ and the tracker are written here")
-    to_dcp.add_argument("--force", action="store_true", help="replace release/ and the tracker if --dcp_dir is not empty (other files are kept)")
-    to_dcp.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
-                                                  config="--hf_dir/config.json (identity when it has none)"))
+    to_dcp.add_argument(
+        "--force",
+        action="store_true",
+        help="replace release/ and the tracker if --dcp_dir is not empty (other files are kept)",
+    )
+    to_dcp.add_argument(
+        "--model_id",
+        "--key_map",
+        dest="model_id",
+        default=AUTO,
+        metavar="ID",
+        help=model_id_help.format(
+            what="HF file tensors to model state_dict tensors",
+            config="--hf_dir/config.json (identity when it has none)",
+        ),
+    )
 
     to_hf = commands.add_parser(
         "dcp_to_hf",
@@ -58,31 +76,64 @@ def _build_parser() -> argparse.ArgumentParser:
         "model.safetensors.index.json, in HF naming, dtypes preserved, and copy config, tokenizer, "
         "processor and chat-template files from --model_assets_dir.",
     )
-    to_hf.add_argument("--load_dir", required=True, help="a training.save / --dcp_dir directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN or release directory")
+    to_hf.add_argument(
+        "--load_dir",
+        required=True,
+        help="a training.save / --dcp_dir directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN or "
+             "release directory",
+    )
     to_hf.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
-    to_hf.add_argument("--model_assets_dir", required=True, help="the original HF model directory: config.json, tokenizer, processor and chat template are copied from it, and its weights (if present) are used to validate names and shapes")
-    to_hf.add_argument("--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    to_hf.add_argument(
+        "--model_assets_dir",
+        required=True,
+        help="the original HF model directory: config.json, tokenizer, processor and chat template are copied from "
+             "it, and its weights (if present) are used to validate names and shapes",
+    )
+    to_hf.add_argument(
+        "--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)"
+    )
     to_hf.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
-    to_hf.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                       help=model_id_help.format(what="model state_dict tensors back to HF file tensors",
-                                                 config="--model_assets_dir/config.json; the state_dict names are "
-                                                 "kept when only they match the assets' own weights"))
+    to_hf.add_argument(
+        "--model_id",
+        "--key_map",
+        dest="model_id",
+        default=AUTO,
+        metavar="ID",
+        help=model_id_help.format(
+            what="model state_dict tensors back to HF file tensors",
+            config="--model_assets_dir/config.json; the state_dict names are "
+            "kept when only they match the assets' own weights",
+        ),
+    )
 
     lora = converters.add_parser(
         "LoraConverter",
-        help="LoRA training checkpoints (adapters only) -> a PEFT adapter directory, or HF weights with the adapters merged",
-        description="Export the adapters of a LoRA training checkpoint; see `dcp_to_peft -h` and `dcp_to_merged_hf -h`.",
+        help="LoRA training checkpoints (adapters only) -> a PEFT adapter directory, or HF weights with the adapters "
+             "merged",
+        description="Export the adapters of a LoRA training checkpoint; see `dcp_to_peft -h` and `dcp_to_merged_hf "
+                    "-h`.",
     )
     lora_commands = lora.add_subparsers(dest="command", required=True, metavar="COMMAND")
     to_peft = lora_commands.add_parser(
         "dcp_to_peft",
-        help="LoRA checkpoint -> adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained(base, OUT))",
+        help="LoRA checkpoint -> adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained(base, "
+             "OUT))",
         description="Write the adapters of a LoRA training checkpoint as a PEFT adapter directory that "
         "peft.PeftModel.from_pretrained(base_model, SAVE_DIR) loads onto the HF base model.",
     )
-    to_peft.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
-    to_peft.add_argument("--save_dir", required=True, help="output adapter directory (must be empty or new unless --force)")
-    to_peft.add_argument("--base_model_name_or_path", default=None, help="recorded in adapter_config.json (the base model's HF id or directory)")
+    to_peft.add_argument(
+        "--load_dir",
+        required=True,
+        help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory",
+    )
+    to_peft.add_argument(
+        "--save_dir", required=True, help="output adapter directory (must be empty or new unless --force)"
+    )
+    to_peft.add_argument(
+        "--base_model_name_or_path",
+        default=None,
+        help="recorded in adapter_config.json (the base model's HF id or directory)",
+    )
     to_peft.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
     merged = lora_commands.add_parser(
         "dcp_to_merged_hf",
@@ -90,12 +141,27 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Merge the adapters of a LoRA training checkpoint into the base HF weights of --model_assets_dir "
         "and write the result as an HF directory (the assets' shards, names and dtypes; other files copied).",
     )
-    merged.add_argument("--load_dir", required=True, help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory")
+    merged.add_argument(
+        "--load_dir",
+        required=True,
+        help="a training.save directory with latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory",
+    )
     merged.add_argument("--save_dir", required=True, help="output HF directory (must be empty or new unless --force)")
-    merged.add_argument("--model_assets_dir", required=True, help="the base HF model the adapters were trained on (config.json and safetensors weights)")
-    merged.add_argument("--model_id", "--key_map", dest="model_id", default=AUTO, metavar="ID",
-                        help=model_id_help.format(what="HF file tensors to model state_dict tensors",
-                                                  config="--model_assets_dir/config.json"))
+    merged.add_argument(
+        "--model_assets_dir",
+        required=True,
+        help="the base HF model the adapters were trained on (config.json and safetensors weights)",
+    )
+    merged.add_argument(
+        "--model_id",
+        "--key_map",
+        dest="model_id",
+        default=AUTO,
+        metavar="ID",
+        help=model_id_help.format(
+            what="HF file tensors to model state_dict tensors", config="--model_assets_dir/config.json"
+        ),
+    )
     merged.add_argument("--force", action="store_true", help="replace --save_dir if it is not empty")
     return parser
 
@@ -107,16 +173,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = hf_to_dcp(args.hf_dir, args.dcp_dir, force=args.force, adapter=args.model_id)
             print(f"wrote {out} and {Path(args.dcp_dir) / 'latest_checkpointed_iteration.txt'} (release)")
         elif args.command == "dcp_to_peft":
-            from mmfsdp.ckpt.lora import dcp_to_peft
-
-            print(f"wrote {dcp_to_peft(args.load_dir, args.save_dir, base_model_name_or_path=args.base_model_name_or_path, force=args.force)}")
+            out = dcp_to_peft(
+                args.load_dir, args.save_dir, base_model_name_or_path=args.base_model_name_or_path, force=args.force
+            )
+            print(f"wrote {out}")
         elif args.command == "dcp_to_merged_hf":
-            from mmfsdp.ckpt.lora import dcp_to_merged_hf
-
-            print(f"wrote {dcp_to_merged_hf(args.load_dir, args.save_dir, args.model_assets_dir, adapter=args.model_id, force=args.force)}")
+            out = dcp_to_merged_hf(
+                args.load_dir, args.save_dir, args.model_assets_dir, adapter=args.model_id, force=args.force
+            )
+            print(f"wrote {out}")
         else:
-            out = dcp_to_hf(args.load_dir, args.save_dir, args.model_assets_dir,
-                            max_shard_size=args.max_shard_size, force=args.force, adapter=args.model_id)
+            out = dcp_to_hf(
+                args.load_dir,
+                args.save_dir,
+                args.model_assets_dir,
+                max_shard_size=args.max_shard_size,
+                force=args.force,
+                adapter=args.model_id,
+            )
             print(f"wrote {out}")
     except (CheckpointError, ValueError) as e:
         print(f"mm-convert: error: {e}", file=sys.stderr)
