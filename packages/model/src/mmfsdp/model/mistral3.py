@@ -47,6 +47,16 @@ class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForCond
             "image_sizes": torch.tensor([[side, 2 * side]], device=device),
         }
 
+    def vision_media_patches(self, call: dict[str, Any]) -> list[int]:
+        """Patches of each image of `image_sizes` (`pixel_values` is padded to the largest image)."""
+        patch = self.config.vision_config.patch_size
+        return [int(h) // patch * (int(w) // patch) for h, w in call["image_sizes"].tolist()]
+
+    def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """Those images of `pixel_values` and `image_sizes` (Pixtral crops each image to its size)."""
+        index = torch.tensor(indices, device=call["pixel_values"].device)
+        return {**call, "pixel_values": call["pixel_values"][index], "image_sizes": call["image_sizes"][indices]}
+
 
 @register_model("mistral3")
 class Mistral3Entry(HFFamilyEntry):
