@@ -34,7 +34,10 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    (docs/model.md, "Text-only micro-batches").
 5. Under context parallel, `shift_labels` and `loss_weights` are split with the
    batch's layout and the decoder runs on this rank's shard (its keywords split
-   by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`).
+   by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`). With vision data parallel
+   (`enable_context_parallel(..., vision_dp=True)`) the base model's `get_image_features` is replaced for
+   the HF forward: the CP ranks share out the media (the family's `vision_media_patches` and
+   `select_vision_media`) and all-gather the features (`mmfsdp.model.vision_dp`).
 6. Without chunk loss the HF forward computes the logits and
    `weighted_cross_entropy` the loss; with chunk loss the HF base model stops at
    the final hidden states and `lm_head` computes the loss chunk by chunk

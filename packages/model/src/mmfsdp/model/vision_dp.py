@@ -121,8 +121,8 @@ class VisionDataParallel:
 
     def __init__(self, model: Any, group: dist.ProcessGroup, rank: int, size: int, width: int):
         self.model, self.group, self.rank, self.size, self.width = model, group, rank, size, width
-        self.encoded: deque[int] = deque(maxlen=4096)
-        """Per call, the number of media items this rank encoded (0: the placeholder); for tests and benchmarks."""
+        self.encoded: deque[tuple[int, int]] = deque(maxlen=4096)
+        """Per call, the media items this rank encoded (0: the placeholder) and those of the call; for tests."""
 
     @contextlib.contextmanager
     def patched(self, base: torch.nn.Module) -> Iterator[None]:
@@ -157,7 +157,7 @@ class VisionDataParallel:
             pixels = next(v for v in call.values() if torch.is_tensor(v) and v.is_floating_point())
             placeholder = self.model.placeholder_vision_inputs(pixels.device, pixels.dtype)
             output = original(**{**call, **placeholder})
-        self.encoded.append(len(mine))
+        self.encoded.append((len(mine), len(patches)))
         pooler = list(output.pooler_output)
         sizes = [item.shape[0] for item in pooler]
         deepstack = getattr(output, "deepstack_features", None)
