@@ -48,7 +48,9 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
         "data.dataset_param.dataset_type": "huggingface",
         "data.dataset_param.basic_parameters.dataset": str(tmp / "mixed" / "train.jsonl"),
         "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "mixed"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache" / name.split("_")[0]),
+        "data.dataset_param.basic_parameters.cache_dir": str(
+            tmp / "cache" / next((family for family in ("moe", "qwen") if name.startswith(family)), "tiny")
+        ),
         "data.dataset_param.preprocess_parameters.cutoff_len": 160,
         "training.train_iters": STEPS,
         "training.lr_warmup_ratio": 0.0,

@@ -96,7 +96,8 @@ def _cp_runs(rank, world_size, cases):
         model.enable_context_parallel(dims, vision_dp=case.get("vision_dp", False))
         loss, grads, logits = _step(model, _batch(config, case["data"]), group=dims.dp_group, world_size=world_size)
         encoded = list(model._vision_dp.encoded) if case.get("vision_dp") else []
-        results[case["name"]] = {"loss": loss, "logits": logits, "grads": grads if rank == 0 else {}, "encoded": encoded}
+        mine = {"grads": grads if rank == 0 else {}, "encoded": encoded}
+        results[case["name"]] = {"loss": loss, "logits": logits, **mine}
     return results
 
 

@@ -162,8 +162,9 @@ class TrainingForwardMixin:
         raise NotImplementedError(f"{type(self).__name__} does not split its vision inputs (vision DP)")
 
     def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        """Vision DP: the keywords of a `get_image_features` call that encodes only the items `indices` (ascending),
-        in that order; keywords that are not per item stay."""
+        """Vision DP: the keywords of a `get_image_features` call that encodes the items `indices` (ascending), in
+        that order, first; keywords that are not per item stay. Items after them (a family's workaround) are
+        encoded and their features dropped."""
         raise NotImplementedError(f"{type(self).__name__} does not split its vision inputs (vision DP)")
 
     def vision_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:

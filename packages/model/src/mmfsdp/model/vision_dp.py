@@ -162,6 +162,8 @@ class VisionDataParallel:
         sizes = [item.shape[0] for item in pooler]
         deepstack = getattr(output, "deepstack_features", None)
         kinds = [pooler] + [_per_item(layer, sizes) for layer in (deepstack or [])]
+        if mine:  # items the family's selection added after this rank's are dropped
+            kinds, sizes = [kind[: len(mine)] for kind in kinds], sizes[: len(mine)]
         widths = [kind[0].shape[-1] for kind in kinds]
         local_RF = torch.cat([torch.cat([kind[i] for kind in kinds], dim=-1) for i in range(len(sizes))])
         if not mine:
