@@ -37,7 +37,7 @@ from mmfsdp.model.vision_dp import VisionDataParallel, assign_media, media_costs
 from mmfsdp.parallel.testing import run_distributed
 
 IMAGES = [(32, 32), (16, 16), (24, 32), (32, 16), (16, 24), (24, 24), (16, 16), (32, 24), (8, 16), (24, 16)]
-"""Patch grids (h, w) of the batch: 128 to 1,024 patches per image, 6,016 in all (merged 2×2 into 1,504 tokens)."""
+"""Patch grids (h, w) of the batch: 128 to 1,024 patches per image, 5,056 in all (merged 2×2 into 1,264 tokens)."""
 
 
 def _config(width: int, depth: int):
