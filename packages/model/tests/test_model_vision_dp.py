@@ -79,7 +79,8 @@ def test_a_share_of_the_media_encodes_to_the_same_features(family):
         assert len(patches) == 3 and patches[1] == 4
         for indices in ([1], [0, 2], [2]):
             part = base.get_image_features(**model.select_vision_media(call, indices))
-            kinds = [list(part.pooler_output)] + [list(layer) for layer in getattr(part, "deepstack_features", None) or []]
+            deepstack = getattr(part, "deepstack_features", None) or []
+            kinds = [list(part.pooler_output)] + [list(layer) for layer in deepstack]
             num_kinds = len(whole) // 3
             assert len(kinds) == num_kinds
             for k, kind in enumerate(kinds):
