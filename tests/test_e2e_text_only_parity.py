@@ -14,6 +14,12 @@ loss where validation runs:
   Ring 2 × DP 2 on 4 processes;
 - tiny Qwen3-VL MoE (DeepStack, M-RoPE, 8 experts): expert parallel 2 on 2 processes.
 
+Vision data parallel (`parallel.vision_dp`, on by default under CP, `mmfsdp.model.vision_dp`): every CP run
+above, and Ulysses 2 × Ring 2 (mistral3 and qwen3_vl with DeepStack, 4 processes), Ring 2 with packing
+(mistral3 and qwen3_vl; their references pad packed samples to the multiple Ring 2 needs), Ulysses 2
+(qwen3_vl) and expert parallel 2 × Ulysses 2 (qwen3_vl_moe) on 2 processes. Each rank records what it encoded;
+the shares add up to the media of every call, and some calls have fewer media than ranks.
+
 Each world size is spawned once (module fixture, bounded by its timeout) and runs its trainers in turn.
 """
 
@@ -29,6 +35,8 @@ from mmfsdp.train.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"
 MOE = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
+QWEN = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
+QWEN_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
 MOE_ASSETS = ROOT / "examples" / "qwen3vl-moe-tiny" / "assets"
 STEPS = 5
 TOL = 1e-5
@@ -41,7 +49,7 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
         "data.dataset_param.basic_parameters.dataset": str(tmp / "mixed" / "train.jsonl"),
         "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "mixed"),
         "data.dataset_param.basic_parameters.cache_dir": str(
-            tmp / "cache" / ("moe" if name.startswith("moe") else "tiny")
+            tmp / "cache" / next((family for family in ("moe", "qwen") if name.startswith(family)), "tiny")
         ),
         "data.dataset_param.preprocess_parameters.cutoff_len": 160,
         "training.train_iters": STEPS,
@@ -75,6 +83,14 @@ MOE_SETTINGS = {
     "data.dataset_param.preprocess_parameters.model_name_or_path": str(MOE_ASSETS),
     "parallel.expert_parallel_size": 1,
 }
+QWEN_SETTINGS = {
+    "model.model_name_or_path": str(QWEN_ASSETS),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(QWEN_ASSETS),
+}
+MBS2 = {"training.micro_batch_size": 2}
+SAMPLE_MULTIPLE = {"ref_packed_m4": 4, "qwen_ref_packed_m4": 4}
+"""Packed 1-process references that pad every packed sample to the multiple Ring 2 needs, as the CP run does, so
+that both pack the same rows."""
 
 # name: (world size, config, overrides, reference); a reference of None is a 1-process reference run
 RUNS = {
@@ -115,20 +131,47 @@ RUNS = {
     "hsdp2x2": (4, TINY, {**MBS1, "parallel.data_parallel_replicate_size": 2}, "ref_mbs4"),
     "ulysses2_dp2": (4, TINY, {**MBS1, "parallel.ulysses_parallel_size": 2}, "ref_mbs2"),
     "ring2_dp2": (4, TINY, {**MBS1, "parallel.ring_attention_size": 2}, "ref_mbs2"),
+    # vision data parallel (on by default under CP): the CP ranks share out the micro-batch's images
+    "ref_packed_m4": (1, TINY, {**PACKED, **MBS2}, None),
+    "ulysses2_ring2": (
+        4, TINY, {**MBS2, "parallel.ulysses_parallel_size": 2, "parallel.ring_attention_size": 2}, "ref_mbs2"
+    ),
+    "ring2_packed": (2, TINY, {**PACKED, **MBS2, "parallel.ring_attention_size": 2}, "ref_packed_m4"),
+    "qwen_ref": (1, QWEN, {**QWEN_SETTINGS, **MBS2}, None),
+    "qwen_ref_packed_m4": (1, QWEN, {**QWEN_SETTINGS, **PACKED, **MBS2}, None),
+    "qwen_ulysses2": (2, QWEN, {**QWEN_SETTINGS, **MBS2, "parallel.ulysses_parallel_size": 2}, "qwen_ref"),
+    "qwen_ring2_packed": (
+        2, QWEN, {**QWEN_SETTINGS, **PACKED, **MBS2, "parallel.ring_attention_size": 2}, "qwen_ref_packed_m4"
+    ),
+    "qwen_ulysses2_ring2": (
+        4, QWEN, {**QWEN_SETTINGS, **MBS2, "parallel.ulysses_parallel_size": 2, "parallel.ring_attention_size": 2},
+        "qwen_ref",
+    ),
+    "moe_ep2_ulysses2": (
+        2, MOE, {**MOE_SETTINGS, **MBS2, "parallel.expert_parallel_size": 2, "parallel.ulysses_parallel_size": 2},
+        "moe_ref",
+    ),
 }
+VISION_DP_RUNS = ("ulysses2_dp2", "ring2_dp2", "ulysses2_ring2", "ring2_packed", "qwen_ulysses2", "qwen_ring2_packed",
+                  "qwen_ulysses2_ring2", "moe_ep2_ulysses2")
 
 
 def _train(rank, world_size, tmp, runs):
-    from mmfsdp.train.trainer import Trainer
+    import mmfsdp.train.trainer as trainer_module
 
     results = {}
+    required_multiple = trainer_module.required_multiple
     for name, config, overrides in runs:
-        trainer = Trainer(load_config(config, overrides), "cpu")
+        if name in SAMPLE_MULTIPLE:
+            trainer_module.required_multiple = lambda ring, ulysses, multiple=SAMPLE_MULTIPLE[name]: multiple
+        trainer = trainer_module.Trainer(load_config(config, overrides), "cpu")
         media: list[bool] = []
         trainer.model.register_forward_pre_hook(
             lambda module, args, kwargs: media.append(kwargs.get("pixel_values") is not None), with_kwargs=True
         )
         trainer.train()
+        trainer_module.required_multiple = required_multiple
+        vision_dp = trainer.model._vision_dp
         results[name] = {
             "layout": {
                 "world": world_size,
@@ -139,6 +182,7 @@ def _train(rank, world_size, tmp, runs):
             "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
             "val": dict(trainer.val_losses),
             "media": media,
+            "vision_dp": None if vision_dp is None else list(vision_dp.encoded),
         }
     return results
 
@@ -171,6 +215,7 @@ def results(tmp):
             out[name] = {
                 **per_rank[0][name],
                 "media_per_rank": [rank_results[name]["media"] for rank_results in per_rank],
+                "vision_dp_per_rank": [rank_results[name]["vision_dp"] for rank_results in per_rank],
             }
     return out
 
@@ -220,7 +265,28 @@ def test_ranks_differ_in_media(results):
     assert any(len({m[i] for m in media}) == 2 for i in range(STEPS)), "HSDP: ranks never differed"
 
 
+def test_vision_dp_shares_the_media(results):
+    """Under CP each rank encoded a share of every call's media (items encoded, items of the call), the shares add
+    up to the call's media, and some calls had fewer media than ranks (a rank encoded the placeholder)."""
+    fewer_than_ranks = set()
+    for name in VISION_DP_RUNS:
+        per_rank = results[name]["vision_dp_per_rank"]
+        assert all(calls is not None for calls in per_rank), f"{name}: vision DP is on by default under CP"
+        calls = list(zip(*per_rank))
+        assert calls and all(len(calls) == len(rank_calls) for rank_calls in per_rank), name
+        cp = results[name]["layout"]["ring"] * results[name]["layout"]["ulysses"]
+        groups = [per_rank[start : start + cp] for start in range(0, len(per_rank), cp)]
+        for group in groups:
+            for call in zip(*group):
+                total = call[0][1]
+                assert all(n == total for _, n in call), f"{name}: the CP ranks saw different calls {call}"
+                assert sum(m for m, _ in call) == total, f"{name}: shares {call} do not add up"
+                if total < cp:
+                    fewer_than_ranks.add(name)
+    assert {"ulysses2_dp2", "qwen_ulysses2_ring2", "ulysses2_ring2"} <= fewer_than_ranks, fewer_than_ranks
+
+
 def test_references_learn(results):
-    for ref in ("ref_mbs2", "ref_mbs4", "ref_packed_mbs2", "ref_lora", "moe_ref"):
+    for ref in ("ref_mbs2", "ref_mbs4", "ref_packed_mbs2", "ref_lora", "moe_ref", "qwen_ref"):
         steps = results[ref]["steps"]
         assert steps[-1][0] < steps[0][0], f"{ref} should learn"

@@ -10,7 +10,8 @@ Ulysses size. Per-step losses, the first step's gradients and the final
 parameters must equal the single-process CP = 1 run of the same model
 (relative difference <= 1e-5), and so must a plain evaluation forward of the
 trained, CP-enabled model (the non-CP path of the CP attention).
-One spawn per world size runs all of its cases.
+Cases named "vision dp" share the images out among the CP ranks (`mmfsdp.model.vision_dp`; with two
+images at CP 4, two ranks encode the placeholder). One spawn per world size runs all of its cases.
 """
 
 import copy
@@ -142,15 +143,15 @@ def _cases(world_size: int) -> list[dict]:
     if world_size == 2:
         return [
             dict(name="ulysses2", ulysses=2, data="padded_accum"),
-            dict(name="ulysses2 chunk loss", ulysses=2, chunk=7, data="padded"),
+            dict(name="ulysses2 chunk loss vision dp", ulysses=2, chunk=7, vision_dp=True, data="padded"),
             dict(name="ulysses2 packed", ulysses=2, data="packed", loss_type="per_sample"),
             dict(name="ulysses2 1 kv head (repeated)", ulysses=2, kv_heads=1, data="padded"),
             dict(name="ring2", ring=2, data="padded_accum"),
             dict(name="ring2 chunk loss recompute", ring=2, chunk=7, recompute=True, data="padded"),
-            dict(name="ring2 packed", ring=2, data="packed", loss_type="per_sample"),
+            dict(name="ring2 packed vision dp", ring=2, vision_dp=True, data="packed", loss_type="per_sample"),
         ]
     return [
-        dict(name="ring2 x ulysses2", ring=2, ulysses=2, data="padded_accum"),
+        dict(name="ring2 x ulysses2 vision dp", ring=2, ulysses=2, vision_dp=True, data="padded_accum"),
         dict(name="ring2 x ulysses2 chunk loss", ring=2, ulysses=2, chunk=7, data="padded"),
         dict(name="ring2 x ulysses2 packed chunk loss recompute", ring=2, ulysses=2, chunk=7, recompute=True, data="packed", loss_type="per_sample"),
     ]
@@ -190,13 +191,14 @@ def _cp_runs(rank, world_size, cases):
         if case.get("recompute"):
             apply_activation_checkpointing(model, list(entry.recompute_modules))
         apply_fsdp(model, FSDPPlanConfig(), dims.fsdp_mesh, list(entry.fsdp_modules))
-        model.enable_context_parallel(dims)
+        model.enable_context_parallel(dims, vision_dp=case.get("vision_dp", False))
         data = _data(config, case["data"])
         losses, grads = _train(model, data, loss_type=case.get("loss_type", "default"), group=dims.dp_group, world_size=world_size)
         params = {name: p.full_tensor() for name, p in model.named_parameters()}
         logits = _eval_logits(model, data)
         mine = {"grads": grads, "params": params} if rank == 0 else {"grads": {}, "params": {}}
-        results[case["name"]] = {"losses": losses, "logits": logits, **mine}
+        encoded = list(model._vision_dp.encoded) if case.get("vision_dp") else []
+        results[case["name"]] = {"losses": losses, "logits": logits, "encoded": encoded, **mine}
     return results
 
 
@@ -218,6 +220,11 @@ def test_cp_training_equals_cp1(world_size):
         }
         if max(diffs.values()) > TOL:
             failures.append(f"{case['name']}: " + ", ".join(f"{what} rel diff {d:.3g}" for what, d in diffs.items()))
+        if case.get("vision_dp"):
+            # every training micro-batch has two images: one per rank, none on the others at CP 4
+            per_call = list(zip(*(result[case["name"]]["encoded"] for result in per_rank)))
+            assert per_call and all(sorted(m for m, _ in call)[-2:] == [1, 1] for call in per_call), per_call
+            assert all(sum(m for m, _ in call) == 2 and {n for _, n in call} == {2} for call in per_call), per_call
         moved = max(rel_diff(got["params"][n], p) for n, p in _initial_state(_config(case.get("kv_heads", 2))).items())
         assert moved > 1e-3, f"{case['name']}: parameters did not train"
     assert not failures, "\n".join(failures)

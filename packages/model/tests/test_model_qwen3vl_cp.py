@@ -8,7 +8,9 @@ Ulysses 2 and Ring 2 (2 ranks) and Ring 2 × Ulysses 2 (4 ranks), on padded rows
 with images of different sizes and on packed rows (`cu_seq_lens`), with and
 without chunk loss. Loss and every gradient must equal the one-process run
 (relative difference ≤ 1e-5), and so must a plain evaluation forward of the
-CP-enabled model. One spawn per world size runs all of its cases.
+CP-enabled model. Some cases run vision data parallel (`mmfsdp.model.vision_dp`): the 3 images are
+shared out among the CP ranks (at CP 4 one rank has none and encodes the placeholder).
+One spawn per world size runs all of its cases.
 """
 
 import copy
@@ -68,13 +70,13 @@ def _step(model, batch, *, group=None, world_size=1):
 def _cases(world_size: int) -> list[dict]:
     if world_size == 2:
         return [
-            dict(name="ulysses2", ulysses=2, data="padded"),
+            dict(name="ulysses2 vision dp", ulysses=2, vision_dp=True, data="padded"),
             dict(name="ring2", ring=2, data="padded"),
             dict(name="ulysses2 packed chunk loss", ulysses=2, chunk=7, data="packed"),
-            dict(name="ring2 packed recompute", ring=2, recompute=True, data="packed"),
+            dict(name="ring2 packed recompute vision dp", ring=2, recompute=True, vision_dp=True, data="packed"),
         ]
     return [
-        dict(name="ring2 x ulysses2", ring=2, ulysses=2, data="padded"),
+        dict(name="ring2 x ulysses2 vision dp", ring=2, ulysses=2, vision_dp=True, data="padded"),
         dict(name="ring2 x ulysses2 packed chunk loss recompute", ring=2, ulysses=2, chunk=7, recompute=True, data="packed"),
     ]
 
@@ -91,9 +93,11 @@ def _cp_runs(rank, world_size, cases):
         assert dims.cp_size == world_size and dims.dp_size == 1
         model = _build(config, case)
         entry.parallelize(model, parallel_cfg, dims)
-        model.enable_context_parallel(dims)
+        model.enable_context_parallel(dims, vision_dp=case.get("vision_dp", False))
         loss, grads, logits = _step(model, _batch(config, case["data"]), group=dims.dp_group, world_size=world_size)
-        results[case["name"]] = {"loss": loss, "logits": logits, "grads": grads if rank == 0 else {}}
+        encoded = list(model._vision_dp.encoded) if case.get("vision_dp") else []
+        mine = {"grads": grads if rank == 0 else {}, "encoded": encoded}
+        results[case["name"]] = {"loss": loss, "logits": logits, **mine}
     return results
 
 
@@ -115,4 +119,11 @@ def test_qwen3vl_cp_training_equals_one_process(world_size):
         if max(diffs.values()) > TOL:
             failures.append(f"{case['name']}: " + ", ".join(f"{what} rel diff {d:.3g}" for what, d in diffs.items()))
         assert all(g.abs().max() > 0 for n, g in expected_grads.items() if "deepstack_merger_list" in n), "every deepstack merger trains"
+        if case.get("vision_dp"):
+            # one get_image_features call (the training forward); the evaluation forward runs without vision DP
+            encoded = [result[case["name"]]["encoded"] for result in per_rank]
+            assert all(len(calls) == 1 for calls in encoded), encoded
+            assert all(calls[0][1] == 3 for calls in encoded), encoded
+            mine = [calls[0][0] for calls in encoded]
+            assert sum(mine) == 3 and max(mine) < 3 and (world_size < 4 or min(mine) == 0), encoded
     assert not failures, "\n".join(failures)

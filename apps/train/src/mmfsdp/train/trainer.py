@@ -228,7 +228,7 @@ class Trainer:
             if lora.pretrained_lora_path:
                 load_lora_adapter(model, lora.pretrained_lora_path, lora)
         if self.dims.cp_size > 1:
-            model.enable_context_parallel(self.dims)
+            model.enable_context_parallel(self.dims, vision_dp=cfg.parallel.vision_dp)
         model.train()
         num_params = sum(p.numel() for p in model.parameters())
         num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

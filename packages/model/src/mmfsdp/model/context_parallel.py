@@ -13,7 +13,9 @@ every rank of a CP group, which all receive the same full batch:
    positions the family computes on the full sequence (M-RoPE).
 2. The HF forward runs unchanged up to the decoder: token embeddings, the
    vision tower and projector over all of the sample's images, and the merge
-   of image features into the embeddings — replicated on every CP rank.
+   of image features into the embeddings — replicated on every CP rank, except
+   that with vision data parallel each rank encodes a share of the images and
+   the features are all-gathered before the merge (`mmfsdp.model.vision_dp`).
 3. The training forward's pre-hook on the decoder (the family's
    `decoder_name`, e.g. `model.language_model`) sees the decoder's full keyword
    arguments and calls `split_decoder_inputs`: the family's
@@ -42,7 +44,8 @@ sums the reported loss over all ranks; FSDP2 averages gradients over
 `Σ_r ∂l_r/∂θ`, the gradient of the globally normalised loss. The gradients a
 rank's tokens cause elsewhere (its K/V feeding other ranks' queries, its image
 features feeding other ranks' tokens) flow back through the Ulysses all-to-all,
-the ring backward and the replicated vision forward. `cp_loss_reduce` would
+the ring backward and the vision forward (replicated, or the vision-DP gather's
+backward). `cp_loss_reduce` would
 only add the CP sum to the *reported* loss, which the trainer's all-rank sum
 already contains, so it is not applied here.
 

@@ -47,6 +47,29 @@ class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForCond
             "image_sizes": torch.tensor([[side, 2 * side]], device=device),
         }
 
+    def vision_media_patches(self, call: dict[str, Any]) -> list[int]:
+        """Patches of each image of `image_sizes` (`pixel_values` is padded to the largest image)."""
+        patch = self.config.vision_config.patch_size
+        return [int(h) // patch * (int(w) // patch) for h, w in call["image_sizes"].tolist()]
+
+    def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """Those images of `pixel_values` and `image_sizes` (Pixtral crops each image to its size); a selection of
+        one merged token gets the placeholder image after it (HF's feature split squeezes away the token dim of a
+        one-token call; the caller drops the extra item's features)."""
+        pixel_values = call["pixel_values"][torch.tensor(indices, device=call["pixel_values"].device)]
+        sizes = call["image_sizes"][indices]
+        side = self.config.vision_config.patch_size * self.config.spatial_merge_size
+        if int(((sizes // side).prod(-1)).sum()) == 1:
+            extra = self.placeholder_vision_inputs(pixel_values.device, pixel_values.dtype)
+            extra_pixels, extra_size = extra["pixel_values"], extra["image_sizes"].to(sizes.device, sizes.dtype)
+            height = max(pixel_values.shape[-2], extra_pixels.shape[-2])
+            width = max(pixel_values.shape[-1], extra_pixels.shape[-1])
+            padded = pixel_values.new_zeros(len(indices) + 1, pixel_values.shape[1], height, width)
+            padded[: len(indices), :, : pixel_values.shape[-2], : pixel_values.shape[-1]] = pixel_values
+            padded[-1:, :, : extra_pixels.shape[-2], : extra_pixels.shape[-1]] = extra_pixels
+            pixel_values, sizes = padded, torch.cat([sizes, extra_size])
+        return {**call, "pixel_values": pixel_values, "image_sizes": sizes}
+
 
 @register_model("mistral3")
 class Mistral3Entry(HFFamilyEntry):

@@ -165,6 +165,19 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
             "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
         }
 
+    def vision_media_patches(self, call: dict[str, Any]) -> list[int]:
+        """`t·h·w` of each image (or video) of `image_grid_thw`."""
+        return call["image_grid_thw"].prod(-1).tolist()
+
+    def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """The flattened patch rows of those images (`pixel_values` holds each image's `t·h·w` rows in turn)."""
+        grids = call["image_grid_thw"]
+        ends = grids.prod(-1).cumsum(0).tolist()
+        rows = [torch.arange(ends[i] - int(grids[i].prod()), ends[i]) for i in indices]
+        pixel_values = call["pixel_values"]
+        picked = pixel_values.index_select(0, torch.cat(rows).to(pixel_values.device))
+        return {**call, "pixel_values": picked, "image_grid_thw": grids[indices]}
+
     def split_decoder_kwargs(self, kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
         """M-RoPE positions along their last dim, deepstack features to this rank's visual tokens, the rest along S."""
         kwargs = dict(kwargs)

@@ -34,7 +34,10 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    (docs/model.md, "Text-only micro-batches").
 5. Under context parallel, `shift_labels` and `loss_weights` are split with the
    batch's layout and the decoder runs on this rank's shard (its keywords split
-   by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`).
+   by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`). With vision data parallel
+   (`enable_context_parallel(..., vision_dp=True)`) the base model's `get_image_features` is replaced for
+   the HF forward: the CP ranks share out the media (the family's `vision_media_patches` and
+   `select_vision_media`) and all-gather the features (`mmfsdp.model.vision_dp`).
 6. Without chunk loss the HF forward computes the logits and
    `weighted_cross_entropy` the loss; with chunk loss the HF base model stops at
    the final hidden states and `lm_head` computes the loss chunk by chunk
@@ -52,12 +55,14 @@ import contextlib
 from typing import Any, ClassVar, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
 from mmfsdp.model.loss import weighted_cross_entropy
+from mmfsdp.model.vision_dp import VisionDataParallel
 
 __all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs", "vision_features"]
 
@@ -134,6 +139,7 @@ class TrainingForwardMixin:
         use_chunk_loss_head(self.get_submodule(self.lm_head_name))
         self.chunk_loss_size: int | None = None
         self._context_parallel: ContextParallel | None = None
+        self._vision_dp: VisionDataParallel | None = None
         self._decoder_call: _DecoderCall | None = None
         self.get_submodule(self.decoder_name).register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
 
@@ -151,6 +157,16 @@ class TrainingForwardMixin:
         and its merger accept), for micro-batches without media; None: the family has no vision side."""
         return None
 
+    def vision_media_patches(self, call: dict[str, Any]) -> list[int]:
+        """Vision DP: the patches of each media item (image or video) of a `get_image_features` call's keywords."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its vision inputs (vision DP)")
+
+    def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """Vision DP: the keywords of a `get_image_features` call that encodes the items `indices` (ascending), in
+        that order, first; keywords that are not per item stay. Items after them (a family's workaround) are
+        encoded and their features dropped."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its vision inputs (vision DP)")
+
     def vision_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """The vision side run on `placeholder_vision_inputs`: the features the merge would use (`vision_features`)."""
         inputs = self.placeholder_vision_inputs(device, dtype)
@@ -159,9 +175,15 @@ class TrainingForwardMixin:
         return vision_features(self.get_image_features(**inputs))
 
     # -- switches --------------------------------------------------------------------------------
-    def enable_context_parallel(self, parallel_dims: Any) -> None:
-        """Split the decoder's sequence over `parallel_dims`' CP group in the training forward (`mmfsdp.model.context_parallel`)."""
-        self._context_parallel = ContextParallel(self.get_submodule(self.decoder_name), parallel_dims)
+    def enable_context_parallel(self, parallel_dims: Any, *, vision_dp: bool = False) -> None:
+        """Split the decoder's sequence over `parallel_dims`' CP group in the training forward
+        (`mmfsdp.model.context_parallel`); with `vision_dp` the CP ranks also share the encoding of the media
+        (`mmfsdp.model.vision_dp`)."""
+        self._context_parallel = cp = ContextParallel(self.get_submodule(self.decoder_name), parallel_dims)
+        if vision_dp and self.placeholder_vision_inputs(torch.device("cpu"), torch.float32) is not None:
+            group = cp.cp_group
+            width = int(self.config.vision_config.hidden_size)
+            self._vision_dp = VisionDataParallel(self, group, dist.get_rank(group), dist.get_world_size(group), width)
 
     def set_chunk_loss(self, chunk_size: int | None) -> None:
         """Compute the training loss inside `lm_head`, `chunk_size` tokens at a time (None: plain logits + CE)."""
@@ -250,7 +272,10 @@ class TrainingForwardMixin:
         if self._context_parallel is not None:
             cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
             shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
-        with self._calling_decoder(decoder_kwargs, cp_batch, placeholder):
+        vision_dp = contextlib.nullcontext()
+        if self._vision_dp is not None and not placeholder:
+            vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
+        with self._calling_decoder(decoder_kwargs, cp_batch, placeholder), vision_dp:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)

@@ -17,7 +17,8 @@ mask builder returns None instead (`_without_dense_block_mask`); any other
 caller gets HF's mask as before.
 
 The tower is not part of context parallel: every rank runs it on all of its
-images, so these lengths are always whole images.
+images, or with vision data parallel on whole images of its share
+(`mmfsdp.model.vision_dp`), so these lengths are always whole images.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Context parallel for the decoder: the zigzag split, Ulysses, Ring and Hybrid attention, the loss sum.
 
 Where it sits in a training forward (the model wires it; see docs/parallelism.md):
-vision tower and projector run unsplit on every CP rank, image features are
-merged into the embeddings, position ids are computed for the full sequence,
+vision tower and projector run on every CP rank (over all images, or with
+vision data parallel over the rank's share, the features all-gathered), image
+features are merged into the embeddings, position ids are computed for the full sequence,
 then `split_for_cp` cuts embeddings, position ids, shift labels and loss
 weights with one `CPLayout`; every decoder attention calls
 `context_parallel_attention`; the per-shard loss sum goes through
