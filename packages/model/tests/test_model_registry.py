@@ -8,15 +8,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Mistral3ForConditionalGeneration
 
 from mmfsdp.config import ConfigError, build
-from mmfsdp.model import (
-    FeaturesConfig,
-    Mistral3ForConditionalGenerationFSDP,
-    ModelConfig,
-    freeze_modules,
-    get_model_entry,
-)
+from mmfsdp.model import FeaturesConfig, ModelConfig, freeze_modules, get_model_entry
+from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGenerationFSDP
 from mmfsdp.model.chunk_loss import ChunkLossLinear
-from mmfsdp.model.testing import model_inputs, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 from mmfsdp.parallel.patterns import match_module_names
 
 ENTRY = get_model_entry("mistral3")
@@ -74,7 +70,7 @@ def test_tiny_config_is_tiny_and_overridable():
 
 
 def _apply_key_map(key: str) -> str:
-    from mmfsdp.model.adapters import Mistral3Adapter
+    from mmfsdp.model.families.mistral3.adapter import Mistral3Adapter
 
     return Mistral3Adapter().model_key(key)
 

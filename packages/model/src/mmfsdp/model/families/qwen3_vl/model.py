@@ -232,10 +232,10 @@ class Qwen3VLEntry(HFFamilyEntry):
         return [int(t) * int(h) * int(w) for t, h, w in grids.tolist()]
 
     def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-        """`mmfsdp.model.testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
+        """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
         the processor's `mm_token_type_ids`; with images, two of different sizes in the first row, one in the
         second, none in the last."""
-        from mmfsdp.model.testing import qwen3_vl_batch, qwen3_vl_sample
+        from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 
         grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
         rows = [
