@@ -8,7 +8,7 @@ vocabulary shipped by mistral-common with Pixtral image settings (14-px patches,
 spatial merge 2, longest edge 1540). Then, in one process, alternating rounds:
 
 - ours: `SampleEncoder.encode_row` (parse, image header, template, tokenize, expand the
-  image grid) + `PixtralPlugin.load_images` (decode, resize, normalize) per sample;
+  image grid) + `mmfsdp.data.families.mistral.plugin.PixtralPlugin.load_images` (decode, resize, normalize) per sample;
 - baseline: `PIL.Image.open` + the HF image processor on the image and the tokenizer on
   the conversation text, i.e. the work any pipeline must do.
 

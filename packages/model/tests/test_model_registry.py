@@ -21,9 +21,15 @@ ENTRY = get_model_entry("mistral3")
 # -- config -----------------------------------------------------------------------------------
 
 
+def test_model_id_defaults_to_the_family_of_config_json(tmp_path):
+    ENTRY.tiny_config().save_pretrained(tmp_path)
+    assert build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model").model_id == "mistral3"
+
+
 def test_defaults_build():
     model = build(ModelConfig, {}, "model")
-    assert (model.model_id, model.attn_implementation, model.dtype, model.freeze) == ("mistral3", "sdpa", "fp32", [])
+    # no model_id and no config.json to take it from: none (the trainer's checks ask for it by key)
+    assert (model.model_id, model.attn_implementation, model.dtype, model.freeze) == (None, "sdpa", "fp32", [])
     features = build(FeaturesConfig, {}, "features")
     assert not features.enable_chunk_loss
     assert features.chunkloss_plan.chunk_size == 1024 and features.loss_cfg.loss_type == "default"

@@ -29,28 +29,8 @@ boundaries over the flattened `B·S` tokens (int32, from 0 to `B·S`), so varlen
 attention never mixes two samples (or a sample and padding). `max_length` is the
 longest segment.
 
-`pixtral` also returns `position_ids`, restarting at 0 for every sample (without
-packing a row's positions run on through its padding, `arange(S)`; with packing
-the end-of-row padding segment restarts too, so the boundaries derived from
-`position_ids` and `cu_seq_lens` always agree). Images of all samples, in row
-order, are padded with zeros at the bottom/right to the batch's tallest and widest
-image and stacked into `pixel_values` `[N, 3, H, W]` — the layout the HF Pixtral
-image processor returns for the same images — with `image_sizes` `[N, 2]` (height,
-width). Both keys are absent when no sample has an image.
-
-`qwen3vl` returns no `position_ids`: Qwen3-VL computes its M-RoPE positions itself
-from `input_ids`, `image_grid_thw`, `video_grid_thw` and `mm_token_type_ids` (0 text,
-1 image token, 2 video token; transformers' `Qwen3VLModel` requires it whenever images
-or videos are passed). Samples carry
-their own `mm_token_type_ids` (from the image plugin's `token_inputs`); the
-collator pads them with 0.
-`pixel_values` `[Σ t·h·w, C·T·P·P]` are the samples' flattened patches concatenated
-in row order and `image_grid_thw` `[N, 3]` their grids, as `Qwen2VLImageProcessor`
-returns them for the same images; both are absent when no sample has an image.
-Videos likewise: `pixel_values_videos` `[Σ t·h·w, C·T·P·P]` and `video_grid_thw`
-`[N, 3]` concatenated in row order, as `Qwen3VLVideoProcessor` returns them, absent
-when no sample has a video. Under packing each sample's media stay in its order, so
-the model can take each sample's grids back in turn.
+Each family's collator lives in its folder (`mmfsdp.data.families.<name>.collator`) and registers when the
+registry is first asked (entry-point group `mmfsdp.data_families`).
 """
 
 from __future__ import annotations
@@ -68,8 +48,6 @@ from mmfsdp.data.templates import IGNORE_INDEX
 __all__ = [
     "Collator",
     "KeySpec",
-    "PixtralCollator",
-    "Qwen3VLCollator",
     "collator_names",
     "get_collator",
     "register_collator",
@@ -94,7 +72,8 @@ class Collator(Protocol):
     """Rows of samples -> one batch dict whose keys `batch_schema` declares."""
 
     name: ClassVar[str]
-    """The name users write in `collate_param.model_name`."""
+    """The name users write in `collate_param.model_name`. An optional class attribute `aliases` (tuple) lists other names that select it
+    (older or alternative spellings users' YAML has)."""
     batch_schema: ClassVar[Mapping[str, KeySpec]]
     """Every key the collator may return."""
 
@@ -111,11 +90,13 @@ def split_batch(batch: Mapping[str, Any], schema: Mapping[str, KeySpec]) -> tupl
     return out["input"], out["labels"], out["boundary"]
 
 
-_COLLATORS: Registry[type[Collator]] = Registry("collator", "data.dataloader_param.collate_param.model_name")
+_COLLATORS: Registry[type[Collator]] = Registry(
+    "collator", "data.dataloader_param.collate_param.model_name", entry_point_group="mmfsdp.data_families"
+)
 
 
 def register_collator(cls: type) -> type:
-    return _COLLATORS.register(cls.name, cls)
+    return _COLLATORS.register(cls.name, cls, aliases=getattr(cls, "aliases", ()))
 
 
 def collator_names() -> list[str]:
@@ -127,15 +108,6 @@ def get_collator(name: str) -> type[Collator]:
 
 
 _BOUNDARIES = {"cu_seq_lens": KeySpec("boundary"), "max_length": KeySpec("boundary")}
-
-
-def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
-    height = max(img.shape[-2] for img in images)
-    width = max(img.shape[-1] for img in images)
-    out = images[0].new_zeros((len(images), images[0].shape[0], height, width))
-    for i, img in enumerate(images):
-        out[i, :, : img.shape[-2], : img.shape[-1]] = img
-    return out
 
 
 class _RowCollator:
@@ -194,83 +166,3 @@ class _RowCollator:
             assert int(cu[-1]) == batch["input_ids"].numel()
             batch["cu_seq_lens"] = cu
             batch["max_length"] = max(segments)
-
-
-@register_collator
-class PixtralCollator(_RowCollator):
-    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`."""
-
-    name = "pixtral"
-    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
-        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
-        "position_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "pixel_values": KeySpec("input"),
-        "image_sizes": KeySpec("input"),
-        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
-        **_BOUNDARIES,
-    }
-    """`input_ids` pad with the tokenizer's pad id; `position_ids` padding continues the positions (see the module docstring)."""
-
-    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
-        rows = self._rows(rows)
-        text, spans, segments = self._text(rows)
-        seq_len = text["input_ids"].shape[1]
-        position_ids = torch.zeros_like(text["input_ids"])
-        images: list[torch.Tensor] = []
-        sizes: list[torch.Tensor] = []
-        for b, row in enumerate(rows):
-            for sample, (start, span) in zip(row, spans[b]):
-                position_ids[b, start : start + span] = torch.arange(span)
-                if "pixel_values" in sample:
-                    images += list(sample["pixel_values"])
-                    sizes.append(torch.as_tensor(sample["image_sizes"], dtype=torch.long).reshape(-1, 2))
-            end = spans[b][-1][0] + spans[b][-1][1]
-            position_ids[b, end:] = torch.arange(seq_len - end) if self.packing else torch.arange(end, seq_len)
-
-        batch: dict[str, Any] = {"input_ids": text["input_ids"], "labels": text["labels"], "attention_mask": text["attention_mask"], "position_ids": position_ids}
-        if images:
-            batch["pixel_values"] = _pad_images(images)
-            batch["image_sizes"] = torch.cat(sizes)
-        self._boundaries(batch, segments)
-        return batch
-
-
-@register_collator
-class Qwen3VLCollator(_RowCollator):
-    """Pads text, marks image (1) and video (2) tokens in `mm_token_type_ids`, concatenates Qwen-VL image and video
-    patches in sample order; with packing adds `cu_seq_lens`."""
-
-    name = "qwen3vl"
-    batch_schema: ClassVar[Mapping[str, KeySpec]] = {
-        "input_ids": KeySpec("input", seq_dim=1, pad_value=None),
-        "attention_mask": KeySpec("input", seq_dim=1, pad_value=0),
-        "mm_token_type_ids": KeySpec("input", seq_dim=1, pad_value=0),
-        "pixel_values": KeySpec("input"),
-        "image_grid_thw": KeySpec("input"),
-        "pixel_values_videos": KeySpec("input"),
-        "video_grid_thw": KeySpec("input"),
-        "labels": KeySpec("labels", seq_dim=1, pad_value=IGNORE_INDEX),
-        **_BOUNDARIES,
-    }
-    """`input_ids` pad with the tokenizer's pad id."""
-
-    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
-        rows = self._rows(rows)
-        text, spans, segments = self._text(rows)
-        batch: dict[str, Any] = dict(text)
-        token_types = torch.zeros_like(text["input_ids"])
-        media_keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-        media: dict[str, list[torch.Tensor]] = {key: [] for key in media_keys}
-        for b, row in enumerate(rows):
-            for sample, (start, _) in zip(row, spans[b]):
-                if "mm_token_type_ids" in sample:
-                    token_types[b, start : start + len(sample["input_ids"])] = torch.as_tensor(sample["mm_token_type_ids"])
-                for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-                    if pixels in sample:
-                        media[pixels].append(sample[pixels])
-                        media[grid].append(torch.as_tensor(sample[grid], dtype=torch.long).reshape(-1, 3))
-        batch["mm_token_type_ids"] = token_types
-        batch.update({key: torch.cat(values) for key, values in media.items() if values})
-        self._boundaries(batch, segments)
-        return batch

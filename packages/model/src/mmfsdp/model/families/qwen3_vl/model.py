@@ -207,7 +207,7 @@ class Qwen3VLEntry(HFFamilyEntry):
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
     capabilities = Capabilities(context_parallel=True, packing=True, video=True)
-    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen2_vl",), collators=("qwen3vl",))
+    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
 
     def vision_flops(self, config: Qwen3VLConfig) -> TowerFlops:
         """Qwen3-VL vision blocks (fused qkv and proj of the hidden size; MLP fc1, fc2), the 3-D patch convolution,
