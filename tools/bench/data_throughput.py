@@ -88,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         DataConfig,
         {
             "dataset_param": {
-                "preprocess_parameters": {"model_name_or_path": str(_model_dir(work / "model")), "cutoff_len": 8192},
+                "preprocess_parameters": {
+                    "model_name_or_path": str(_model_dir(work / "model")), "template": "mistral", "cutoff_len": 8192,
+                },
                 "basic_parameters": {"dataset_dir": str(work), "dataset": str(data_file), "cache_dir": str(work / "cache"), "shuffle": False},
             },
-            "dataloader_param": {"num_workers": args.workers, "pin_memory": False},
+            "dataloader_param": {
+                "num_workers": args.workers, "pin_memory": False, "collate_param": {"model_name": "pixtral"},
+            },
         },
         "data",
     )
