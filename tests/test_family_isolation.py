@@ -29,7 +29,8 @@ def _docstrings(tree: ast.AST) -> set[int]:
         if not isinstance(body, list):
             continue
         for stmt in body:
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            value = stmt.value if isinstance(stmt, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 lines.add(stmt.lineno)
     return lines
 

@@ -15,7 +15,11 @@ def _names(cfg: Config) -> tuple[str | None, str | None]:
 
 @pytest.mark.parametrize(
     "model_id, template, collator",
-    [("mistral3", "mistral", "pixtral"), ("qwen3_vl", "qwen3_vl", "qwen3_vl"), ("qwen3_vl_moe", "qwen3_vl", "qwen3_vl")],
+    [
+        ("mistral3", "mistral", "pixtral"),
+        ("qwen3_vl", "qwen3_vl", "qwen3_vl"),
+        ("qwen3_vl_moe", "qwen3_vl", "qwen3_vl"),
+    ],
 )
 def test_null_template_and_collator_are_the_familys_first(model_id, template, collator):
     assert _names(build(Config, {"model": {"model_id": model_id}}, "")) == (template, collator)
