@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mmfsdp.data.synthetic import write_tiny_processor
+from mmfsdp.data.families.mistral.synthetic import write_tiny_processor
 from mmfsdp.model import get_model_entry
 
 IMAGE_SIZE, PATCH_SIZE, MERGE = 64, 8, 2

@@ -8,7 +8,7 @@ vocabulary shipped by mistral-common with Pixtral image settings (14-px patches,
 spatial merge 2, longest edge 1540). Then, in one process, alternating rounds:
 
 - ours: `SampleEncoder.encode_row` (parse, image header, template, tokenize, expand the
-  image grid) + `PixtralPlugin.load_images` (decode, resize, normalize) per sample;
+  image grid) + `mmfsdp.data.families.mistral.plugin.PixtralPlugin.load_images` (decode, resize, normalize) per sample;
 - baseline: `PIL.Image.open` + the HF image processor on the image and the tokenizer on
   the conversation text, i.e. the work any pipeline must do.
 
@@ -88,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         DataConfig,
         {
             "dataset_param": {
-                "preprocess_parameters": {"model_name_or_path": str(_model_dir(work / "model")), "cutoff_len": 8192},
+                "preprocess_parameters": {
+                    "model_name_or_path": str(_model_dir(work / "model")), "template": "mistral", "cutoff_len": 8192,
+                },
                 "basic_parameters": {"dataset_dir": str(work), "dataset": str(data_file), "cache_dir": str(work / "cache"), "shuffle": False},
             },
-            "dataloader_param": {"num_workers": args.workers, "pin_memory": False},
+            "dataloader_param": {
+                "num_workers": args.workers, "pin_memory": False, "collate_param": {"model_name": "pixtral"},
+            },
         },
         "data",
     )

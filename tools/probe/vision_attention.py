@@ -8,7 +8,7 @@ flash_attention_2 where flash-attn / torch_npu is installed; the others are list
 unavailable with the reason) two checks run on random inputs, `--trials` times each:
 
 - `vision`: a small random Pixtral vision tower (`PixtralVisionModel`, with mmfsdp's
-  per-image attention hook, `mmfsdp.model.vision`) takes a batch of several images of
+  per-image attention hook, `mmfsdp.model.families.mistral3.vision`) takes a batch of several images of
   different sizes, flattened into one sequence, on the device in `--dtype`. The reference
   runs each image *alone* through the same weights on the CPU in fp32 with plain SDPA, so a
   patch that attends to another image's patches shows up as a difference;
@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import attention_backend_names, resolve_attention_backend
-from mmfsdp.model.vision import install_per_image_attention
+from mmfsdp.model.families.mistral3.vision import install_per_image_attention
 from mmfsdp.parallel import detect_device_type
 from mmfsdp.parallel.dtypes import DTYPES
 

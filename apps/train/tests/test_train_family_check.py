@@ -25,7 +25,7 @@ def test_another_familys_collator_is_refused(capsys, tmp_path):
     code, lines = _check_lines(capsys, tmp_path, QWEN3VL, f"{COLLATOR}=pixtral")
     assert code == 2
     assert lines == [
-        f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen3vl'"
+        f"config error: {COLLATOR}: collator 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen3_vl'"
     ]
 
 
@@ -36,7 +36,7 @@ def test_another_familys_template_and_its_default_plugin_are_refused(capsys, tmp
     assert code == 2 and lines == [
         f"{pre}.template: template 'mistral' is not for model_id 'qwen3_vl'; "
         "set it to 'qwen3_vl' or 'qwen3_vl_nothink'",
-        f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen2_vl'",
+        f"{pre}.image_plugin: image plugin 'pixtral' is not for model_id 'qwen3_vl'; set it to 'qwen3_vl'",
     ]
 
 

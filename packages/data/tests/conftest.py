@@ -21,18 +21,23 @@ from PIL import Image
 import mistral_common
 from mmfsdp.config import build
 from mmfsdp.data import DataConfig, build_processor
-from mmfsdp.data.synthetic import write_tiny_processor
+from mmfsdp.data.families.mistral.synthetic import write_tiny_processor
 
 TEKKEN_SOURCE = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
 
 
 def data_config(model_dir: str | Path, tmp: Path, **sections: dict[str, Any]) -> DataConfig:
-    """A DataConfig for tests: `sections` are merged into preprocess_parameters / basic_parameters / attr / dataloader_param."""
-    pp = {"model_name_or_path": str(model_dir), **sections.get("preprocess", {})}
+    """A DataConfig for tests: `sections` are merged into preprocess_parameters / basic_parameters / attr / dataloader_param.
+
+    Template and collator default to `mistral` / `pixtral` (the data package has no default of its own: the trainer
+    takes the model family's)."""
+    pp = {"model_name_or_path": str(model_dir), "template": "mistral", **sections.get("preprocess", {})}
     basic = {"dataset_dir": str(tmp), "cache_dir": str(tmp / "cache"), **sections.get("basic", {})}
+    loader = {"num_workers": 0, **sections.get("loader", {})}
+    loader["collate_param"] = {"model_name": "pixtral", **loader.get("collate_param", {})}
     raw = {
         "dataset_param": {"preprocess_parameters": pp, "basic_parameters": basic, "attr": sections.get("attr", {})},
-        "dataloader_param": {"num_workers": 0, **sections.get("loader", {})},
+        "dataloader_param": loader,
     }
     return build(DataConfig, raw, "data")
 
@@ -89,7 +94,7 @@ def tiny_model(tiny_dir: Path):
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from mmfsdp.data.synthetic import tiny_processor_ids
+    from mmfsdp.data.families.mistral.synthetic import tiny_processor_ids
 
     ids = tiny_processor_ids()
     config = Mistral3Config(

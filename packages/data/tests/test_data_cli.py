@@ -24,7 +24,7 @@ def config_file(tmp_path, tiny_dir, h):
         "training": {"lr": 1e-5},
         "data": {
             "dataset_param": {
-                "preprocess_parameters": {"model_name_or_path": str(tiny_dir), "cutoff_len": 4096},
+                "preprocess_parameters": {"model_name_or_path": str(tiny_dir), "template": "mistral", "cutoff_len": 4096},
                 "basic_parameters": {"dataset_dir": str(tmp_path), "dataset": "d.jsonl", "cache_dir": str(tmp_path / "cache")},
             },
             "dataloader_param": {"num_workers": 0},

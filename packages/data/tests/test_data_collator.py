@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from mmfsdp.config import ConfigError
-from mmfsdp.data import IGNORE_INDEX, PixtralCollator, SampleEncoder, get_collator
+from mmfsdp.data import IGNORE_INDEX, SampleEncoder, get_collator
+from mmfsdp.data.families.mistral.collator import PixtralCollator
 
 
 def _text(n: int, start: int = 20) -> dict:

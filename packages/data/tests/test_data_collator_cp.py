@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mmfsdp.data import IGNORE_INDEX, PixtralCollator, StatefulDataLoader
+from mmfsdp.data import IGNORE_INDEX, StatefulDataLoader
+from mmfsdp.data.families.mistral.collator import PixtralCollator
 
 
 def _text(n: int, start: int = 20) -> dict:

@@ -22,7 +22,8 @@ QUICKSTART = {
 def test_quickstart_section_builds_with_defaults():
     cfg = build(DataConfig, QUICKSTART, "data")
     pp = cfg.dataset_param.preprocess_parameters
-    assert (pp.template, pp.image_plugin, pp.cutoff_len, pp.trust_remote_code, pp.fix_mistral_regex) == ("mistral", None, 4096, False, True)
+    # template null = the model family's default, which the trainer fills in (apps/train: test_train_family_defaults)
+    assert (pp.template, pp.image_plugin, pp.cutoff_len, pp.trust_remote_code, pp.fix_mistral_regex) == (None, None, 4096, False, True)
     assert cfg.dataset_param.attr.messages == "messages" and cfg.dataset_param.attr.role_tag == "role"
     assert cfg.dataset_param.basic_parameters.packing is False and cfg.dataloader_param.drop_last is True
     assert cfg.dataloader_param.collate_param.pad_to_multiple_of == 8
@@ -50,7 +51,7 @@ def test_mistakes_name_their_key(patch, key, message):
 def test_registry_names_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="template: unknown template 'llama3'; registered: mistral"):
         get_template("llama3")
-    with pytest.raises(ConfigError, match="image_plugin: unknown image plugin 'llava'; registered: pixtral, qwen2_vl"):
+    with pytest.raises(ConfigError, match="image_plugin: unknown image plugin 'llava'; registered: pixtral, qwen3_vl"):
         get_plugin("llava")
     cfg = build(DataConfig, {"dataset_param": {"dataset_type": "webdataset"}}, "data")
     with pytest.raises(ConfigError, match="dataset_type: unknown dataset type 'webdataset'; registered: huggingface, synthetic_shapes"):

@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmfsdp.data import BadSample, PixtralCollator, SampleEncoder
+from mmfsdp.data import BadSample, SampleEncoder
+from mmfsdp.data.families.mistral.collator import PixtralCollator
 
 SIZE = st.tuples(st.integers(1, 300), st.integers(1, 300))
 

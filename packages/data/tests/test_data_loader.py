@@ -127,11 +127,11 @@ def test_synthetic_shapes_type_generates_on_first_use(tmp_path, h):
     raw = {
         "dataset_param": {
             "dataset_type": "synthetic_shapes",
-            "preprocess_parameters": {"model_name_or_path": str(tmp_path / "tiny"), "cutoff_len": 64},
+            "preprocess_parameters": {"model_name_or_path": str(tmp_path / "tiny"), "template": "mistral", "cutoff_len": 64},
             "basic_parameters": {"dataset_dir": str(tmp_path / "shapes"), "cache_dir": str(tmp_path / "cache")},
             "synthetic": {"num_train": 8, "num_eval": 4, "image_size": 32, "patch_size": 4, "spatial_merge_size": 2},
         },
-        "dataloader_param": {"num_workers": 0},
+        "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "pixtral"}},
     }
     cfg = build(DataConfig, raw, "data")
     prepare_dataset(cfg)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmfsdp.data import PixtralCollator, SampleEncoder
+from mmfsdp.data import SampleEncoder
+from mmfsdp.data.families.mistral.collator import PixtralCollator
 
 
 def _sample(encoder, path: str, question: str, answer: str) -> dict:

@@ -17,8 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from mmfsdp.data import PixtralCollator, SampleEncoder, build_processor
-from mmfsdp.data.plugins import pixtral_resized_size, scale_to_pixel_limits
+from mmfsdp.data import SampleEncoder, build_processor
+from mmfsdp.data.families.mistral.collator import PixtralCollator
+from mmfsdp.data.plugins import scale_to_pixel_limits
+from mmfsdp.data.families.mistral.plugin import pixtral_resized_size
 
 
 def _row(num_images: int) -> dict:

@@ -11,16 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmfsdp.data import (
-    IGNORE_INDEX,
-    Collator,
-    PixtralCollator,
-    Qwen3VLCollator,
-    SampleEncoder,
-    build_dataloader,
-    build_dataset,
-    get_collator,
-)
+from mmfsdp.data import IGNORE_INDEX, Collator, SampleEncoder, build_dataloader, build_dataset, get_collator
+from mmfsdp.data.families.mistral.collator import PixtralCollator
+from mmfsdp.data.families.qwen3_vl.collator import Qwen3VLCollator
 
 ROWS = [
     ("<image>What shape and colour is this?", "a red circle", [(40, 70)]),

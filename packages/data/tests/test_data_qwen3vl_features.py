@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmfsdp.data import BadSample, Qwen3VLCollator, SampleEncoder
+from mmfsdp.data import BadSample, SampleEncoder
+from mmfsdp.data.families.qwen3_vl.collator import Qwen3VLCollator
 from mmfsdp.model import model_inputs
 
 SIZE = st.tuples(st.integers(1, 400), st.integers(1, 400))

@@ -19,9 +19,8 @@ from mmfsdp.data.synthetic import (
     VARLEN_IMAGE_SIZES,
     make_shapes_dataset,
     make_varlen_dataset,
-    tiny_processor_ids,
-    write_tiny_processor,
 )
+from mmfsdp.data.families.mistral.synthetic import tiny_processor_ids, write_tiny_processor
 
 
 def _make(out: str) -> None:
@@ -89,7 +88,7 @@ def test_prepare_dataset_from_several_ranks_at_once(tmp_path):
     raw = {
         "dataset_param": {
             "dataset_type": "synthetic_shapes",
-            "preprocess_parameters": {"model_name_or_path": str(tmp_path / "tiny")},
+            "preprocess_parameters": {"model_name_or_path": str(tmp_path / "tiny"), "template": "mistral"},
             "basic_parameters": {"dataset_dir": str(tmp_path / "shapes"), "cache_dir": str(tmp_path / "cache")},
             "synthetic": {"num_train": 12, "num_eval": 4, "image_size": 32, "patch_size": 4},
         }

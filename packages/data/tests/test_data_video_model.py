@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mmfsdp.data import SampleEncoder, build_dataset, get_collator
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.qwen3_vl import mm_token_types
+from mmfsdp.model.families.qwen3_vl.model import mm_token_types
 from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""The families' state-dict adapters (`mmfsdp.model.adapters`), found by `mmfsdp.ckpt` through entry points.
+"""The families' state-dict adapters (`mmfsdp.model.families.<model_id>.adapter`), found by `mmfsdp.ckpt` through entry points.
 
 mistral3: renames both ways, the same table as the adapter's `key_mapping()` for `from_pretrained`, `mm-convert` and
 `load_hf_weights` on files in the original naming. qwen3_vl: a tiny `Qwen3VLForConditionalGeneration`
@@ -23,7 +23,8 @@ from mmfsdp.ckpt import (
     load_hf_weights,
 )
 from mmfsdp.ckpt.dcp_io import read_dcp_metadata
-from mmfsdp.model.adapters import Mistral3Adapter, Qwen3VLAdapter
+from mmfsdp.model.families.mistral3.adapter import Mistral3Adapter
+from mmfsdp.model.families.qwen3_vl.adapter import Qwen3VLAdapter
 from mmfsdp.model.testing import assert_bit_exact, mm_convert, read_safetensors
 
 IMAGE_TOKEN, VISION_START, VISION_END = 250, 252, 253

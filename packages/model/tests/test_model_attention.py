@@ -9,7 +9,8 @@ import mmfsdp.model.attention as attention
 from mmfsdp.config import ConfigError
 from mmfsdp.model import npu_layout, resolve_attention_backend
 from mmfsdp.model.attention import NpuLayout, varlen_block_mask
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 
 TOL = 1e-5
 

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 
 TOL = 1e-5
 

@@ -20,8 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mmfsdp.model import Mistral3ForConditionalGenerationFSDP, compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.testing import image_token_count, model_inputs, rel_diff, tiny_batch
+from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
+from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGenerationFSDP
+from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.families.mistral3.testing import image_token_count, tiny_batch
 from mmfsdp.parallel import FSDPPlanConfig, MeshPlan, ParallelConfig, apply_activation_checkpointing, apply_fsdp, build_parallel_dims
 from mmfsdp.parallel.testing import run_distributed
 

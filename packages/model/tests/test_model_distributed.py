@@ -11,7 +11,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import mmfsdp.model.chunk_loss as chunk_loss
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 from mmfsdp.parallel.testing import run_distributed
 
 TOL = 1e-5

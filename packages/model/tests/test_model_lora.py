@@ -31,8 +31,10 @@ from mmfsdp.model.lora import (
     resolve_lora_targets,
 )
 from mmfsdp.model.meta_init import init_rotary_buffers
-from mmfsdp.model.qwen3_vl import mm_token_types
-from mmfsdp.model.testing import model_inputs, qwen3_vl_batch, qwen3_vl_sample, rel_diff, tiny_batch
+from mmfsdp.model.families.qwen3_vl.model import mm_token_types
+from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 
 FAMILIES = ("mistral3", "qwen3_vl", "qwen3_vl_moe")
 TOL = 1e-5

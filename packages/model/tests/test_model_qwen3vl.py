@@ -8,17 +8,13 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from mmfsdp.config import ConfigError, build
-from mmfsdp.model import (
-    ModelConfig,
-    Qwen3VLForConditionalGenerationFSDP,
-    compute_loss_weights,
-    get_model_entry,
-    shift_labels,
-)
+from mmfsdp.model import ModelConfig, compute_loss_weights, get_model_entry, shift_labels
+from mmfsdp.model.families.qwen3_vl.model import Qwen3VLForConditionalGenerationFSDP
 from mmfsdp.model.chunk_loss import ChunkLossLinear
 from mmfsdp.model.context_parallel import CPBatch
-from mmfsdp.model.qwen3_vl import mm_token_types, split_mrope_position_ids, split_visual_embeds
-from mmfsdp.model.testing import model_inputs, model_pair, qwen3_vl_batch, qwen3_vl_sample, rel_diff
+from mmfsdp.model.families.qwen3_vl.model import mm_token_types, split_mrope_position_ids, split_visual_embeds
+from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import CPLayout
 from mmfsdp.parallel.patterns import match_module_names

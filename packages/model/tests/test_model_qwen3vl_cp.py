@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mmfsdp.model import Qwen3VLForConditionalGenerationFSDP, compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.testing import model_inputs, qwen3_vl_batch, qwen3_vl_sample, rel_diff
+from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
+from mmfsdp.model.families.qwen3_vl.model import Qwen3VLForConditionalGenerationFSDP
+from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
 from mmfsdp.parallel.testing import run_distributed
 

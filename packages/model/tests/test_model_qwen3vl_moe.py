@@ -14,21 +14,13 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 from mmfsdp.ckpt import find_state_dict_adapter, get_state_dict_adapter, load_checkpoint, load_hf_weights
 from mmfsdp.config import build
 from mmfsdp.model import ModelConfig, compute_loss_weights, get_model_entry, registered_model_ids, shift_labels
-from mmfsdp.model.adapters import Qwen3VLMoeAdapter
-from mmfsdp.model.qwen3_vl import mm_token_types
-from mmfsdp.model.qwen3_vl_moe import Qwen3VLMoeForConditionalGenerationFSDP
+from mmfsdp.model.families.qwen3_vl_moe.adapter import Qwen3VLMoeAdapter
+from mmfsdp.model.families.qwen3_vl.model import mm_token_types
+from mmfsdp.model.families.qwen3_vl_moe.model import Qwen3VLMoeForConditionalGenerationFSDP
 from mmfsdp.model.registry import _declared_families
 from mmfsdp.model.router import expert_load_summary, load_balancing_loss
-from mmfsdp.model.testing import (
-    assert_bit_exact,
-    mm_convert,
-    model_inputs,
-    model_pair,
-    qwen3_vl_batch,
-    qwen3_vl_sample,
-    read_safetensors,
-    rel_diff,
-)
+from mmfsdp.model.testing import assert_bit_exact, mm_convert, model_inputs, model_pair, read_safetensors, rel_diff
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel.patterns import match_module_names
 
 TOL = 1e-5

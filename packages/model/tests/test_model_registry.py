@@ -8,15 +8,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Mistral3ForConditionalGeneration
 
 from mmfsdp.config import ConfigError, build
-from mmfsdp.model import (
-    FeaturesConfig,
-    Mistral3ForConditionalGenerationFSDP,
-    ModelConfig,
-    freeze_modules,
-    get_model_entry,
-)
+from mmfsdp.model import FeaturesConfig, ModelConfig, freeze_modules, get_model_entry
+from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGenerationFSDP
 from mmfsdp.model.chunk_loss import ChunkLossLinear
-from mmfsdp.model.testing import model_inputs, rel_diff, tiny_batch
+from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.families.mistral3.testing import tiny_batch
 from mmfsdp.parallel.patterns import match_module_names
 
 ENTRY = get_model_entry("mistral3")
@@ -25,9 +21,15 @@ ENTRY = get_model_entry("mistral3")
 # -- config -----------------------------------------------------------------------------------
 
 
+def test_model_id_defaults_to_the_family_of_config_json(tmp_path):
+    ENTRY.tiny_config().save_pretrained(tmp_path)
+    assert build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model").model_id == "mistral3"
+
+
 def test_defaults_build():
     model = build(ModelConfig, {}, "model")
-    assert (model.model_id, model.attn_implementation, model.dtype, model.freeze) == ("mistral3", "sdpa", "fp32", [])
+    # no model_id and no config.json to take it from: none (the trainer's checks ask for it by key)
+    assert (model.model_id, model.attn_implementation, model.dtype, model.freeze) == (None, "sdpa", "fp32", [])
     features = build(FeaturesConfig, {}, "features")
     assert not features.enable_chunk_loss
     assert features.chunkloss_plan.chunk_size == 1024 and features.loss_cfg.loss_type == "default"
@@ -74,7 +76,7 @@ def test_tiny_config_is_tiny_and_overridable():
 
 
 def _apply_key_map(key: str) -> str:
-    from mmfsdp.model.adapters import Mistral3Adapter
+    from mmfsdp.model.families.mistral3.adapter import Mistral3Adapter
 
     return Mistral3Adapter().model_key(key)
 

@@ -92,7 +92,9 @@ def _family_data(cfg: Config) -> list[ConfigError]:
     from mmfsdp.model import get_model_entry
 
     def registered(get, name: str | None) -> str | None:
-        return name if name is not None and _collect([], get, name) is not None else None
+        """The registered name `name` selects (an alias resolved), or None if it selects nothing."""
+        found = _collect([], get, name) if name is not None else None
+        return found.name if found is not None else None
 
     try:
         entry = get_model_entry(cfg.model.model_id)

@@ -270,6 +270,24 @@ class Config:
         "run_name": Alias("tools.run_name"),
     }
 
+    def __post_init__(self) -> None:
+        fill_family_data_defaults(self.model.model_id, self.data)
+
+
+def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:
+    """Data choices left null take the model family's defaults: the first template and collator its entry lists
+    (`ModelEntry.data`). The data package names no family (it never sees the model); this is where the two meet.
+    A family that lists none leaves them null, and the data package asks for them by key."""
+    pre = data_cfg.dataset_param.preprocess_parameters
+    collate = data_cfg.dataloader_param.collate_param
+    if model_id is None or (pre.template is not None and collate.model_name is not None):
+        return
+    names = get_model_entry(model_id).data
+    if pre.template is None and names.templates:
+        pre.template = names.templates[0]
+    if collate.model_name is None and names.collators:
+        collate.model_name = names.collators[0]
+
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, translate, override and build the config; raises `ConfigError` for any user mistake (`ConfigErrors` for several).

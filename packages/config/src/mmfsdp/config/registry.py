@@ -4,6 +4,12 @@ Templates, image plugins, collators, dataset types and model entries are each a
 `Registry`; adding a model family means registering entries, not editing
 if-chains. Looking up an unknown name is a `ConfigError` under the YAML key that
 holds the name, with the closest registered name as a hint.
+
+A registry given an `entry_point_group` imports every module declared in that group
+(`importlib.metadata` entry points) the first time it is asked for a name or for its
+names, so an installed package adds entries without anyone importing it. An entry may
+carry aliases: old or alternative names users write, resolved by `get` and `canonical`,
+never listed by `names`.
 """
 
 from __future__ import annotations
@@ -17,30 +23,62 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, key: str):
+    def __init__(self, kind: str, key: str, *, entry_point_group: str | None = None):
         self.kind = kind
         """What the entries are, for messages ("collator", "image plugin")."""
         self.key = key
         """The YAML key path that names an entry, for errors."""
+        self.entry_point_group = entry_point_group
+        """Entry-point group whose modules register entries on import; loaded on the first lookup."""
         self._entries: dict[str, T] = {}
+        self._aliases: dict[str, str] = {}
+        self._loaded = entry_point_group is None
 
-    def register(self, name: str, entry: T) -> T:
-        if name in self._entries:
-            raise ValueError(f"{self.kind} {name!r} is already registered")
+    def _load_entry_points(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        from importlib.metadata import entry_points
+
+        for point in entry_points(group=self.entry_point_group):
+            point.load()
+
+    def register(self, name: str, entry: T, *, aliases: tuple[str, ...] = ()) -> T:
+        for taken in (name, *aliases):
+            if taken in self._entries or taken in self._aliases:
+                raise ValueError(f"{self.kind} {taken!r} is already registered")
         self._entries[name] = entry
+        self._aliases.update(dict.fromkeys(aliases, name))
         return entry
 
     def names(self) -> list[str]:
+        """The registered names (aliases not included)."""
+        self._load_entry_points()
         return sorted(self._entries)
 
+    def aliases(self) -> dict[str, str]:
+        """alias -> registered name."""
+        self._load_entry_points()
+        return dict(self._aliases)
+
+    def canonical(self, name: str) -> str:
+        """The registered name `name` stands for (itself unless it is an alias)."""
+        self._load_entry_points()
+        return self._aliases.get(name, name)
+
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        self._load_entry_points()
+        return name in self._entries or name in self._aliases
 
     def get(self, name: str, *, key: str | None = None) -> T:
+        if name is None:
+            raise ConfigError(key or self.key, f"no {self.kind} given; name one of {', '.join(self.names())}")
+        if name not in self._entries and name not in self._aliases:
+            self._load_entry_points()
         try:
-            return self._entries[name]
+            return self._entries[self._aliases.get(name, name)]
         except KeyError:
-            close = difflib.get_close_matches(str(name), list(self._entries), n=1, cutoff=0.5)
+            close = difflib.get_close_matches(str(name), [*self._entries, *self._aliases], n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 key or self.key, f"unknown {self.kind} {name!r}{hint}; registered: {', '.join(self.names())}"

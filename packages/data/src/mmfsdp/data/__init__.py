@@ -11,13 +11,13 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
    batches (the batch contract: docs/data.md, "Batches").
 
-Each of templates (`mistral`, `qwen3_vl`, `qwen3_vl_nothink`), image plugins
-(`pixtral`, `qwen2_vl`), collators (`pixtral`, `qwen3vl`) and dataset types
-(`huggingface`, `synthetic_shapes`) is a registry keyed by the name written in YAML.
+Each of templates, image plugins, collators and dataset types (`huggingface`, `synthetic_shapes`) is a registry
+keyed by the name written in YAML. A family's template(s), plugin and collator live in its folder under
+`mmfsdp.data.families` and register through the `mmfsdp.data_families` entry points, loaded on the first lookup.
 See docs/data.md.
 """
 
-from mmfsdp.data.collators import Collator, PixtralCollator, Qwen3VLCollator, get_collator, register_collator
+from mmfsdp.data.collators import Collator, get_collator, register_collator
 from mmfsdp.data.config import (
     AttrConfig,
     BasicParametersConfig,
@@ -32,11 +32,11 @@ from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
 from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, has_eval_data, prepare_dataset, register_dataset_type
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
-from mmfsdp.data.plugins import ImagePlugin, PixtralPlugin, Qwen2VLPlugin, VideoPlugin, get_plugin, register_plugin
+from mmfsdp.data.plugins import ImagePlugin, VideoPlugin, get_plugin, register_plugin
 from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
 from mmfsdp.data.build import build_processor
 from mmfsdp.data.processor import MMProcessor
-from mmfsdp.data.templates import IGNORE_INDEX, MistralTemplate, Qwen3VLNoThinkTemplate, Qwen3VLTemplate, Template, get_template, register_template
+from mmfsdp.data.templates import IGNORE_INDEX, Template, get_template, register_template
 
 __all__ = [
     "AttrConfig",
@@ -60,14 +60,7 @@ __all__ = [
     "decode_frames",
     "read_video_info",
     "MMProcessor",
-    "MistralTemplate",
-    "PixtralCollator",
-    "PixtralPlugin",
     "PreprocessParametersConfig",
-    "Qwen2VLPlugin",
-    "Qwen3VLCollator",
-    "Qwen3VLNoThinkTemplate",
-    "Qwen3VLTemplate",
     "SFTDataset",
     "SampleEncoder",
     "StatefulDataLoader",

@@ -19,9 +19,9 @@ log = get_logger(__name__)
 def build_processor(data_cfg: DataConfig) -> MMProcessor:
     """The tokenizer and the image plugin's HF processor for `preprocess_parameters.model_name_or_path`."""
     pp = data_cfg.dataset_param.preprocess_parameters
+    directory = model_dir(data_cfg)
     template = get_template(pp.template)
     plugin_cls = get_plugin(pp.image_plugin or template.default_plugin)
-    directory = model_dir(data_cfg)
     tokenizer = load_tokenizer(data_cfg)
     hf_processor = plugin_cls.load_hf_processor(directory, tokenizer, trust_remote_code=pp.trust_remote_code)
     log.info("data: loaded %s + %s from %s", type(tokenizer).__name__, type(hf_processor.image_processor).__name__, directory)

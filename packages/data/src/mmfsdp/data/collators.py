@@ -6,6 +6,9 @@ packing), and returns a batch that keeps the batch contract of docs/data.md, "Ba
 `_RowCollator` is the row layout every collator shares: padding, each sample's span in its row and the
 packing segments. `sample_multiple` (context parallel's `required_multiple`) pads every packed sample to a
 multiple of it inside its own segment, so context parallel can split every sample (docs/parallelism.md).
+
+Each family's collator lives in its folder (`mmfsdp.data.families.<name>.collator`) and registers when the
+registry is first asked (entry-point group `mmfsdp.data_families`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from mmfsdp.data.templates import IGNORE_INDEX
 
 __all__ = [
     "Collator",
-    "PixtralCollator",
-    "Qwen3VLCollator",
     "collator_names",
     "get_collator",
     "register_collator",
@@ -34,18 +35,21 @@ class Collator(Protocol):
     """Rows of samples -> one batch dict that keeps the batch contract (docs/data.md, "Batches")."""
 
     name: ClassVar[str]
-    """The name users write in `collate_param.model_name`."""
+    """The name users write in `collate_param.model_name`. An optional class attribute `aliases` (tuple) lists other names that select it
+    (older or alternative spellings users' YAML has)."""
 
     def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, packing: bool = False, sample_multiple: int = 1): ...
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]: ...
 
 
-_COLLATORS: Registry[type[Collator]] = Registry("collator", "data.dataloader_param.collate_param.model_name")
+_COLLATORS: Registry[type[Collator]] = Registry(
+    "collator", "data.dataloader_param.collate_param.model_name", entry_point_group="mmfsdp.data_families"
+)
 
 
 def register_collator(cls: type) -> type:
-    return _COLLATORS.register(cls.name, cls)
+    return _COLLATORS.register(cls.name, cls, aliases=getattr(cls, "aliases", ()))
 
 
 def collator_names() -> list[str]:
@@ -56,13 +60,6 @@ def get_collator(name: str) -> type[Collator]:
     return _COLLATORS.get(name)
 
 
-def _pad_images(images: list[torch.Tensor]) -> torch.Tensor:
-    height = max(img.shape[-2] for img in images)
-    width = max(img.shape[-1] for img in images)
-    out = images[0].new_zeros((len(images), images[0].shape[0], height, width))
-    for i, img in enumerate(images):
-        out[i, :, : img.shape[-2], : img.shape[-1]] = img
-    return out
 
 
 class _RowCollator:
@@ -121,65 +118,3 @@ class _RowCollator:
             assert int(cu[-1]) == batch["input_ids"].numel()
             batch["cu_seq_lens"] = cu
             batch["max_length"] = max(segments)
-
-
-@register_collator
-class PixtralCollator(_RowCollator):
-    """Pads text, restarts positions per sample, stacks Pixtral images; with packing adds `cu_seq_lens`.
-
-    Without packing a row's positions run on through its padding (`arange(S)`); with packing the end-of-row
-    padding segment restarts too, so `position_ids` and `cu_seq_lens` always agree. Images are zero-padded at
-    the bottom/right to the batch's largest and stacked `[N, 3, H, W]`, as the HF Pixtral processor does."""
-
-    name = "pixtral"
-
-    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
-        rows = self._rows(rows)
-        text, spans, segments = self._text(rows)
-        seq_len = text["input_ids"].shape[1]
-        position_ids = torch.zeros_like(text["input_ids"])
-        images: list[torch.Tensor] = []
-        sizes: list[torch.Tensor] = []
-        for b, row in enumerate(rows):
-            for sample, (start, span) in zip(row, spans[b]):
-                position_ids[b, start : start + span] = torch.arange(span)
-                if "pixel_values" in sample:
-                    images += list(sample["pixel_values"])
-                    sizes.append(torch.as_tensor(sample["image_sizes"], dtype=torch.long).reshape(-1, 2))
-            end = spans[b][-1][0] + spans[b][-1][1]
-            position_ids[b, end:] = torch.arange(seq_len - end) if self.packing else torch.arange(end, seq_len)
-
-        batch: dict[str, Any] = {"input_ids": text["input_ids"], "labels": text["labels"], "attention_mask": text["attention_mask"], "position_ids": position_ids}
-        if images:
-            batch["pixel_values"] = _pad_images(images)
-            batch["image_sizes"] = torch.cat(sizes)
-        self._boundaries(batch, segments)
-        return batch
-
-
-@register_collator
-class Qwen3VLCollator(_RowCollator):
-    """Pads text, marks image (1) and video (2) tokens in `mm_token_type_ids`, concatenates Qwen-VL image and video
-    patches in sample order; with packing adds `cu_seq_lens`."""
-
-    name = "qwen3vl"
-
-    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
-        rows = self._rows(rows)
-        text, spans, segments = self._text(rows)
-        batch: dict[str, Any] = dict(text)
-        token_types = torch.zeros_like(text["input_ids"])
-        media_keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-        media: dict[str, list[torch.Tensor]] = {key: [] for key in media_keys}
-        for b, row in enumerate(rows):
-            for sample, (start, _) in zip(row, spans[b]):
-                if "mm_token_type_ids" in sample:
-                    token_types[b, start : start + len(sample["input_ids"])] = torch.as_tensor(sample["mm_token_type_ids"])
-                for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-                    if pixels in sample:
-                        media[pixels].append(sample[pixels])
-                        media[grid].append(torch.as_tensor(sample[grid], dtype=torch.long).reshape(-1, 3))
-        batch["mm_token_type_ids"] = token_types
-        batch.update({key: torch.cat(values) for key, values in media.items() if values})
-        self._boundaries(batch, segments)
-        return batch

@@ -80,10 +80,11 @@ class PreprocessParametersConfig:
 
     model_name_or_path: str | None = None
     """Local directory of the HF model (tokenizer.json or tekken.json, image processor config); required."""
-    template: str = "mistral"
-    """Chat template name (registry: mistral)."""
+    template: str | None = None
+    """Chat template name (`mmfsdp.data.templates` registry); null = the model family's default (the trainer fills it
+    from `model.model_id`'s entry)."""
     image_plugin: str | None = None
-    """Image plugin name (registry: pixtral); null = the template's default."""
+    """Image plugin name (`mmfsdp.data.plugins` registry); null = the template's default."""
     cutoff_len: int = 4096
     """Maximum tokens per sample (and per packed row); longer samples are cut in text only or dropped."""
     fix_mistral_regex: bool | None = None
@@ -250,8 +251,9 @@ class DatasetParamConfig:
 class CollateParamConfig:
     """How samples become a batch (YAML `data.dataloader_param.collate_param:`)."""
 
-    model_name: str = "pixtral"
-    """Collator name (registry: pixtral)."""
+    model_name: str | None = None
+    """Collator name (`mmfsdp.data.collators` registry); null = the model family's default (the trainer fills it
+    from `model.model_id`'s entry)."""
     pad_to_multiple_of: int = 1
     """Pad the sequence dimension to a multiple of this (the trainer also applies 2 × ring × ulysses for context parallel)."""
 

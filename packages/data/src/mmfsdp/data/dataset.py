@@ -138,7 +138,9 @@ def _nothing_to_prepare(data_cfg: DataConfig) -> None:
 
 
 def _prepare_synthetic(data_cfg: DataConfig) -> None:
-    from mmfsdp.data.synthetic import make_shapes_dataset, write_tiny_processor
+    from mmfsdp.data.plugins import get_plugin
+    from mmfsdp.data.synthetic import make_shapes_dataset
+    from mmfsdp.data.templates import get_template
 
     syn = data_cfg.dataset_param.synthetic
     dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
@@ -148,7 +150,16 @@ def _prepare_synthetic(data_cfg: DataConfig) -> None:
     )
     model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
     if model_dir and not Path(model_dir).expanduser().exists():
-        write_tiny_processor(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
+        pp = data_cfg.dataset_param.preprocess_parameters
+        plugin = get_plugin(pp.image_plugin or get_template(pp.template).default_plugin)
+        write = getattr(plugin, "write_tiny_processor", None)
+        if write is None:
+            raise ConfigError(
+                f"{_KEY}.preprocess_parameters.model_name_or_path",
+                f"{model_dir!r} does not exist, and image plugin {plugin.name!r} cannot write a tiny processor for "
+                "the synthetic data; give an existing processor directory",
+            )
+        write(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
 
 
 def _synthetic_files(data_cfg: DataConfig, split: str) -> list[Path]:

@@ -7,35 +7,10 @@ A template is a `Template` subclass registered under the name users write in
 goes through the tokenizer, one call per run of text, so the ids equal tokenizing the
 rendered string.
 
-`mistral` reproduces Mistral's own instruct encoding (mistral-common, v7 and later
-tokenizers):
-
-    <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user 1[/INST]assistant 1</s>[INST]user 2[/INST]assistant 2</s>
-
-BOS once at the start, the system prompt (if any) once before the first turn, and
-each assistant reply followed by EOS. Assistant text loses trailing spaces, as
-mistral-common does.
-
-`qwen3_vl_nothink` and `qwen3_vl` are Qwen3-VL's ChatML, as the official chat
-templates render it (the names and their meaning are LLaMA-Factory's, which
-MindSpeed-MM configs use):
-
-    <|im_start|>system\\nsystem<|im_end|>\\n<|im_start|>user\\nuser 1<|im_end|>\\n<|im_start|>assistant\\nassistant 1<|im_end|>\\n...
-
-- `qwen3_vl_nothink` is the Qwen3-VL *Instruct* template: no think block (for Instruct models).
-- `qwen3_vl` is the Qwen3-VL *Thinking* template: the last answer (the one after the
-  last user message) starts with its think block, `<think>\\n{reasoning}\\n</think>\\n\\n`,
-  empty when the answer holds none; earlier answers keep only the text after their
-  `</think>` (the template drops old reasoning). The block is trained with its answer.
-  With `enable_thinking: false` (LLaMA-Factory's switch, which MindSpeed-MM configs
-  carry) every answer's reasoning is dropped and the last answer follows an empty
-  block, `<think>\\n\\n</think>\\n\\n`, that belongs to the prompt (untrained).
-  `qwen3_vl_nothink` and `mistral` have no think block and ignore the switch.
-
-Labels are `-100` except on assistant text and its end token (`</s>`, `<|im_end|>`).
-`train_on_prompt` also trains on every other text and control token; `mask_history`
-trains only on the last assistant reply. Image and video blocks (Qwen3-VL's frame timestamps included) are
-always `-100`.
+Labels are `-100` except on assistant text and its end token. `train_on_prompt` also trains on every other text
+and control token; `mask_history` trains only on the last assistant reply. Image and video blocks are always
+`-100`. Each family's templates live in its folder (`mmfsdp.data.families.<name>.template`) and register when
+the registry is first asked (entry-point group `mmfsdp.data_families`); docs/data.md describes each format.
 """
 
 from __future__ import annotations
@@ -51,9 +26,6 @@ from mmfsdp.data.processor import MMProcessor
 
 __all__ = [
     "IGNORE_INDEX",
-    "MistralTemplate",
-    "Qwen3VLNoThinkTemplate",
-    "Qwen3VLTemplate",
     "Template",
     "get_template",
     "register_template",
@@ -76,6 +48,8 @@ class Template(ABC):
 
     name: ClassVar[str]
     """The name users write in `preprocess_parameters.template`."""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    """Optional: other names that select it (older or alternative spellings users' YAML has)."""
     default_plugin: ClassVar[str]
     """The image plugin used when `preprocess_parameters.image_plugin` is null."""
 
@@ -86,7 +60,7 @@ class Template(ABC):
         self.train_on_prompt = train_on_prompt
         self.mask_history = mask_history
         self.enable_thinking = enable_thinking
-        """Used by templates with a think block (`qwen3_vl`); the others ignore it."""
+        """Used by templates with a think block; the others ignore it."""
 
     @abstractmethod
     def encode(
@@ -143,11 +117,13 @@ class Template(ABC):
         return input_ids, labels
 
 
-_TEMPLATES: Registry[type[Template]] = Registry("template", "data.dataset_param.preprocess_parameters.template")
+_TEMPLATES: Registry[type[Template]] = Registry(
+    "template", "data.dataset_param.preprocess_parameters.template", entry_point_group="mmfsdp.data_families"
+)
 
 
 def register_template(cls: type[Template]) -> type[Template]:
-    return _TEMPLATES.register(cls.name, cls)
+    return _TEMPLATES.register(cls.name, cls, aliases=getattr(cls, "aliases", ()))
 
 
 def template_names() -> list[str]:
@@ -156,121 +132,3 @@ def template_names() -> list[str]:
 
 def get_template(name: str) -> type[Template]:
     return _TEMPLATES.get(name)
-
-
-@register_template
-class MistralTemplate(Template):
-    """Mistral instruct (v7+): `[SYSTEM_PROMPT]`, `[INST]…[/INST]`, replies closed by `</s>`."""
-
-    name = "mistral"
-    default_plugin = "pixtral"
-    bos = "<s>"
-    eos = "</s>"
-    system_prefix = "[SYSTEM_PROMPT]"
-    system_suffix = "[/SYSTEM_PROMPT]"
-    user_prefix = "[INST]"
-    user_suffix = "[/INST]"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        tid = processor.token_id
-        self.bos_id = tid(self.bos)
-        self.eos_id = tid(self.eos)
-        self.system_ids = (tid(self.system_prefix), tid(self.system_suffix))
-        self.user_ids = (tid(self.user_prefix), tid(self.user_suffix))
-
-    def encode(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[int]]:
-        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
-        prompt = self.train_on_prompt
-        parts: list[Part] = [("ids", [self.bos_id], prompt)]
-        if conversation.system is not None:
-            parts += [("ids", [self.system_ids[0]], prompt), ("text", conversation.system, prompt), ("ids", [self.system_ids[1]], prompt)]
-        images, videos = iter(image_blocks), iter(video_blocks)
-        last = len(conversation.turns) - 1
-        for i, (user, assistant) in enumerate(conversation.turns):
-            parts.append(("ids", [self.user_ids[0]], prompt))
-            parts += self._user_parts(user, images, videos)
-            parts.append(("ids", [self.user_ids[1]], prompt))
-            trained = not self.mask_history or i == last
-            parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]
-        return self._assemble(parts)
-
-
-@register_template
-class Qwen3VLNoThinkTemplate(Template):
-    """Qwen3-VL ChatML as the official Instruct template renders it: no think block."""
-
-    name = "qwen3_vl_nothink"
-    default_plugin = "qwen2_vl"
-    im_start = "<|im_start|>"
-    im_end = "<|im_end|>"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        self.start_id = processor.token_id(self.im_start)
-        self.end_id = processor.token_id(self.im_end)
-
-    def encode(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[int]]:
-        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
-        prompt = self.train_on_prompt
-        start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
-        newline = ("text", "\n", prompt)
-        parts: list[Part] = []
-        if conversation.system is not None:
-            parts += [start, ("text", "system\n" + conversation.system, prompt), end, newline]
-        images, videos = iter(image_blocks), iter(video_blocks)
-        last = len(conversation.turns) - 1
-        for i, (user, assistant) in enumerate(conversation.turns):
-            parts += [start, *self._user_parts(user, images, videos, prefix="user\n"), end, newline, start]
-            trained = not self.mask_history or i == last
-            parts += self._assistant_parts(assistant, i == last, trained)
-            parts += [("ids", [self.end_id], trained), newline]
-        return self._assemble(parts)
-
-    def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
-        """`assistant\\n` (prompt) and the answer (trained)."""
-        return [("split", ("assistant\n", answer), (self.train_on_prompt, trained))]
-
-
-@register_template
-class Qwen3VLTemplate(Qwen3VLNoThinkTemplate):
-    """Qwen3-VL ChatML as the official Thinking template renders it: the last answer opens with its think block."""
-
-    name = "qwen3_vl"
-    think_open = "<think>"
-    think_close = "</think>"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        self.think_ids = (processor.token_id(self.think_open), processor.token_id(self.think_close))
-
-    def fingerprint(self) -> list[object]:
-        return [*super().fingerprint(), self.enable_thinking]
-
-    def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
-        reasoning = ""
-        if self.think_close in answer:
-            reasoning = answer.split(self.think_close)[0].rstrip("\n").split(self.think_open)[-1].lstrip("\n")
-            answer = answer.split(self.think_close)[-1].lstrip("\n")
-        if not is_last:
-            return super()._assistant_parts(answer, is_last, trained)
-        if not self.enable_thinking:  # the reasoning is dropped; an empty block ends the prompt
-            prompt = self.train_on_prompt
-            return [
-                ("text", "assistant\n", prompt),
-                ("ids", [self.think_ids[0]], prompt),
-                ("text", "\n\n", prompt),
-                ("ids", [self.think_ids[1]], prompt),
-                ("split", ("\n\n", answer.lstrip("\n")), (prompt, trained)),
-            ]
-        return [
-            ("text", "assistant\n", self.train_on_prompt),
-            ("ids", [self.think_ids[0]], trained),
-            ("text", "\n" + reasoning.strip("\n") + "\n", trained),
-            ("ids", [self.think_ids[1]], trained),
-            ("text", "\n\n" + answer.lstrip("\n"), trained),
-        ]

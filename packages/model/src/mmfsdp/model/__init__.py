@@ -7,9 +7,9 @@
   `parallelize(model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, recompute, FSDP2),
   `init_non_persistent_buffers(model)`, `state_dict_adapter()`, `tiny_config(...)` and `test_batch(...)`;
   what it supports (`capabilities`: `Capabilities`) and its data pieces by name (`data`: `DataNames`).
-  Families: `mistral3` (`mmfsdp.model.mistral3`), `qwen3_vl` (`mmfsdp.model.qwen3_vl`) and `qwen3_vl_moe`
-  (`mmfsdp.model.qwen3_vl_moe`), `HFFamilyEntry` declarations whose model class mixes
-  `TrainingForwardMixin` into the HF class.
+  Families live one folder each under `mmfsdp.model.families` (entry, state-dict adapter, vision patches, test
+  helpers) and register through the `mmfsdp.model_families` entry points; most are `HFFamilyEntry` declarations
+  whose model class mixes `TrainingForwardMixin` into the HF class (docs/model.md).
 - MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`
   and `expert_load_summary` (`mmfsdp.model.router`) turn it into the router aux loss and load statistics.
 - The training forward `model(**model_inputs(batch), shift_labels=, loss_weights=)`
@@ -60,12 +60,6 @@ _LAZY = {
     "model_inputs": "mmfsdp.model.training_forward",
     "HFFamilyEntry": "mmfsdp.model.hf_family",
     "safetensors_problem": "mmfsdp.model.hf_family",
-    "Mistral3Entry": "mmfsdp.model.mistral3",
-    "Mistral3ForConditionalGenerationFSDP": "mmfsdp.model.mistral3",
-    "Qwen3VLEntry": "mmfsdp.model.qwen3_vl",
-    "Qwen3VLForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl",
-    "Qwen3VLMoeEntry": "mmfsdp.model.qwen3_vl_moe",
-    "Qwen3VLMoeForConditionalGenerationFSDP": "mmfsdp.model.qwen3_vl_moe",
     "LoraConfig": "mmfsdp.model.lora",
     "apply_lora": "mmfsdp.model.lora",
     "init_lora_adapters": "mmfsdp.model.lora",
@@ -109,12 +103,6 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "freeze_modules",
     "init_rotary_buffers",
-    "Mistral3Entry",
-    "Mistral3ForConditionalGenerationFSDP",
-    "Qwen3VLEntry",
-    "Qwen3VLForConditionalGenerationFSDP",
-    "Qwen3VLMoeEntry",
-    "Qwen3VLMoeForConditionalGenerationFSDP",
     "LoraConfig",
     "apply_lora",
     "init_lora_adapters",

@@ -14,7 +14,9 @@ loss, chunk-loss, offload and recompute settings under `model:` (newer ones unde
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored
@@ -33,10 +35,26 @@ def _unknown(value: str, known: list[str], what: str) -> str:
     return f"{value!r} is not a registered {what}{hint}; registered: {', '.join(sorted(known))}"
 
 
+def _model_id_of(model_dir: str | None) -> str | None:
+    """The model id whose state-dict adapter claims `model_dir`/config.json's `model_type`; None without one."""
+    if not model_dir or not (Path(model_dir).expanduser() / "config.json").is_file():
+        return None
+    from mmfsdp.ckpt.adapters import find_state_dict_adapter
+    from mmfsdp.ckpt.errors import CheckpointError
+
+    config = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+    try:
+        adapter = find_state_dict_adapter(config)
+    except CheckpointError as err:
+        raise ConfigError("model_id", f"is not set, and {err}; set it") from None
+    return adapter.model_id if adapter.model_id in registered_model_ids() else None
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    model_id: str = "mistral3"
-    """Registered model family to build (see `mmfsdp.model.get_model_entry`)."""
+    model_id: str | None = None
+    """Registered model family to build (see `mmfsdp.model.get_model_entry`); null = the family whose state-dict
+    adapter claims the `model_type` of `model_name_or_path`'s config.json."""
     model_name_or_path: str | None = None
     """Directory with the HF config.json (and safetensors weights unless random_init)."""
     random_init: bool = False
@@ -57,7 +75,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         ids = registered_model_ids()
-        if self.model_id not in ids:
+        if self.model_id is None:
+            self.model_id = _model_id_of(self.model_name_or_path)
+        if self.model_id is not None and self.model_id not in ids:
             raise ConfigError("model_id", _unknown(self.model_id, ids, "model id"))
         names = list(ATTENTION_BACKEND_NAMES)
         if self.attn_implementation not in names:

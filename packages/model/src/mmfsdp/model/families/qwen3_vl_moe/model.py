@@ -2,7 +2,7 @@
 
 The vision tower, DeepStack, M-RoPE and the decoder's attention are Qwen3-VL's,
 so the model class mixes the same `Qwen3VLTrainingMixin` into the HF class
-(`mmfsdp.model.qwen3_vl`: M-RoPE per packed sample, the DeepStack CP split; the
+(`mmfsdp.model.families.qwen3_vl.model`: M-RoPE per packed sample, the DeepStack CP split; the
 tower already attends per image). What the MoE adds:
 
 - Sparse MLP blocks: `model.language_model.layers.{*}.mlp` is a
@@ -18,7 +18,7 @@ tower already attends per image). What the MoE adds:
   excluded), from which `load_balancing_loss` gives HF's unscaled `aux_loss` and
   `expert_load_summary` the load statistics. The LM loss `outputs.loss` is
   unchanged; the trainer adds `features.loss_cfg.router_aux_loss_coef × aux`.
-- Checkpoints: `mmfsdp.model.adapters.Qwen3VLMoeAdapter` reads the hub's fused
+- Checkpoints: `adapter.Qwen3VLMoeAdapter` reads the hub's fused
   layout, transformers 5's `save_pretrained` layout and per-expert exports.
 
 Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate size, L MoE layers.
@@ -31,7 +31,7 @@ from typing import Any
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
-from mmfsdp.model.qwen3_vl import Qwen3VLEntry, Qwen3VLTrainingMixin
+from mmfsdp.model.families.qwen3_vl.model import Qwen3VLEntry, Qwen3VLTrainingMixin
 from mmfsdp.model.registry import Capabilities, register_model
 from mmfsdp.model.router import RouterLoadRecorder
 

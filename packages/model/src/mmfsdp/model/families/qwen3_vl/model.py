@@ -220,7 +220,7 @@ class Qwen3VLEntry(HFFamilyEntry):
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
     capabilities = Capabilities(context_parallel=True, packing=True, video=True)
-    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen2_vl",), collators=("qwen3vl",))
+    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
 
     def vision_flops(self, config: Qwen3VLConfig) -> TowerFlops:
         """Qwen3-VL vision blocks (fused qkv and proj of the hidden size; MLP fc1, fc2), the 3-D patch convolution,
@@ -245,10 +245,10 @@ class Qwen3VLEntry(HFFamilyEntry):
         return [int(t) * int(h) * int(w) for t, h, w in grids.tolist()]
 
     def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-        """`mmfsdp.model.testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
+        """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
         the processor's `mm_token_type_ids`; with images, two of different sizes in the first row, one in the
         second, none in the last."""
-        from mmfsdp.model.testing import qwen3_vl_batch, qwen3_vl_sample
+        from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 
         grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
         rows = [

@@ -4,7 +4,7 @@
 forward (`mmfsdp.model.training_forward`: chunk-loss `lm_head`, weighted loss,
 varlen packing, context parallel) — we wrap, we don't fork. Pixtral's own
 addition is the per-image attention hook on the vision tower
-(`mmfsdp.model.vision`): the tower flattens the patches of all images into
+(`mmfsdp.model.families.mistral3.vision`): the tower flattens the patches of all images into
 one sequence, and each image must attend only to itself.
 
 `Mistral3Entry` is the declaration: config and model classes, plans, what it
@@ -24,7 +24,7 @@ from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
 from mmfsdp.model.registry import Capabilities, DataNames, register_model
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
-from mmfsdp.model.vision import install_per_image_attention
+from mmfsdp.model.families.mistral3.vision import install_per_image_attention
 
 __all__ = ["Mistral3ForConditionalGenerationFSDP", "Mistral3Entry", "packed_attention_kwargs", "safetensors_problem"]
 
@@ -114,9 +114,9 @@ class Mistral3Entry(HFFamilyEntry):
         return [int(h) // patch * (int(w) // patch) for h, w in sizes.tolist()]
 
     def test_batch(self, config: Mistral3Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-        """`mmfsdp.model.testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the
+        """`testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the
         first two rows (32x32 and 16x48), none in the last."""
-        from mmfsdp.model.testing import tiny_batch
+        from mmfsdp.model.families.mistral3.testing import tiny_batch
 
         sizes = ((32, 32), (16, 48)) if images else ()
         return tiny_batch(config, batch_size=3, image_sizes=sizes, lengths=(32, 27, 19), seed=seed)

@@ -1,0 +1,61 @@
+"""The `mistral` chat template.
+
+`mistral` reproduces Mistral's own instruct encoding (mistral-common, v7 and later
+tokenizers):
+
+    <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user 1[/INST]assistant 1</s>[INST]user 2[/INST]assistant 2</s>
+
+BOS once at the start, the system prompt (if any) once before the first turn, and
+each assistant reply followed by EOS. Assistant text loses trailing spaces, as
+mistral-common does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mmfsdp.data.conversation import Conversation
+from mmfsdp.data.processor import MMProcessor
+from mmfsdp.data.templates import Part, Template, register_template
+
+__all__ = ["MistralTemplate"]
+
+
+@register_template
+class MistralTemplate(Template):
+    """Mistral instruct (v7+): `[SYSTEM_PROMPT]`, `[INST]…[/INST]`, replies closed by `</s>`."""
+
+    name = "mistral"
+    default_plugin = "pixtral"
+    bos = "<s>"
+    eos = "</s>"
+    system_prefix = "[SYSTEM_PROMPT]"
+    system_suffix = "[/SYSTEM_PROMPT]"
+    user_prefix = "[INST]"
+    user_suffix = "[/INST]"
+
+    def __init__(self, processor: MMProcessor, **options: bool):
+        super().__init__(processor, **options)
+        tid = processor.token_id
+        self.bos_id = tid(self.bos)
+        self.eos_id = tid(self.eos)
+        self.system_ids = (tid(self.system_prefix), tid(self.system_suffix))
+        self.user_ids = (tid(self.user_prefix), tid(self.user_suffix))
+
+    def encode(
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
+        prompt = self.train_on_prompt
+        parts: list[Part] = [("ids", [self.bos_id], prompt)]
+        if conversation.system is not None:
+            parts += [("ids", [self.system_ids[0]], prompt), ("text", conversation.system, prompt), ("ids", [self.system_ids[1]], prompt)]
+        images, videos = iter(image_blocks), iter(video_blocks)
+        last = len(conversation.turns) - 1
+        for i, (user, assistant) in enumerate(conversation.turns):
+            parts.append(("ids", [self.user_ids[0]], prompt))
+            parts += self._user_parts(user, images, videos)
+            parts.append(("ids", [self.user_ids[1]], prompt))
+            trained = not self.mask_history or i == last
+            parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]
+        return self._assemble(parts)

@@ -1,0 +1,21 @@
+"""Data families register through the `mmfsdp.data_families` entry points, which the registries load on their first
+lookup; each piece has one name, and the older spellings users' YAML has are aliases."""
+
+from importlib.metadata import entry_points
+
+from mmfsdp.data import get_collator, get_plugin, get_template
+from mmfsdp.data.collators import collator_names
+from mmfsdp.data.plugins import plugin_names
+from mmfsdp.data.templates import template_names
+
+
+def test_families_are_declared_as_entry_points():
+    assert {point.name for point in entry_points(group="mmfsdp.data_families")} >= {"mistral", "qwen3_vl"}
+    assert template_names() == ["mistral", "qwen3_vl", "qwen3_vl_nothink"]
+    assert plugin_names() == ["pixtral", "qwen3_vl"] and collator_names() == ["pixtral", "qwen3_vl"]
+
+
+def test_old_names_are_aliases_of_one_spelling():
+    assert get_plugin("qwen2_vl") is get_plugin("qwen3_vl") and get_plugin("qwen2_vl").name == "qwen3_vl"
+    assert get_collator("qwen3vl") is get_collator("qwen3_vl") and get_collator("qwen3vl").name == "qwen3_vl"
+    assert get_template("qwen3_vl").default_plugin == "qwen3_vl" and get_template("mistral").default_plugin == "pixtral"

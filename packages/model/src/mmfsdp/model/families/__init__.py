@@ -1,0 +1,2 @@
+"""The model families of this package, one folder each (entry, state-dict adapter, vision patches, test helpers);
+each registers through the `mmfsdp.model_families` and `mmfsdp.state_dict_adapters` entry points (docs/model.md)."""
