@@ -16,15 +16,26 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from mmfsdp.config import (
-    Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translated, build, dump_yaml, get_logger, load_translated, warn_once,
+    Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translate, Translated, build, dump_yaml, get_logger, load_translated,
+    warn_once,
 )
 from mmfsdp.data import DataConfig, has_eval_data
 from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
+
+
+def _dynamic_batch_size(value: Any, section: dict[str, Any], path: str) -> dict[str, Any]:
+    if value and section.get("micro_batch_tokens") is None:
+        raise ConfigError(
+            path,
+            "true: set training.micro_batch_tokens, mmfsdp's token budget of one micro-batch (VeOmni's is "
+            "micro_batch_size × max_seq_len)",
+        )
+    return {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,7 +65,9 @@ class TrainingConfig:
     micro_batch_size: int = 1
     """Samples per data-parallel rank per forward pass."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated into one optimizer step."""
+    """Micro-batches accumulated into one optimizer step. With `micro_batch_tokens` it only sizes the step: dp_size × micro_batch_size × gradient_accumulation_steps samples."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch (padded rows, or the packed row, plus images' vision work in token equivalents); each optimizer step keeps dp_size × micro_batch_size × gradient_accumulation_steps samples, split into as many micro-batches as the budget needs, the same number on every rank (docs/data.md#token-budget-and-balance). null: micro_batch_size samples per micro-batch."""
     train_iters: int = 100
     """Number of optimizer steps."""
     seed: int = 1234
@@ -98,6 +111,11 @@ class TrainingConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "use_deter_comp": Alias("training.deterministic"),
+        "dyn_bsz": Translate(
+            _dynamic_batch_size,
+            "VeOmni's switch for token-budget micro-batches: true needs `training.micro_batch_tokens` (VeOmni's "
+            "budget is micro_batch_size × max_seq_len); false changes nothing",
+        ),
         "val_micro_batch_size": Alias("training.eval_batch_size"),
         "save_format": Alias(values={"auto": "dcp"}),
         "adam_fused": Ignored("AdamW is fused on CUDA and NPU and uses foreach on the CPU"),
@@ -118,6 +136,8 @@ class TrainingConfig:
         for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size", "swap_optimizer_times"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError("micro_batch_tokens", f"must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ConfigError("lr", f"must be a positive number, got {self.lr}")
         if not 0.0 <= self.lr_min <= self.lr:
@@ -383,6 +403,12 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(
             "training.save_format",
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
+        )
+    if cfg.data.dataloader_param.balance and cfg.data.dataset_param.basic_parameters.packing and t.micro_batch_tokens is None:
+        raise ConfigError(
+            "data.dataloader_param.balance",
+            "with packing, balance needs training.micro_batch_tokens (each micro-batch is then one packed row of at "
+            "most that many tokens)",
         )
 
 
