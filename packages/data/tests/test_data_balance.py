@@ -161,7 +161,8 @@ def test_loader_steps_agree_across_ranks_cover_the_epoch_and_resume_exactly():
     assert [len(s) for s in steps[0]] == [len(s) for s in steps[1]]  # equal micro-batch counts per step
     for mbs in steps[0] + steps[1]:
         for mb in mbs:
-            assert int(mb["attention_mask"].sum(1).max()) * mb["input_ids"].shape[0] <= 60 or mb["input_ids"].shape[0] == 1
+            rows = mb["input_ids"].shape[0]
+            assert int(mb["attention_mask"].sum(1).max()) * rows <= 60 or rows == 1
     seen = [i for rank_steps in steps for mbs in rank_steps for mb in mbs for i in _samples(mb)]
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 40
 

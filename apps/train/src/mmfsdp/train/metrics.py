@@ -97,7 +97,8 @@ class MetricsWriter:
     def log_step(self, record: dict) -> None:
         """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb, tflops, mfu
         (hfu with recompute; for a MoE family aux_loss, expert_load_max, expert_load_mean; at a validation step
-        val_loss), rank_imbalance and padding_fraction (planned_imbalance with a step plan; `mmfsdp.train.balance_meter`)."""
+        val_loss), rank_imbalance and padding_fraction (planned_imbalance with a step plan;
+        `mmfsdp.train.balance_meter`)."""
         if current_rank() != 0:
             return
         step = record["step"]

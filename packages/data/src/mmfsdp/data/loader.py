@@ -124,7 +124,8 @@ def plan_epoch_steps(
     num_steps = num_samples // samples_per_step if drop_last else math.ceil(num_samples / samples_per_step)
     if num_steps * samples_per_step > num_samples:
         order = np.resize(order, num_steps * samples_per_step)
-    return [plan_step(order[s * samples_per_step:(s + 1) * samples_per_step], stats, **plan_args) for s in range(num_steps)]
+    steps = [order[s * samples_per_step:(s + 1) * samples_per_step] for s in range(num_steps)]
+    return [plan_step(indices, stats, **plan_args) for indices in steps]
 
 
 def _masked(batch: dict[str, Any]) -> dict[str, Any]:
@@ -388,7 +389,10 @@ class StatefulDataLoader:
             batches.append(batch)
         kept = [b for b in batches if b is not None]
         if not kept:
-            raise DataError(f"every sample of step {step} of epoch {self.epoch} failed to decode ({format_counts(self._runtime_bad)})")
+            raise DataError(
+                f"every sample of step {step} of epoch {self.epoch} failed to decode "
+                f"({format_counts(self._runtime_bad)})"
+            )
         return [b if b is not None else _masked(kept[0]) for b in batches]
 
     def close(self) -> None:
@@ -439,7 +443,8 @@ class StatefulDataLoader:
         """Step mode: continue at the step after the saved one (steps are whole in a checkpoint); with another
         number of samples per step, at the step that holds the same sample offset of the epoch."""
         mine = self.state_dict()
-        changed = [k for k in ("seed", "num_samples", "packing", "micro_batch_tokens", "balance") if state.get(k) != mine[k]]
+        keys = ("seed", "num_samples", "packing", "micro_batch_tokens", "balance")
+        changed = [k for k in keys if state.get(k) != mine[k]]
         old_step_samples = state.get("samples_per_step")
         if old_step_samples is None:
             changed.append("batch layout (the checkpoint has no token-budget step plan)")
@@ -449,7 +454,11 @@ class StatefulDataLoader:
             if old_step_samples != self.samples_per_step:
                 changed.append("samples per step")
         if changed:
-            warn_once(f"data loader resumed with a different {', '.join(changed)}; the sample order will not continue exactly", log)
+            warn_once(
+                f"data loader resumed with a different {', '.join(changed)}; "
+                "the sample order will not continue exactly",
+                log,
+            )
         self.epoch = int(state["epoch"])
         self._plan = self._epoch_plan(self.epoch)
         step = min(offset // self.samples_per_step, len(self._step_ends))
