@@ -87,7 +87,10 @@ def test_balance_lowers_the_slowest_rank_and_keeps_the_sample_count_without_a_bu
         assert balanced[-1].num_micro_batches == 4
     mean_fixed = np.mean([p.imbalance for p in fixed])
     mean_balanced = np.mean([p.imbalance for p in balanced])
-    assert mean_balanced < 1.05 < mean_fixed
+    # whole micro-batches of 4 move between ranks (4 per rank): coarser than samples, still far better
+    assert mean_balanced - 1 < (mean_fixed - 1) / 3, (mean_balanced, mean_fixed)
+    # similar lengths share a micro-batch: less padding
+    assert sum(p.num_padded for p in balanced) < sum(p.num_padded for p in fixed)
 
 
 def test_a_rank_short_of_samples_gets_a_filler_and_splits_come_first():

@@ -16,26 +16,15 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from mmfsdp.config import (
-    Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translate, Translated, build, dump_yaml, get_logger, load_translated,
-    warn_once,
+    Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translated, build, dump_yaml, get_logger, load_translated, warn_once,
 )
 from mmfsdp.data import DataConfig, has_eval_data
 from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
-
-
-def _dynamic_batch_size(value: Any, section: dict[str, Any], path: str) -> dict[str, Any]:
-    if value and section.get("micro_batch_tokens") is None:
-        raise ConfigError(
-            path,
-            "true: set training.micro_batch_tokens, mmfsdp's token budget of one micro-batch (VeOmni's is "
-            "micro_batch_size × max_seq_len)",
-        )
-    return {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,10 +100,10 @@ class TrainingConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "use_deter_comp": Alias("training.deterministic"),
-        "dyn_bsz": Translate(
-            _dynamic_batch_size,
-            "VeOmni's switch for token-budget micro-batches: true needs `training.micro_batch_tokens` (VeOmni's "
-            "budget is micro_batch_size × max_seq_len); false changes nothing",
+        "dyn_bsz": Ignored(
+            "VeOmni's switch for token-budget micro-batches; mmfsdp's budget is training.micro_batch_tokens (give it "
+            "VeOmni's micro_batch_size × max_seq_len)",
+            allowed=(False,),
         ),
         "val_micro_batch_size": Alias("training.eval_batch_size"),
         "save_format": Alias(values={"auto": "dcp"}),

@@ -35,8 +35,9 @@ The cost model counts the vision encoder and the decoder separately:
     cost(sample) = sample + token · n + token_sq · n² + patch · Σ p_i + patch_sq · Σ p_i²
 
 with `n` the sample's tokens and `p_i` the patches of each vision attention block (an image; a video's
-frame group). Its coefficients are data (`CostModel` defaults, calibrated by `tools/bench/balance_calibrate.py`;
-a JSON file of the same keys replaces them), in seconds.
+frame group). Its coefficients are data: `CostModel`'s defaults (FLOP-proportional, a Magistral-class model on
+a GPU), or a JSON file of the same keys (`data.dataloader_param.cost_model`), e.g. the one
+`tools/bench/balance_calibrate.py --out` fits to measured step times.
 """
 
 from __future__ import annotations
@@ -54,22 +55,25 @@ __all__ = ["CostModel", "SampleStats", "StepPlan", "plan_step", "sample_stats", 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
-    """Seconds of forward + backward per unit (defaults: the tiny test models on this project's 2-core CPU,
-    docs/data.md#the-cost-model). Only the ratios matter for balancing; the token equivalents of vision
+    """Seconds of forward + backward per unit. The defaults are FLOP-proportional for a Magistral-Small-class
+    model (24B decoder, 0.4B Pixtral encoder) at 400 TFLOP/s, a GPU's order of magnitude; on another model or
+    machine calibrate (`tools/bench/balance_calibrate.py`, docs/data.md#the-cost-model) and give the JSON to
+    `data.dataloader_param.cost_model`. Only the ratios matter for balancing; the token equivalents of vision
     work divide by `token`."""
 
-    sample: float = 2.0e-4
+    sample: float = 0.0
     """Per sample (row bookkeeping, the loss)."""
-    token: float = 1.6e-5
-    """Per language token: the decoder's matrix products."""
-    token_sq: float = 1.0e-9
-    """Per squared sample length: the decoder's attention."""
-    patch: float = 2.0e-5
-    """Per vision patch: the encoder's matrix products."""
-    patch_sq: float = 2.0e-9
-    """Per squared patch count of one image (or video frame group): the encoder's attention."""
+    token: float = 3.5e-4
+    """Per language token (image tokens included): the decoder's matrix products, 6 × 23.6e9 FLOPs."""
+    token_sq: float = 3.1e-9
+    """Per squared sample length: the decoder's causal attention, 3 × 2 × 40 layers × 5,120 FLOPs per pair."""
+    patch: float = 6.0e-6
+    """Per vision patch: the encoder's matrix products, 6 × 0.4e9 FLOPs."""
+    patch_sq: float = 7.4e-10
+    """Per squared patch count of one image (or video frame group): the encoder's attention, 3 × 4 × 24 layers ×
+    1,024 FLOPs per pair."""
     micro_batch: float = 5.0e-3
-    """Per micro-batch: the fixed cost of one forward and backward (FSDP2 gathers, launches)."""
+    """Per micro-batch: the fixed cost of one forward and backward (FSDP2 gathers not hidden, launches)."""
 
     @classmethod
     def load(cls, path: str | Path | None) -> "CostModel":
@@ -90,6 +94,18 @@ class CostModel:
         n = stats.tokens.astype(np.float64)
         return (self.sample + self.token * n + self.token_sq * n * n
                 + self.patch * stats.patches.astype(np.float64) + self.patch_sq * stats.patch_sq.astype(np.float64))
+
+    def micro_batch_cost(self, members: Sequence[int], stats: "SampleStats", *, packing: bool) -> float:
+        """Seconds of one micro-batch of the samples `members` as the rows spend them: packed (one row, attention
+        per sample) or padded (every row at the longest length, attention over the padded rows)."""
+        members = list(members)
+        n = stats.tokens[members].astype(np.float64)
+        vision = self.patch * float(stats.patches[members].sum()) + self.patch_sq * float(stats.patch_sq[members].sum())
+        if packing:
+            text = self.token * n.sum() + self.token_sq * float((n * n).sum())
+        else:
+            text = len(n) * (self.token * n.max() + self.token_sq * n.max() ** 2)
+        return self.micro_batch + self.sample * len(n) + text + vision
 
     def vision_tokens(self, stats: "SampleStats") -> np.ndarray:
         """The vision encoder's work of every sample in language-token equivalents (what the budget counts)."""
@@ -153,7 +169,8 @@ class StepPlan:
 
     ranks: list[list[tuple[tuple[int, ...], ...]]]
     rank_costs: list[float]
-    """The cost model's seconds of every rank's micro-batches (fillers and per-micro-batch cost included)."""
+    """The cost model's seconds of every rank's micro-batches (`CostModel.micro_batch_cost`: padding, fillers and
+    the per-micro-batch cost included)."""
     num_tokens: int
     """Tokens of the step's samples."""
     num_padded: int
@@ -237,18 +254,25 @@ def plan_step(
     per_rank = len(indices) // dp_size
     costs = cost_model.sample_cost(stats)
     tokens = stats.tokens
-    if balance:
-        shares = _lpt(indices, costs, dp_size, None if micro_batch_tokens else per_rank)
-    else:
+    if micro_batch_tokens is None and balance:
+        # fixed micro-batches: group similar lengths (little padding), then give each rank as many groups as
+        # it would have had, heaviest group first to the least-loaded rank
+        ordered = sorted(indices, key=lambda i: (-int(tokens[i]), i))
+        groups = [ordered[k:k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
+        group_costs = np.array([cost_model.micro_batch_cost(g, stats, packing=False) for g in groups])
+        assigned = _lpt(list(range(len(groups))), group_costs, dp_size, len(groups) // dp_size)
+        bins_per_rank = [[groups[g] for g in sorted(a)] for a in assigned]
+        shares = [[i for g in bins for i in g] for bins in bins_per_rank]
+    elif micro_batch_tokens is None:
         shares = [indices[r * per_rank:(r + 1) * per_rank] for r in range(dp_size)]
-    if micro_batch_tokens is None:
-        if balance:
-            shares = [sorted(s, key=lambda i: (-int(tokens[i]), i)) for s in shares]
         bins_per_rank = [[s[k:k + micro_batch_size] for k in range(0, len(s), micro_batch_size)] for s in shares]
     else:
         vision = cost_model.vision_tokens(stats)
         if balance:
+            shares = _lpt(indices, costs, dp_size, None)
             shares = [sorted(s, key=lambda i: (-int(tokens[i]) - float(vision[i]), i)) for s in shares]
+        else:
+            shares = [indices[r * per_rank:(r + 1) * per_rank] for r in range(dp_size)]
         bins_per_rank = [_fill(s, tokens, vision, micro_batch_tokens, packing, first_fit=balance) for s in shares]
     count = max(len(b) for b in bins_per_rank)
     ranks: list[list[tuple[tuple[int, ...], ...]]] = []
@@ -257,9 +281,10 @@ def plan_step(
     for share, bins in zip(shares, bins_per_rank):
         bins = _split_to(bins, count, tokens)
         lightest = min(share, key=lambda i: (costs[i], i)) if share else min(indices, key=lambda i: (costs[i], i))
-        cost = count * cost_model.micro_batch + sum(float(costs[i]) for i in share)
+        cost = 0.0
         micro_batches: list[tuple[tuple[int, ...], ...]] = []
         for b in bins:
+            cost += cost_model.micro_batch_cost(b, stats, packing=packing)
             if packing:
                 micro_batches.append((tuple(b),))
                 num_padded += sum(int(tokens[i]) for i in b)
@@ -268,7 +293,7 @@ def plan_step(
                 num_padded += len(b) * max(int(tokens[i]) for i in b)
         for _ in range(count - len(bins)):
             micro_batches.append(((filler_index(lightest),),))
-            cost += float(costs[lightest])
+            cost += cost_model.micro_batch_cost([lightest], stats, packing=packing)
             num_padded += int(tokens[lightest])
         ranks.append(micro_batches)
         rank_costs.append(cost)
