@@ -31,7 +31,7 @@ def test_impossible_settings_are_one_line_errors(tmp_path):
         load_config(_with_training_key(tmp_path, "dyn_bsz: true"))
     with pytest.raises(ConfigError, match=r"^training\.micro_batch_tokens: must be >= 1"):
         load_config(TINY, ["training.micro_batch_tokens=0"])
-    with pytest.raises(ConfigError, match=r"dataloader_param\.balance: with packing, balance needs training\.micro_batch_tokens"):
+    with pytest.raises(ConfigError, match=r"dataloader_param\.balance: with packing, balance needs training\.micro"):
         load_config(TINY, ["data.dataloader_param.balance=true", "data.dataset_param.basic_parameters.packing=true"])
     with pytest.raises(ConfigError, match=r"^data\.dataloader_param\.cost_model: .* is not a file"):
         load_config(TINY, [f"data.dataloader_param.cost_model={tmp_path / 'missing.json'}"])

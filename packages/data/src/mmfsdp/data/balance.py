@@ -105,7 +105,7 @@ class CostModel:
             text = self.token * n.sum() + self.token_sq * float((n * n).sum())
         else:
             text = len(n) * (self.token * n.max() + self.token_sq * n.max() ** 2)
-        return self.micro_batch + self.sample * len(n) + text + vision
+        return float(self.micro_batch + self.sample * len(n) + text + vision)
 
     def vision_tokens(self, stats: "SampleStats") -> np.ndarray:
         """The vision encoder's work of every sample in language-token equivalents (what the budget counts)."""
@@ -184,7 +184,7 @@ class StepPlan:
     def imbalance(self) -> float:
         """max / mean of the ranks' planned costs."""
         mean = sum(self.rank_costs) / len(self.rank_costs)
-        return max(self.rank_costs) / mean if mean > 0 else 1.0
+        return float(max(self.rank_costs) / mean) if mean > 0 else 1.0
 
 
 def _lpt(indices: list[int], costs: np.ndarray, num_ranks: int, capacity: int | None) -> list[list[int]]:
