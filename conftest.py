@@ -21,6 +21,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_multinode.py": 165,
     "tests/test_e2e_launch.py": 40,
     "tests/test_e2e_text_only_parity.py": 365,  # serial, 2026-12-05, busy machine, with the 8 vision-DP runs
+    "tests/test_e2e_balance.py": 125,  # serial, 2026-12-05, busy machine (3 one-process + 6 two-process runs)
     "tests/test_e2e_resume_meta.py": 140,
     "tests/test_e2e_resume.py": 120,
     "tests/test_e2e_faults.py": 112,

@@ -13,10 +13,14 @@ from pathlib import Path
 from mmfsdp.data.synthetic import make_varlen_dataset
 
 
-def make_mixed_dataset(out_dir: Path, *, num_train: int, num_eval: int, seed: int, text_only_every: int = 2) -> Path:
+def make_mixed_dataset(
+    out_dir: Path, *, num_train: int, num_eval: int, seed: int, text_only_every: int = 2, **varlen
+) -> Path:
     """The dataset directory (`train.jsonl`, `eval.jsonl`, `images/`); rows with `index % text_only_every == 1`
-    (and every row when `text_only_every` is 1) have no image."""
-    make_varlen_dataset(out_dir, num_train=num_train, num_eval=num_eval, seed=seed, min_images=1, max_images=2)
+    (and every row when `text_only_every` is 1) have no image. `varlen`: more `make_varlen_dataset` arguments."""
+    make_varlen_dataset(
+        out_dir, num_train=num_train, num_eval=num_eval, seed=seed, min_images=1, max_images=2, **varlen
+    )
     for split in ("train", "eval"):
         path = out_dir / f"{split}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

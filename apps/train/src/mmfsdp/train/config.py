@@ -54,7 +54,9 @@ class TrainingConfig:
     micro_batch_size: int = 1
     """Samples per data-parallel rank per forward pass."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated into one optimizer step."""
+    """Micro-batches accumulated into one optimizer step. With `micro_batch_tokens` it only sizes the step: dp_size × micro_batch_size × gradient_accumulation_steps samples."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch (padded rows, or the packed row, plus images' vision work in token equivalents); each optimizer step keeps dp_size × micro_batch_size × gradient_accumulation_steps samples, split into as many micro-batches as the budget needs, the same number on every rank (docs/data.md#token-budget-and-balance). null: micro_batch_size samples per micro-batch."""
     train_iters: int = 100
     """Number of optimizer steps."""
     seed: int = 1234
@@ -98,6 +100,11 @@ class TrainingConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "use_deter_comp": Alias("training.deterministic"),
+        "dyn_bsz": Ignored(
+            "VeOmni's switch for token-budget micro-batches; mmfsdp's budget is training.micro_batch_tokens (give it "
+            "VeOmni's micro_batch_size × max_seq_len)",
+            allowed=(False,),
+        ),
         "val_micro_batch_size": Alias("training.eval_batch_size"),
         "save_format": Alias(values={"auto": "dcp"}),
         "adam_fused": Ignored("AdamW is fused on CUDA and NPU and uses foreach on the CPU"),
@@ -118,6 +125,8 @@ class TrainingConfig:
         for key in ("micro_batch_size", "gradient_accumulation_steps", "train_iters", "log_interval", "eval_batch_size", "swap_optimizer_times"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError("micro_batch_tokens", f"must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ConfigError("lr", f"must be a positive number, got {self.lr}")
         if not 0.0 <= self.lr_min <= self.lr:
@@ -401,6 +410,12 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(
             "training.save_format",
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
+        )
+    if cfg.data.dataloader_param.balance and cfg.data.dataset_param.basic_parameters.packing and t.micro_batch_tokens is None:
+        raise ConfigError(
+            "data.dataloader_param.balance",
+            "with packing, balance needs training.micro_batch_tokens (each micro-batch is then one packed row of at "
+            "most that many tokens)",
         )
 
 

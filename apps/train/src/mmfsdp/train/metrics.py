@@ -97,7 +97,8 @@ class MetricsWriter:
     def log_step(self, record: dict) -> None:
         """`record` holds step, loss, grad_norm, lr, num_tokens, tokens_per_s, step_time_s, peak_mem_gb, tflops, mfu
         (hfu with recompute; for a MoE family aux_loss, expert_load_max, expert_load_mean; at a validation step
-        val_loss)."""
+        val_loss), rank_imbalance and padding_fraction (planned_imbalance with a step plan;
+        `mmfsdp.train.balance_meter`)."""
         if current_rank() != 0:
             return
         step = record["step"]
@@ -112,6 +113,9 @@ class MetricsWriter:
             f" | lr {record['lr']:.3e} | {record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step"
             + (f" | {record['tflops']:.3g} TFLOP/s | MFU {record['mfu']:.1%}" if "mfu" in record else "")
             + (f" | HFU {record['hfu']:.1%}" if "hfu" in record else "")
+            + (f" | rank imbalance {record['rank_imbalance']:.2f}" if "rank_imbalance" in record else "")
+            + (f" (plan {record['planned_imbalance']:.2f})" if "planned_imbalance" in record else "")
+            + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
             + f" | peak {record['peak_mem_gb']:.2f} GB | ETA {format_duration(eta)}"
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,7 @@ from mmfsdp.parallel import (
     use_deterministic,
 )
 from mmfsdp.parallel.cp import required_multiple
+from mmfsdp.train.balance_meter import BalanceMeter
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.evaluate import Evaluator, to_device
 from mmfsdp.train.metrics import MetricsWriter
@@ -164,7 +165,9 @@ class Trainer:
             micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
             seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
             sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
+            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=t.micro_batch_tokens,
         )
+        self.balance_meter = BalanceMeter(self.device)
         self.step = 0
         self.history: list[StepResult] = []
         self.val_losses: dict[int, float] = {}
@@ -270,13 +273,14 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t = self.cfg.training
-        micro_batches = [next(self.loader) for _ in range(t.gradient_accumulation_steps)]
+        micro_batches = self.loader.next_step(t.gradient_accumulation_steps)
         targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")) for mb in micro_batches]
         weights = compute_loss_weights(
             targets, loss_type=self.cfg.features.loss_cfg.loss_type,
             cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
-            group=self.dims.dp_group, num_micro_batches=t.gradient_accumulation_steps,
+            group=self.dims.dp_group, num_micro_batches=len(micro_batches),
         )
+        passes_started = time.perf_counter()
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_aux: torch.Tensor | None = None
         expert_counts: torch.Tensor | None = None
@@ -299,6 +303,7 @@ class Trainer:
             local_loss += out.loss.detach().float()
             num_tokens += int(mb["attention_mask"].sum())
             flops = flops + self.flop_meter.count(mb)
+        self.balance_meter.observe(micro_batches, time.perf_counter() - passes_started, self.loader.current_step_plan)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], t.clip_grad)
         dist.all_reduce(local_loss)
         # tokens and FLOPs of the data-parallel group in one all-reduce (a CP group holds one batch, counted once)
@@ -380,7 +385,8 @@ class Trainer:
                     "num_tokens": result.num_tokens, "tokens_per_s": result.num_tokens / step_time,
                     "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
                     **self.flop_meter.scalars(result.flops, step_time),
-                    **self._router_metrics(result), **({"val_loss": val_loss} if val_loss is not None else {}),
+                    **self._router_metrics(result), **self.balance_meter.scalars(),
+                    **({"val_loss": val_loss} if val_loss is not None else {}),
                 })
             if t.save and t.save_interval and self.step % t.save_interval == 0:
                 self.save()

@@ -12,6 +12,7 @@ check (it passes the multiple into `build_dataloader`).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -281,6 +282,10 @@ class DataloaderParamConfig:
     """Drop the incomplete last global batch of an epoch; false = fill it by repeating the epoch's first rows."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead (only with num_workers > 0)."""
+    balance: bool = False
+    """Assign each optimizer step's samples to data-parallel ranks (and micro-batches) by the cost model so that the slowest rank waits least (docs/data.md#token-budget-and-balance)."""
+    cost_model: str | None = None
+    """A JSON file of cost-model coefficients (keys of `mmfsdp.data.balance.CostModel`) replacing the defaults for balance and the token budget; null: the defaults."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "shuffle": Alias(f"{_BASIC}.shuffle"),
@@ -294,6 +299,8 @@ class DataloaderParamConfig:
             raise ConfigError("num_workers", f"must be >= 0, got {self.num_workers}")
         if self.prefetch_factor < 1:
             raise ConfigError("prefetch_factor", f"must be >= 1, got {self.prefetch_factor}")
+        if self.cost_model is not None and not Path(self.cost_model).expanduser().is_file():
+            raise ConfigError("cost_model", f"{self.cost_model} is not a file")
 
 
 _VAL_MAY_DIFFER = ("basic_parameters.dataset", "basic_parameters.cache_dir")

@@ -43,6 +43,7 @@ import torch
 
 from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
 
+from mmfsdp.data.balance import SampleStats, sample_stats
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, all_rows_bad_message, format_counts, top_reason
@@ -534,6 +535,16 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def processor(self) -> MMProcessor:
         return self.encoder.processor
+
+    def sample_stats(self) -> SampleStats:
+        """Tokens and vision patches of every sample, from the stored grids (no pixels read): what the
+        token budget and the balance plan with (`mmfsdp.data.balance`)."""
+        columns = [(_column(t, "image_grids"), _column(t, "video_grids")) for t in self._tables]
+        grids = []
+        for source, row in self._refs.tolist():
+            images, videos = columns[source]
+            grids.append(list(images[row]) + [g[:3] for g in videos[row]])
+        return sample_stats(self.lengths, grids)
 
     def __len__(self) -> int:
         return len(self._refs)

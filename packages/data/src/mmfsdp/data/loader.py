@@ -31,6 +31,7 @@ the end of every epoch.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from collections import Counter
@@ -41,11 +42,12 @@ import torch
 
 from mmfsdp.config import get_logger, warn_once
 
+from mmfsdp.data.balance import CostModel, SampleStats, StepPlan, is_filler, plan_step, sample_stats
 from mmfsdp.data.collators import get_collator
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.errors import BAD_REASON_ADVICE, BAD_REASONS, DataError, format_counts, top_reason
 
-__all__ = ["StatefulDataLoader", "build_dataloader", "pack_rows", "plan_epoch"]
+__all__ = ["StatefulDataLoader", "build_dataloader", "pack_rows", "plan_epoch", "plan_epoch_steps"]
 
 log = get_logger(__name__)
 
@@ -104,6 +106,33 @@ def plan_epoch(
     return [tuple(rows[s * per_step + first : s * per_step + first + micro_batch_size]) for s in range(num_steps)]
 
 
+def plan_epoch_steps(
+    stats: SampleStats,
+    *,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    samples_per_step: int,
+    drop_last: bool,
+    **plan_args: Any,
+) -> list[StepPlan]:
+    """Every step of `epoch` planned for all ranks (`mmfsdp.data.balance.plan_step`): the epoch's order
+    (as `plan_epoch`) cut into steps of `samples_per_step` samples; with `drop_last: false` the last step is
+    filled with the epoch's first samples."""
+    num_samples = len(stats.tokens)
+    order = np.random.default_rng(seed + epoch).permutation(num_samples) if shuffle else np.arange(num_samples)
+    num_steps = num_samples // samples_per_step if drop_last else math.ceil(num_samples / samples_per_step)
+    if num_steps * samples_per_step > num_samples:
+        order = np.resize(order, num_steps * samples_per_step)
+    steps = [order[s * samples_per_step:(s + 1) * samples_per_step] for s in range(num_steps)]
+    return [plan_step(indices, stats, **plan_args) for indices in steps]
+
+
+def _masked(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with every label ignored: it runs the model (and its collectives) and trains nothing."""
+    return {**batch, "labels": torch.full_like(batch["labels"], -100)}
+
+
 class _BatchView(torch.utils.data.Dataset):
     """Indexed by a whole `BatchKey`: reads its samples and collates them (inside a worker)."""
 
@@ -120,9 +149,12 @@ class _BatchView(torch.utils.data.Dataset):
         for row in key:
             samples = []
             for idx in row:
-                item = self.dataset[idx]
+                filler = is_filler(idx)
+                item = self.dataset[-1 - idx if filler else idx]
                 if "bad_reason" in item:
                     bad[item["bad_reason"]] += 1
+                elif filler:
+                    samples.append(_masked(item))
                 else:
                     samples.append(item)
             if samples:
@@ -160,6 +192,10 @@ class StatefulDataLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int = 2,
+        samples_per_step: int | None = None,
+        micro_batch_tokens: int | None = None,
+        balance: bool = False,
+        cost_model: CostModel | None = None,
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -178,6 +214,17 @@ class StatefulDataLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory and _pin_memory_available()
         self.prefetch_factor = prefetch_factor
+        self.samples_per_step = samples_per_step
+        """Step mode (a token budget or balance): samples of one optimizer step over all ranks; None: fixed layout."""
+        self.micro_batch_tokens = micro_batch_tokens
+        self.balance = balance
+        self.cost_model = cost_model or CostModel()
+        self._stats: SampleStats | None = None
+        self._step_ends: list[int] = []
+        """Step mode: this epoch's cumulative micro-batch counts at the end of every step."""
+        self._step_plans: list[StepPlan] = []
+        self.current_step_plan: StepPlan | None = None
+        """Step mode: the plan of the step `next_step` returned last (all ranks' micro-batches and costs)."""
         self.epoch = 0
         """The epoch the next batch comes from."""
         self.batch_in_epoch = 0
@@ -189,7 +236,37 @@ class StatefulDataLoader:
 
     # ------------------------------------------------------------ planning
 
+    @property
+    def step_mode(self) -> bool:
+        return self.samples_per_step is not None
+
+    @property
+    def stats(self) -> SampleStats:
+        """The samples' planning statistics (tokens, vision patches), read once from the dataset."""
+        if self._stats is None:
+            read = getattr(self.dataset, "sample_stats", None)
+            self._stats = read() if callable(read) else sample_stats(np.asarray(self.dataset.lengths))
+        return self._stats
+
+    def _epoch_steps(self, epoch: int) -> list[BatchKey]:
+        self._step_plans = plan_epoch_steps(
+            self.stats, epoch=epoch, seed=self.seed, shuffle=self.shuffle, samples_per_step=self.samples_per_step,
+            drop_last=self.drop_last, dp_size=self.dp_size, micro_batch_size=self.micro_batch_size,
+            micro_batch_tokens=self.micro_batch_tokens, balance=self.balance, packing=self.packing,
+            cost_model=self.cost_model,
+        )
+        self._step_ends = np.cumsum([p.num_micro_batches for p in self._step_plans]).tolist()
+        return [key for p in self._step_plans for key in p.ranks[self.dp_rank]]
+
     def _epoch_plan(self, epoch: int) -> list[BatchKey]:
+        if self.step_mode:
+            plan = self._epoch_steps(epoch)
+            if not plan:
+                raise DataError(
+                    f"the dataset has {len(self.dataset)} samples, fewer than one step's {self.samples_per_step}; "
+                    "lower micro_batch_size or gradient_accumulation_steps, or set dataloader_param.drop_last: false"
+                )
+            return plan
         plan = plan_epoch(
             np.asarray(self.dataset.lengths),
             epoch=epoch,
@@ -286,6 +363,38 @@ class StatefulDataLoader:
             self._yielded_in_epoch += 1
             return batch
 
+    def next_step(self, num_micro_batches: int) -> list[dict[str, Any]]:
+        """The micro-batches of the next optimizer step: `num_micro_batches` of them in the fixed layout; in
+        step mode as many as the step's plan has (the same number on every rank; a micro-batch whose samples
+        all failed to decode is replaced by a masked copy of another, so the count holds)."""
+        if not self.step_mode:
+            return [next(self) for _ in range(num_micro_batches)]
+        if self._plan is None:
+            self._plan = self._epoch_plan(self.epoch)
+        if self.batch_in_epoch >= len(self._plan):
+            self._end_epoch()
+            self._plan = self._epoch_plan(self.epoch)
+        step = bisect.bisect_right(self._step_ends, self.batch_in_epoch)
+        self.current_step_plan = self._step_plans[step]
+        count = self._step_ends[step] - self.batch_in_epoch
+        if self._iter is None:
+            self._start_iter()
+        batches = []
+        for _ in range(count):
+            batch, bad = next(self._iter)
+            self.batch_in_epoch += 1
+            self._runtime_bad.update(bad)
+            if batch is not None:
+                self._yielded_in_epoch += 1
+            batches.append(batch)
+        kept = [b for b in batches if b is not None]
+        if not kept:
+            raise DataError(
+                f"every sample of step {step} of epoch {self.epoch} failed to decode "
+                f"({format_counts(self._runtime_bad)})"
+            )
+        return [b if b is not None else _masked(kept[0]) for b in batches]
+
     def close(self) -> None:
         """Stop the worker processes (a later `next` starts new ones where this left off)."""
         self._iter = None
@@ -303,11 +412,18 @@ class StatefulDataLoader:
             "micro_batch_size": self.micro_batch_size,
             "num_samples": len(self.dataset),
             "packing": self.packing,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "balance": self.balance,
+            "samples_per_step": self.samples_per_step,
+            "step_in_epoch": bisect.bisect_right(self._step_ends, self.batch_in_epoch),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: exactly where it was if seed, dataset and batch layout are unchanged."""
         self.close()
+        if self.step_mode:
+            self._load_step_state(state)
+            return
         batch_in_epoch = int(state["batch_in_epoch"])
         changed = [k for k in ("seed", "num_samples", "packing") if state.get(k) != self.state_dict()[k]]
         old_rows = int(state.get("dp_size", self.dp_size)) * int(state.get("micro_batch_size", self.micro_batch_size))
@@ -323,6 +439,33 @@ class StatefulDataLoader:
         self._yielded_in_epoch = int(state.get("yielded_in_epoch", self.batch_in_epoch))
         self._runtime_bad = Counter(state.get("runtime_bad", {}))
 
+    def _load_step_state(self, state: dict[str, Any]) -> None:
+        """Step mode: continue at the step after the saved one (steps are whole in a checkpoint); with another
+        number of samples per step, at the step that holds the same sample offset of the epoch."""
+        mine = self.state_dict()
+        keys = ("seed", "num_samples", "packing", "micro_batch_tokens", "balance")
+        changed = [k for k in keys if state.get(k) != mine[k]]
+        old_step_samples = state.get("samples_per_step")
+        if old_step_samples is None:
+            changed.append("batch layout (the checkpoint has no token-budget step plan)")
+            offset = int(state["batch_in_epoch"]) * int(state.get("dp_size", 1)) * int(state.get("micro_batch_size", 1))
+        else:
+            offset = int(state["step_in_epoch"]) * int(old_step_samples)
+            if old_step_samples != self.samples_per_step:
+                changed.append("samples per step")
+        if changed:
+            warn_once(
+                f"data loader resumed with a different {', '.join(changed)}; "
+                "the sample order will not continue exactly",
+                log,
+            )
+        self.epoch = int(state["epoch"])
+        self._plan = self._epoch_plan(self.epoch)
+        step = min(offset // self.samples_per_step, len(self._step_ends))
+        self.batch_in_epoch = self._step_ends[step - 1] if step else 0
+        self._yielded_in_epoch = int(state.get("yielded_in_epoch", self.batch_in_epoch))
+        self._runtime_bad = Counter(state.get("runtime_bad", {}))
+
 
 def build_dataloader(
     dataset: Any,
@@ -334,6 +477,8 @@ def build_dataloader(
     seed: int,
     pad_to_multiple_of: int = 1,
     sample_multiple: int = 1,
+    gradient_accumulation_steps: int = 1,
+    micro_batch_tokens: int | None = None,
 ) -> StatefulDataLoader:
     """The endless loader of `dataset` for one data-parallel rank.
 
@@ -343,6 +488,9 @@ def build_dataloader(
     sample to a multiple of it. Packing plans rows with the unpadded lengths, so the
     rows are the same whatever `sample_multiple` is (the padding is added to the row).
     `seed` is the training seed; `basic_parameters.seed`, when set, takes its place.
+    With `micro_batch_tokens` or `dataloader_param.balance` the loader plans whole steps of
+    `dp_size × micro_batch_size × gradient_accumulation_steps` samples (`mmfsdp.data.balance`); take them
+    with `next_step`.
     """
     basic = data_cfg.dataset_param.basic_parameters
     loader_cfg = data_cfg.dataloader_param
@@ -367,4 +515,9 @@ def build_dataloader(
         num_workers=loader_cfg.num_workers,
         pin_memory=loader_cfg.pin_memory,
         prefetch_factor=loader_cfg.prefetch_factor,
+        samples_per_step=dp_size * micro_batch_size * gradient_accumulation_steps
+        if micro_batch_tokens is not None or loader_cfg.balance else None,
+        micro_batch_tokens=micro_batch_tokens,
+        balance=loader_cfg.balance,
+        cost_model=CostModel.load(loader_cfg.cost_model),
     )

@@ -71,6 +71,7 @@ class ModelConfig:
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"features.{key}") for key in ("loss_cfg", "enable_chunk_loss", "chunkloss_plan", "activation_offload_plan")},
         **{key: Alias(f"parallel.{key}") for key in ("recompute", "recompute_plan")},
+        "encoder_data_balance": Alias("data.dataloader_param.balance"),  # VeOmni's name, in its model section
     }
 
     def __post_init__(self) -> None:
