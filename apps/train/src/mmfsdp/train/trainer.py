@@ -282,7 +282,8 @@ class Trainer:
         t = self.cfg.training
         step = self.step + 1
         micro_batches = [next(self.loader) for _ in range(t.gradient_accumulation_steps)]
-        targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")) for mb in micro_batches]
+        # on the device before the loss weights: their normaliser then stays there (no host wait)
+        targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")).to(self.device) for mb in micro_batches]
         weights = compute_loss_weights(
             targets, loss_type=self.cfg.features.loss_cfg.loss_type,
             cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
@@ -297,7 +298,7 @@ class Trainer:
             self.heartbeat.micro_batch(step, i + 1, len(micro_batches))
             self.model.set_requires_gradient_sync(i == last)
             inputs = self._to_device(model_inputs(mb))
-            out = self.model(**inputs, shift_labels=target.to(self.device), loss_weights=weight.to(self.device))
+            out = self.model(**inputs, shift_labels=target, loss_weights=weight)
             extra = terms.loss(out, num_micro_batches=len(micro_batches))
             loss = out.loss if extra is None else out.loss + extra
             (loss * self.world_size).backward()
