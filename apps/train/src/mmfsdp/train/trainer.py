@@ -22,7 +22,8 @@ forward, the loss weights of every token of the step are computed from the label
 with the normalisers reduced over the data-parallel group (`mmfsdp.model.compute_loss_weights`), so the summed
 loss is the global-batch loss whatever the split into ranks and micro-batches; docs/parallelism.md explains the
 `loss × world_size` backward and how context parallel shares the loss. The step's loss, gradient norm and counts
-stay on the device (`mmfsdp.train.step`): the host reads them only on logging steps and before a save.
+stay on the device (`mmfsdp.train.step`), as does the loss weights' normaliser (`default`, `per_token`): the host
+reads them only on logging steps and before a save.
 """
 
 from __future__ import annotations
