@@ -206,7 +206,9 @@ def _train(rank, world_size, tmp, runs):
             "layout": {"world": world_size, "dp": plan.dp, "ep": plan.ep, "ulysses": plan.ulysses,
                        "replicate": plan.dp_replicate},
             "start": start,
-            "steps": [(r.loss, r.aux_loss, r.grad_norm, r.expert_load) for r in trainer.history],
+            "steps": [(r.loss, r.stats.get("aux_loss"), r.grad_norm,
+                       {"max": r.stats.get("expert_load_max"), "mean": r.stats.get("expert_load_mean")})
+                      for r in trainer.history],
             "grads": grads if rank == 0 and start == 0 else {},
             "expert_rows_read": sorted({rows for _, rows in expert_reads}),
             "expert_tensors_read": len(expert_reads),

@@ -145,11 +145,12 @@ def _train(rank, world_size, runs):
 
     import torch
 
-    from mmfsdp.train.trainer import Trainer
+    from mmfsdp.train.trainer import Trainer, start_rank
 
     results = {}
     for name, config, overrides in runs:
-        trainer = Trainer(load_config(config, overrides), "cpu")
+        cfg = load_config(config, overrides)
+        trainer = Trainer(cfg, start_rank(cfg))  # as `run` does: deterministic algorithms when asked
         deterministic = torch.are_deterministic_algorithms_enabled()
         trainer.train()
         results[name] = {

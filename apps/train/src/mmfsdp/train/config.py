@@ -84,7 +84,7 @@ class TrainingConfig:
     resume_fallback: bool = False
     """When the checkpoint to resume from is damaged, resume from the newest whole older one instead of stopping."""
     log_interval: int = 1
-    """Log a line and a metrics record every N steps."""
+    """Log a line and a metrics record every N steps; only these steps (and saves) wait for the device, and there a NaN/inf loss of any step since the last check stops the run."""
     output_dir: str = "outputs/run"
     """Where `config.yaml`, `metrics.jsonl` and `eval.json` are written."""
     eval_batch_size: int = 8

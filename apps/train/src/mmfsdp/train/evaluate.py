@@ -1,5 +1,6 @@
 """Evaluation, the training loop's component for held-out data (`Evaluator`): the validation loss every
-`training.val_interval` steps, and at the end of a run the exact-match accuracy of the trained span.
+`training.val_interval` steps (`validate(step)` decides, pauses the heartbeat and keeps it in `val_losses`),
+and at the end of a run the exact-match accuracy of the trained span.
 
 A sample counts as correct when, under teacher forcing, the argmax prediction
 equals the target at every trained position (the assistant answer and its EOS).
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
+from mmfsdp.train.supervise import LoopHeartbeat
 
 __all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "to_device"]
 
@@ -50,9 +52,10 @@ class Evaluator:
 
     def __init__(
         self, cfg: Any, *, model: torch.nn.Module, processor: Any, dims: Any, device: torch.device,
-        pad_multiple: int, output_dir: Path, rank: int,
+        pad_multiple: int, output_dir: Path, rank: int, heartbeat: LoopHeartbeat | None = None,
     ):
         self.cfg = cfg
+        self.heartbeat = heartbeat or LoopHeartbeat()
         self.model = model
         self.processor = processor
         self.dims = dims
@@ -62,6 +65,22 @@ class Evaluator:
         self.rank = rank
         self.dataset = None
         """The evaluation split, built on first use."""
+        self.val_losses: dict[int, float] = {}
+        """Validation loss by step (`validate`)."""
+
+    def should_validate(self, step: int) -> bool:
+        interval = self.cfg.training.val_interval
+        return bool(interval) and step % interval == 0
+
+    def validate(self, step: int) -> float | None:
+        """After step `step`: the validation loss when `training.val_interval` asks for it (collective; the
+        heartbeat waits), kept in `val_losses`; None on other steps."""
+        if not self.should_validate(step):
+            return None
+        with self.heartbeat.paused(f"validation at step {step}", step):
+            loss = self.validation_loss()
+        self.val_losses[step] = loss
+        return loss
 
     def batches(self) -> Iterator[tuple[dict[str, Any], bool]]:
         """(batch, counted) of this rank's strided share of the evaluation split, `eval_batch_size` samples each.

@@ -24,7 +24,8 @@ The pieces and where they run:
   signal is used here: uv spawns from a tokio worker thread, which may exit
   while uv lives.
 - `Heartbeat` — one daemon thread per rank. The trainer reports progress with
-  `beat(phase)` and announces slow phases with `pause(phase)`. While armed, a
+  `beat(phase)` and announces slow phases with `pause(phase)`, all through one
+  `LoopHeartbeat` (the phase names of the training loop in one place). While armed, a
   rank that sees no beat for `parallel.heartbeat_timeout_s` writes one line on
   stderr naming its phase and the innermost `torch.distributed` frame of the
   main thread's stack (the collective it waits in), writes the full stack to
@@ -48,6 +49,7 @@ The pieces and where they run:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -56,6 +58,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Iterator
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -297,6 +300,30 @@ def pause(phase: str) -> None:
     """Enter a phase of unbounded length (a save, the final evaluation): the watch waits for the next armed beat."""
     if _heartbeat is not None:
         _heartbeat.pause(phase)
+
+
+class LoopHeartbeat:
+    """The training loop's view of the heartbeat: the one place that names its phases. Components that run
+    phases of unbounded length (validation, saving) take it and wrap them in `paused`."""
+
+    def micro_batch(self, step: int, index: int, count: int) -> None:
+        """Progress inside optimizer step `step`: micro-batch `index` (from 1) of `count`."""
+        beat(f"step {step} micro-batch {index}/{count}")
+
+    def step_done(self, step: int) -> None:
+        """Step `step` is complete: arm the watch for the next one."""
+        beat(f"step {step + 1}", arm=True)
+
+    @contextlib.contextmanager
+    def paused(self, phase: str, step: int) -> Iterator[None]:
+        """An unbounded phase after step `step` (the watch waits); re-armed for the next step when it ends."""
+        pause(phase)
+        yield
+        self.step_done(step)
+
+    def pause(self, phase: str) -> None:
+        """An unbounded phase the loop does not return from (the final evaluation)."""
+        pause(phase)
 
 
 def take_save_lock(save_dir: str | os.PathLike, *, announce=print):

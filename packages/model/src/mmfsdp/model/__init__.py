@@ -12,6 +12,8 @@
   whose model class mixes `TrainingForwardMixin` into the HF class (docs/model.md).
 - MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`
   and `expert_load_summary` (`mmfsdp.model.router`) turn it into the router aux loss and load statistics.
+- `entry.step_terms(loss_cfg)` → `StepTerms`: what a family adds to a training step (extra loss terms,
+  statistics for the log; `RouterStepTerms` for a MoE family), none by default.
 - The training forward `model(**model_inputs(batch), shift_labels=, loss_weights=)`
   (`mmfsdp.model.training_forward`) returns `.loss = Σ_t w_t · CE_t` (fp32);
   `shift_labels(labels, cu_seq_lens)` and `compute_loss_weights(..., cu_seq_lens=)` make its
@@ -35,6 +37,7 @@ _LAZY = {
     "Capabilities": "mmfsdp.model.registry",
     "DataNames": "mmfsdp.model.registry",
     "ModelEntry": "mmfsdp.model.registry",
+    "StepTerms": "mmfsdp.model.registry",
     "get_model_entry": "mmfsdp.model.registry",
     "register_model": "mmfsdp.model.registry",
     "registered_model_ids": "mmfsdp.model.registry",
@@ -78,6 +81,7 @@ __all__ = [
     "Capabilities",
     "DataNames",
     "ModelEntry",
+    "StepTerms",
     "HFFamilyEntry",
     "TrainingForwardMixin",
     "NON_INPUT_KEYS",

@@ -1,6 +1,6 @@
 """LoRA under FSDP2: `training.lora`, PEFT's injection into the built model, and the adapters' initialisation.
 
-The flow in the trainer (`Trainer._build_model`):
+The flow in the trainer (`mmfsdp.train.trainable.Trainable`, called from `Trainer._build_model`):
 
 1. `apply_lora(model, lora_cfg, entry)` on the built model (CPU or meta): resolves `target_modules` (module
    patterns or leaf names) to `nn.Linear` modules, freezes every parameter of the model and lets PEFT's

@@ -122,7 +122,9 @@ def compute_loss_weights(
     rank; `cu_seq_lens` (one per micro-batch, or None: one sample per row) marks
     packed samples for `per_sample`; `group` is the data-parallel group over which counts are summed
     (None: this process alone). Every rank of `group` must call this with the
-    same number of micro-batches.
+    same number of micro-batches. The weights are on the targets' device; for `default` and `per_token`
+    the host never waits for the device (the normaliser stays a tensor), `per_sample` reads its sample
+    count on the host.
     """
     num_micro = len(shift_labels)
     if num_micro_batches is not None and num_micro_batches != num_micro:
@@ -136,29 +138,30 @@ def compute_loss_weights(
 
     if loss_type in ("default", "per_token"):
         local = torch.stack([mask.sum() for mask in trained]).sum() if num_micro else torch.zeros((), dtype=torch.int64)
-        num_trained = int(_all_reduce_sum(local.to(torch.int64).reshape(1), group).item())
-        if num_trained == 0:
-            return [torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) for mask in trained]
-        # per_token: 1 / (M · D · N̄) with N̄ = N / (M · D), i.e. 1 / N (module docstring)
-        weight = 1.0 / num_trained
-        return [mask.to(torch.float32) * weight for mask in trained]
+        # N stays a tensor on the targets' device: with the targets on the accelerator nothing waits for it
+        num_trained = _all_reduce_sum(local.to(torch.int64).reshape(1), group).reshape(()).to(torch.float64)
+        # per_token: 1 / (M · D · N̄) with N̄ = N / (M · D), i.e. 1 / N (module docstring); 0 when N is 0
+        weight = torch.where(num_trained > 0, 1.0 / num_trained.clamp(min=1), 0.0).to(torch.float32)
+        return [mask.to(torch.float32) * weight.to(mask.device) for mask in trained]
 
     if loss_type != "per_sample":
         raise ValueError(f"unknown loss_type {loss_type!r}; expected default, per_sample or per_token")
+    # per-sample counts on the host (sample ids and their bincount), the weights then moved to the targets' device
+    trained = [mask.cpu() for mask in trained]
     per_sample_counts = []
-    local_samples = torch.zeros((), dtype=torch.int64, device=device)
+    local_samples = torch.zeros((), dtype=torch.int64)
     for mask, cu in zip(trained, cu_seq_lens):
         ids = _sample_ids(mask.shape, cu, mask.device)
         counts = torch.bincount(ids.reshape(-1), weights=mask.reshape(-1).to(torch.float64), minlength=int(ids.max()) + 1)
         per_sample_counts.append((ids, counts))
-        local_samples += (counts > 0).sum().to(device)
+        local_samples += (counts > 0).sum()
     num_samples = int(_all_reduce_sum(local_samples.reshape(1), group).item())
     weights = []
     for mask, (ids, counts) in zip(trained, per_sample_counts):
         if num_samples == 0:
-            weights.append(torch.zeros(mask.shape, dtype=torch.float32, device=mask.device))
+            weights.append(torch.zeros(mask.shape, dtype=torch.float32, device=device))
             continue
         token_counts = counts[ids]
         per_token = torch.where(mask, 1.0 / (token_counts.clamp(min=1) * num_samples), 0.0)
-        weights.append(per_token.to(torch.float32))
+        weights.append(per_token.to(device=device, dtype=torch.float32))
     return weights

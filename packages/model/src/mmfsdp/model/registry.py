@@ -11,7 +11,10 @@ after a meta build, and (through its state-dict adapter, `state_dict_adapter()`)
 its state dict. It also declares what it supports (`capabilities`: context parallel, packing, an expert layout,
 video; each off unless declared) and, by registry name, the data pieces its batches come from (`data`:
 templates, image plugins, collators of `mmfsdp.data`; this package never imports the data package), so the
-trainer's checks refuse an unsupported or mismatched choice before any process starts.
+trainer's checks refuse an unsupported or mismatched choice before any process starts. What a family adds to a
+training step beyond `outputs.loss` — extra loss terms and statistics for the log (a MoE family's router
+load-balancing loss and expert load) — comes from its `step_terms` (a `StepTerms`; none by default), so the
+training loop names no family concept.
 Adding a family means writing an entry, decorating it with
 `@register_model("id")` and declaring its module in the `mmfsdp.model_families`
 entry-point group of its package (so `registered_model_ids()` knows the id
@@ -30,7 +33,9 @@ from torch import nn
 
 from mmfsdp.config import ConfigError, Registry
 
-__all__ = ["Capabilities", "DataNames", "ModelEntry", "register_model", "get_model_entry", "registered_model_ids"]
+__all__ = [
+    "Capabilities", "DataNames", "ModelEntry", "StepTerms", "register_model", "get_model_entry", "registered_model_ids",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +68,25 @@ class DataNames:
     """`data.dataset_param.preprocess_parameters.image_plugin` values (or the template's default plugin)."""
     collators: tuple[str, ...] = ()
     """`data.dataloader_param.collate_param.model_name` values whose batches this family's forward takes."""
+
+
+class StepTerms:
+    """What a family adds to one optimizer step (`ModelEntry.step_terms`, a fresh one per step): an extra loss
+    term per micro-batch and statistics of the step for the log. This base adds nothing.
+
+    The trainer calls `loss` once per micro-batch, in order, after the forward and before the backward, and
+    `stats` once after the last micro-batch; every rank calls both, so either may run collectives.
+    """
+
+    def loss(self, outputs: Any, *, num_micro_batches: int) -> torch.Tensor | None:
+        """This rank's share of the micro-batch's extra loss (with grad), added to `outputs.loss` before backward
+        and scaled like it (shares summed over ranks give the global batch's term); None: nothing to add."""
+        return None
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The step's statistics: name -> 0-d device tensor, equal on every rank. They join the step's record
+        (`metrics.jsonl`, the log line, the sinks) under these names; the trainer reads them on logging steps only."""
+        return {}
 
 
 class ModelEntry:
@@ -173,6 +197,11 @@ class ModelEntry:
                 "capabilities.video); set it to null and drop the video rows",
             ))
         return errors
+
+    def step_terms(self, loss_cfg: Any) -> StepTerms:
+        """A fresh `StepTerms` for one optimizer step: the family's extra loss terms and step statistics (e.g. a MoE
+        family's router load-balancing loss and expert load). `loss_cfg`: `features.loss_cfg`. Default: none."""
+        return StepTerms()
 
     def state_dict_adapter(self) -> Any:
         """The family's `mmfsdp.ckpt.StateDictAdapter` (HF file names and layouts <-> `state_dict()`): by default

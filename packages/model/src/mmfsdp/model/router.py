@@ -24,6 +24,11 @@ layers) and `num_tokens`, and each rank gets its share — the shares add up to 
 aux loss of the global batch, exactly as the LM loss shares do (so the same
 "× fsdp group size" backward applies). Under activation checkpointing the hooks
 record only in the forward, not in the recomputation.
+
+`RouterStepTerms` is a MoE family's `StepTerms` (`mmfsdp.model.registry`): per micro-batch it sums the
+counts and tokens over every rank and returns `coef × share / num_micro_batches`; for the step's log it gives
+`aux_loss` (the unscaled aux loss of the global batch, mean over micro-batches) and `expert_load_max` /
+`expert_load_mean` (top-k assignments per expert and layer over the step's global batch).
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mmfsdp.model.context_parallel import CP_CONTEXT_KEY, CPBatch
+from mmfsdp.model.registry import StepTerms
 
-__all__ = ["RouterLoad", "RouterLoadRecorder", "load_balancing_loss", "expert_load_summary"]
+__all__ = ["RouterLoad", "RouterLoadRecorder", "RouterStepTerms", "load_balancing_loss", "expert_load_summary"]
 
 
 @dataclass(slots=True)
@@ -67,6 +74,40 @@ def load_balancing_loss(
 def expert_load_summary(tokens_per_expert: torch.Tensor) -> dict[str, float]:
     """`max` and `mean` tokens per expert of an `[L, E]` count (summed over micro-batches and ranks first)."""
     return {"max": float(tokens_per_expert.max()), "mean": float(tokens_per_expert.float().mean())}
+
+
+class RouterStepTerms(StepTerms):
+    """The router load-balancing loss (× `coef`) and the expert load of one optimizer step (module docstring).
+
+    Every rank routes its own tokens (data and context parallel alike), so the counts and the token count are
+    summed over the whole world; the shares then add up to the aux loss of the micro-batch's global batch and
+    take the same `× world_size` backward as the LM loss. A forward without `outputs.router_load` adds nothing.
+    """
+
+    def __init__(self, coef: float):
+        self.coef = coef
+        self._aux: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    def loss(self, outputs, *, num_micro_batches: int) -> torch.Tensor | None:
+        load = getattr(outputs, "router_load", None)
+        if load is None:
+            return None
+        counts = load.tokens_per_expert.detach().clone()
+        tokens = load.num_tokens.detach().clone().float()
+        dist.all_reduce(counts)
+        dist.all_reduce(tokens)
+        share = load_balancing_loss(load, tokens_per_expert=counts.sum(0), num_tokens=tokens) / num_micro_batches
+        self._aux = share.detach() if self._aux is None else self._aux + share.detach()
+        self._counts = counts if self._counts is None else self._counts + counts
+        return self.coef * share
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        if self._aux is None:
+            return {}
+        dist.all_reduce(self._aux)
+        return {"aux_loss": self._aux, "expert_load_max": self._counts.max(),
+                "expert_load_mean": self._counts.float().mean()}
 
 
 class RouterLoadRecorder:

@@ -17,7 +17,10 @@ tower already attends per image). What the MoE adds:
   top-k assignments and summed router probabilities of this rank's tokens, padding
   excluded), from which `load_balancing_loss` gives HF's unscaled `aux_loss` and
   `expert_load_summary` the load statistics. The LM loss `outputs.loss` is
-  unchanged; the trainer adds `features.loss_cfg.router_aux_loss_coef × aux`.
+  unchanged; the entry's `step_terms` (`RouterStepTerms`) adds
+  `features.loss_cfg.router_aux_loss_coef × aux` to each micro-batch's loss and
+  reports the aux loss and expert load of the step (`entry.router_aux_loss_coef(config)`
+  is the checkpoint's own coefficient).
 - Checkpoints: `adapter.Qwen3VLMoeAdapter` reads the hub's fused
   layout, transformers 5's `save_pretrained` layout and per-expert exports.
 
@@ -33,7 +36,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTex
 
 from mmfsdp.model.families.qwen3_vl.model import Qwen3VLEntry, Qwen3VLTrainingMixin
 from mmfsdp.model.registry import Capabilities, register_model
-from mmfsdp.model.router import RouterLoadRecorder
+from mmfsdp.model.router import RouterLoadRecorder, RouterStepTerms
 
 __all__ = ["Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeEntry"]
 
@@ -78,6 +81,10 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
 
     def num_experts(self, config: Qwen3VLMoeConfig) -> int:
         return int(config.text_config.num_experts)
+
+    def step_terms(self, loss_cfg: Any) -> RouterStepTerms:
+        """The router load-balancing loss (× `router_aux_loss_coef`) and the expert load of each step."""
+        return RouterStepTerms(loss_cfg.router_aux_loss_coef)
 
     def decoder_mlp_params(self, text_config: Any) -> int:
         """Per sparse layer the router (`H·E`) and the top-k experts (gate, up, down of `moe_intermediate_size`);
