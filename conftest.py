@@ -22,6 +22,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_launch.py": 40,
     "tests/test_e2e_text_only_parity.py": 200,
     "tests/test_e2e_resume_meta.py": 140,
+    "tests/test_e2e_video_parity.py": 100,  # serial, 2026-12-05 (8 trainers: 3 on 1 process, 5 on 2)
     "tests/test_e2e_resume.py": 120,
     "tests/test_e2e_faults.py": 112,
     "tests/test_e2e_qwen3vl_30b_recipe.py": 105,  # serial, 2026-12-05 (two script runs of ~35 s, --check ~12 s)

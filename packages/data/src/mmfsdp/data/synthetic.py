@@ -38,7 +38,7 @@ from PIL import Image, ImageDraw
 
 __all__ = [
     "COLOURS", "PROMPT", "SHAPES", "SPECIAL_TOKENS", "TEXT_ONLY_OBJECTS", "VARLEN_IMAGE_SIZES", "make_shapes_dataset",
-    "make_varlen_dataset", "tiny_processor_ids", "write_tiny_processor",
+    "make_varlen_dataset", "tiny_processor_ids", "write_moving_shape_clip", "write_tiny_processor", "DIRECTIONS",
 ]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
@@ -129,6 +129,64 @@ def _draw(rng: np.random.Generator, colour: str, shape: str, width: int, height:
     else:
         draw.polygon([(x0 + side / 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill)
     return image
+
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+"""Directions a clip's shape moves in, as (dx, dy) in image coordinates (y grows downwards)."""
+
+
+def write_moving_shape_clip(
+    path: str | Path,
+    rng: np.random.Generator,
+    *,
+    colour: str,
+    shape: str,
+    direction: str,
+    width: int,
+    height: int,
+    num_frames: int,
+    fps: int,
+    codec: str = "mpeg4",
+) -> None:
+    """An mpeg4 clip (PyAV) of one shape moving in `direction` in a straight line from a random start over a noisy
+    grey background: every frame alone shows a shape at a random place, only two frames show where it goes.
+
+    The shape (side a third of the shorter side) travels at least half the free span of the frame; the start is
+    drawn so that the whole path stays inside. `width` and `height` must be even (yuv420p).
+    """
+    import av
+
+    dx, dy = DIRECTIONS[direction]
+    side = max(4, min(width, height) // 3)
+    free = (width - side, height - side)
+    travel = int(rng.integers((free[0] if dx else free[1]) // 2, (free[0] if dx else free[1]) + 1))
+    start = []
+    for axis, d in enumerate((dx, dy)):
+        low = travel if d < 0 else 0
+        high = free[axis] - (travel if d > 0 else 0)
+        start.append(int(rng.integers(low, high + 1)))
+    grey = int(rng.integers(70, 180))
+    noise = rng.integers(-12, 13, (height, width, 3))
+    background = np.clip(grey + noise, 0, 255).astype(np.uint8)
+    fill = COLOURS[colour]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            step = round(travel * i / max(num_frames - 1, 1))
+            x0, y0 = start[0] + dx * step, start[1] + dy * step
+            image = Image.fromarray(background)
+            draw = ImageDraw.Draw(image)
+            box = (x0, y0, x0 + side - 1, y0 + side - 1)
+            if shape == "circle":
+                draw.ellipse(box, fill=fill)
+            elif shape == "square":
+                draw.rectangle(box, fill=fill)
+            else:
+                draw.polygon([(x0 + side / 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")))
+        container.mux(stream.encode())
 
 
 def make_shapes_dataset(
