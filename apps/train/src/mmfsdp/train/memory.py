@@ -162,7 +162,7 @@ class VideoBudget:
     """Frames sampled at most (`video_maxlen`, rounded up to whole temporal patches)."""
     num_temporal_patches: int
     frame_pixels: int | None
-    """Pixels of one frame at most (`video_max_pixels`, or the frame's share of `video_total_pixels`); None: no limit."""
+    """Pixels of one frame at most (`video_max_pixels`, or its share of `video_total_pixels`); None: no limit."""
     tokens: int | None
     """Tokens of one video at most, about (pads + timestamps); None: no pixel limit in the config."""
 
