@@ -148,17 +148,20 @@ def write_moving_shape_clip(
     num_frames: int,
     fps: int,
     codec: str = "mpeg4",
+    shape_share: float = 1 / 3,
+    noise: int = 12,
 ) -> None:
     """An mpeg4 clip (PyAV) of one shape moving in `direction` in a straight line from a random start over a noisy
     grey background: every frame alone shows a shape at a random place, only two frames show where it goes.
 
-    The shape (side a third of the shorter side) travels at least half the free span of the frame; the start is
-    drawn so that the whole path stays inside. `width` and `height` must be even (yuv420p).
+    The shape (side `shape_share` of the shorter side) travels at least half the free span of the frame; the start is
+    drawn so that the whole path stays inside; the background is a random grey with pixel noise of +-`noise`.
+    `width` and `height` must be even (yuv420p).
     """
     import av
 
     dx, dy = DIRECTIONS[direction]
-    side = max(4, min(width, height) // 3)
+    side = max(4, int(min(width, height) * shape_share + 1e-6))
     free = (width - side, height - side)
     travel = int(rng.integers((free[0] if dx else free[1]) // 2, (free[0] if dx else free[1]) + 1))
     start = []
@@ -167,8 +170,7 @@ def write_moving_shape_clip(
         high = free[axis] - (travel if d > 0 else 0)
         start.append(int(rng.integers(low, high + 1)))
     grey = int(rng.integers(70, 180))
-    noise = rng.integers(-12, 13, (height, width, 3))
-    background = np.clip(grey + noise, 0, 255).astype(np.uint8)
+    background = np.clip(grey + rng.integers(-noise, noise + 1, (height, width, 3)), 0, 255).astype(np.uint8)
     fill = COLOURS[colour]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
@@ -263,6 +265,8 @@ def make_motion_dataset(
     fps: int = 8,
     image_share: float = 0.25,
     text_only_share: float = 0.15,
+    shape_share: float = 1 / 3,
+    noise: int = 12,
 ) -> dict[str, Any]:
     """A task only video can solve, in mllm format: `videos/*.mp4`, `images/*.png`, `train.jsonl`, `eval.jsonl`,
     `meta.json` (with `chance` 0.25); returns the meta.
@@ -271,7 +275,8 @@ def make_motion_dataset(
     right, up or down from a random start, asked `MOTION_PROMPT` with its colour and shape -> the direction. Any one
     frame shows a shape at a random place, so only the change between frames answers it (chance 0.25). Of the
     training rows, `image_share` are the shapes image question (`PROMPT` -> "a red circle") and `text_only_share`
-    the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text; the evaluation rows are
+    the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text (`shape_share`, `noise`: the
+    clip's shape size and background noise, `write_moving_shape_clip`); the evaluation rows are
     all video rows, with directions balanced. Deterministic in its arguments; if `out_dir/meta.json` exists nothing
     is written (it must record the same arguments, `DataError` otherwise).
     """
@@ -287,6 +292,8 @@ def make_motion_dataset(
         "fps": fps,
         "image_share": image_share,
         "text_only_share": text_only_share,
+        "shape_share": shape_share,
+        "noise": noise,
     }
     existing = _existing_meta(out_dir, meta)
     if existing is not None:
@@ -310,7 +317,7 @@ def make_motion_dataset(
             videos.append(f"videos/{split}_{i:06d}.mp4")
             write_moving_shape_clip(
                 tmp / videos[0], rng, colour=colour, shape=shape, direction=direction,
-                width=frame_size, height=frame_size, num_frames=num_frames, fps=fps,
+                width=frame_size, height=frame_size, num_frames=num_frames, fps=fps, shape_share=shape_share, noise=noise,
             )
             question, answer = MOTION_PROMPT.format(colour=colour, shape=shape), direction
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
