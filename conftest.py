@@ -41,6 +41,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_varlen_parity.py": 39,
     "tests/test_e2e_fsdp_parity.py": 39,
     "apps/train/tests/test_train_check.py": 38,
+    "apps/train/tests/test_train_check_video.py": 20,
     "tests/test_e2e_msmm.py": 34,
     "packages/ckpt/tests/test_ckpt_crash.py": 30,
     "packages/model/tests/test_model_cp_parity.py": 30,
