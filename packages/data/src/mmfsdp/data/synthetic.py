@@ -317,7 +317,8 @@ def make_motion_dataset(
             videos.append(f"videos/{split}_{i:06d}.mp4")
             write_moving_shape_clip(
                 tmp / videos[0], rng, colour=colour, shape=shape, direction=direction,
-                width=frame_size, height=frame_size, num_frames=num_frames, fps=fps, shape_share=shape_share, noise=noise,
+                width=frame_size, height=frame_size, num_frames=num_frames, fps=fps,
+                shape_share=shape_share, noise=noise,
             )
             question, answer = MOTION_PROMPT.format(colour=colour, shape=shape), direction
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
