@@ -23,6 +23,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_text_only_parity.py": 365,  # serial, 2026-12-05, busy machine, with the 8 vision-DP runs
     "tests/test_e2e_balance.py": 125,  # serial, 2026-12-05, busy machine (3 one-process + 6 two-process runs)
     "tests/test_e2e_resume_meta.py": 140,
+    "tests/test_e2e_video_parity.py": 100,  # serial, 2026-12-05 (8 trainers: 3 on 1 process, 5 on 2)
     "tests/test_e2e_resume.py": 120,
     "tests/test_e2e_faults.py": 112,
     "tests/test_e2e_qwen3vl_30b_recipe.py": 105,  # serial, 2026-12-05 (two script runs of ~35 s, --check ~12 s)
@@ -31,6 +32,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_errors.py": 70,
     "tests/test_e2e_lora_resume.py": 69,
     "tests/test_e2e_qwen3vl_resume.py": 68,
+    "tests/test_e2e_video_resume.py": 75,  # 2026-12-05: 255 s serial on a machine shared by 7 jobs (load 11)
     "tests/test_e2e_moe_router.py": 65,
     "packages/ckpt/tests/test_ckpt_distributed.py": 58,
     "tests/test_e2e_moe_resume.py": 57,
@@ -40,6 +42,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_varlen_parity.py": 39,
     "tests/test_e2e_fsdp_parity.py": 39,
     "apps/train/tests/test_train_check.py": 38,
+    "apps/train/tests/test_train_check_video.py": 20,
     "tests/test_e2e_msmm.py": 34,
     "packages/ckpt/tests/test_ckpt_crash.py": 30,
     "packages/model/tests/test_model_cp_parity.py": 30,

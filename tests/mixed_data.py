@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmfsdp.data.synthetic import make_varlen_dataset
+import numpy as np
+
+from mmfsdp.data.synthetic import COLOURS, DIRECTIONS, SHAPES, make_varlen_dataset, write_moving_shape_clip
+
+CLIP_SIZES = ((32, 32), (64, 32), (48, 64), (64, 64))
+"""(width, height) of the clips: 1 to 4 merged tokens per temporal group with 16-px patches and merge 2."""
 
 
 def make_mixed_dataset(
@@ -31,6 +36,56 @@ def make_mixed_dataset(
                     message["content"] = message["content"].replace("<image>", "")
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out_dir
+
+
+def make_mixed_video_dataset(out_dir: Path, *, num_train: int, num_eval: int, seed: int) -> Path:
+    """`make_varlen_dataset`'s rows (1–2 images of varied sizes, 1–3 turns) made into a video mix, by row index:
+    `% 3 == 0` a video row (one clip of 4–12 frames at 4–8 fps and one of `CLIP_SIZES` in a random user turn; every
+    other one keeps its first image, so a sample holds a video and an image), `% 3 == 1` text-only, `% 3 == 2` as
+    written (images only). Clips are written with PyAV under `videos/`; the rows name them in a `videos` column."""
+    make_varlen_dataset(out_dir, num_train=num_train, num_eval=num_eval, seed=seed, min_images=1, max_images=2)
+    if (out_dir / "videos").is_dir():
+        return out_dir
+    rng = np.random.default_rng(seed)
+    for split in ("train", "eval"):
+        path = out_dir / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for index, row in enumerate(rows):
+            row["videos"] = []
+            if index % 3 == 2:
+                continue
+            keep = 1 if index % 6 == 0 else 0
+            images, row["images"] = row["images"], row["images"][:keep]
+            seen = 0
+            for message in row["messages"]:
+                parts = message["content"].split("<image>")
+                text = parts[0]
+                for part in parts[1:]:
+                    text += ("<image>" if seen < keep else "") + part
+                    seen += 1
+                message["content"] = text
+            assert seen == len(images)
+            if index % 3 == 1:
+                continue
+            name = f"videos/{split}_{index:04d}.mp4"
+            width, height = CLIP_SIZES[int(rng.integers(len(CLIP_SIZES)))]
+            write_moving_shape_clip(
+                out_dir / name, rng, colour=str(rng.choice(list(COLOURS))), shape=str(rng.choice(SHAPES)),
+                direction=str(rng.choice(list(DIRECTIONS))), width=width, height=height,
+                num_frames=int(rng.integers(4, 13)), fps=int(rng.integers(4, 9)),
+            )
+            users = [m for m in row["messages"] if m["role"] == "user"]
+            turn = users[int(rng.integers(len(users)))]
+            turn["content"] = "<video>" + turn["content"]
+            row["videos"] = [name]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out_dir
+
+
+def row_media(dataset_dir: Path, split: str = "train") -> list[tuple[int, int]]:
+    """(number of videos, number of images) of each row."""
+    rows = [json.loads(line) for line in (dataset_dir / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+    return [(len(row.get("videos") or []), len(row.get("images") or [])) for row in rows]
 
 
 def text_only_share(dataset_dir: Path, split: str = "train") -> float:

@@ -102,13 +102,16 @@ def _train(rank, world_size, tmp, runs):
 
         loader.next_step = next_step
         if name == "stopped":
-            save = trainer.save
+            checkpointer = trainer.checkpointer
+            save = checkpointer.save
 
-            def save_then_die(save=save):
-                save()
-                raise _Killed
+            def save_then_die(step, *, last=False, save=save, checkpointer=checkpointer):
+                due = checkpointer.due(step, last=last)
+                save(step, last=last)
+                if due:
+                    raise _Killed
 
-            trainer.save = save_then_die
+            checkpointer.save = save_then_die
         try:
             trainer.train()
         except _Killed:

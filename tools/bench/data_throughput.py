@@ -14,8 +14,20 @@ spatial merge 2, longest edge 1540). Then, in one process, alternating rounds:
 
 The best round of each gives samples/s and the ratio (target >= 0.9). Finally the
 DataLoader with `--workers` workers runs one epoch over the same samples; it keeps a
-training step fed if it delivers at least one micro-batch per `--step-seconds`. The
-last line printed is one JSON object with all numbers.
+training step fed if it delivers at least one micro-batch per `--step-seconds`.
+
+The video case (`video_*` keys; `--video-clips 0` skips it) writes `--video-clips` mpeg4 clips
+with PyAV (`--video-size` wide, 16:9, `--video-seconds` long at 24 fps) and one-video
+conversations for the tiny Qwen3-VL (`examples/qwen3vl-tiny/assets`), sampled at 2 fps
+(at most 16 frames). Alternating rounds again:
+
+- ours: `SampleEncoder.encode_row` (headers, frame sampling, timestamps, template, tokens)
+  + `Qwen2VLPlugin.video_inputs` (decode only the sampled frames, the video processor);
+- baseline: transformers' own pipeline on the same clip and text: `load_video(backend="pyav")`
+  with the video processor's `sample_frames` at the same fps (HF's PyAV reader; its default,
+  torchcodec, is not installed), then `Qwen3VLProcessor` (video processor, timestamps, tokenizer).
+
+The last line printed is one JSON object with all numbers.
 """
 
 from __future__ import annotations
@@ -63,6 +75,128 @@ QUESTION = "<image>\nDescribe the colours in this picture and where they change.
 ANSWER = "The picture goes from dark in the top-left corner to bright in the bottom-right, with red growing to the right and green growing downwards."
 
 
+def _clips(out: Path, count: int, width: int, seconds: float) -> list[str]:
+    """mpeg4 clips of a bright square crossing a noisy gradient, `width` × 9/16 `width`, 24 fps."""
+    import av
+
+    rng = np.random.default_rng(1)
+    height = width * 9 // 16 // 2 * 2
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
+    paths = []
+    for i in range(count):
+        path = out / f"clip_{i:03d}.mp4"
+        num_frames = int(seconds * 24)
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("mpeg4", rate=24)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.bit_rate = 2_000_000
+            for f in range(num_frames):
+                frame = np.clip(base + rng.normal(0, 8, base.shape), 0, 255).astype(np.uint8)
+                side = height // 4
+                x0 = (f * 7 + i * 50) % (width - side)
+                frame[height // 3 : height // 3 + side, x0 : x0 + side] = 255
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        paths.append(str(path))
+    return paths
+
+
+VIDEO_QUESTION = "<video>Where does the white square go?"
+VIDEO_ANSWER = "It moves to the right across the picture."
+VIDEO_FPS, VIDEO_MAXLEN = 2.0, 16
+
+
+def _video_case(args, work: Path) -> dict:
+    """Samples/s of ours vs. `Qwen3VLProcessor` on the same clips (module docstring), best of `args.rounds`."""
+    from mmfsdp.config import build
+    from transformers.video_utils import load_video
+
+    from mmfsdp.data import DataConfig, SampleEncoder, build_processor
+
+    model_dir = Path(__file__).resolve().parents[2] / "examples" / "qwen3vl-tiny" / "assets"
+    clip_dir = work / "videos"
+    clip_dir.mkdir(parents=True, exist_ok=True)
+    paths = _clips(clip_dir, args.video_clips, args.video_size, args.video_seconds)
+    messages = [{"role": "user", "content": VIDEO_QUESTION}, {"role": "assistant", "content": VIDEO_ANSWER}]
+    rows = [{"messages": messages, "videos": [p], "images": []} for p in paths]
+    cfg = build(
+        DataConfig,
+        {
+            "dataset_param": {
+                "attr": {"videos": "videos"},
+                "preprocess_parameters": {
+                    "model_name_or_path": str(model_dir), "template": "qwen3_vl_nothink", "image_plugin": "qwen2_vl",
+                    "cutoff_len": 32768, "video_fps": VIDEO_FPS, "video_maxlen": VIDEO_MAXLEN,
+                },
+                "basic_parameters": {"dataset_dir": str(work), "cache_dir": str(work / "cache")},
+            },
+        },
+        "data",
+    )
+    processor = build_processor(cfg)
+    encoder = SampleEncoder(cfg, processor)
+    plugin = encoder.plugin
+    hf = processor.hf_processor
+    hf.video_processor.max_frames = VIDEO_MAXLEN
+    text = hf.tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_QUESTION[7:]}]},
+            {"role": "assistant", "content": [{"type": "text", "text": VIDEO_ANSWER}]},
+        ],
+        tokenize=False,
+    )
+
+    def ours() -> int:
+        tokens = 0
+        for row in rows:
+            sample = encoder.encode_row(row)
+            plugin.video_inputs(sample["videos"], [tuple(g) for g in sample["video_grids"]])
+            tokens += len(sample["input_ids"])
+        return tokens
+
+    # the same per-frame pixel cap as ours (transformers >= 5.18 knows the keyword; it warns when it is not given)
+    known = hasattr(hf.video_processor, "cap_pixels_per_frame")
+    cap = {"cap_pixels_per_frame": plugin.cap_pixels_per_frame} if known else {}
+
+    def sample(metadata, **kwargs):
+        return hf.video_processor.sample_frames(metadata, fps=VIDEO_FPS)
+
+    def baseline() -> int:
+        tokens = 0
+        for path in paths:
+            frames, metadata = load_video(path, backend="pyav", sample_indices_fn=sample)
+            out = hf(
+                text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False, return_tensors="pt",
+                **cap,
+            )
+            tokens += out["input_ids"].shape[1]
+        return tokens
+
+    ours_tokens, hf_tokens = ours(), baseline()  # warm up, and the same clips give the same token counts
+    best = {"ours": 0.0, "baseline": 0.0}
+    for _ in range(args.rounds):
+        for name, fn in (("ours", ours), ("baseline", baseline)):
+            start = time.perf_counter()
+            fn()
+            best[name] = max(best[name], len(paths) / (time.perf_counter() - start))
+    ratio = best["ours"] / best["baseline"]
+    print(
+        f"video: ours {best['ours']:.2f} samples/s, Qwen3VLProcessor {best['baseline']:.2f} samples/s, ratio "
+        f"{ratio:.3f} ({ours_tokens // len(paths)} vs {hf_tokens // len(paths)} tokens per sample)"
+    )
+    return {
+        "video_ours_samples_per_s": round(best["ours"], 3),
+        "video_baseline_samples_per_s": round(best["baseline"], 3),
+        "video_ratio": round(ratio, 3),
+        "video_clips": len(paths),
+        "video_size": args.video_size,
+        "video_seconds": args.video_seconds,
+        "video_tokens_per_sample": ours_tokens // len(paths),
+        "video_hf_tokens_per_sample": hf_tokens // len(paths),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-samples", type=int, default=16, help="samples (one image each) per round (default 16)")
@@ -71,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers for the feed check (default 2)")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per batch in the feed check (default 1)")
     parser.add_argument("--step-seconds", type=float, default=1.0, help="training step time the loader has to keep up with (default 1.0)")
+    parser.add_argument("--video-clips", type=int, default=8, help="clips of the video case; 0 skips it (default 8)")
+    parser.add_argument("--video-size", type=int, default=640, help="width of the 16:9 clips in pixels (default 640)")
+    parser.add_argument("--video-seconds", type=float, default=4.0, help="length of each clip (default 4.0)")
     parser.add_argument("--work-dir", default=None, help="where to write images and caches (default: a temporary directory)")
     args = parser.parse_args(argv)
 
@@ -145,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     loader_rate = (batches - 1) * args.micro_batch_size / elapsed if batches > 1 else float("nan")
     fed = loader_rate * args.step_seconds >= args.micro_batch_size
     print(f"loader with {args.workers} workers: {loader_rate:.1f} samples/s; a {args.step_seconds:g}s step needs {args.micro_batch_size / args.step_seconds:.2f} samples/s -> {'fed' if fed else 'NOT fed'}")
+    video = _video_case(args, work) if args.video_clips > 0 else {}
     print(
         json.dumps(
             {
+                **video,
                 "ours_samples_per_s": round(best["ours"], 2),
                 "baseline_samples_per_s": round(best["baseline"], 2),
                 "ratio": round(ratio, 3),

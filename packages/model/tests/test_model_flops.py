@@ -96,3 +96,10 @@ def test_model_flops_packed_lengths_come_from_cu_seq_lens_without_padding():
     assert sample_lengths(mask, cu) == [3, 4, 5]
     assert sample_lengths(mask) == [7, 5]  # unpacked: one sample per row
     assert sample_lengths(torch.zeros(2, 4, dtype=torch.long)) == []
+
+
+def test_qwen3_vl_counts_each_temporal_patch_of_a_video():
+    entry = get_model_entry("qwen3_vl")
+    batch = {"image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 2, 4], [1, 4, 4]])}
+    assert entry.image_patches(entry.tiny_config(), batch) == [24, 8, 8, 8, 16]
+    assert entry.image_patches(entry.tiny_config(), {"video_grid_thw": torch.tensor([[2, 2, 2]])}) == [4, 4]

@@ -23,6 +23,15 @@ Magistral-Small-2509 worked through):
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
+
+Videos (a config that reads a `videos` column): `video_token_budget` bounds the decoder tokens of
+one video from the data settings alone — `video_maxlen` frames in temporal patches of
+`temporal_patch_size`, each frame at most `video_max_pixels` (and at most its share of
+`video_total_pixels`), one token per `(patch_size · merge)²` pixels of a patch, plus each temporal
+patch's timestamp and vision start/end — and `--check` prints it next to `cutoff_len`: the
+activations above count those tokens like image tokens (the vision tower runs per temporal patch as
+per image), and a video that could outgrow `cutoff_len` is named before the run, not found as a
+`too_long` row in it.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
 
-__all__ = ["MemoryPlan", "memory_plan", "memory_plan_lines"]
+__all__ = ["MemoryPlan", "VideoBudget", "memory_plan", "memory_plan_lines", "video_token_budget"]
 
 GiB = 2**30
 
@@ -141,6 +150,76 @@ def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, ima
     return int(decoder + logits + vision)
 
 
+_TIMESTAMP_TOKENS = 8
+"""Text tokens around one temporal patch besides its pads, at most: `<12.3 seconds>` and the vision start/end."""
+
+
+@dataclass(frozen=True, slots=True)
+class VideoBudget:
+    """The most decoder tokens one video can take under the data settings (`video_token_budget`)."""
+
+    num_frames: int
+    """Frames sampled at most (`video_maxlen`, rounded up to whole temporal patches)."""
+    num_temporal_patches: int
+    frame_pixels: int | None
+    """Pixels of one frame at most (`video_max_pixels`, or its share of `video_total_pixels`); None: no limit."""
+    tokens: int | None
+    """Tokens of one video at most, about (pads + timestamps); None: no pixel limit in the config."""
+
+
+def video_token_budget(cfg: Config, model_config: Any) -> VideoBudget | None:
+    """The token bound of one video (module docstring) for a config that reads videos; None when it reads none."""
+    if cfg.data.dataset_param.attr.videos is None:
+        return None
+    pp = cfg.data.dataset_param.preprocess_parameters
+    vision = model_config.vision_config
+    temporal = int(getattr(vision, "temporal_patch_size", 1) or 1)
+    cell = int(vision.patch_size) * int(getattr(vision, "spatial_merge_size", 1) or 1)
+    groups = -(-pp.video_maxlen // temporal)
+    frames = groups * temporal
+    limits = [limit for limit in (pp.video_max_pixels, pp.video_total_pixels and pp.video_total_pixels // frames)
+              if limit]
+    if not limits:
+        return VideoBudget(num_frames=frames, num_temporal_patches=groups, frame_pixels=None, tokens=None)
+    frame_pixels = max(min(limits), cell * cell)
+    cells = -(-frame_pixels // (cell * cell))  # the resize rounds each side to whole cells: about this many
+    return VideoBudget(
+        num_frames=frames, num_temporal_patches=groups, frame_pixels=frame_pixels,
+        tokens=groups * (cells + _TIMESTAMP_TOKENS),
+    )
+
+
+def _video_lines(cfg: Config) -> list[str]:
+    try:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(cfg.model.model_name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return []
+    if not hasattr(model_config, "vision_config"):
+        return []
+    budget = video_token_budget(cfg, model_config)
+    if budget is None:
+        return []
+    cutoff = cfg.data.dataset_param.preprocess_parameters.cutoff_len
+    if budget.tokens is None:
+        return [
+            f"  video tokens      no bound: video_maxlen {budget.num_frames} frames, but neither video_max_pixels nor "
+            "video_total_pixels is set; the video processor's own size limit applies (mm-data stats shows the "
+            "real counts)"
+        ]
+    lines = [
+        f"  video tokens      ~<= {budget.tokens} per video ({budget.num_temporal_patches} temporal patches of "
+        f"<= {budget.frame_pixels} px per frame, video_maxlen {budget.num_frames}); cutoff_len {cutoff}"
+    ]
+    if budget.tokens > cutoff:
+        lines.append(
+            f"  video budget: one video may take {budget.tokens} tokens > cutoff_len {cutoff}: such rows are "
+            "skipped as too_long (lower video_max_pixels / video_maxlen, set video_total_pixels, or raise cutoff_len)"
+        )
+    return lines
+
+
 def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *,
                 image_token_share: float = 1.0, _suggest: bool = True) -> MemoryPlan:
     """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json).
@@ -226,6 +305,7 @@ def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | N
         f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
         f"  activations       {gib(plan.activations):>10}  (estimate; image tokens {image_token_share:.0%} of a micro-batch)",
         f"  total             {gib(plan.total):>10}" + (f"  (+ {gib(plan.host)} in host memory)" if plan.host else ""),
+        *_video_lines(cfg),
     ]
     if plan.device_memory is None:
         lines.append("  device memory: not detected; pass --device-memory SIZE (e.g. 64GiB) to compare")

@@ -1,6 +1,7 @@
 """`mm-data`: look at the data exactly as the model will see it.
 
     mm-data inspect CONFIG.yaml [data.key.path=value ...] --index N [--split eval] [--json]
+    mm-data stats CONFIG.yaml [data.key.path=value ...] [--split eval] [--top K] [--json]
 
 Reads the whole YAML but uses only its `data:` section; dotted overrides apply first
 and may stand before or after the options.
@@ -16,13 +17,13 @@ from typing import Any
 
 from mmfsdp.config import ConfigError, build, get_logger, load_translated
 
-__all__ = ["main"]
+__all__ = ["main", "vision_token_stats"]
 
 TRAIN_OPEN, TRAIN_CLOSE = "⟦", "⟧"
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `mm-data` parser and its `inspect` subparser (parsed on its own, so overrides may follow options)."""
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `mm-data` parser and its subparsers by name (each parsed on its own, so overrides may follow options)."""
     parser = argparse.ArgumentParser(
         prog="mm-data",
         description="Inspect mmfsdp training data. `mm-data COMMAND -h` explains a command's arguments.",
@@ -49,7 +50,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="print one JSON object with input_ids, labels, image_sizes (and image and video grids, frame times, "
         "source file and row) instead of text",
     )
-    return parser, inspect
+    stats = sub.add_parser(
+        "stats",
+        help="vision tokens per sample over a dataset, and the worst rows",
+        description=(
+            "The distribution of vision tokens per sample (every image and video block: pads, timestamps, "
+            "start/end) and of all tokens per sample over a whole dataset, from the tokenized cache (no pixel is "
+            "decoded), with the samples of the most vision tokens by source file and row: the rows to look at "
+            "before a run runs out of memory. Overrides may come before or after the options."
+        ),
+    )
+    stats.add_argument("config", help="training YAML file; only its data: section is used")
+    stats.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied to the YAML first")
+    stats.add_argument("--split", choices=("train", "eval"), default="train", help="which dataset (default train)")
+    stats.add_argument("--top", type=int, default=5, help="how many of the worst samples to list (default 5)")
+    stats.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser, {"inspect": inspect, "stats": stats}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -57,10 +73,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
     (argparse's intermixed parsing does not support subparsers, so the subcommand's own parser takes its arguments.)
     """
-    parser, inspect = _parsers()
-    if argv and argv[0] == "inspect":
-        args = inspect.parse_intermixed_args(argv[1:])
-        args.command = "inspect"
+    parser, commands = _parsers()
+    if argv and argv[0] in commands:
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
         return args
     return parser.parse_args(argv)
 
@@ -110,7 +126,8 @@ def _render(
     return "".join(out)
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _dataset(args: argparse.Namespace):
+    """The dataset of `args.split` as the config and overrides describe it (its tokenized cache built or reused)."""
     from mmfsdp.data.config import DataConfig
     from mmfsdp.data.dataset import build_dataset, prepare_dataset
     from mmfsdp.data.build import build_processor
@@ -121,7 +138,77 @@ def _inspect(args: argparse.Namespace) -> int:
     data_cfg = build(DataConfig, translated.data, "data")
     prepare_dataset(data_cfg)
     processor = build_processor(data_cfg)
-    dataset = build_dataset(data_cfg, processor, args.split)
+    return build_dataset(data_cfg, processor, args.split)
+
+
+def vision_token_stats(dataset: Any, top: int) -> dict[str, Any]:
+    """Vision tokens (the blocks of every image and video grid, as the plugin writes them) and all tokens per sample
+    over `dataset`, read from its records; percentiles by nearest rank, and the `top` samples of the most vision
+    tokens (ties: the earlier sample first) with their source file and row."""
+    plugin = dataset.encoder.plugin
+    per_sample = []
+    for index in range(len(dataset)):
+        record = dataset.record(index)
+        images = sum(len(plugin.image_tokens(tuple(g))) for g in record["image_grids"])
+        videos = sum(len(plugin.video_tokens(tuple(g))) for g in record["video_grids"])
+        per_sample.append((images + videos, len(record["input_ids"]), index, images, videos, record))
+
+    def summary(values: list[int]) -> dict[str, float]:
+        ordered = sorted(values)
+        if not ordered:
+            return {}
+        rank = lambda q: ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))]  # noqa: E731
+        return {"min": ordered[0], "mean": round(sum(ordered) / len(ordered), 2), "p50": rank(50), "p90": rank(90),
+                "p99": rank(99), "max": ordered[-1]}
+
+    worst = []
+    for vision, tokens, index, images, videos, record in sorted(per_sample, key=lambda s: (-s[0], s[2]))[:top]:
+        source, row = dataset.location(index)
+        worst.append({
+            "index": index, "source": source, "row": row, "vision_tokens": vision, "image_tokens": images,
+            "video_tokens": videos, "num_tokens": tokens, "images": len(record["images"]),
+            "videos": len(record["videos"]),
+        })
+    return {
+        "num_samples": len(per_sample),
+        "with_images": sum(1 for s in per_sample if s[5]["images"]),
+        "with_videos": sum(1 for s in per_sample if s[5]["videos"]),
+        "vision_tokens": summary([s[0] for s in per_sample]),
+        "video_tokens": summary([s[4] for s in per_sample]),
+        "num_tokens": summary([s[1] for s in per_sample]),
+        "worst": worst,
+    }
+
+
+def _stats(args: argparse.Namespace) -> int:
+    if args.top < 0:
+        raise ConfigError("--top", f"must be >= 0, got {args.top}")
+    dataset = _dataset(args)
+    stats = vision_token_stats(dataset, args.top)
+    if args.json:
+        print(json.dumps({"split": args.split, **stats}))
+        return 0
+    fmt = lambda d: ", ".join(f"{k} {v:g}" for k, v in d.items()) or "none"  # noqa: E731
+    print(
+        f"{stats['num_samples']} samples ({args.split}): {stats['with_images']} with images, "
+        f"{stats['with_videos']} with videos; cutoff_len {dataset.encoder.cutoff_len}"
+    )
+    print(f"vision tokens per sample: {fmt(stats['vision_tokens'])}")
+    print(f"video tokens per sample:  {fmt(stats['video_tokens'])}")
+    print(f"tokens per sample:        {fmt(stats['num_tokens'])}")
+    if stats["worst"]:
+        print(f"most vision tokens (top {len(stats['worst'])}):")
+    for w in stats["worst"]:
+        print(
+            f"  sample {w['index']}: {w['source']} row {w['row']}: {w['vision_tokens']} vision tokens "
+            f"({w['images']} images: {w['image_tokens']}, {w['videos']} videos: {w['video_tokens']}) "
+            f"of {w['num_tokens']}"
+        )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    dataset = _dataset(args)
     if not -len(dataset) <= args.index < len(dataset):
         raise ConfigError("--index", f"{args.index} is out of range: the {args.split} dataset has {len(dataset)} samples")
     index = args.index % len(dataset)
@@ -178,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         logger.setLevel(logging.WARNING)  # keep stdout pure JSON (the log handler writes to stdout)
     try:
-        return _inspect(args)
+        return _stats(args) if args.command == "stats" else _inspect(args)
     except (ConfigError, DataError) as err:
         print(f"mm-data: error: {err}", file=sys.stderr)
         return 2

@@ -36,8 +36,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 __all__ = [
-    "COLOURS", "PROMPT", "SHAPES", "TEXT_ONLY_OBJECTS", "VARLEN_IMAGE_SIZES", "WORDS", "make_shapes_dataset",
-    "make_varlen_dataset",
+    "COLOURS", "DIRECTIONS", "MOTION_PROMPT", "PROMPT", "SHAPES", "TEXT_ONLY_OBJECTS", "VARLEN_IMAGE_SIZES", "WORDS",
+    "make_motion_dataset", "make_shapes_dataset", "make_varlen_dataset", "write_moving_shape_clip",
 ]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
@@ -129,6 +129,66 @@ def _draw(rng: np.random.Generator, colour: str, shape: str, width: int, height:
     return image
 
 
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+"""Directions a clip's shape moves in, as (dx, dy) in image coordinates (y grows downwards)."""
+
+
+def write_moving_shape_clip(
+    path: str | Path,
+    rng: np.random.Generator,
+    *,
+    colour: str,
+    shape: str,
+    direction: str,
+    width: int,
+    height: int,
+    num_frames: int,
+    fps: int,
+    codec: str = "mpeg4",
+    shape_share: float = 1 / 3,
+    noise: int = 12,
+) -> None:
+    """An mpeg4 clip (PyAV) of one shape moving in `direction` in a straight line from a random start over a noisy
+    grey background: every frame alone shows a shape at a random place, only two frames show where it goes.
+
+    The shape (side `shape_share` of the shorter side) travels at least half the free span of the frame; the start is
+    drawn so that the whole path stays inside; the background is a random grey with pixel noise of +-`noise`.
+    `width` and `height` must be even (yuv420p).
+    """
+    import av
+
+    dx, dy = DIRECTIONS[direction]
+    side = max(4, int(min(width, height) * shape_share + 1e-6))
+    free = (width - side, height - side)
+    travel = int(rng.integers((free[0] if dx else free[1]) // 2, (free[0] if dx else free[1]) + 1))
+    start = []
+    for axis, d in enumerate((dx, dy)):
+        low = travel if d < 0 else 0
+        high = free[axis] - (travel if d > 0 else 0)
+        start.append(int(rng.integers(low, high + 1)))
+    grey = int(rng.integers(70, 180))
+    background = np.clip(grey + rng.integers(-noise, noise + 1, (height, width, 3)), 0, 255).astype(np.uint8)
+    fill = COLOURS[colour]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            step = round(travel * i / max(num_frames - 1, 1))
+            x0, y0 = start[0] + dx * step, start[1] + dy * step
+            image = Image.fromarray(background)
+            draw = ImageDraw.Draw(image)
+            box = (x0, y0, x0 + side - 1, y0 + side - 1)
+            if shape == "circle":
+                draw.ellipse(box, fill=fill)
+            elif shape == "square":
+                draw.rectangle(box, fill=fill)
+            else:
+                draw.polygon([(x0 + side / 2, y0), (x0, y0 + side - 1), (x0 + side - 1, y0 + side - 1)], fill=fill)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")))
+        container.mux(stream.encode())
+
+
 def make_shapes_dataset(
     out_dir: str | Path, *, num_train: int, num_eval: int, image_size: int, seed: int, text_only_share: float = 0.0,
 ) -> dict[str, Any]:
@@ -181,6 +241,99 @@ def make_shapes_dataset(
                         "images": images,
                     }
                     f.write(json.dumps(row) + "\n")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    _publish(out_dir, write)
+    return json.loads((out_dir / "meta.json").read_text())
+
+
+MOTION_PROMPT = "<video>Which way does the {colour} {shape} move?"
+"""The video question of `make_motion_dataset`; the answer is one of `DIRECTIONS`."""
+
+
+def make_motion_dataset(
+    out_dir: str | Path,
+    *,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    frame_size: int = 64,
+    num_frames: int = 8,
+    fps: int = 8,
+    image_share: float = 0.25,
+    text_only_share: float = 0.15,
+    shape_share: float = 1 / 3,
+    noise: int = 12,
+) -> dict[str, Any]:
+    """A task only video can solve, in mllm format: `videos/*.mp4`, `images/*.png`, `train.jsonl`, `eval.jsonl`,
+    `meta.json` (with `chance` 0.25); returns the meta.
+
+    A video row is a clip (`write_moving_shape_clip`: `num_frames` square frames at `fps`) of one shape moving left,
+    right, up or down from a random start, asked `MOTION_PROMPT` with its colour and shape -> the direction. Any one
+    frame shows a shape at a random place, so only the change between frames answers it (chance 0.25). Of the
+    training rows, `image_share` are the shapes image question (`PROMPT` -> "a red circle") and `text_only_share`
+    the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text (`shape_share`, `noise`: the
+    clip's shape size and background noise, `write_moving_shape_clip`); the evaluation rows are
+    all video rows, with directions balanced. Deterministic in its arguments; if `out_dir/meta.json` exists nothing
+    is written (it must record the same arguments, `DataError` otherwise).
+    """
+    out_dir = Path(out_dir)
+    meta = {
+        "kind": "motion",
+        "chance": 1 / len(DIRECTIONS),
+        "num_train": num_train,
+        "num_eval": num_eval,
+        "seed": seed,
+        "frame_size": frame_size,
+        "num_frames": num_frames,
+        "fps": fps,
+        "image_share": image_share,
+        "text_only_share": text_only_share,
+        "shape_share": shape_share,
+        "noise": noise,
+    }
+    existing = _existing_meta(out_dir, meta)
+    if existing is not None:
+        return existing
+    if not 0 <= image_share + text_only_share < 1:
+        raise ValueError(f"image_share + text_only_share must be in [0, 1), got {image_share + text_only_share}")
+    objects, directions = list(TEXT_ONLY_OBJECTS), list(DIRECTIONS)
+
+    def row(rng: np.random.Generator, tmp: Path, split: str, i: int, kind: str, direction: str) -> dict[str, Any]:
+        colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+        videos: list[str] = []
+        images: list[str] = []
+        if kind == "text":
+            obj = objects[int(rng.integers(len(objects)))]
+            question, answer = f"What colour is {obj}?", TEXT_ONLY_OBJECTS[obj]
+        elif kind == "image":
+            images.append(f"images/{split}_{i:06d}.png")
+            _draw(rng, colour, shape, frame_size, frame_size).save(tmp / images[0])
+            question, answer = PROMPT, f"a {colour} {shape}"
+        else:
+            videos.append(f"videos/{split}_{i:06d}.mp4")
+            write_moving_shape_clip(
+                tmp / videos[0], rng, colour=colour, shape=shape, direction=direction,
+                width=frame_size, height=frame_size, num_frames=num_frames, fps=fps,
+                shape_share=shape_share, noise=noise,
+            )
+            question, answer = MOTION_PROMPT.format(colour=colour, shape=shape), direction
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return {"messages": messages, "images": images, "videos": videos}
+
+    def write(tmp: Path) -> None:
+        (tmp / "images").mkdir()
+        (tmp / "videos").mkdir()
+        rng = np.random.default_rng(seed)
+        for split, count in (("train", num_train), ("eval", num_eval)):
+            shares = (image_share, text_only_share) if split == "train" else (0.0, 0.0)
+            num_images, num_text = round(shares[0] * count), round(shares[1] * count)
+            num_videos = count - num_images - num_text
+            kinds = rng.permutation(["image"] * num_images + ["text"] * num_text + ["video"] * num_videos)
+            turns = iter(rng.permutation(np.arange(count) % len(directions)).tolist())
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for i, kind in enumerate(kinds.tolist()):
+                    f.write(json.dumps(row(rng, tmp, split, i, kind, directions[next(turns)])) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
     _publish(out_dir, write)

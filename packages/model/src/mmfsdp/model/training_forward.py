@@ -23,15 +23,17 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    HF varlen keywords `cu_seq_lens_q/k`, `max_length_q/k`: the cumulative lengths
    alone say which tokens attend to which. They go to the decoder only — the
    vision tower keeps its own per-image lengths.
-4. A call without any vision input (`vision_input_keys`: a micro-batch of
-   text-only samples) still runs the vision side, on the family's smallest
-   input (`placeholder_vision_inputs`), at the decoder's entry: the decoder
-   receives `inputs_embeds + 0 · Σ features`. Every rank thus runs the same
-   FSDP2 all-gathers and reduce-scatters, in the same order, whatever its
-   micro-batch holds (a rank that skipped the tower would pair its collectives
-   with the wrong ones of the others: gloo aborts, NCCL hangs), and the
-   placeholder contributes exactly zero to the loss and to every gradient
-   (docs/model.md, "Text-only micro-batches").
+4. The HF forward runs the vision tower once per kind of media in the call
+   (`vision_input_keys`: Qwen3-VL's images and videos are two passes). For each
+   kind a call lacks (a micro-batch of text-only samples, or of images but no
+   video) the vision side runs once more, on the family's smallest input
+   (`placeholder_vision_inputs`), at the decoder's entry: the decoder receives
+   `inputs_embeds + 0 · Σ features`. Every rank thus runs the same number of
+   tower passes, hence the same FSDP2 all-gathers and reduce-scatters in the
+   same order, whatever its micro-batch holds (a rank that skipped a pass would
+   pair its collectives with the wrong ones of the others: gloo aborts, NCCL
+   hangs), and the placeholder contributes exactly zero to the loss and to every
+   gradient (docs/model.md, "Text-only micro-batches").
 5. Under context parallel, `shift_labels` and `loss_weights` are split with the
    batch's layout and the decoder runs on this rank's shard (its keywords split
    by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`). With vision data parallel
@@ -96,11 +98,11 @@ class _Uncast:
 
 class _DecoderCall:
     """What the decoder's next forward receives on top of its HF keywords: varlen lengths, the CP split and
-    whether the vision placeholder runs at its entry."""
+    how many times the vision placeholder runs at its entry."""
 
     __slots__ = ("extra_kwargs", "cp_batch", "vision_placeholder")
 
-    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, vision_placeholder: bool):
+    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, vision_placeholder: int):
         self.extra_kwargs = extra_kwargs
         self.cp_batch = cp_batch
         self.vision_placeholder = vision_placeholder
@@ -131,8 +133,9 @@ class TrainingForwardMixin:
     """The text decoder: it receives the varlen keywords and, under CP, runs on the shard."""
     lm_head_name: ClassVar[str] = "lm_head"
     """The output projection that receives the loss function under chunk loss."""
-    vision_input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "pixel_values_videos")
-    """Keywords that carry media to the vision side; a call with none of them runs the vision placeholder."""
+    vision_input_keys: ClassVar[tuple[str, ...]] = ("pixel_values",)
+    """Keywords that carry media to the vision side, one tower pass each; a training call runs the vision
+    placeholder once for each of them it lacks (a family with videos lists `pixel_values_videos` too)."""
 
     def init_training_forward(self) -> None:
         """Call at the end of the family's `__init__`."""
@@ -192,15 +195,16 @@ class TrainingForwardMixin:
         self.chunk_loss_size = chunk_size
 
     # -- forward ---------------------------------------------------------------------------------
-    def _needs_vision_placeholder(self, kwargs: dict[str, Any]) -> bool:
-        if any(kwargs.get(key) is not None for key in self.vision_input_keys):
-            return False
+    def _needs_vision_placeholder(self, kwargs: dict[str, Any]) -> int:
+        """How many placeholder passes of the vision side this call needs (0: none)."""
         # a decoding step of generation (a filled cache) runs no vision side on any path
-        return kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return 0
+        return sum(kwargs.get(key) is None for key in self.vision_input_keys)
 
     @contextlib.contextmanager
     def _calling_decoder(
-        self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, vision_placeholder: bool = False
+        self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, vision_placeholder: int = 0
     ) -> Iterator[None]:
         needed = extra_kwargs or cp_batch is not None or vision_placeholder
         self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, vision_placeholder) if needed else None
@@ -219,7 +223,11 @@ class TrainingForwardMixin:
             # Here, after the embedding and where the real merge would have run the tower, so that the
             # collectives keep their order in forward and backward; `0 · Σ` is exactly zero for finite features.
             embeds = kwargs["inputs_embeds"]
-            features = self.vision_placeholder_features(embeds.device, embeds.dtype)
+            features = [
+                feature
+                for _ in range(call.vision_placeholder)
+                for feature in self.vision_placeholder_features(embeds.device, embeds.dtype)
+            ]
             if features:
                 zero = sum(feature.float().mul(0).sum() for feature in features)
                 kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)

@@ -131,6 +131,8 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
     """The training forward with Qwen3-VL's input hooks (M-RoPE per packed sample, DeepStack CP split); the
     dense and the MoE model classes mix it into their HF class."""
 
+    vision_input_keys = ("pixel_values", "pixel_values_videos")
+
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""
         input_ids = kwargs.get("input_ids")
@@ -238,11 +240,13 @@ class Qwen3VLEntry(HFFamilyEntry):
         )
 
     def image_patches(self, config: Qwen3VLConfig, batch: dict[str, Any]) -> list[int]:
-        """`t·h·w` of each row of `image_grid_thw`; each image attends to its own patches."""
-        grids = batch.get("image_grid_thw")
-        if grids is None:
-            return []
-        return [int(t) * int(h) * int(w) for t, h, w in grids.tolist()]
+        """`t·h·w` of each row of `image_grid_thw`, then `h·w` for each temporal patch of each row of
+        `video_grid_thw`: each image, and each temporal patch of a video, attends to its own patches."""
+        images, videos = batch.get("image_grid_thw"), batch.get("video_grid_thw")
+        patches = [int(t) * int(h) * int(w) for t, h, w in images.tolist()] if images is not None else []
+        for t, h, w in videos.tolist() if videos is not None else []:
+            patches += [int(h) * int(w)] * int(t)
+        return patches
 
     def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with

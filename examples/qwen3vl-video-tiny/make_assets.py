@@ -1,0 +1,35 @@
+"""Write the tiny video run's data: `uv run python examples/qwen3vl-video-tiny/make_assets.py [OUT_DIR]`.
+
+Clips (PyAV, mpeg4, 64×64, 4 frames at 4 fps) of a coloured shape moving left, right, up or down from a random
+start, asked "Which way does the red circle move?" -> "left" (chance 0.25: one frame cannot tell), mixed with the
+shapes image question ("What shape and colour is this?" -> "a red circle") and text-only rows ("What colour is a
+banana?" -> "yellow"); the held-out rows are all video rows. `mmfsdp.data.synthetic.make_motion_dataset` writes
+them (deterministic in its arguments; an existing directory with the same settings is kept).
+The model directory is the tiny Qwen3-VL's (`examples/qwen3vl-tiny/assets`: its byte-level tokenizer spells the
+new words, and its video processor settings follow its image processor); the run starts from random weights.
+"""
+
+import sys
+from pathlib import Path
+
+from mmfsdp.data.synthetic import make_motion_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_TRAIN, NUM_EVAL, SEED = 6144, 256, 0
+FRAME_SIZE, NUM_FRAMES, FPS, SHAPE_SHARE = 64, 4, 4, 0.45
+"""1-second clips of 4 frames of 64 × 64 on a flat grey: two temporal patches of two frames, 4 tokens each (16-px
+patches, merge 2); the shape (side 28 px) moves a third of its path (6-12 px) between frames, so each token sees
+the motion of its two frames."""
+
+
+def main(out: Path, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL) -> dict:
+    return make_motion_dataset(
+        out, num_train=num_train, num_eval=num_eval, seed=SEED, frame_size=FRAME_SIZE, num_frames=NUM_FRAMES, fps=FPS,
+        shape_share=SHAPE_SHARE, noise=0, image_share=0.2, text_only_share=0.1,
+    )
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "outputs" / "qwen3vl-video-tiny" / "data"
+    meta = main(out)
+    print(f"wrote {out}: {meta['num_train']} training rows, {meta['num_eval']} held-out video rows")
