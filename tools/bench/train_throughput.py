@@ -164,7 +164,8 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - started
-        flops = count_forward(shape, sample_lengths(batch["attention_mask"], None), entry.image_patches(hf_config, batch))
+        lengths = sample_lengths(batch["attention_mask"], None)
+        flops = count_forward(shape, lengths, entry.image_patches(hf_config, batch))
         counts = torch.tensor([float(batch["attention_mask"].sum()), float(flops.model), step_time],
                               dtype=torch.float64)
         dist.all_reduce(counts)  # outside the timed region: tokens and FLOPs of the global batch, summed step time
@@ -237,7 +238,7 @@ def measure_size(size: str, args, out: Path) -> dict:
     mean_len = sum(lengths) / len(lengths)
     # packed rows of about the tokens of a padded micro-batch: the same global batch in tokens
     capacity = max(int(mean_len * args.micro_batch), max(lengths))
-    best = [f"data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
+    best = ["data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
             f"data.dataset_param.preprocess_parameters.cutoff_len={capacity}", *args.best]
 
     runs = {}
@@ -283,8 +284,9 @@ def main() -> None:
         results[size] = measure_size(size, size_args, out)
         r = results[size]
         for name in ("plain", "mmfsdp", "mmfsdp_best"):
-            print(f"{size:5s} {name:12s} {r[name]['tokens_per_s']:9.0f} tokens/s  {r[name]['step_ms']:8.1f} ms/step  "
-                  f"{r[name]['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {r[name]['gemm_peak_fraction']:.3f}",
+            run = r[name]
+            print(f"{size:5s} {name:12s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
+                  f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}",
                   flush=True)
         plain = r["plain"]["tokens_per_s"]
         results[f"{size}_over_plain"] = r["mmfsdp"]["tokens_per_s"] / plain
