@@ -203,7 +203,8 @@ def run_app(config_path: Path, overrides: list[str], args, output_dir: Path) -> 
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{"num_tokens": r["num_tokens"], "step_time_s": r["step_time_s"],
               "flops": r["tflops"] * r["step_time_s"] * args.nproc * 1e12} for r in records]
-    compile_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "compile" in line.lower()]
+    compile_lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines()
+                     if "compile: " in line and ("first compiled" in line or "modules compiled" in line)]
     return {"steps": steps, "log": compile_lines[:3]}
 
 
@@ -245,7 +246,7 @@ def measure_size(size: str, args, out: Path) -> dict:
     started = time.perf_counter()
     runs["plain"] = run_plain(config_path, args, out)
     peak = runs["plain"]["peak_tflops"]
-    runs["mmfsdp"] = run_app(config_path, [], args, out / f"{size}_mmfsdp")
+    runs["mmfsdp"] = run_app(config_path, list(args.defaults_override), args, out / f"{size}_mmfsdp")
     runs["mmfsdp_best"] = run_app(config_path, [f"training.output_dir={out / f'{size}_best'}", *best], args,
                                   out / f"{size}_best")
     summary = {name: summarise(run, args.warmup, peak, args.nproc) for name, run in runs.items()}
@@ -270,6 +271,9 @@ def main() -> None:
     parser.add_argument("--large-hidden", type=int, default=768)
     parser.add_argument("--large-layers", type=int, default=8)
     parser.add_argument("--best", action="append", default=[], help="extra KEY=VALUE override of the best run")
+    parser.add_argument("--defaults-override", action="append", default=[],
+                        help="KEY=VALUE for the defaults run, e.g. parallel.fsdp_plan.min_group_params=0 (the plan "
+                             "before grouping)")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
     args = parser.parse_args()
     out = Path(args.out)
