@@ -80,3 +80,17 @@ def test_every_key_is_documented_and_reference_is_current():
     assert (ROOT / "docs" / "configuration.md").read_text() == render(Config), (
         "docs/configuration.md is stale: run `uv run python tools/gen_config_reference.py`"
     )
+
+
+def test_compile_keys_and_their_other_names(tmp_path):
+    cfg = load_config(_write(tmp_path, "{}\n"))
+    assert cfg.features.compile is False and cfg.parallel.fsdp_plan.min_group_params == 4_000_000
+    for name in ("torch_compile", "use_torch_compile", "enable_compile"):
+        assert load_config(_write(tmp_path, f"features:\n  {name}: true\n")).features.compile is True
+    cfg = load_config(_write(tmp_path, "features:\n  compile: true\n  compile_plan:\n    backend: aot_eager\n"))
+    assert (cfg.features.compile, cfg.features.compile_plan.backend, cfg.features.compile_plan.dynamic) == (
+        True, "aot_eager", True)
+    with pytest.raises(ConfigError, match=r"^features\.compile_plan\.backend: must be a torch.compile backend"):
+        load_config(_write(tmp_path, "features:\n  compile_plan:\n    backend: ''\n"))
+    with pytest.raises(ConfigError, match=r"^parallel\.fsdp_plan\.min_group_params: must be >= 0"):
+        load_config(_write(tmp_path, "parallel:\n  fsdp_plan:\n    min_group_params: -1\n"))

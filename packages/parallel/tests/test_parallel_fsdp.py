@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from mmfsdp.config import ConfigError
@@ -23,6 +23,7 @@ from mmfsdp.parallel import (
     apply_fsdp,
     apply_fsdp_groups,
     build_parallel_dims,
+    group_small_modules,
     clip_grad_norm,
     is_checkpointed,
 )
@@ -129,13 +130,18 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
 
 
 SCENARIOS_2 = {
-    "plain": dict(plan=dict(apply_modules=["blocks.{*}"])),
+    "plain": dict(plan=dict(apply_modules=["blocks.{*}"], min_group_params=0)),
+    # blocks 0-1 in one group, block 2 in another, `head` in the root's group (a block has 296 parameters)
+    "grouped_prefetch_recompute": dict(
+        plan=dict(min_group_params=500, num_to_forward_prefetch=1, num_to_backward_prefetch=1),
+        recompute=("blocks.{0-2}",), clip=0.05,
+    ),
     "defaults_frozen_prefetch": dict(
         plan=dict(num_to_forward_prefetch=1, num_to_backward_prefetch=2, reshard_after_forward=False),
         frozen=("blocks.1",),
     ),
     "ignored_frozen_embed": dict(plan=dict(apply_modules=["blocks.{0-2}"], ignored_modules=["embed"]), frozen=("embed",)),
-    "recompute": dict(plan=dict(), recompute=("blocks.{0-1}",)),
+    "recompute": dict(plan=dict(min_group_params=0), recompute=("blocks.{0-1}",)),
     "clip": dict(plan=dict(), clip=0.05),
     "clip_norm_only": dict(plan=dict(), clip=0.0),
     "cpu_offload": dict(plan=dict(cpu_offload=True, reduce_dtype=None)),
@@ -153,8 +159,10 @@ def _fsdp_scenarios(rank, world_size, scenarios):
             apply_activation_checkpointing(model, list(spec["recompute"]))
         names_before = list(model.state_dict())
         apply_fsdp(model, FSDPPlanConfig(**spec["plan"]), dims.fsdp_mesh, DEFAULT_MODULES)
+        result_groups = [sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)]
         result = _train(model, x[rows], y[rows], spec.get("clip"), _mean_over_ranks)
         result["names_unchanged"] = list(model.state_dict()) == names_before
+        result["fsdp_modules"] = result_groups[0]
         result["checkpointed"] = [n for n, m in model.named_modules() if is_checkpointed(m)]
         results[name] = result
     results["bf16_dtypes"] = _bf16_dtypes(dims, x[rows], y[rows])
@@ -289,3 +297,32 @@ def test_parallel_fsdp_pattern_errors_name_the_plan_key():
         apply_fsdp(model, FSDPPlanConfig(apply_modules=["head", "blocks.{*}.ffn"]), None, DEFAULT_MODULES)
     with pytest.raises(ConfigError, match=r"parallel\.fsdp_plan\.ignored_modules\[0\]"):
         apply_fsdp(model, FSDPPlanConfig(ignored_modules=["embedding"]), None, DEFAULT_MODULES)
+
+
+def test_parallel_fsdp_small_modules_share_groups(two_rank_results):
+    """`min_group_params` 500: blocks 0 and 1 (296 parameters each) form one group, block 2 another, and the
+    27-parameter head joins the root; 0 keeps a group per matched module."""
+    grouped = two_rank_results[0]["grouped_prefetch_recompute"]["fsdp_modules"]
+    assert grouped == ["blocks.0", "blocks.1", "blocks.2"]  # each module of a group is an FSDPModule
+    assert two_rank_results[0]["plain"]["fsdp_modules"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert "head" not in grouped
+    assert two_rank_results[0]["clip"]["fsdp_modules"] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_parallel_group_small_modules_rules():
+    root, other = object(), object()
+    sizes = {"embed": 10, "layers.0": 40, "layers.1": 40, "layers.2": 40, "layers.3": 40, "vis.0": 5, "vis.1": 5,
+             "head": 200, "experts.0": 1}
+    matched = [(name, root) for name in ("embed", "vis.0", "vis.1", "layers.0", "layers.1", "layers.2", "layers.3",
+                                         "head")] + [("experts.0", other)]
+    groups = group_small_modules(matched, sizes, 100, root)
+    assert [names for names, _ in groups] == [
+        ["vis.0", "vis.1"], ["layers.0", "layers.1", "layers.2"], ["layers.3"], ["head"], ["experts.0"],
+    ]
+    assert groups[-1][1] is other  # a small module on another mesh keeps its own group
+    assert [names for names, _ in group_small_modules(matched, sizes, 0, root)] == [[name] for name, _ in matched]
+    # lists on different meshes never share a group
+    mixed = [("layers.0", root), ("layers.1", other)]
+    assert [names for names, _ in group_small_modules(mixed, {"layers.0": 1, "layers.1": 1}, 100, root)] == [
+        ["layers.0"], ["layers.1"],
+    ]

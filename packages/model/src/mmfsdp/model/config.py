@@ -26,7 +26,9 @@ from mmfsdp.parallel.config import DType
 ATTENTION_BACKEND_NAMES = ("sdpa", "eager", "flash_attention_2")
 """The values of `model.attn_implementation` (the backends of `mmfsdp.model.attention`)."""
 
-__all__ = ["ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig", "ActivationOffloadPlanConfig"]
+__all__ = [
+    "ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig", "ActivationOffloadPlanConfig", "CompilePlanConfig",
+]
 
 
 def _unknown(value: str, known: list[str], what: str) -> str:
@@ -127,6 +129,20 @@ class ActivationOffloadPlanConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CompilePlanConfig:
+    apply_modules: list[str] | None = None
+    """Module name patterns ({*} and {a-b} allowed) whose forward is compiled one by one; null = the model's decoder layers."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor (generated kernels; a C++ compiler on the CPU), aot_eager (traced, no code generation) or eager."""
+    dynamic: bool = True
+    """Compile with symbolic shapes from the first step, so variable sequence lengths run one graph instead of recompiling."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError("backend", f"must be a torch.compile backend name such as inductor, got {self.backend!r}")
+
+
+@dataclass(kw_only=True, slots=True)
 class FeaturesConfig:
     enable_chunk_loss: bool = False
     """Compute lm_head + loss chunk by chunk inside lm_head, never materialising the full logits."""
@@ -136,8 +152,14 @@ class FeaturesConfig:
     """Loss normalisation settings."""
     activation_offload_plan: ActivationOffloadPlanConfig = field(default_factory=ActivationOffloadPlanConfig)
     """Which modules keep their saved activations in host memory during forward."""
+    compile: bool = False
+    """torch.compile each decoder layer (per block, before FSDP2; composes with recompute, chunk loss, LoRA, context parallel); the first step compiles."""
+    compile_plan: CompilePlanConfig = field(default_factory=CompilePlanConfig)
+    """Which blocks are compiled and how."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"parallel.{key}") for key in ("recompute", "recompute_plan")},
         "enable_dynamic_chunk_loss": Ignored("chunk loss uses the fixed chunkloss_plan.chunk_size", allowed=(False,)),
+        # torchtitan's `compile.enable`, HF TrainingArguments' (LLaMA-Factory's) `torch_compile`
+        **{key: Alias("features.compile") for key in ("torch_compile", "use_torch_compile", "enable_compile")},
     }

@@ -282,6 +282,15 @@ class ModelEntry:
                 return int(value)
         raise AttributeError(f"{type(vision).__name__} has neither num_hidden_layers nor depth")
 
+    def compile_patterns(self, features_cfg: Any) -> tuple[str, list[str]]:
+        """(config key, patterns) of the blocks `features.compile` compiles: `features.compile_plan.apply_modules`, or
+        the family's recompute patterns under its decoder (`decoder_name`): the decoder layers."""
+        key = "features.compile_plan.apply_modules"
+        if features_cfg.compile_plan.apply_modules is not None:
+            return key, list(features_cfg.compile_plan.apply_modules)
+        prefix = self.decoder_name + "."
+        return f"{key} (model default)", [p for p in self.recompute_modules if p.startswith(prefix)]
+
     def fsdp_groups(self, parallel_cfg: Any, parallel_dims: Any) -> list[Any]:
         """The FSDP2 groups (`mmfsdp.parallel.FSDPGroup`): by default one, `parallel.fsdp_plan.apply_modules` (or
         `fsdp_modules`) on the FSDP mesh."""
@@ -293,7 +302,8 @@ class ModelEntry:
         return [FSDPGroup(tuple(self.fsdp_modules), parallel_dims.fsdp_mesh, f"{key} (model default)")]
 
     def parallelize(self, model: nn.Module, parallel_cfg: Any, parallel_dims: Any, features_cfg: Any = None) -> nn.Module:
-        """Expert parallel (MoE families), checkpointing (`parallel.recompute`), activation offload, then FSDP2 over
+        """Expert parallel (MoE families), `torch.compile` per block (`features.compile`), checkpointing
+        (`parallel.recompute`), activation offload, then FSDP2 over
         `fsdp_groups` with the root on the FSDP mesh; in place, on the unsharded model (CPU or meta), before the
         weights are loaded.
 
@@ -311,6 +321,12 @@ class ModelEntry:
             names = apply_expert_parallel(model, patterns, ep_mesh, key=key)
             if ep_mesh is not None:
                 groups = [FSDPGroup(tuple(names), parallel_dims.expert_fsdp_mesh, key), *groups]
+        if features_cfg is not None and features_cfg.compile:
+            from mmfsdp.parallel.compile import apply_compile
+
+            key, patterns = self.compile_patterns(features_cfg)
+            plan = features_cfg.compile_plan
+            apply_compile(model, patterns, backend=plan.backend, dynamic=plan.dynamic, key=key)
         if parallel_cfg.recompute:
             apply_activation_checkpointing(model, list(parallel_cfg.recompute_plan.apply_modules or self.recompute_modules))
         offload_modules = [] if features_cfg is None else features_cfg.activation_offload_plan.apply_modules

@@ -13,7 +13,8 @@ The trainer uses this package in this order:
    `apply_fsdp_groups` with one `FSDPGroup(patterns, mesh)` per mesh), both
    selecting modules with the `{*}` / `{a-b}` patterns of `match_module_names`.
    `apply_activation_offload(model, patterns)` (after checkpointing, before
-   FSDP) keeps the saved activations of the matched modules in host memory.
+   FSDP) keeps the saved activations of the matched modules in host memory; `apply_compile(model, patterns)`
+   (first of all) compiles each matched block's forward with `torch.compile`.
    MoE families first shard their experts over the `ep` mesh with
    `apply_expert_parallel` (token dispatch by all-to-all, `experts_forward`).
 4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients, and
@@ -30,6 +31,8 @@ from mmfsdp.config.lazy import lazy_exports
 _LAZY = {
     "apply_activation_checkpointing": "mmfsdp.parallel.checkpointing",
     "is_checkpointed": "mmfsdp.parallel.checkpointing",
+    "apply_compile": "mmfsdp.parallel.compile",
+    "is_compiled": "mmfsdp.parallel.compile",
     "EPPlanConfig": "mmfsdp.parallel.config",
     "FSDPPlanConfig": "mmfsdp.parallel.config",
     "ParallelConfig": "mmfsdp.parallel.config",
@@ -51,6 +54,7 @@ _LAZY = {
     "FSDPGroup": "mmfsdp.parallel.fsdp",
     "apply_fsdp": "mmfsdp.parallel.fsdp",
     "apply_fsdp_groups": "mmfsdp.parallel.fsdp",
+    "group_small_modules": "mmfsdp.parallel.fsdp",
     "clip_grad_norm": "mmfsdp.parallel.grad",
     "MESH_AXES": "mmfsdp.parallel.mesh",
     "MeshPlan": "mmfsdp.parallel.mesh",
@@ -96,8 +100,11 @@ __all__ = [
     "match_module_names",
     "apply_activation_checkpointing",
     "is_checkpointed",
+    "apply_compile",
+    "is_compiled",
     "apply_fsdp",
     "apply_fsdp_groups",
+    "group_small_modules",
     "FSDPGroup",
     "clip_grad_norm",
     "ActivationOffload",

@@ -16,6 +16,8 @@ decoder) — and the root on `root_mesh`; `apply_fsdp` is its one-group case.
    offload policy, `reshard_after_forward` and the ignored parameters. (FSDP2
    keeps the root's parameters gathered after forward regardless, since
    backward needs them first.)
+   Small modules are grouped first (`group_small_modules`, `fsdp_plan.min_group_params`): consecutive
+   entries of a module list share one group, and a small module outside a list joins the root's group.
 4. With `num_to_forward_prefetch` / `num_to_backward_prefetch` > 0, each matched
    module is told to start gathering the next / previous N matched modules
    (model order is taken as execution order).
@@ -49,7 +51,7 @@ from mmfsdp.parallel.config import FSDPPlanConfig
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.patterns import match_module_names
 
-__all__ = ["apply_fsdp", "apply_fsdp_groups", "FSDPGroup"]
+__all__ = ["apply_fsdp", "apply_fsdp_groups", "group_small_modules", "FSDPGroup"]
 
 _KEY = "parallel.fsdp_plan"
 
@@ -126,15 +128,59 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
 
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     matched.sort(key=lambda item: order[item[0]])
-    for name, mesh in sorted(matched, key=lambda item: item[0].count("."), reverse=True):
-        fully_shard(model.get_submodule(name), **options(mesh))
+    num_params = {name: sum(p.numel() for p in model.get_submodule(name).parameters()) for name, _ in matched}
+    sharded = group_small_modules(matched, num_params, plan.min_group_params, root_mesh)
+    for names, mesh in sorted(sharded, key=lambda item: item[0][0].count("."), reverse=True):
+        modules = [model.get_submodule(name) for name in names]
+        fully_shard(modules[0] if len(modules) == 1 else modules, **options(mesh))
     fully_shard(model, **options(root_mesh))
-    _set_prefetch([model.get_submodule(name) for name, _ in matched], plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
+    firsts = [model.get_submodule(names[0]) for names, _ in sharded]  # a group's prefetch handle: its first module
+    _set_prefetch(firsts, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
     get_logger(__name__).info(
-        "FSDP2: %d modules + root on mesh %s, param_dtype=%s reduce_dtype=%s",
-        len(matched), tuple(root_mesh.shape), plan.param_dtype, plan.reduce_dtype,
+        "FSDP2: %d modules in %d groups + root on mesh %s, param_dtype=%s reduce_dtype=%s",
+        len(matched), len(sharded), tuple(root_mesh.shape), plan.param_dtype, plan.reduce_dtype,
     )
     return model
+
+
+def _list_parent(name: str) -> str | None:
+    """`a.b` for an entry `a.b.3` of a module list; None for a module that is not a list entry."""
+    parent, _, last = name.rpartition(".")
+    return parent if last.isdigit() else None
+
+
+def group_small_modules(
+    matched: list[tuple[str, DeviceMesh]], num_params: dict[str, int], min_params: int, root_mesh: DeviceMesh
+) -> list[tuple[list[str], DeviceMesh]]:
+    """The FSDP2 groups of the `matched` modules (in model order) under `fsdp_plan.min_group_params`.
+
+    Consecutive entries of one module list on the same mesh join one group until it holds `min_params`
+    parameters (every entry of a list runs in each forward, one after the other, so the group is gathered once
+    and freed after its last entry, as FSDP2 does for a list of modules). A module outside a list with fewer
+    than `min_params` parameters is left out: the root's group takes its parameters (only on the root's mesh;
+    on another mesh it stays a group). `min_params` 0 keeps one group per module. Grouping changes which
+    parameters travel in one collective, not the values: FSDP2 shards each parameter on its own, so every
+    shard and every reduced gradient is the same.
+    """
+    if min_params <= 0:
+        return [([name], mesh) for name, mesh in matched]
+    groups: list[tuple[list[str], DeviceMesh]] = []
+    open_parent: str | None = None
+    open_size = 0
+    for name, mesh in matched:
+        parent = _list_parent(name)
+        if parent is None:
+            open_parent = None
+            if num_params[name] >= min_params or mesh is not root_mesh:
+                groups.append(([name], mesh))
+            continue
+        if parent == open_parent and groups[-1][1] is mesh and open_size < min_params:
+            groups[-1][0].append(name)
+            open_size += num_params[name]
+        else:
+            groups.append(([name], mesh))
+            open_parent, open_size = parent, num_params[name]
+    return groups
 
 
 def _set_prefetch(modules: list[nn.Module], num_forward: int, num_backward: int) -> None:

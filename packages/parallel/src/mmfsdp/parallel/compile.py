@@ -1,0 +1,98 @@
+"""`torch.compile` per block (decoder layer): the block's own maths compiled, FSDP2's hooks left eager.
+
+`apply_compile(model, patterns, backend=..., dynamic=True)` replaces the `forward` of every matched module, on the
+instance, with `torch.compile(forward)` (the module's original bound forward; no wrapper module, so parameter and
+state-dict names do not change). One compiled function per module; the graphs are shared between blocks of the same
+class (their parameters are graph inputs), so a stack of 48 decoder layers compiles about once.
+
+Order in `parallelize`: compile, then activation checkpointing, activation offload, then FSDP2.
+- FSDP2: its pre/post-forward hooks live in the module's `__call__`, around the compiled forward, and run eagerly
+  (they are `torch._dynamo.disable`d anyway); the all-gather and reduce-scatter are unchanged.
+- Recompute (`apply_activation_checkpointing`): the checkpoint wraps the compiled forward, so backward recomputes by
+  calling the same compiled function; the saved activations are dropped as without compile.
+- Context parallel: Ulysses / Ring attention run inside the block through the attention interface; their
+  collectives are not traced (a graph break around each), so they run as in eager mode.
+- LoRA: the adapters are injected before, so they are part of the compiled block.
+- Chunk loss: `lm_head` is not a block and stays eager.
+
+Variable lengths: with `dynamic=True` the sequence length is symbolic from the first call, so rows of every length
+run one graph (a batch of one row, or a new input such as an image the first time, may add one more); without it
+torch.compile specialises on the first shape and recompiles once when a second one comes. `CompileTimer` logs, once
+per process, how long the first compiled call took (tracing and code generation of the first block).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from mmfsdp.config import get_logger
+from mmfsdp.parallel.patterns import match_module_names
+
+__all__ = ["apply_compile", "is_compiled"]
+
+log = get_logger(__name__)
+
+
+class _FirstCallTimer:
+    """Calls `fn`; the first call in this process (over all compiled blocks) logs its wall time once."""
+
+    logged = False
+
+    def __init__(self, fn: Callable[..., Any], backend: str):
+        self.fn = fn
+        self.backend = backend
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _FirstCallTimer.logged:
+            return self.fn(*args, **kwargs)
+        _FirstCallTimer.logged = True
+        started = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        log.info(f"compile: the first compiled block's first forward took {time.perf_counter() - started:.1f} s "
+                 f"(torch.compile, backend {self.backend}; its backward compiles on the first backward)")
+        return out
+
+
+class _CompiledForward:
+    """The compiled forward of one module (marks the module as compiled for `is_compiled`)."""
+
+    def __init__(self, forward: Callable[..., Any], backend: str, dynamic: bool | None):
+        self.original = forward
+        self.compiled = _FirstCallTimer(torch.compile(forward, backend=backend, dynamic=dynamic), backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `apply_compile` has compiled this module's forward (also under a later checkpointing wrapper)."""
+    forward = module.__dict__.get("forward")
+    while isinstance(forward, functools.partial) and forward.args:
+        forward = forward.args[0]
+    return isinstance(forward, _CompiledForward)
+
+
+def apply_compile(
+    model: nn.Module, patterns: list[str], *, backend: str = "inductor", dynamic: bool | None = True,
+    key: str = "features.compile_plan.apply_modules",
+) -> list[str]:
+    """Compile the forward of every module matched by `patterns` (before checkpointing and FSDP); return the names.
+
+    A pattern that matches nothing is a `ConfigError` under `key`. Modules already compiled are left as they are.
+    """
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        raise RuntimeError("apply_compile must run before apply_fsdp, on the unsharded model")
+    names = match_module_names(model, patterns, key=key)
+    for name in names:
+        module = model.get_submodule(name)
+        if not is_compiled(module):
+            module.forward = _CompiledForward(module.forward, backend, dynamic)
+    if names:
+        log.info(f"compile: {len(names)} modules compiled per block (backend {backend}, dynamic={dynamic})")
+    return names

@@ -1,0 +1,304 @@
+"""Tokens per second of a whole training run: a hand-written HF + FSDP2 loop against mmfsdp, side by side.
+
+    uv run python tools/bench/train_throughput.py                       # both sizes, a few minutes on 2 CPU cores
+    uv run python tools/bench/train_throughput.py --sizes tiny --steps 60 --warmup 10
+    uv run python tools/bench/train_throughput.py --best training.micro_batch_size=2   # extra overrides for (c)
+
+The same random-init Qwen3-VL, the same data and the same global batch (`--nproc` ranks × `--micro-batch` rows)
+run three ways, one after the other, each on `--nproc` gloo processes (fp32):
+
+- `plain`: what a user writes by hand: HF `Qwen3VLForConditionalGeneration` (SDPA), `fully_shard` on every decoder
+  layer and the root, AdamW (torch's default, foreach), grad-norm clipping at 1.0, a `torch.utils.data.DataLoader`
+  with a `DistributedSampler` whose collate pads each micro-batch to its longest row (mmfsdp's tokenised rows, so
+  both see the same tokens), `model(**inputs, labels=labels)` — launched by `torch.multiprocessing.spawn`;
+- `mmfsdp`: the real app (`python apps/train CONFIG --nproc-per-node N`) on a config that names only the model and
+  the data: every other key at its default;
+- `mmfsdp_best`: the same with the settings that make it fastest (packing into rows of about the same token count
+  as a padded micro-batch; `--best KEY=VALUE` adds overrides, e.g. `features.compile=true`).
+
+Two sizes: `tiny` (the qwen3vl-tiny example's ~1 M-parameter model on its coloured-shapes rows, 16 × ~26 tokens)
+and `large` (the same vision tower, a `--large-hidden` × `--large-layers` decoder: ≥ 50 M parameters, where the
+matmuls dominate the step, on variable-length rows of `make_varlen_dataset`: 0–2 images of six sizes, 1–3 turns,
+30 % text-only).
+
+Each run's step time is taken per step (the loader's `next` to the optimizer step, both systems alike; the app's is
+`step_time_s` of `metrics.jsonl`), the first `--warmup` steps dropped; tokens/s is the median over the remaining
+steps of (real tokens of the global batch) / (step time). FLOP/s are the model FLOPs of each step's real batch
+(`mmfsdp.model.flops`, 3 × forward) per device; `gemm_peak_fraction_*` divides them by the machine's GEMM rate,
+measured by `mmfsdp.parallel.peak.measure_gemm_tflops` on all ranks at the same time (mean of the ranks, best of 3), the
+same peak for every run. The last line is one JSON object: each run's numbers and the ratios `tiny_over_plain`,
+`large_over_plain`, `large_best_over_plain` (and `tiny_best_over_plain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
+APP = ROOT / "apps" / "train"
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def large_assets(out: Path, hidden: int, layers: int) -> Path:
+    """The tiny assets with a bigger decoder (vision tower unchanged but projecting to `hidden`)."""
+    path = out / f"assets_{hidden}x{layers}"
+    if path.exists():
+        shutil.rmtree(path)
+    shutil.copytree(TINY_ASSETS, path)
+    config = json.loads((path / "config.json").read_text())
+    heads = hidden // 64
+    text = config["text_config"]
+    text.update(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=max(heads // 3, 1), head_dim=64)
+    text["rope_parameters"]["mrope_section"] = [16, 8, 8]  # sums to head_dim / 2
+    config["vision_config"]["out_hidden_size"] = hidden
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def data_config(size: str, out: Path, assets: Path) -> dict:
+    """The `data:` section of both systems for `size` (the app's keys; the plain loop reads the same rows)."""
+    pre = {"model_name_or_path": str(assets), "template": "qwen3_vl_nothink", "image_plugin": "qwen2_vl",
+           "cutoff_len": 256}
+    if size == "tiny":
+        return {"dataset_param": {
+            "dataset_type": "synthetic_shapes", "preprocess_parameters": pre,
+            "basic_parameters": {"dataset_dir": str(out / "data_tiny"), "cache_dir": str(out / "cache_tiny")},
+            "synthetic": {"num_train": 1024, "num_eval": 16},
+        }, "dataloader_param": {"collate_param": {"model_name": "qwen3vl"}}}
+    from mmfsdp.data.synthetic import make_varlen_dataset
+
+    make_varlen_dataset(out / "data_large", num_train=512, num_eval=0, seed=3, min_images=0, max_images=2,
+                        max_answer_words=30, text_only_share=0.3)
+    return {"dataset_param": {
+        "dataset_type": "huggingface", "preprocess_parameters": pre,
+        "basic_parameters": {"dataset": str(out / "data_large" / "train.jsonl"),
+                             "dataset_dir": str(out / "data_large"), "cache_dir": str(out / "cache_large")},
+    }, "dataloader_param": {"collate_param": {"model_name": "qwen3vl"}}}
+
+
+def write_config(path: Path, assets: Path, data: dict, args, output_dir: Path) -> Path:
+    """An app config naming only the model, the data and the run's length: every other key is mmfsdp's default."""
+    from mmfsdp.config import dump_yaml
+
+    config = {
+        "model": {"model_id": "qwen3_vl", "model_name_or_path": str(assets), "random_init": True},
+        "data": data,
+        "training": {"micro_batch_size": args.micro_batch, "train_iters": args.warmup + args.steps,
+                     "lr": 1.0e-4, "output_dir": str(output_dir), "log_interval": 1, "seed": 1234},
+    }
+    path.write_text(dump_yaml(config))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- the plain loop
+
+
+class _PadToLongest:
+    """collate_fn: the micro-batch's samples padded to its longest row (mmfsdp's collator without packing)."""
+
+    def __init__(self, pad_token_id: int):
+        from mmfsdp.data.collators import get_collator
+
+        self.collate = get_collator("qwen3vl")(pad_token_id=pad_token_id)
+
+    def __call__(self, samples):
+        return self.collate(samples)
+
+
+def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: dict, result_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    from mmfsdp.data import build_dataset, build_processor
+    from mmfsdp.model import get_model_entry, model_inputs
+    from mmfsdp.model.flops import count_forward, sample_lengths
+    from mmfsdp.train.config import load_config
+    from mmfsdp.train.mfu import resolve_peak_tflops
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    cfg = load_config(Path(config_path), [])
+    # the best of a few timings: on a shared machine one short GEMM can land on a busy moment
+    peak = max(resolve_peak_tflops(torch.device("cpu"), torch.float32, None)[0] for _ in range(3))
+
+    torch.manual_seed(0)
+    hf_config = AutoConfig.from_pretrained(cfg.model.model_name_or_path)
+    model = Qwen3VLForConditionalGeneration._from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0e-4, weight_decay=0.0)
+
+    processor = build_processor(cfg.data)
+    dataset = build_dataset(cfg.data, processor, split="train")
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=1234,
+                                                              drop_last=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args["micro_batch"], sampler=sampler,
+                                         collate_fn=_PadToLongest(processor.pad_token_id), num_workers=2,
+                                         drop_last=True)
+    entry = get_model_entry("qwen3_vl")
+    shape = entry.flop_shape(hf_config)
+    steps = []
+    batches = iter(loader)
+    for _ in range(args["warmup"] + args["steps"]):
+        started = time.perf_counter()
+        batch = next(batches)
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_time = time.perf_counter() - started
+        lengths = sample_lengths(batch["attention_mask"], None)
+        flops = count_forward(shape, lengths, entry.image_patches(hf_config, batch))
+        counts = torch.tensor([float(batch["attention_mask"].sum()), float(flops.model), step_time],
+                              dtype=torch.float64)
+        dist.all_reduce(counts)  # outside the timed region: tokens and FLOPs of the global batch, summed step time
+        steps.append({"num_tokens": counts[0].item(), "flops": counts[1].item(), "step_time_s": step_time})
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({"steps": steps, "peak_tflops": peak,
+                                                 "num_params": sum(p.numel() for p in model.parameters())}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_plain(config_path: Path, args, out: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    from mmfsdp.parallel.testing import free_port
+
+    result = out / "plain.json"
+    result.unlink(missing_ok=True)
+    mp.spawn(_plain_rank, args=(args.nproc, free_port(), str(config_path), vars(args), str(result)),
+             nprocs=args.nproc, join=True)
+    return json.loads(result.read_text())
+
+
+# ---------------------------------------------------------------------------------------------- mmfsdp
+
+
+def run_app(config_path: Path, overrides: list[str], args, output_dir: Path) -> dict:
+    """The app on `config_path` + `overrides`; its per-step records from `metrics.jsonl`."""
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    cmd = [sys.executable, str(APP), str(config_path), *overrides, "--nproc-per-node", str(args.nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [{"num_tokens": r["num_tokens"], "step_time_s": r["step_time_s"],
+              "flops": r["tflops"] * r["step_time_s"] * args.nproc * 1e12} for r in records]
+    compile_lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines()
+                     if "compile: " in line and ("first compiled" in line or "modules compiled" in line)]
+    return {"steps": steps, "log": compile_lines[:3]}
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def summarise(run: dict, warmup: int, peak_tflops: float, nproc: int) -> dict:
+    steady = run["steps"][warmup:]
+    if not steady:
+        raise SystemExit("no steady-state steps: raise --steps")
+    return {
+        "tokens_per_s": statistics.median(s["num_tokens"] / s["step_time_s"] for s in steady),
+        "step_ms": 1e3 * statistics.median(s["step_time_s"] for s in steady),
+        "tokens_per_step": statistics.median(s["num_tokens"] for s in steady),
+        "tflops_per_device": statistics.median(s["flops"] / s["step_time_s"] / nproc / 1e12 for s in steady),
+        "gemm_peak_fraction": statistics.median(s["flops"] / s["step_time_s"] / nproc / 1e12 for s in steady)
+        / peak_tflops,
+        "steady_steps": len(steady),
+    }
+
+
+def measure_size(size: str, args, out: Path) -> dict:
+    from mmfsdp.data import build_dataset, build_processor, prepare_dataset
+    from mmfsdp.train.config import load_config
+
+    assets = TINY_ASSETS if size == "tiny" else large_assets(out, args.large_hidden, args.large_layers)
+    data = data_config(size, out, assets)
+    config_path = write_config(out / f"{size}.yaml", assets, data, args, out / f"{size}_mmfsdp")
+    cfg = load_config(config_path, [])
+    prepare_dataset(cfg.data)
+    lengths = build_dataset(cfg.data, build_processor(cfg.data), split="train").lengths
+    mean_len = sum(lengths) / len(lengths)
+    # packed rows of about the tokens of a padded micro-batch: the same global batch in tokens
+    capacity = max(int(mean_len * args.micro_batch), max(lengths))
+    best = ["data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
+            f"data.dataset_param.preprocess_parameters.cutoff_len={capacity}", *args.best]
+
+    runs = {}
+    started = time.perf_counter()
+    runs["plain"] = run_plain(config_path, args, out)
+    peak = runs["plain"]["peak_tflops"]
+    runs["mmfsdp"] = run_app(config_path, list(args.defaults_override), args, out / f"{size}_mmfsdp")
+    runs["mmfsdp_best"] = run_app(config_path, [f"training.output_dir={out / f'{size}_best'}", *best], args,
+                                  out / f"{size}_best")
+    summary = {name: summarise(run, args.warmup, peak, args.nproc) for name, run in runs.items()}
+    summary["num_params"] = runs["plain"]["num_params"]
+    summary["mean_sample_tokens"] = mean_len
+    summary["best_overrides"] = best
+    summary["peak_tflops"] = peak
+    summary["compile_log"] = runs["mmfsdp_best"]["log"]
+    summary["wall_s"] = time.perf_counter() - started
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="tiny,large", help="comma-separated: tiny, large")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank and step (global batch: × nproc)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps dropped before the medians")
+    parser.add_argument("--steps", type=int, default=15, help="steady-state steps measured (tiny)")
+    parser.add_argument("--large-steps", type=int, default=6, help="steady-state steps measured (large)")
+    parser.add_argument("--large-warmup", type=int, default=2)
+    parser.add_argument("--large-hidden", type=int, default=768)
+    parser.add_argument("--large-layers", type=int, default=8)
+    parser.add_argument("--best", action="append", default=[], help="extra KEY=VALUE override of the best run")
+    parser.add_argument("--defaults-override", action="append", default=[],
+                        help="KEY=VALUE for the defaults run, e.g. parallel.fsdp_plan.min_group_params=0 (the plan "
+                             "before grouping)")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    results: dict = {"nproc": args.nproc, "global_batch_rows": args.nproc * args.micro_batch}
+    for size in args.sizes.split(","):
+        size_args = argparse.Namespace(**vars(args))
+        if size == "large":
+            size_args.steps, size_args.warmup = args.large_steps, args.large_warmup
+        results[size] = measure_size(size, size_args, out)
+        r = results[size]
+        for name in ("plain", "mmfsdp", "mmfsdp_best"):
+            run = r[name]
+            print(f"{size:5s} {name:12s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
+                  f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}",
+                  flush=True)
+        plain = r["plain"]["tokens_per_s"]
+        results[f"{size}_over_plain"] = r["mmfsdp"]["tokens_per_s"] / plain
+        results[f"{size}_best_over_plain"] = r["mmfsdp_best"]["tokens_per_s"] / plain
+        for name in ("plain", "mmfsdp", "mmfsdp_best"):
+            results[f"gemm_peak_fraction_{size}_{name}"] = r[name]["gemm_peak_fraction"]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
