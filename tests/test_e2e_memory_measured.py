@@ -69,14 +69,12 @@ class _ImageShare:
     def __init__(self, loader, image_token_id: int):
         self.loader, self.image_token_id, self.largest_share = loader, image_token_id, 0.0
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.loader)
-        ids = batch["input_ids"]
-        self.largest_share = max(self.largest_share, float((ids == self.image_token_id).sum()) / ids.numel())
-        return batch
+    def next_step(self, num_micro_batches: int):
+        batches = self.loader.next_step(num_micro_batches)
+        for batch in batches:
+            ids = batch["input_ids"]
+            self.largest_share = max(self.largest_share, float((ids == self.image_token_id).sum()) / ids.numel())
+        return batches
 
     def __getattr__(self, name):
         return getattr(self.loader, name)
