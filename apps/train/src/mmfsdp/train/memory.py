@@ -20,8 +20,8 @@ Magistral-Small-2509 worked through):
   rank's step, `micro_batch_size × gradient_accumulation_steps × cutoff_len`) × hidden × layers × the
   family's bytes per token, hidden unit and layer (`ModelEntry.decoder_values_per_token`); recompute keeps
   only each layer's input plus one layer being recomputed, offload moves the saved tensors of the matched
-  layers to the host (one layer in flight); the logits (or one chunk of them with chunk loss) come on top. A frozen vision tower
-  saves nothing.
+  layers to the host (one layer in flight); the logits (or one chunk of them with chunk loss) come on top.
+  A frozen vision tower saves nothing.
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
