@@ -22,7 +22,8 @@
    collectives impose); wall time per 100 samples unbalanced (the fixed layout) vs balanced (budget + balance),
    `wall_ratio_<P>` = balanced / unbalanced, and the correlation between the cost model's predicted rank time
    and the measured one over all (step, rank) pairs (`cost_model_correlation_<P>`), with the model calibrated
-   on this machine first (`balance_calibrate.fit`).
+   on this machine first (`balance_calibrate.fit`). More processes than CPU cores still run (the JSON marks
+   `oversubscribed_<P>`): the ranks time-share the cores, so their measured times include waiting for one.
 
 The last line printed is one JSON object with every number.
 """
