@@ -68,6 +68,8 @@ class _OneTokenSafeMistral3Model(Mistral3Model):
             pixel_values=pixel_values, image_sizes=sizes, vision_feature_layer=vision_feature_layer, **kwargs
         )
         if len(sizes) > num_images:
+            if not hasattr(output, "pooler_output"):  # older transformers return the per-image tuple itself
+                return tuple(output)[:num_images]
             output.pooler_output = tuple(output.pooler_output)[:num_images]
         return output
 
