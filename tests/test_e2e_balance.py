@@ -101,7 +101,6 @@ def _train(rank, world_size, tmp, runs):
     for name, config, overrides in runs:
         trainer = Trainer(load_config(config, overrides), "cpu")
         loader = trainer.loader
-        start = {"step": trainer.step, "loader": dict(loader.state_dict())}
         plans, take = [], loader.next_step
 
         def next_step(num, take=take):
@@ -115,7 +114,6 @@ def _train(rank, world_size, tmp, runs):
         loader.next_step = next_step
         trainer.train()
         results[name] = {
-            "start": start,
             "steps": [(r.loss, r.grad_norm) for r in trainer.history],
             "plans": plans,
             "metrics": trainer.balance_meter.scalars(),
