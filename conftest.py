@@ -21,7 +21,7 @@ _FILE_SECONDS = {
     "tests/test_e2e_multinode.py": 165,
     "tests/test_e2e_launch.py": 40,
     "tests/test_e2e_text_only_parity.py": 365,  # serial, 2026-12-05, busy machine, with the 8 vision-DP runs
-    "tests/test_e2e_balance.py": 125,  # serial, 2026-12-05, busy machine (3 one-process + 6 two-process runs)
+    "tests/test_e2e_balance.py": 145,  # serial, 2026-12-05, busy machine (10 trainers in 2 spawns, 2 app runs)
     "tests/test_e2e_resume_meta.py": 140,
     "tests/test_e2e_video_parity.py": 100,  # serial, 2026-12-05 (8 trainers: 3 on 1 process, 5 on 2)
     "tests/test_e2e_resume.py": 120,

@@ -100,3 +100,22 @@ def test_magistral_lora_recipe_holds_gradients_and_adamw_state_for_the_adapters_
     assert plan.gradients == adapters * 4 // 4
     assert plan.optimizer_states == 2 * 4 * adapters // 4
     assert plan.fits and plan.parameters + plan.gradients + plan.optimizer_states < 12 * GiB
+
+
+@pytest.mark.parametrize("budget, tokens", [(8192, 2 * TOKENS), (2048, TOKENS)])
+def test_a_token_budget_sizes_the_activations(model_dir, budget, tokens):
+    """`training.micro_batch_tokens`: a micro-batch holds up to the budget (micro_batch_size no longer bounds it),
+    and a sample over the budget runs alone, so `max(budget, cutoff_len)` tokens (cutoff 4096 here)."""
+    cfg = load_config(RECIPES / "config_8card.yaml", [
+        f"model.model_name_or_path={model_dir}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model_dir}",
+        "model.attn_implementation=sdpa",
+        "training.gradient_accumulation_steps=4",
+        f"training.micro_batch_tokens={budget}",
+    ])
+    assert cfg.training.micro_batch_size == 1
+    activations = LAYERS * tokens * H * 2 + tokens * H * FAMILY_FACTOR * 2 + CHUNK * VOCAB * 8
+    plan = memory_plan(cfg, 8, 80 * GiB)
+    assert abs(plan.activations - activations) <= 1e-9 * activations
+    printed = "\n".join(memory_plan_lines(cfg, 8, 80 * GiB))
+    assert f"{tokens} tokens per micro-batch under micro_batch_tokens" in printed, printed

@@ -15,11 +15,13 @@ Magistral-Small-2509 worked through):
 - compute copies: FSDP2 all-gathers each wrapped unit in `param_dtype` (or the storage
   dtype); the largest unit × 2, for the one computing and the one being prefetched;
 - activations: tokens per micro-batch and CP rank (`micro_batch_size × cutoff_len /
-  (ring × ulysses)`) × hidden × layers × the family's bytes per token, hidden unit and
-  layer (`ModelEntry.decoder_values_per_token`); recompute keeps only each layer's input plus one layer being recomputed,
-  offload moves the saved tensors of the matched layers to the host (one layer in flight);
-  the logits (or one chunk of them with chunk loss) come on top. A frozen vision tower
-  saves nothing.
+  (ring × ulysses)`; with a token budget `training.micro_batch_tokens` the micro-batch holds at most
+  `max(micro_batch_tokens, cutoff_len)` tokens — a sample over the budget runs alone — and at most the
+  rank's step, `micro_batch_size × gradient_accumulation_steps × cutoff_len`) × hidden × layers × the
+  family's bytes per token, hidden unit and layer (`ModelEntry.decoder_values_per_token`); recompute keeps
+  only each layer's input plus one layer being recomputed, offload moves the saved tensors of the matched
+  layers to the host (one layer in flight); the logits (or one chunk of them with chunk loss) come on top.
+  A frozen vision tower saves nothing.
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
@@ -117,10 +119,18 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
     return max(sizes.values(), default=0)
 
 
+def micro_batch_tokens(cfg: Config) -> int:
+    """The most tokens (rows × row length, padding included) one micro-batch of a rank holds (module docstring)."""
+    t, cutoff = cfg.training, cfg.data.dataset_param.preprocess_parameters.cutoff_len
+    if t.micro_batch_tokens is None:
+        return t.micro_batch_size * cutoff
+    return min(max(t.micro_batch_tokens, cutoff), t.micro_batch_size * t.gradient_accumulation_steps * cutoff)
+
+
 def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, image_token_share: float) -> int:
     text = model.config.text_config
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
-    tokens = cfg.training.micro_batch_size * cfg.data.dataset_param.preprocess_parameters.cutoff_len // (plan.ring * plan.ulysses)
+    tokens = micro_batch_tokens(cfg) // (plan.ring * plan.ulysses)
     per_layer = tokens * text.hidden_size * entry.decoder_values_per_token(text) * compute
     layer_input = tokens * text.hidden_size * compute
     layers = text.num_hidden_layers
@@ -270,7 +280,11 @@ def _suggestions(cfg: Config, world_size: int, device_memory: int, image_token_s
          replace(cfg, features=replace(f, activation_offload_plan=replace(f.activation_offload_plan, apply_modules=layers))),
          world_size),
         ("features.enable_chunk_loss: true", replace(cfg, features=replace(f, enable_chunk_loss=True)), world_size),
-        ("training.micro_batch_size: 1", replace(cfg, training=replace(t, micro_batch_size=1)), world_size),
+        ("training.micro_batch_size: 1", replace(cfg, training=replace(t, micro_batch_size=1)), world_size)
+        if t.micro_batch_tokens is None else
+        (f"training.micro_batch_tokens: {cfg.data.dataset_param.preprocess_parameters.cutoff_len}",
+         replace(cfg, training=replace(t, micro_batch_tokens=cfg.data.dataset_param.preprocess_parameters.cutoff_len)),
+         world_size),
         (f"{2 * world_size} processes", cfg, 2 * world_size),
         ("parallel.fsdp_plan.cpu_offload: true",
          replace(cfg, parallel=replace(p, fsdp_plan=replace(p.fsdp_plan, cpu_offload=True))), world_size),
@@ -303,7 +317,9 @@ def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | N
         + ("(adamw_swap: in host memory)" if cfg.training.optimizer == "adamw_swap" else "(AdamW: 2 x fp32)"),
         f"  before activations{gib(plan.before_activations):>10}",
         f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
-        f"  activations       {gib(plan.activations):>10}  (estimate; image tokens {image_token_share:.0%} of a micro-batch)",
+        f"  activations       {gib(plan.activations):>10}  (estimate; {micro_batch_tokens(cfg)} tokens per micro-batch"
+        + (" under micro_batch_tokens" if cfg.training.micro_batch_tokens is not None else "")
+        + f", image tokens {image_token_share:.0%} of them)",
         f"  total             {gib(plan.total):>10}" + (f"  (+ {gib(plan.host)} in host memory)" if plan.host else ""),
         *_video_lines(cfg),
     ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+from transformers.models.mistral3.modeling_mistral3 import Mistral3Model
 
 from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
@@ -29,23 +30,64 @@ from mmfsdp.model.families.mistral3.vision import install_per_image_attention
 __all__ = ["Mistral3ForConditionalGenerationFSDP", "Mistral3Entry", "packed_attention_kwargs", "safetensors_problem"]
 
 
+def _placeholder_image(num_channels: int, side: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """One black image of two merged tokens (`side` pixels: patch size × spatial merge)."""
+    return {
+        "pixel_values": torch.zeros(1, num_channels, side, 2 * side, device=device, dtype=dtype),
+        "image_sizes": torch.tensor([[side, 2 * side]], device=device),
+    }
+
+
+def _one_token_padded(pixel_values: torch.Tensor, sizes: torch.Tensor, side: int):
+    """`pixel_values` and `image_sizes` with the placeholder image after them when the images hold one merged
+    token in all (HF's feature split squeezes away the token dim of a one-token call); else unchanged."""
+    if int(((sizes // side).prod(-1)).sum()) != 1:
+        return pixel_values, sizes
+    extra = _placeholder_image(pixel_values.shape[1], side, pixel_values.device, pixel_values.dtype)
+    extra_pixels, extra_size = extra["pixel_values"], extra["image_sizes"].to(sizes.device, sizes.dtype)
+    height = max(pixel_values.shape[-2], extra_pixels.shape[-2])
+    width = max(pixel_values.shape[-1], extra_pixels.shape[-1])
+    padded = pixel_values.new_zeros(len(sizes) + 1, pixel_values.shape[1], height, width)
+    padded[: len(sizes), :, : pixel_values.shape[-2], : pixel_values.shape[-1]] = pixel_values
+    padded[-1:, :, : extra_pixels.shape[-2], : extra_pixels.shape[-1]] = extra_pixels
+    return padded, torch.cat([sizes, extra_size])
+
+
+class _OneTokenSafeMistral3Model(Mistral3Model):
+    """HF's `Mistral3Model` whose `get_image_features` also takes images of one merged token in all (a
+    micro-batch whose only image is 16x16 at patch 8, merge 2): the placeholder image goes after them
+    (`_one_token_padded`) and its features are dropped, so every call returns one `[tokens, hidden]` per image.
+    The same mechanism serves vision DP's one-token shares (`select_vision_media` only cuts)."""
+
+    def get_image_features(self, pixel_values, image_sizes, vision_feature_layer=None, **kwargs):
+        num_images = len(image_sizes)
+        side = self.vision_tower.patch_size * self.config.spatial_merge_size
+        sizes = torch.as_tensor(image_sizes, device=pixel_values.device)
+        pixel_values, sizes = _one_token_padded(pixel_values, sizes, side)
+        output = super().get_image_features(
+            pixel_values=pixel_values, image_sizes=sizes, vision_feature_layer=vision_feature_layer, **kwargs
+        )
+        if len(sizes) > num_images:
+            if not hasattr(output, "pooler_output"):  # older transformers return the per-image tuple itself
+                return tuple(output)[:num_images]
+            output.pooler_output = tuple(output.pooler_output)[:num_images]
+        return output
+
+
 class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForConditionalGeneration):
     """HF `Mistral3ForConditionalGeneration` plus the training forward, chunk loss and per-image vision attention."""
 
     def __init__(self, config: Mistral3Config):
         super().__init__(config)
+        self.model.__class__ = _OneTokenSafeMistral3Model
         install_per_image_attention(self.model.vision_tower)
         self.init_training_forward()
 
     def placeholder_vision_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-        """One black image of two merged tokens (`2 · spatial_merge_size²` patches): HF's feature split
-        squeezes away the token dim of a one-token image."""
+        """One black image of two merged tokens (`2 · spatial_merge_size²` patches)."""
         vision = self.config.vision_config
         side = vision.patch_size * self.config.spatial_merge_size
-        return {
-            "pixel_values": torch.zeros(1, vision.num_channels, side, 2 * side, device=device, dtype=dtype),
-            "image_sizes": torch.tensor([[side, 2 * side]], device=device),
-        }
+        return _placeholder_image(vision.num_channels, side, device, dtype)
 
     def vision_media_patches(self, call: dict[str, Any]) -> list[int]:
         """Patches of each image of `image_sizes` (`pixel_values` is padded to the largest image)."""
@@ -53,22 +95,10 @@ class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForCond
         return [int(h) // patch * (int(w) // patch) for h, w in call["image_sizes"].tolist()]
 
     def select_vision_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        """Those images of `pixel_values` and `image_sizes` (Pixtral crops each image to its size); a selection of
-        one merged token gets the placeholder image after it (HF's feature split squeezes away the token dim of a
-        one-token call; the caller drops the extra item's features)."""
+        """Those images of `pixel_values` and `image_sizes` (Pixtral crops each image to its size; a selection of
+        one merged token is handled by `get_image_features` itself)."""
         pixel_values = call["pixel_values"][torch.tensor(indices, device=call["pixel_values"].device)]
-        sizes = call["image_sizes"][indices]
-        side = self.config.vision_config.patch_size * self.config.spatial_merge_size
-        if int(((sizes // side).prod(-1)).sum()) == 1:
-            extra = self.placeholder_vision_inputs(pixel_values.device, pixel_values.dtype)
-            extra_pixels, extra_size = extra["pixel_values"], extra["image_sizes"].to(sizes.device, sizes.dtype)
-            height = max(pixel_values.shape[-2], extra_pixels.shape[-2])
-            width = max(pixel_values.shape[-1], extra_pixels.shape[-1])
-            padded = pixel_values.new_zeros(len(indices) + 1, pixel_values.shape[1], height, width)
-            padded[: len(indices), :, : pixel_values.shape[-2], : pixel_values.shape[-1]] = pixel_values
-            padded[-1:, :, : extra_pixels.shape[-2], : extra_pixels.shape[-1]] = extra_pixels
-            pixel_values, sizes = padded, torch.cat([sizes, extra_size])
-        return {**call, "pixel_values": pixel_values, "image_sizes": sizes}
+        return {**call, "pixel_values": pixel_values, "image_sizes": call["image_sizes"][indices]}
 
 
 @register_model("mistral3")
