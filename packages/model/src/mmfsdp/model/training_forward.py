@@ -223,11 +223,15 @@ class TrainingForwardMixin:
             # Here, after the embedding and where the real merge would have run the tower, so that the
             # collectives keep their order in forward and backward; `0 · Σ` is exactly zero for finite features.
             embeds = kwargs["inputs_embeds"]
-            features = [
-                feature
-                for _ in range(call.vision_placeholder)
-                for feature in self.vision_placeholder_features(embeds.device, embeds.dtype)
-            ]
+            own_pass = contextlib.nullcontext()
+            if self._vision_dp is not None:
+                own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
+            with own_pass:
+                features = [
+                    feature
+                    for _ in range(call.vision_placeholder)
+                    for feature in self.vision_placeholder_features(embeds.device, embeds.dtype)
+                ]
             if features:
                 zero = sum(feature.float().mul(0).sum() for feature in features)
                 kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
@@ -281,7 +285,7 @@ class TrainingForwardMixin:
             cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
             shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
         vision_dp = contextlib.nullcontext()
-        if self._vision_dp is not None and not placeholder:
+        if self._vision_dp is not None and placeholder < len(self.vision_input_keys):  # the call has media
             vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
         with self._calling_decoder(decoder_kwargs, cp_batch, placeholder), vision_dp:
             if self.chunk_loss_size is None:

@@ -134,6 +134,17 @@ class VisionDataParallel:
         finally:
             del base.get_image_features
 
+    @contextlib.contextmanager
+    def suspended(self, base: torch.nn.Module) -> Iterator[None]:
+        """Inside `patched`: `base.get_image_features` is the original again (the placeholder pass of a media kind
+        the call lacks is every rank's own, like the rest of the placeholder: nothing to share or gather)."""
+        patched = base.__dict__.pop("get_image_features", None)
+        try:
+            yield
+        finally:
+            if patched is not None:
+                base.get_image_features = patched
+
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
         var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
