@@ -16,7 +16,7 @@ from mmfsdp.data.synthetic import make_motion_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_TRAIN, NUM_EVAL, SEED = 6144, 256, 0
-FRAME_SIZE, NUM_FRAMES, FPS, SHAPE_SHARE, BACKGROUND, CLIP_COLOURS = 32, 2, 2, 0.375, 0, ("red",)
+FRAME_SIZE, NUM_FRAMES, FPS, SHAPE_SHARE, BACKGROUND, CLIP_COLOURS = 32, 2, 2, 0.375, None, ("red",)
 """1-second clips of 2 frames of 32 × 32: one temporal patch of two frames whose 2 × 2 patches of 16 px merge
 (merge 2) into ONE video token, so the patch embedding (a Conv3d over both frames) and that token see the whole
 motion. A red shape (side 12 px) on black moves 10-20 px between the two frames from a random start: one frame
