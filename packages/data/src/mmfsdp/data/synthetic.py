@@ -148,6 +148,7 @@ def write_moving_shape_clip(
     shape_share: float = 1 / 3,
     noise: int = 12,
     background: int | None = None,
+    travel_px: tuple[int, int] | None = None,
 ) -> None:
     """An mpeg4 clip (PyAV) of one shape moving in `direction` in a straight line from a random start over a noisy
     grey background: every frame alone shows a shape at a random place, only two frames show where it goes.
@@ -156,14 +157,17 @@ def write_moving_shape_clip(
     drawn so that the whole path stays inside; the background is a random grey with pixel noise of +-`noise`, or,
     with `background` set, that flat grey level (0: black; no noise, and no grey is drawn from `rng`). On a fixed
     dark background every colour is brighter than the background, so the frame difference alone says where the
-    shape arrives and where it leaves. `width` and `height` must be even (yuv420p).
+    shape arrives and where it leaves. `travel_px` (low, high): draw the travel from that range of pixels instead
+    (short moves give less away through the start position). `width` and `height` must be even (yuv420p).
     """
     import av
 
     dx, dy = DIRECTIONS[direction]
     side = max(4, int(min(width, height) * shape_share + 1e-6))
     free = (width - side, height - side)
-    travel = int(rng.integers((free[0] if dx else free[1]) // 2, (free[0] if dx else free[1]) + 1))
+    span = free[0] if dx else free[1]
+    low_travel, high_travel = travel_px if travel_px is not None else (span // 2, span)
+    travel = int(rng.integers(low_travel, high_travel + 1))
     start = []
     for axis, d in enumerate((dx, dy)):
         low = travel if d < 0 else 0
@@ -272,6 +276,7 @@ def make_motion_dataset(
     noise: int = 12,
     background: int | None = None,
     clip_colours: tuple[str, ...] | None = None,
+    travel_px: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A task only video can solve, in mllm format: `videos/*.mp4`, `images/*.png`, `train.jsonl`, `eval.jsonl`,
     `meta.json` (with `chance` 0.25); returns the meta.
@@ -282,7 +287,8 @@ def make_motion_dataset(
     training rows, `image_share` are the shapes image question (`PROMPT` -> "a red circle") and `text_only_share`
     the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text (`shape_share`, `noise`,
     `background`: the clip's shape size, background noise and fixed background level, `write_moving_shape_clip`;
-    `clip_colours`: the colours a clip's shape is drawn in, default all of `COLOURS`); the evaluation rows are
+    `clip_colours`: the colours a clip's shape is drawn in, default all of `COLOURS`; `travel_px`: the range of its
+    travel in pixels, `write_moving_shape_clip`); the evaluation rows are
     all video rows, with directions balanced. Deterministic in its arguments; if `out_dir/meta.json` exists nothing
     is written (it must record the same arguments, `DataError` otherwise).
     """
@@ -302,6 +308,7 @@ def make_motion_dataset(
         "noise": noise,
         "background": background,
         "clip_colours": list(clip_colours) if clip_colours is not None else None,
+        "travel_px": list(travel_px) if travel_px is not None else None,
     }
     existing = _existing_meta(out_dir, meta)
     if existing is not None:
@@ -328,7 +335,7 @@ def make_motion_dataset(
             write_moving_shape_clip(
                 tmp / videos[0], rng, colour=colour, shape=shape, direction=direction,
                 width=frame_size, height=frame_size, num_frames=num_frames, fps=fps,
-                shape_share=shape_share, noise=noise, background=background,
+                shape_share=shape_share, noise=noise, background=background, travel_px=travel_px,
             )
             question, answer = MOTION_PROMPT.format(colour=colour, shape=shape), direction
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
