@@ -57,8 +57,8 @@ def test_example_passes_check_with_its_video_budget(data, tmp_path, capsys):
     assert main(_args(data, tmp_path)) == 0
     out = capsys.readouterr().out
     assert "check passed: 2 processes, model qwen3_vl" in out
-    # 8 frames in 4 temporal patches of 64 x 64 px: 4 pads + at most 8 timestamp/start/end tokens each
-    assert "video tokens      ~<= 48 per video (4 temporal patches of <= 4096 px per frame, video_maxlen 8)" in out
+    # video_maxlen 8 frames in 4 temporal patches of 32 x 32 px: 1 pad + at most 8 timestamp/start/end tokens each
+    assert "video tokens      ~<= 36 per video (4 temporal patches of <= 1024 px per frame, video_maxlen 8)" in out
     assert "video budget:" not in out
 
 
@@ -73,7 +73,7 @@ def test_video_token_budget():
     vision = SimpleNamespace(patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
     model_config = SimpleNamespace(vision_config=vision)
     budget = video_token_budget(cfg, model_config)
-    assert (budget.num_frames, budget.num_temporal_patches, budget.frame_pixels, budget.tokens) == (8, 4, 4096, 48)
+    assert (budget.num_frames, budget.num_temporal_patches, budget.frame_pixels, budget.tokens) == (8, 4, 1024, 36)
     pp = cfg.data.dataset_param.preprocess_parameters
     pp.video_maxlen, pp.video_total_pixels = 7, 8 * 1024  # 7 frames -> 4 patches of 2; 1024 px per frame
     assert video_token_budget(cfg, model_config).tokens == 4 * (1 + 8)

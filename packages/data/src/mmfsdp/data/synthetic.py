@@ -147,27 +147,37 @@ def write_moving_shape_clip(
     codec: str = "mpeg4",
     shape_share: float = 1 / 3,
     noise: int = 12,
+    background: int | None = None,
+    travel_px: tuple[int, int] | None = None,
 ) -> None:
     """An mpeg4 clip (PyAV) of one shape moving in `direction` in a straight line from a random start over a noisy
     grey background: every frame alone shows a shape at a random place, only two frames show where it goes.
 
     The shape (side `shape_share` of the shorter side) travels at least half the free span of the frame; the start is
-    drawn so that the whole path stays inside; the background is a random grey with pixel noise of +-`noise`.
-    `width` and `height` must be even (yuv420p).
+    drawn so that the whole path stays inside; the background is a random grey with pixel noise of +-`noise`, or,
+    with `background` set, that flat grey level (0: black; no noise, and no grey is drawn from `rng`). On a fixed
+    dark background every colour is brighter than the background, so the frame difference alone says where the
+    shape arrives and where it leaves. `travel_px` (low, high): draw the travel from that range of pixels instead
+    (short moves give less away through the start position). `width` and `height` must be even (yuv420p).
     """
     import av
 
     dx, dy = DIRECTIONS[direction]
     side = max(4, int(min(width, height) * shape_share + 1e-6))
     free = (width - side, height - side)
-    travel = int(rng.integers((free[0] if dx else free[1]) // 2, (free[0] if dx else free[1]) + 1))
+    span = free[0] if dx else free[1]
+    low_travel, high_travel = travel_px if travel_px is not None else (span // 2, span)
+    travel = int(rng.integers(low_travel, high_travel + 1))
     start = []
     for axis, d in enumerate((dx, dy)):
         low = travel if d < 0 else 0
         high = free[axis] - (travel if d > 0 else 0)
         start.append(int(rng.integers(low, high + 1)))
-    grey = int(rng.integers(70, 180))
-    background = np.clip(grey + rng.integers(-noise, noise + 1, (height, width, 3)), 0, 255).astype(np.uint8)
+    if background is None:
+        grey = int(rng.integers(70, 180))
+        canvas = np.clip(grey + rng.integers(-noise, noise + 1, (height, width, 3)), 0, 255).astype(np.uint8)
+    else:
+        canvas = np.full((height, width, 3), background, dtype=np.uint8)
     fill = COLOURS[colour]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
@@ -176,7 +186,7 @@ def write_moving_shape_clip(
         for i in range(num_frames):
             step = round(travel * i / max(num_frames - 1, 1))
             x0, y0 = start[0] + dx * step, start[1] + dy * step
-            image = Image.fromarray(background)
+            image = Image.fromarray(canvas)
             draw = ImageDraw.Draw(image)
             box = (x0, y0, x0 + side - 1, y0 + side - 1)
             if shape == "circle":
@@ -264,6 +274,9 @@ def make_motion_dataset(
     text_only_share: float = 0.15,
     shape_share: float = 1 / 3,
     noise: int = 12,
+    background: int | None = None,
+    clip_colours: tuple[str, ...] | None = None,
+    travel_px: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A task only video can solve, in mllm format: `videos/*.mp4`, `images/*.png`, `train.jsonl`, `eval.jsonl`,
     `meta.json` (with `chance` 0.25); returns the meta.
@@ -272,8 +285,10 @@ def make_motion_dataset(
     right, up or down from a random start, asked `MOTION_PROMPT` with its colour and shape -> the direction. Any one
     frame shows a shape at a random place, so only the change between frames answers it (chance 0.25). Of the
     training rows, `image_share` are the shapes image question (`PROMPT` -> "a red circle") and `text_only_share`
-    the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text (`shape_share`, `noise`: the
-    clip's shape size and background noise, `write_moving_shape_clip`); the evaluation rows are
+    the text question (`TEXT_ONLY_OBJECTS`), so micro-batches mix videos, images and text (`shape_share`, `noise`,
+    `background`: the clip's shape size, background noise and fixed background level, `write_moving_shape_clip`;
+    `clip_colours`: the colours a clip's shape is drawn in, default all of `COLOURS`; `travel_px`: the range of its
+    travel in pixels, `write_moving_shape_clip`); the evaluation rows are
     all video rows, with directions balanced. Deterministic in its arguments; if `out_dir/meta.json` exists nothing
     is written (it must record the same arguments, `DataError` otherwise).
     """
@@ -291,6 +306,9 @@ def make_motion_dataset(
         "text_only_share": text_only_share,
         "shape_share": shape_share,
         "noise": noise,
+        "background": background,
+        "clip_colours": list(clip_colours) if clip_colours is not None else None,
+        "travel_px": list(travel_px) if travel_px is not None else None,
     }
     existing = _existing_meta(out_dir, meta)
     if existing is not None:
@@ -311,11 +329,13 @@ def make_motion_dataset(
             _draw(rng, colour, shape, frame_size, frame_size).save(tmp / images[0])
             question, answer = PROMPT, f"a {colour} {shape}"
         else:
+            if clip_colours is not None:
+                colour = str(rng.choice(list(clip_colours)))
             videos.append(f"videos/{split}_{i:06d}.mp4")
             write_moving_shape_clip(
                 tmp / videos[0], rng, colour=colour, shape=shape, direction=direction,
                 width=frame_size, height=frame_size, num_frames=num_frames, fps=fps,
-                shape_share=shape_share, noise=noise,
+                shape_share=shape_share, noise=noise, background=background, travel_px=travel_px,
             )
             question, answer = MOTION_PROMPT.format(colour=colour, shape=shape), direction
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
