@@ -176,6 +176,9 @@ ALIASES = [
     ("model.loss_cfg", {"loss_type": "per_sample_loss"}, "features.loss_cfg", {"loss_type": "per_sample"}),
     ("model.enable_chunk_loss", True, "features.enable_chunk_loss", True),
     ("model.encoder_data_balance", True, "data.dataloader_param.balance", True),
+    ("features.torch_compile", True, "features.compile", True),
+    ("features.use_torch_compile", True, "features.compile", True),
+    ("features.enable_compile", True, "features.compile", True),
     (
         "model.chunkloss_plan",
         {"apply_module": "lm_head", "chunk_size": 64},
