@@ -137,14 +137,15 @@ SCENARIOS_2 = {
         recompute=("blocks.{0-2}",), clip=0.05,
     ),
     "defaults_frozen_prefetch": dict(
-        plan=dict(num_to_forward_prefetch=1, num_to_backward_prefetch=2, reshard_after_forward=False),
+        plan=dict(num_to_forward_prefetch=1, num_to_backward_prefetch=2, reshard_after_forward=False, min_group_params=0),
         frozen=("blocks.1",),
     ),
-    "ignored_frozen_embed": dict(plan=dict(apply_modules=["blocks.{0-2}"], ignored_modules=["embed"]), frozen=("embed",)),
+    "ignored_frozen_embed": dict(plan=dict(apply_modules=["blocks.{0-2}"], ignored_modules=["embed"], min_group_params=0),
+                                 frozen=("embed",)),
     "recompute": dict(plan=dict(min_group_params=0), recompute=("blocks.{0-1}",)),
-    "clip": dict(plan=dict(), clip=0.05),
+    "clip": dict(plan=dict(), clip=0.05),  # the defaults: this ~1k-parameter model is one root group
     "clip_norm_only": dict(plan=dict(), clip=0.0),
-    "cpu_offload": dict(plan=dict(cpu_offload=True, reduce_dtype=None)),
+    "cpu_offload": dict(plan=dict(cpu_offload=True, reduce_dtype=None, min_group_params=0)),
 }
 
 
@@ -301,12 +302,14 @@ def test_parallel_fsdp_pattern_errors_name_the_plan_key():
 
 def test_parallel_fsdp_small_modules_share_groups(two_rank_results):
     """`min_group_params` 500: blocks 0 and 1 (296 parameters each) form one group, block 2 another, and the
-    27-parameter head joins the root; 0 keeps a group per matched module."""
+    27-parameter head joins the root; 0 keeps a group per matched module; at the default (4 M) the whole
+    ~1k-parameter model is the root's group."""
     grouped = two_rank_results[0]["grouped_prefetch_recompute"]["fsdp_modules"]
     assert grouped == ["blocks.0", "blocks.1", "blocks.2"]  # each module of a group is an FSDPModule
     assert two_rank_results[0]["plain"]["fsdp_modules"] == ["blocks.0", "blocks.1", "blocks.2"]
     assert "head" not in grouped
-    assert two_rank_results[0]["clip"]["fsdp_modules"] == ["blocks.0", "blocks.1", "blocks.2"]
+    # defaults (4 M): the whole list of blocks is smaller than one group, so the root holds everything
+    assert two_rank_results[0]["clip"]["fsdp_modules"] == []
 
 
 def test_parallel_group_small_modules_rules():
@@ -316,9 +319,16 @@ def test_parallel_group_small_modules_rules():
     matched = [(name, root) for name in ("embed", "vis.0", "vis.1", "layers.0", "layers.1", "layers.2", "layers.3",
                                          "head")] + [("experts.0", other)]
     groups = group_small_modules(matched, sizes, 100, root)
+    # the whole `vis` list (10 parameters) joins the root; `layers` needs two groups, so it keeps both
     assert [names for names, _ in groups] == [
-        ["vis.0", "vis.1"], ["layers.0", "layers.1", "layers.2"], ["layers.3"], ["head"], ["experts.0"],
+        ["layers.0", "layers.1", "layers.2"], ["layers.3"], ["head"], ["experts.0"],
     ]
+    # a list on another mesh keeps its group however small
+    assert [names for names, _ in group_small_modules([("vis.0", other), ("vis.1", other)], sizes, 100, root)] == [
+        ["vis.0", "vis.1"],
+    ]
+    # the whole model smaller than min_params: everything in the root's group
+    assert group_small_modules([(name, root) for name, _ in matched[:-1]], sizes, 10_000, root) == []
     assert groups[-1][1] is other  # a small module on another mesh keeps its own group
     assert [names for names, _ in group_small_modules(matched, sizes, 0, root)] == [[name] for name, _ in matched]
     # lists on different meshes never share a group

@@ -158,7 +158,8 @@ def group_small_modules(
     parameters (every entry of a list runs in each forward, one after the other, so the group is gathered once
     and freed after its last entry, as FSDP2 does for a list of modules). A module outside a list with fewer
     than `min_params` parameters is left out: the root's group takes its parameters (only on the root's mesh;
-    on another mesh it stays a group). `min_params` 0 keeps one group per module. Grouping changes which
+    on another mesh it stays a group); so is a whole list (all its matched entries) that holds fewer than
+    `min_params` together. `min_params` 0 keeps one group per module. Grouping changes which
     parameters travel in one collective, not the values: FSDP2 shards each parameter on its own, so every
     shard and every reduced gradient is the same.
     """
@@ -180,7 +181,19 @@ def group_small_modules(
         else:
             groups.append(([name], mesh))
             open_parent, open_size = parent, num_params[name]
-    return groups
+    # A list whose matched entries all fit in one group smaller than `min_params` joins the root as well
+    # (a tiny model's decoder or tower: one all-gather per step for the whole model instead of one per list).
+    per_list: dict[str, list[int]] = {}
+    for index, (names, _) in enumerate(groups):
+        parent = _list_parent(names[0])
+        if parent is not None:
+            per_list.setdefault(parent, []).append(index)
+    into_root = {
+        indices[0] for indices in per_list.values()
+        if len(indices) == 1 and groups[indices[0]][1] is root_mesh
+        and sum(num_params[name] for name in groups[indices[0]][0]) < min_params
+    }
+    return [group for index, group in enumerate(groups) if index not in into_root]
 
 
 def _set_prefetch(modules: list[nn.Module], num_forward: int, num_backward: int) -> None:
