@@ -244,6 +244,7 @@ def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_p
     )
     dataset = build_dataset(cfg, qwen_processor)
     assert len(dataset) == 4
+    assert dataset.media_kinds() == {"image", "video"}
     items = [dataset[i] for i in range(4)]
     assert set(items[0]) >= {"pixel_values_videos", "video_grid_thw"} and "pixel_values_videos" not in items[1]
     collator = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id)

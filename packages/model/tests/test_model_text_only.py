@@ -117,3 +117,40 @@ def test_placeholder_grads_match_the_image_path_parameters(family):
     trained = {name for name, p in ours.named_parameters() if p.grad is not None}
     ours.zero_grad(set_to_none=True)
     assert reached == trained & _vision_parameters(ours, model_id)
+
+
+def _tower_calls(model, model_id: str, batch) -> tuple[int, torch.Tensor]:
+    """How many times the vision tower runs in one training forward of `batch`, and the loss."""
+    calls = []
+    vision = model.get_submodule(get_model_entry(model_id).vision_modules[0])
+    counter = vision.register_forward_hook(lambda *_: calls.append(1))
+    targets = shift_labels(batch["labels"])
+    (weights,) = compute_loss_weights([targets], loss_type="per_token")
+    try:
+        with torch.no_grad():
+            loss = model(**model_inputs(batch), shift_labels=targets, loss_weights=weights).loss
+    finally:
+        counter.remove()
+    return len(calls), loss
+
+
+def test_placeholder_passes_follow_the_media_kinds_of_the_data(family):
+    """`set_media_kinds`: one tower pass per kind the data holds, a placeholder for each kind a call lacks, and
+    none for a kind the run's data never holds (no video pass in an image-only run); the loss is unchanged."""
+    model_id, config, ours, _ = family
+    kinds = list(ours.vision_inputs)
+    text = _text_only_batch(model_id, config)
+    images = get_model_entry(model_id).test_batch(config, images=True, seed=6)
+    try:
+        assert _tower_calls(ours, model_id, text)[0] == len(kinds)  # default: every kind the family reads
+        calls_all, loss_all = _tower_calls(ours, model_id, images)
+        assert calls_all == len(kinds)
+        ours.set_media_kinds({"image"})
+        assert ours.vision_input_keys == (ours.vision_inputs["image"],)
+        calls_images, loss_images = _tower_calls(ours, model_id, images)
+        assert calls_images == 1 and torch.equal(loss_images, loss_all)
+        assert _tower_calls(ours, model_id, text)[0] == 1
+        ours.set_media_kinds(set())  # text-only data: one placeholder pass stays (the tower is in every step)
+        assert _tower_calls(ours, model_id, text)[0] == 1
+    finally:
+        ours.set_media_kinds(kinds)

@@ -28,7 +28,7 @@ from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
 from mmfsdp.train.supervise import LoopHeartbeat
 
-__all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "to_device"]
+__all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "media_kinds", "to_device"]
 
 log = get_logger("mmfsdp.train")
 
@@ -67,6 +67,15 @@ class Evaluator:
         """The evaluation split, built on first use."""
         self.val_losses: dict[int, float] = {}
         """Validation loss by step (`validate`)."""
+
+    def media_kinds(self) -> frozenset[str] | None:
+        """The kinds of media of the evaluation split (built now) when the run evaluates, empty when it does
+        not; None when the dataset cannot say (`media_kinds`)."""
+        if not (self.cfg.training.val_interval or has_eval_split(self.cfg.data)):
+            return frozenset()
+        if self.dataset is None:
+            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+        return media_kinds(self.dataset)
 
     def should_validate(self, step: int) -> bool:
         interval = self.cfg.training.val_interval
@@ -175,6 +184,12 @@ class Evaluator:
             path.write_text(json.dumps(result, indent=2) + "\n")
             log.info(f"wrote {path}")
         return result
+
+
+def media_kinds(dataset: Any) -> frozenset[str] | None:
+    """`dataset.media_kinds()` (`"image"`, `"video"`), or None for a dataset without that method."""
+    method = getattr(dataset, "media_kinds", None)
+    return None if method is None else frozenset(method())
 
 
 def has_eval_split(data_cfg) -> bool:

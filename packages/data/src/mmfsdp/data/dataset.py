@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
 from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
@@ -545,6 +546,20 @@ class SFTDataset(torch.utils.data.Dataset):
             images, videos = columns[source]
             grids.append(list(images[row]) + [g[:3] for g in videos[row]])
         return sample_stats(self.lengths, grids)
+
+    def media_kinds(self) -> frozenset[str]:
+        """The kinds of media (`"image"`, `"video"`) at least one usable sample holds, from the stored paths (no
+        pixels read). The model runs a vision placeholder pass only for these kinds
+        (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
+        kinds = set()
+        for kind, column in (("image", "images"), ("video", "videos")):
+            for source, table in enumerate(self._tables):
+                rows = self._refs[self._refs[:, 0] == source, 1]
+                counts = pc.list_value_length(table.data.column(column)).fill_null(0).to_numpy()
+                if rows.size and counts[rows].any():
+                    kinds.add(kind)
+                    break
+        return frozenset(kinds)
 
     def __len__(self) -> int:
         return len(self._refs)

@@ -24,9 +24,11 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    alone say which tokens attend to which. They go to the decoder only — the
    vision tower keeps its own per-image lengths.
 4. The HF forward runs the vision tower once per kind of media in the call
-   (`vision_input_keys`: Qwen3-VL's images and videos are two passes). For each
+   (`vision_inputs`: Qwen3-VL's images and videos are two passes). For each
    kind a call lacks (a micro-batch of text-only samples, or of images but no
-   video) the vision side runs once more, on the family's smallest input
+   video) among the kinds the run's data holds (`set_media_kinds`, told by the
+   trainer from its datasets; a run without videos has no video pass) the
+   vision side runs once more, on the family's smallest input
    (`placeholder_vision_inputs`), at the decoder's entry: the decoder receives
    `inputs_embeds + 0 · Σ features`. Every rank thus runs the same number of
    tower passes, hence the same FSDP2 all-gathers and reduce-scatters in the
@@ -54,7 +56,7 @@ so evaluation and generation see the HF model.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -133,12 +135,16 @@ class TrainingForwardMixin:
     """The text decoder: it receives the varlen keywords and, under CP, runs on the shard."""
     lm_head_name: ClassVar[str] = "lm_head"
     """The output projection that receives the loss function under chunk loss."""
-    vision_input_keys: ClassVar[tuple[str, ...]] = ("pixel_values",)
-    """Keywords that carry media to the vision side, one tower pass each; a training call runs the vision
-    placeholder once for each of them it lacks (a family with videos lists `pixel_values_videos` too)."""
+    vision_inputs: ClassVar[dict[str, str]] = {"image": "pixel_values"}
+    """Kind of media (`"image"`, `"video"`) -> the keyword that carries it to the vision side, one tower pass
+    each (a family with videos adds `"video": "pixel_values_videos"`)."""
+    vision_input_keys: tuple[str, ...] = ("pixel_values",)
+    """The keywords of the kinds the run's data holds (`set_media_kinds`; default: every kind of
+    `vision_inputs`): a call runs the vision placeholder once for each of them it lacks."""
 
     def init_training_forward(self) -> None:
         """Call at the end of the family's `__init__`."""
+        self.vision_input_keys = tuple(self.vision_inputs.values())
         use_chunk_loss_head(self.get_submodule(self.lm_head_name))
         self.chunk_loss_size: int | None = None
         self._context_parallel: ContextParallel | None = None
@@ -187,6 +193,14 @@ class TrainingForwardMixin:
             group = cp.cp_group
             width = int(self.config.vision_config.hidden_size)
             self._vision_dp = VisionDataParallel(self, group, dist.get_rank(group), dist.get_world_size(group), width)
+
+    def set_media_kinds(self, kinds: Iterable[str]) -> None:
+        """The kinds of media (`"image"`, `"video"`) the run's data holds (training and evaluation splits); a
+        call runs the vision placeholder only for these, so a run without videos pays no video pass. Every
+        rank must be told the same kinds, and every call must carry only these. With none, the first kind
+        (images) stays: a text-only run keeps one placeholder pass per call, as before."""
+        keys = tuple(key for kind, key in self.vision_inputs.items() if kind in set(kinds))
+        self.vision_input_keys = keys or tuple(self.vision_inputs.values())[:1]
 
     def set_chunk_loss(self, chunk_size: int | None) -> None:
         """Compute the training loss inside `lm_head`, `chunk_size` tokens at a time (None: plain logits + CE)."""
