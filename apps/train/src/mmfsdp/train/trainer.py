@@ -59,7 +59,7 @@ from mmfsdp.parallel.cp import required_multiple
 from mmfsdp.train.balance_meter import BalanceMeter
 from mmfsdp.train.checkpointer import Checkpointer
 from mmfsdp.train.config import Config, check_world, save_resolved
-from mmfsdp.train.evaluate import Evaluator, to_device
+from mmfsdp.train.evaluate import Evaluator, media_kinds, to_device
 from mmfsdp.train.metrics import Metrics, MetricsWriter
 from mmfsdp.train.mfu import FlopMeter
 from mmfsdp.train.profiling import Profiling
@@ -150,6 +150,11 @@ class Trainer:
             cfg, model=self.model, processor=self.processor, dims=self.dims, device=self.device,
             pad_multiple=self._pad_multiple(), output_dir=self.output_dir, rank=self.rank, heartbeat=self.heartbeat,
         )
+        # the vision placeholder runs only for the kinds of media the data holds (no video pass without videos);
+        # a dataset that cannot say (a user's own type) keeps every kind
+        kinds = [media_kinds(self.train_dataset), self.evaluator.media_kinds()]
+        if hasattr(self.model, "set_media_kinds") and None not in kinds:
+            self.model.set_media_kinds(frozenset().union(*kinds))
         self.checkpointer = Checkpointer(
             t, hf_source=cfg.model.model_name_or_path, model=self.model, optimizer=self.optimizer, state=self,
             trainable=self.trainable, heartbeat=self.heartbeat, rank=self.rank,
