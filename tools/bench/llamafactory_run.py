@@ -38,9 +38,10 @@ Measured (rank 0 writes `--out`, one JSON object): per optimizer step the wall t
 does between steps is inside it, as in the project's runs; the real (non-pad) tokens of the step's global batch
 (a forward pre-hook on the model sums `attention_mask` on each rank; the ranks' counts are gathered after the last
 step, outside the timed region), each sample's real length and each image's `image_grid_thw` (so that the caller
-counts FLOPs exactly as for the other runs); the input ids of the dataset's first row as LLaMA-Factory tokenised
-it (the caller compares them with its own); `num_params`, `num_trainable_params`, the versions of llamafactory,
-transformers and torch, and the variant (`llamafactory` or `llamafactory_nogc`).
+counts FLOPs exactly as for the other runs); the input ids of the dataset's first row and the token count of
+every row as LLaMA-Factory tokenised them (the caller compares them with its own); `num_params`,
+`num_trainable_params`, the versions of llamafactory, transformers and torch, and the variant (`llamafactory` or
+`llamafactory_nogc`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def worker(args: argparse.Namespace) -> None:
             self.last = 0.0
             self.model = None
             self.first_sample_ids: list[int] = []
+            self.row_lengths: list[int] = []
 
         def count(self, module, inputs, kwargs) -> None:
             mask = kwargs.get("attention_mask")
@@ -148,7 +150,9 @@ def worker(args: argparse.Namespace) -> None:
             self.model = model
             model.register_forward_pre_hook(self.count, with_kwargs=True)
             # the dataset's first row as LLaMA-Factory tokenised it (its rows keep the jsonl's order)
-            self.first_sample_ids = [int(t) for t in train_dataloader.dataset[0]["input_ids"]]
+            dataset = train_dataloader.dataset
+            self.first_sample_ids = [int(t) for t in dataset[0]["input_ids"]]
+            self.row_lengths = [len(ids) for ids in dataset["input_ids"]]
             self.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -183,6 +187,7 @@ def worker(args: argparse.Namespace) -> None:
                 "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                 "world_size": len(ranks),
                 "first_sample_input_ids": self.first_sample_ids,
+                "row_lengths": self.row_lengths,
                 "versions": {"llamafactory": llamafactory.__version__, "transformers": transformers.__version__,
                              "torch": torch.__version__},
                 "train_args": train_args(args_ns),

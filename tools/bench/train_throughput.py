@@ -36,9 +36,9 @@ the same assets (a random init saved for it), the same training jsonl, global ba
 checkpointing). Its step time is the wall time between the HF Trainer's consecutive `on_step_end`s; its FLOPs are
 counted from each step's real samples and images as for the plain loop. Ratios: `{size}_over_llamafactory`,
 `{size}_best_over_llamafactory`, `{size}_over_llamafactory_nogc` (mmfsdp's tokens/s over LLaMA-Factory's); each
-LLaMA-Factory run also reports its first training row's token count against mmfsdp's and whether the ids are the
-same. A failed LLaMA-Factory run leaves `{"error": TAIL}` and null ratios. Without the flag the JSON says
-`"llamafactory": "not run"`.
+LLaMA-Factory run also reports its first training row's token count against mmfsdp's, whether the ids are the
+same, and how many rows its tokenisation gives another length than mmfsdp's (`rows`). A failed LLaMA-Factory run
+leaves `{"error": TAIL}` and null ratios. Without the flag the JSON says `"llamafactory": "not run"`.
 """
 
 from __future__ import annotations
@@ -315,12 +315,17 @@ def measure_size(size: str, args, out: Path) -> dict:
                 summary[variant] = {"error": str(err)[-3000:]}
                 continue
             summary[variant] = summarise(run, args.warmup, peak, args.nproc)
-            lf_ids = run["first_sample_input_ids"]
+            lf_ids, lf_lengths = run["first_sample_input_ids"], run["row_lengths"]
             summary[variant].update(
                 num_params=run["num_params"], num_trainable_params=run["num_trainable_params"],
                 gradient_checkpointing=run["gradient_checkpointing"], versions=run["versions"],
                 first_sample_tokens={"mmfsdp": len(first_ids), "llamafactory": len(lf_ids)},
-                first_sample_same_ids=lf_ids == first_ids)
+                first_sample_same_ids=lf_ids == first_ids,
+                # every training row's token count, row by row (both keep the jsonl's order)
+                rows={"mmfsdp": len(lengths), "llamafactory": len(lf_lengths),
+                      "tokens_mmfsdp": int(sum(lengths)), "tokens_llamafactory": int(sum(lf_lengths)),
+                      "other_length": sum(int(a) != b for a, b in zip(lengths, lf_lengths))
+                      if len(lengths) == len(lf_lengths) else None})
     summary["wall_s"] = time.perf_counter() - started
     return summary
 
@@ -381,8 +386,8 @@ def main() -> None:
                 continue
             print(f"{size:5s} {name:17s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
                   f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}  "
-                  f"first sample {run['first_sample_tokens']} tokens, same ids: {run['first_sample_same_ids']}",
-                  flush=True)
+                  f"first row same ids: {run['first_sample_same_ids']}, rows of other length: "
+                  f"{run['rows']['other_length']} of {run['rows']['llamafactory']}", flush=True)
             results[f"gemm_peak_fraction_{size}_{name}"] = run["gemm_peak_fraction"]
     print(json.dumps(results))
 
