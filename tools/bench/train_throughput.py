@@ -32,6 +32,17 @@ steps of (real tokens of the global batch) / (step time). FLOP/s are the model F
 measured by `mmfsdp.parallel.peak.measure_gemm_tflops` on all ranks at the same time (mean of the ranks, best of 3), the
 same peak for every run. The last line is one JSON object: each run's numbers and the ratios `tiny_over_plain`,
 `large_over_plain`, `large_best_over_plain` (and `tiny_best_over_plain`).
+
+`--llamafactory PYTHON` (the python of a separate venv with `llamafactory==0.9.5`, never the project's: see
+`tools/bench/llamafactory_run.py` and docs/benchmarks.md) adds, after the three runs of each size, LLaMA-Factory on
+the same assets (a random init saved for it), the same training jsonl, global batch, warmup and steps, twice:
+`llamafactory` (its defaults: DDP, gradient checkpointing on) and `llamafactory_nogc` (without gradient
+checkpointing). Its step time is the wall time between the HF Trainer's consecutive `on_step_end`s; its FLOPs are
+counted from each step's real samples and images as for the plain loop. Ratios: `{size}_over_llamafactory`,
+`{size}_best_over_llamafactory`, `{size}_over_llamafactory_nogc` (mmfsdp's tokens/s over LLaMA-Factory's); each
+LLaMA-Factory run also reports its first training row's token count against mmfsdp's, whether the ids are the
+same, and how many rows its tokenisation gives another length than mmfsdp's (`rows`). A failed LLaMA-Factory run
+leaves `{"error": TAIL}` and null ratios. Without the flag the JSON says `"llamafactory": "not run"`.
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TINY_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
 APP = ROOT / "apps" / "train"
+LLAMAFACTORY_RUN = ROOT / "tools" / "bench" / "llamafactory_run.py"
+LLAMAFACTORY_VARIANTS = {"llamafactory": [], "llamafactory_nogc": ["--no-gradient-checkpointing"]}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -212,6 +225,43 @@ def run_app(config_path: Path, overrides: list[str], args, output_dir: Path) -> 
     return {"steps": steps, "log": compile_lines[:3]}
 
 
+# ---------------------------------------------------------------------------------------------- LLaMA-Factory
+
+
+def run_llamafactory(python: str, variant: str, assets: Path, cfg, args, out: Path, size: str) -> dict:
+    """`llamafactory_run.py` in LLaMA-Factory's venv (`python`) on the run's assets and training rows; its steps with
+    the FLOPs of each step's real batch counted as for the plain loop (`count_forward` of the samples' lengths and the
+    images' patches, which the script records). Raises `RuntimeError` with the output's tail when it fails."""
+    import torch
+    from transformers import AutoConfig
+
+    from mmfsdp.data import dataset_files
+    from mmfsdp.model import get_model_entry
+    from mmfsdp.model.flops import count_forward
+
+    (train_file,) = dataset_files(cfg.data, "train")
+    result = out / f"{size}_{variant}.json"
+    cmd = [python, str(LLAMAFACTORY_RUN), "--assets", str(assets), "--data", str(train_file), "--out", str(result),
+           "--work", str(out / f"{size}_{variant}"), "--nproc", str(args.nproc), "--micro-batch", str(args.micro_batch),
+           "--max-steps", str(args.warmup + args.steps),
+           "--cutoff-len", str(cfg.data.dataset_param.preprocess_parameters.cutoff_len),
+           *LLAMAFACTORY_VARIANTS[variant]]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    result.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
+    run = json.loads(result.read_text())
+    entry = get_model_entry("qwen3_vl")
+    hf_config = AutoConfig.from_pretrained(assets)
+    shape = entry.flop_shape(hf_config)
+    for step in run["steps"]:
+        grids = step["image_grid_thw"]
+        batch = {"image_grid_thw": torch.tensor(grids, dtype=torch.long) if grids else None}
+        step["flops"] = float(count_forward(shape, step["sample_lens"], entry.image_patches(hf_config, batch)).model)
+    return run
+
+
 # ---------------------------------------------------------------------------------------------- summary
 
 
@@ -239,7 +289,8 @@ def measure_size(size: str, args, out: Path) -> dict:
     config_path = write_config(out / f"{size}.yaml", assets, data, args, out / f"{size}_mmfsdp")
     cfg = load_config(config_path, [])
     prepare_dataset(cfg.data)
-    lengths = build_dataset(cfg.data, build_processor(cfg.data), split="train").lengths
+    dataset = build_dataset(cfg.data, build_processor(cfg.data), split="train")
+    lengths = dataset.lengths
     mean_len = sum(lengths) / len(lengths)
     # packed rows of about the tokens of a padded micro-batch: the same global batch in tokens
     capacity = max(int(mean_len * args.micro_batch), max(lengths))
@@ -268,6 +319,26 @@ def measure_size(size: str, args, out: Path) -> dict:
     summary["best_overrides"] = best
     summary["peak_tflops"] = peak
     summary["compile_log"] = runs["mmfsdp_best"]["log"]
+    if args.llamafactory:
+        first_ids = [int(t) for t in dataset.record(0)["input_ids"]]
+        for variant in LLAMAFACTORY_VARIANTS:
+            try:
+                run = run_llamafactory(args.llamafactory, variant, assets, cfg, args, out, size)
+            except RuntimeError as err:
+                summary[variant] = {"error": str(err)[-3000:]}
+                continue
+            summary[variant] = summarise(run, args.warmup, peak, args.nproc)
+            lf_ids, lf_lengths = run["first_sample_input_ids"], run["row_lengths"]
+            summary[variant].update(
+                num_params=run["num_params"], num_trainable_params=run["num_trainable_params"],
+                gradient_checkpointing=run["gradient_checkpointing"], versions=run["versions"],
+                first_sample_tokens={"mmfsdp": len(first_ids), "llamafactory": len(lf_ids)},
+                first_sample_same_ids=lf_ids == first_ids,
+                # every training row's token count, row by row (both keep the jsonl's order)
+                rows={"mmfsdp": len(lengths), "llamafactory": len(lf_lengths),
+                      "tokens_mmfsdp": int(sum(lengths)), "tokens_llamafactory": int(sum(lf_lengths)),
+                      "other_length": sum(int(a) != b for a, b in zip(lengths, lf_lengths))
+                      if len(lengths) == len(lf_lengths) else None})
     summary["wall_s"] = time.perf_counter() - started
     return summary
 
@@ -289,6 +360,9 @@ def main() -> None:
     parser.add_argument("--defaults-override", action="append", default=[],
                         help="KEY=VALUE for the defaults run, e.g. parallel.fsdp_plan.min_group_params=0 (the plan "
                              "before grouping)")
+    parser.add_argument("--llamafactory", metavar="PYTHON", default=None,
+                        help="python of a venv with llamafactory==0.9.5: also run LLaMA-Factory (tools/bench/"
+                             "llamafactory_run.py), with and without its gradient checkpointing; default: not run")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -312,6 +386,24 @@ def main() -> None:
         results[f"{size}_best_over_plain"] = r["mmfsdp_best"]["tokens_per_s"] / plain
         for name in ("plain", "mmfsdp", "mmfsdp_best"):
             results[f"gemm_peak_fraction_{size}_{name}"] = r[name]["gemm_peak_fraction"]
+        if args.llamafactory is None:
+            results["llamafactory"] = "not run"
+            continue
+        for name, ratio, ours in (("llamafactory", "over", "mmfsdp"), ("llamafactory", "best_over", "mmfsdp_best"),
+                                  ("llamafactory_nogc", "over", "mmfsdp")):
+            key = f"{size}_{ratio}_{name}"
+            run = r[name]
+            results[key] = None if "error" in run else r[ours]["tokens_per_s"] / run["tokens_per_s"]
+        for name in LLAMAFACTORY_VARIANTS:
+            run = r[name]
+            if "error" in run:
+                print(f"{size:5s} {name:17s} failed: {run['error'][-500:]}", flush=True)
+                continue
+            print(f"{size:5s} {name:17s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
+                  f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}  "
+                  f"first row same ids: {run['first_sample_same_ids']}, rows of other length: "
+                  f"{run['rows']['other_length']} of {run['rows']['llamafactory']}", flush=True)
+            results[f"gemm_peak_fraction_{size}_{name}"] = run["gemm_peak_fraction"]
     print(json.dumps(results))
 
 
