@@ -297,19 +297,31 @@ def measure_size(size: str, args, out: Path) -> dict:
     best = ["data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
             f"data.dataset_param.preprocess_parameters.cutoff_len={capacity}", *args.best]
 
-    # Each system runs `--repeats` times, the systems interleaved (plain, mmfsdp, best, plain, ...), so that a
-    # change of load on the machine meets all of them; each system's result is its fastest repeat.
-    repeats: dict[str, list[dict]] = {"plain": [], "mmfsdp": [], "mmfsdp_best": []}
+    # Each system runs `--repeats` times, the systems interleaved (plain, mmfsdp, best, [LLaMA-Factory], plain,
+    # ...), so that a change of load on the machine meets all of them; each system's result is its fastest repeat.
+    lf_variants = list(LLAMAFACTORY_VARIANTS) if args.llamafactory else []
+    repeats: dict[str, list[dict]] = {name: [] for name in ("plain", "mmfsdp", "mmfsdp_best", *lf_variants)}
+    errors: dict[str, str] = {}
     started = time.perf_counter()
     for _ in range(args.repeats):
         repeats["plain"].append(run_plain(config_path, args, out))
         repeats["mmfsdp"].append(run_app(config_path, list(args.defaults_override), args, out / f"{size}_mmfsdp"))
         repeats["mmfsdp_best"].append(run_app(config_path, [f"training.output_dir={out / f'{size}_best'}", *best],
                                               args, out / f"{size}_best"))
+        for variant in lf_variants:
+            if variant in errors:
+                continue
+            try:
+                repeats[variant].append(run_llamafactory(args.llamafactory, variant, assets, cfg, args, out, size))
+            except RuntimeError as err:
+                errors[variant] = str(err)[-3000:]
     peak = max(run["peak_tflops"] for run in repeats["plain"])
-    summary = {}
+    summary: dict = {}
     runs = {}
     for name, done in repeats.items():
+        if not done:
+            summary[name] = {"error": errors.get(name, "no run")}
+            continue
         summaries = [summarise(run, args.warmup, peak, args.nproc) for run in done]
         fastest = max(range(len(done)), key=lambda i: summaries[i]["tokens_per_s"])
         runs[name] = done[fastest]
@@ -319,26 +331,22 @@ def measure_size(size: str, args, out: Path) -> dict:
     summary["best_overrides"] = best
     summary["peak_tflops"] = peak
     summary["compile_log"] = runs["mmfsdp_best"]["log"]
-    if args.llamafactory:
-        first_ids = [int(t) for t in dataset.record(0)["input_ids"]]
-        for variant in LLAMAFACTORY_VARIANTS:
-            try:
-                run = run_llamafactory(args.llamafactory, variant, assets, cfg, args, out, size)
-            except RuntimeError as err:
-                summary[variant] = {"error": str(err)[-3000:]}
-                continue
-            summary[variant] = summarise(run, args.warmup, peak, args.nproc)
-            lf_ids, lf_lengths = run["first_sample_input_ids"], run["row_lengths"]
-            summary[variant].update(
-                num_params=run["num_params"], num_trainable_params=run["num_trainable_params"],
-                gradient_checkpointing=run["gradient_checkpointing"], versions=run["versions"],
-                first_sample_tokens={"mmfsdp": len(first_ids), "llamafactory": len(lf_ids)},
-                first_sample_same_ids=lf_ids == first_ids,
-                # every training row's token count, row by row (both keep the jsonl's order)
-                rows={"mmfsdp": len(lengths), "llamafactory": len(lf_lengths),
-                      "tokens_mmfsdp": int(sum(lengths)), "tokens_llamafactory": int(sum(lf_lengths)),
-                      "other_length": sum(int(a) != b for a, b in zip(lengths, lf_lengths))
-                      if len(lengths) == len(lf_lengths) else None})
+    first_ids = [int(t) for t in dataset.record(0)["input_ids"]]
+    for variant in lf_variants:
+        if variant not in runs:
+            continue
+        run = runs[variant]
+        lf_ids, lf_lengths = run["first_sample_input_ids"], run["row_lengths"]
+        summary[variant].update(
+            num_params=run["num_params"], num_trainable_params=run["num_trainable_params"],
+            gradient_checkpointing=run["gradient_checkpointing"], versions=run["versions"],
+            first_sample_tokens={"mmfsdp": len(first_ids), "llamafactory": len(lf_ids)},
+            first_sample_same_ids=lf_ids == first_ids,
+            # every training row's token count, row by row (both keep the jsonl's order)
+            rows={"mmfsdp": len(lengths), "llamafactory": len(lf_lengths),
+                  "tokens_mmfsdp": int(sum(lengths)), "tokens_llamafactory": int(sum(lf_lengths)),
+                  "other_length": sum(int(a) != b for a, b in zip(lengths, lf_lengths))
+                  if len(lengths) == len(lf_lengths) else None})
     summary["wall_s"] = time.perf_counter() - started
     return summary
 
