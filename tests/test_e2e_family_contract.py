@@ -222,6 +222,10 @@ def test_contract_data_pieces_are_the_familys_own(family):
     if not entry.capabilities.packing:
         (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=True)
         assert error.key == "data.dataset_param.basic_parameters.packing"
+        (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
+        assert error.key == "data.dataloader_param.padding_free"
+    else:
+        assert not entry.check_data(template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
     if entry.capabilities.video:  # a family declaring video reads it with its own image plugin
         assert own.image_plugins and get_plugin(own.image_plugins[0]).supports_video
     else:

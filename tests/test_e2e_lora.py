@@ -64,7 +64,8 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
 # name: (world size, overrides); "ref" is the reference of every 2-process run
 RUNS = {
     "full": (1, {"training.save": "{tmp}/ckpt/full"}),
-    "ref": (1, {**LORA, "training.save": "{tmp}/ckpt/ref"}),
+    # padded micro-batches: the exported PEFT / merged models take its batch as plain HF does
+    "ref": (1, {**LORA, "training.save": "{tmp}/ckpt/ref", "data.dataloader_param.padding_free": "false"}),
     "from_peft": (1, {**LORA, "training.lora.pretrained_lora_path": "{tmp}/peft_ref"}),  # built, not trained
     "fsdp2": (2, {**LORA, "training.micro_batch_size": 2}),
     "fsdp2_meta_chunk_recompute": (

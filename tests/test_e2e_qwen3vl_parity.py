@@ -70,7 +70,8 @@ LORA = {
 
 # name: (world size, overrides); the 1-process runs are the references
 RUNS = {
-    "ref": (1, {}),
+    # the reference pads its micro-batches (the batch plain HF takes); every other run is padding-free (the default)
+    "ref": (1, {"data.dataloader_param.padding_free": "false"}),
     "ref_packed_mbs2": (1, _packed(2)),
     "ref_lora": (1, LORA),
     "fsdp2": (2, {"training.micro_batch_size": 2}),

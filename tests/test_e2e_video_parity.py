@@ -66,7 +66,8 @@ PACKED = {"data.dataset_param.basic_parameters.packing": "true"}
 
 # name: (world size, MoE, overrides, reference); a reference of None is a 1-process reference run
 RUNS = {
-    "ref": (1, False, {}, None),
+    # the reference pads its micro-batches (the batch plain HF takes); the others are padding-free (the default)
+    "ref": (1, False, {"data.dataloader_param.padding_free": "false"}, None),
     "ref_packed": (1, False, PACKED, None),
     "moe_ref": (1, True, {}, None),
     "fsdp2": (2, False, MBS1, "ref"),

@@ -26,6 +26,16 @@ def test_tiny_example_config_loads_and_fits_two_ranks():
     assert cfg.model.model_id == "mistral3"
 
 
+def test_padding_free_follows_the_family_unless_set():
+    """Null `padding_free` takes the family's packing capability (every family in the tree packs); an explicit
+    value stays."""
+    from mmfsdp.model import get_model_entry
+
+    cfg = load_config(TINY)
+    assert cfg.data.dataloader_param.padding_free is get_model_entry("mistral3").capabilities.packing is True
+    assert load_config(TINY, ["data.dataloader_param.padding_free=false"]).data.dataloader_param.padding_free is False
+
+
 def test_unknown_key_suggests_the_closest(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(_write(tmp_path, "training:\n  lerning_rate: 1\n  micro_batch_sise: 2\n"))

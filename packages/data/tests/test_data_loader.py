@@ -59,12 +59,13 @@ def shapes(tmp_path_factory, tiny_dir, h):
     return root
 
 
-def _loader_factory(shapes, tiny_dir, h, tiny_processor, **basic):
+def _loader_factory(shapes, tiny_dir, h, tiny_processor, padding_free=True, **basic):
     cfg = h.data_config(
         tiny_dir,
         shapes,
         basic={"dataset_dir": str(shapes / "shapes"), "dataset": str(shapes / "shapes" / "train.jsonl"), **basic},
         preprocess={"cutoff_len": 80},
+        loader={"padding_free": padding_free},
     )
     dataset = build_dataset(cfg, tiny_processor)
 
@@ -79,9 +80,10 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
-@pytest.mark.parametrize(("packing", "num_workers"), [(False, 0), (True, 0), (False, 2)])
-def test_resume_yields_exactly_the_next_batches(shapes, tiny_dir, h, tiny_processor, packing, num_workers):
-    make = _loader_factory(shapes, tiny_dir, h, tiny_processor, packing=packing)
+@pytest.mark.parametrize(("layout", "num_workers"), [("padded", 0), ("padding_free", 0), ("packing", 0), ("padded", 2)])
+def test_resume_yields_exactly_the_next_batches(shapes, tiny_dir, h, tiny_processor, layout, num_workers):
+    make = _loader_factory(shapes, tiny_dir, h, tiny_processor, packing=layout == "packing",
+                           padding_free=layout == "padding_free")
     original = make(num_workers)
     per_epoch = original.batches_per_epoch
     for _ in range(per_epoch - 1):
@@ -96,7 +98,10 @@ def test_resume_yields_exactly_the_next_batches(shapes, tiny_dir, h, tiny_proces
     assert restored.state_dict() == original.state_dict()
     batch = expected[0]
     assert batch["input_ids"].shape[1] % 4 == 0
-    assert ("cu_seq_lens" in batch) == packing
+    assert ("cu_seq_lens" in batch) == (layout != "padded")
+    # padding-free: the micro-batch's 2 samples end to end in one row, no padding between them
+    if layout != "packing":
+        assert batch["input_ids"].shape[0] == (1 if layout == "padding_free" else 2)
     assert batch["pixel_values"].dtype == torch.float32 and batch["image_sizes"].dtype == torch.long
 
 

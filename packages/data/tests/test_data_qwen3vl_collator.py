@@ -116,7 +116,9 @@ def test_dataset_with_the_qwen2_vl_plugin(qwen_processor, tmp_path, h, rows):
     loader = build_dataloader(dataset, h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, basic={"dataset": str(path), "shuffle": False}, loader={"collate_param": {"model_name": "qwen3vl"}}), micro_batch_size=3, dp_rank=0, dp_size=1, seed=0)
     batch = next(loader)
     expected = {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "labels"}
-    assert set(batch) == expected and batch["image_grid_thw"].shape == (3, 3)
+    # padding-free by default: the 3 samples end to end in one row, `cu_seq_lens` marks them
+    assert set(batch) == expected | {"cu_seq_lens", "max_length"} and batch["image_grid_thw"].shape == (3, 3)
+    assert batch["input_ids"].shape[0] == 1 and batch["cu_seq_lens"].tolist()[-1] == batch["input_ids"].shape[1]
 
     fingerprint = SampleEncoder(cfg, qwen_processor).fingerprint()
     smaller = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink", "image_max_pixels": 64 * 64}, basic={"dataset": str(path)})

@@ -111,6 +111,7 @@ def _family_data(cfg: Config) -> list[ConfigError]:
         collator=registered(get_collator, cfg.data.dataloader_param.collate_param.model_name),
         packing=cfg.data.dataset_param.basic_parameters.packing,
         videos=cfg.data.dataset_param.attr.videos is not None,
+        padding_free=bool(cfg.data.dataloader_param.padding_free),
     )
 
 

@@ -285,13 +285,18 @@ class Config:
 
 def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:
     """Data choices left null take the model family's defaults: the first template and collator its entry lists
-    (`ModelEntry.data`). The data package names no family (it never sees the model); this is where the two meet.
+    (`ModelEntry.data`), and padding-free micro-batches where it packs (`capabilities.packing`). The data package names no family (it never sees the model); this is where the two meet.
     A family that lists none leaves them null, and the data package asks for them by key."""
     pre = data_cfg.dataset_param.preprocess_parameters
-    collate = data_cfg.dataloader_param.collate_param
-    if model_id is None or (pre.template is not None and collate.model_name is not None):
+    loader = data_cfg.dataloader_param
+    collate = loader.collate_param
+    if model_id is None or (pre.template is not None and collate.model_name is not None
+                            and loader.padding_free is not None):
         return
-    names = get_model_entry(model_id).data
+    entry = get_model_entry(model_id)
+    if loader.padding_free is None:  # padding-free micro-batches are packed rows: on where the family packs
+        loader.padding_free = entry.capabilities.packing
+    names = entry.data
     if pre.template is None and names.templates:
         pre.template = names.templates[0]
     if collate.model_name is None and names.collators:

@@ -282,6 +282,8 @@ class DataloaderParamConfig:
     """Drop the incomplete last global batch of an epoch; false = fill it by repeating the epoch's first rows."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead (only with num_workers > 0)."""
+    padding_free: bool | None = None
+    """Lay each micro-batch's samples end to end in one row (`cu_seq_lens` marks them, positions restart per sample) instead of padding them to the longest: the same samples, loss and gradients, no compute spent on padding. No effect with packing (rows are packed already); false = rows padded to the longest sample of the micro-batch; null = on where the model family packs (`capabilities.packing`; on when the data package is used alone)."""
     balance: bool = False
     """Assign each optimizer step's samples to data-parallel ranks (and micro-batches) by the cost model so that the slowest rank waits least (docs/data.md#token-budget-and-balance)."""
     cost_model: str | None = None

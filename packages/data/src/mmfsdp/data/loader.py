@@ -134,11 +134,13 @@ def _masked(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 class _BatchView(torch.utils.data.Dataset):
-    """Indexed by a whole `BatchKey`: reads its samples and collates them (inside a worker)."""
+    """Indexed by a whole `BatchKey`: reads its samples and collates them (inside a worker); with `flatten`
+    (padding-free micro-batches) all its samples go end to end into one row."""
 
-    def __init__(self, dataset: Any, collator: Any):
+    def __init__(self, dataset: Any, collator: Any, flatten: bool = False):
         self.dataset = dataset
         self.collator = collator
+        self.flatten = flatten
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -159,6 +161,8 @@ class _BatchView(torch.utils.data.Dataset):
                     samples.append(item)
             if samples:
                 rows.append(samples)
+        if self.flatten and rows:
+            rows = [[sample for row in rows for sample in row]]
         return (self.collator(rows) if rows else None), dict(bad)
 
 
@@ -196,6 +200,7 @@ class StatefulDataLoader:
         micro_batch_tokens: int | None = None,
         balance: bool = False,
         cost_model: CostModel | None = None,
+        padding_free: bool = False,
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -209,6 +214,9 @@ class StatefulDataLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.packing = packing
+        self.padding_free = padding_free
+        """Each micro-batch's rows end to end in one row (`cu_seq_lens`), not padded to the longest; the
+        collator must pack (`packing=True`). The plan (which samples, which micro-batch) is the same either way."""
         self.capacity = capacity
         self.drop_last = drop_last
         self.num_workers = num_workers
@@ -313,7 +321,7 @@ class StatefulDataLoader:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             kwargs["prefetch_factor"] = self.prefetch_factor
         loader = torch.utils.data.DataLoader(
-            _BatchView(self.dataset, self.collator),
+            _BatchView(self.dataset, self.collator, flatten=self.padding_free),
             sampler=keys,
             batch_size=None,
             collate_fn=_passthrough,
@@ -495,10 +503,11 @@ def build_dataloader(
     basic = data_cfg.dataset_param.basic_parameters
     loader_cfg = data_cfg.dataloader_param
     collate = loader_cfg.collate_param
+    padding_free = loader_cfg.padding_free is not False and not basic.packing
     collator = get_collator(collate.model_name)(
         pad_token_id=dataset.processor.pad_token_id,
         pad_to_multiple_of=math.lcm(collate.pad_to_multiple_of, pad_to_multiple_of),
-        packing=basic.packing,
+        packing=basic.packing or padding_free,
         sample_multiple=sample_multiple,
     )
     return StatefulDataLoader(
@@ -520,4 +529,5 @@ def build_dataloader(
         micro_batch_tokens=micro_batch_tokens,
         balance=loader_cfg.balance,
         cost_model=CostModel.load(loader_cfg.cost_model),
+        padding_free=padding_free,
     )

@@ -174,18 +174,27 @@ def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causa
     return out_THD.view(batch_size, seq_len, num_heads, -1), None
 
 
+@torch.compiler.disable
+def _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs):
+    """Packed sdpa, eager under `torch.compile` (`features.compile`): it reads the sequence boundaries on the
+    host and loops over the lengths, which a traced graph would specialise on (a new graph for every new set
+    of lengths); left out, a compiled block runs one graph before and one after it whatever the lengths."""
+    causal = _is_causal(module, kwargs)
+    batch_size, _, q_len, _ = query.shape
+    same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
+    segments = _row_segments(cu_q, batch_size, q_len) if same else None
+    if segments is not None:
+        return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
+    attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention; packed self-attention runs per sequence, other packed inputs get a
     block-diagonal mask."""
     cu_q, cu_k = _pop_varlen(kwargs)
     if cu_q is not None:
-        causal = _is_causal(module, kwargs)
-        batch_size, _, q_len, _ = query.shape
-        same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
-        segments = _row_segments(cu_q, batch_size, q_len) if same else None
-        if segments is not None:
-            return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
-        attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
+        return _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 

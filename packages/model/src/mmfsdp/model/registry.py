@@ -168,10 +168,12 @@ class ModelEntry:
         collator: str | None,
         packing: bool,
         videos: bool = False,
+        padding_free: bool = False,
     ) -> list[ConfigError]:
         """The data choices of a config against the family's declarations: each of template, image plugin (the
         configured one, or the template's default) and collator must be one the family lists in `data` (None:
-        not checked), packing needs `capabilities.packing` and a video column (`videos`) `capabilities.video`.
+        not checked), packing and padding-free micro-batches need `capabilities.packing` and a video column
+        (`videos`) `capabilities.video`.
         One `ConfigError` per problem, naming the key."""
         pre = "data.dataset_param.preprocess_parameters"
         errors = []
@@ -189,6 +191,12 @@ class ModelEntry:
                 "data.dataset_param.basic_parameters.packing",
                 f"true, but model_id {self.model_id!r} does not support packed rows (its entry does not declare "
                 "capabilities.packing); set it to false",
+            ))
+        if padding_free and not packing and not self.capabilities.packing:
+            errors.append(ConfigError(
+                "data.dataloader_param.padding_free",
+                f"true, but model_id {self.model_id!r} does not support packed rows (its entry does not declare "
+                "capabilities.packing), which padding-free micro-batches are; set it to false or leave it null",
             ))
         if videos and not self.capabilities.video:
             errors.append(ConfigError(

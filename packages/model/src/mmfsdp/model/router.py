@@ -121,6 +121,8 @@ class RouterLoadRecorder:
         self.top_k = top_k
         self._active = False
         self._mask: torch.Tensor | None = None
+        self._token_mask: torch.Tensor | None = None
+        self._packed = False
         self._logits: list[torch.Tensor] = []
         decoder.register_forward_pre_hook(self._full_mask_hook, with_kwargs=True, prepend=True)
         decoder.register_forward_pre_hook(self._local_mask_hook, with_kwargs=True)
@@ -128,12 +130,15 @@ class RouterLoadRecorder:
             router.register_forward_hook(self._router_hook)
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        self._active, self._mask, self._logits = True, None, []
+    def recording(self, token_mask: torch.Tensor | None = None) -> Iterator[None]:
+        """Record the routers of one forward. `token_mask` (`[B, S]`, 1 = a real token): the batch's own
+        attention mask, which counts when the decoder gets none (packed rows: the varlen lengths replace it,
+        and the padding after the last sample, e.g. context parallel's multiple, must not count)."""
+        self._active, self._mask, self._logits, self._token_mask = True, None, [], token_mask
         try:
             yield
         finally:
-            self._active = False
+            self._active, self._token_mask = False, None
 
     def result(self) -> RouterLoad | None:
         """The `RouterLoad` of the last recording; None when no router ran."""
@@ -156,8 +161,11 @@ class RouterLoadRecorder:
 
     def _full_mask_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self._active:
+            # the decoder gets the 2-D padding mask, or none for packed rows (the training forward drops it):
+            # then the batch's own mask, whose rows are flattened into one under context parallel
             mask = kwargs.get("attention_mask")
-            self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            self._packed = not (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+            self._mask = self._token_mask if self._packed else mask
         return None
 
     def _local_mask_hook(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -165,7 +173,7 @@ class RouterLoadRecorder:
         # mask was replaced, so the rows of the whole-sequence mask are cut the same way (a 2-D mask is unpacked)
         context = kwargs.get(CP_CONTEXT_KEY)
         if self._active and self._mask is not None and context is not None:
-            self._mask = CPBatch(context.layout, flatten=False).split(self._mask)
+            self._mask = CPBatch(context.layout, flatten=self._packed).split(self._mask)
         return None
 
     def _router_hook(self, module: nn.Module, args: tuple, output):

@@ -61,7 +61,7 @@ class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeFor
     def forward(self, *args: Any, loss_weights: Any = None, **kwargs: Any):
         if loss_weights is None:
             return super().forward(*args, **kwargs)
-        with self._router_recorder.recording():
+        with self._router_recorder.recording(token_mask=kwargs.get("attention_mask")):
             outputs = super().forward(*args, loss_weights=loss_weights, **kwargs)
         outputs.router_load = self._router_recorder.result()
         return outputs
