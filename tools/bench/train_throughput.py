@@ -7,14 +7,17 @@
 The same random-init Qwen3-VL, the same data and the same global batch (`--nproc` ranks × `--micro-batch` rows)
 run three ways, one after the other, each on `--nproc` gloo processes (fp32):
 
-- `plain`: what a user writes by hand: HF `Qwen3VLForConditionalGeneration` (SDPA), `fully_shard` on every decoder
-  layer and the root, AdamW (torch's default, foreach), grad-norm clipping at 1.0, a `torch.utils.data.DataLoader`
-  with a `DistributedSampler` whose collate pads each micro-batch to its longest row (mmfsdp's tokenised rows, so
-  both see the same tokens), `model(**inputs, labels=labels)` — launched by `torch.multiprocessing.spawn`;
+- `plain`: what a user writes by hand (one thread per process, as torchrun sets for the other runs): HF
+  `Qwen3VLForConditionalGeneration` (SDPA), `fully_shard` on every decoder layer and the root, AdamW (torch's default,
+  foreach), grad-norm clipping at 1.0, a `torch.utils.data.DataLoader` with a `DistributedSampler` whose collate pads
+  each micro-batch to its longest row (mmfsdp's tokenised rows, so both see the same tokens), `model(**inputs,
+  labels=labels)` — launched by `torch.multiprocessing.spawn`;
 - `mmfsdp`: the real app (`python apps/train CONFIG --nproc-per-node N`) on a config that names only the model and
   the data: every other key at its default;
-- `mmfsdp_best`: the same with the settings that make it fastest (packing into rows of about the same token count
-  as a padded micro-batch; `--best KEY=VALUE` adds overrides, e.g. `features.compile=true`).
+- `mmfsdp_best`: the same with the settings that make it fastest here (`--best-preset compile`, the default: each
+  decoder layer compiled with inductor and `reshard_after_forward: false`; `balance`: each step's samples balanced
+  over the ranks under a token budget; `packing`: rows packed to about a padded micro-batch's tokens — on the
+  padding-free defaults neither of the last two was faster here; `--best KEY=VALUE` adds overrides).
 
 Two sizes: `tiny` (the qwen3vl-tiny example's ~1 M-parameter model on its coloured-shapes rows, 16 × ~26 tokens)
 and `large` (the same vision tower, a `--large-hidden` × `--large-layers` decoder: ≥ 50 M parameters, where the
@@ -26,12 +29,13 @@ Each system runs `--repeats` times (default 2), interleaved with the others, and
 is the one it disturbed least.
 
 Each run's step time is taken per step (the loader's `next` to the optimizer step, both systems alike; the app's is
-`step_time_s` of `metrics.jsonl`), the first `--warmup` steps dropped; tokens/s is the median over the remaining
-steps of (real tokens of the global batch) / (step time). FLOP/s are the model FLOPs of each step's real batch
+`step_time_s` of `metrics.jsonl`), the first `--warmup` steps dropped; tokens/s is the median over the remaining steps
+of (real tokens of the global batch) / (step time). FLOP/s are the model FLOPs of each step's real batch
 (`mmfsdp.model.flops`, 3 × forward) per device; `gemm_peak_fraction_*` divides them by the machine's GEMM rate,
-measured by `mmfsdp.parallel.peak.measure_gemm_tflops` on all ranks at the same time (mean of the ranks, best of 3), the
-same peak for every run. The last line is one JSON object: each run's numbers and the ratios `tiny_over_plain`,
-`large_over_plain`, `large_best_over_plain` (and `tiny_best_over_plain`).
+measured by `mmfsdp.parallel.peak.measure_gemm_tflops` (1024² fp32, one thread per process) on all ranks at the same
+time (mean of the ranks, best of 3 and of the repeats), the same peak for every run. The last line is one JSON object:
+each run's numbers and the ratios `tiny_over_plain`, `large_over_plain`, `large_best_over_plain` (and
+`tiny_best_over_plain`).
 
 `--llamafactory PYTHON` (the python of a separate venv with `llamafactory==0.9.5`, never the project's: see
 `tools/bench/llamafactory_run.py` and docs/benchmarks.md) adds, after the three runs of each size, LLaMA-Factory on
@@ -134,6 +138,24 @@ class _PadToLongest:
         return self.collate(samples)
 
 
+def gemm_peak_tflops(tries: int = 3) -> float:
+    """The machine's GEMM rate per process: 1024² fp32 matmuls timed on every rank at the same moment (mean of
+    the ranks), the best of `tries` (on a shared machine one timing can land on a busy moment)."""
+    import torch
+    import torch.distributed as dist
+
+    from mmfsdp.parallel.peak import measure_gemm_tflops
+
+    best = 0.0
+    for _ in range(tries):
+        dist.barrier()
+        measured = torch.tensor([measure_gemm_tflops(torch.device("cpu"), torch.float32, size=1024, seconds=0.5)],
+                                dtype=torch.float64)
+        dist.all_reduce(measured)
+        best = max(best, float(measured) / dist.get_world_size())
+    return best
+
+
 def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: dict, result_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -144,13 +166,13 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
     from mmfsdp.model import get_model_entry, model_inputs
     from mmfsdp.model.flops import count_forward, sample_lengths
     from mmfsdp.train.config import load_config
-    from mmfsdp.train.mfu import resolve_peak_tflops
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # one thread per process, as torchrun sets for the app and for LLaMA-Factory (OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     cfg = load_config(Path(config_path), [])
-    # the best of a few timings: on a shared machine one short GEMM can land on a busy moment
-    peak = max(resolve_peak_tflops(torch.device("cpu"), torch.float32, None)[0] for _ in range(3))
+    peak = gemm_peak_tflops()
 
     torch.manual_seed(0)
     hf_config = AutoConfig.from_pretrained(cfg.model.model_name_or_path)
@@ -294,8 +316,17 @@ def measure_size(size: str, args, out: Path) -> dict:
     mean_len = sum(lengths) / len(lengths)
     # packed rows of about the tokens of a padded micro-batch: the same global batch in tokens
     capacity = max(int(mean_len * args.micro_batch), max(lengths))
-    best = ["data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
-            f"data.dataset_param.preprocess_parameters.cutoff_len={capacity}", *args.best]
+    presets = {
+        # rows packed first-fit to about a padded micro-batch's tokens, one row per micro-batch
+        "packing": ["data.dataset_param.basic_parameters.packing=true", "training.micro_batch_size=1",
+                    f"data.dataset_param.preprocess_parameters.cutoff_len={capacity}"],
+        # the padding-free defaults, each step's samples balanced over the ranks by the cost model
+        "balance": ["data.dataloader_param.balance=true", f"training.micro_batch_tokens={capacity}"],
+        # the padding-free defaults, each decoder layer compiled (inductor), the gathered parameters kept from
+        # forward to backward (no second all-gather per layer: more memory for less communication)
+        "compile": ["features.compile=true", "parallel.fsdp_plan.reshard_after_forward=false"],
+    }
+    best = [*presets[args.best_preset], *args.best]
 
     # Each system runs `--repeats` times, the systems interleaved (plain, mmfsdp, best, [LLaMA-Factory], plain,
     # ...), so that a change of load on the machine meets all of them; each system's result is its fastest repeat.
@@ -364,6 +395,11 @@ def main() -> None:
     parser.add_argument("--large-layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each system, interleaved; each system's fastest repeat is reported")
+    parser.add_argument("--best-preset", choices=("balance", "compile", "packing"), default="compile",
+                        help="the best run's settings: compile (each decoder layer compiled with inductor, "
+                             "parameters kept gathered from forward to backward), balance (each step's samples "
+                             "balanced over the ranks, a token budget of about a micro-batch's tokens) or packing "
+                             "(rows packed to about that)")
     parser.add_argument("--best", action="append", default=[], help="extra KEY=VALUE override of the best run")
     parser.add_argument("--defaults-override", action="append", default=[],
                         help="KEY=VALUE for the defaults run, e.g. parallel.fsdp_plan.min_group_params=0 (the plan "

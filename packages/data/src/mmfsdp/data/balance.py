@@ -13,8 +13,8 @@ samples' statistics, no RNG, ties broken by index), so that
    sample of its own (rows `(-1 - index,)`) whose labels the loader masks, so it runs the collectives and
    adds exactly zero to the loss and the gradients;
 3. with `micro_batch_tokens` a micro-batch holds at most that many tokens, counted as the row layout
-   spends them: padded (rows × longest row) without packing, summed with packing (then the whole
-   micro-batch is one packed row) — plus the vision work of its images in token equivalents
+   spends them: padded (rows × longest row) without packing, summed with packing or padding-free
+   micro-batches (the loader passes `packing=True` for both: the whole micro-batch is one packed row) — plus the vision work of its images in token equivalents
    (`CostModel.vision_tokens`). A sample heavier than the budget alone gets a micro-batch of its own;
 4. with `balance` the samples go to ranks by LPT (longest processing time first: heaviest sample to the
    least-loaded rank) on `CostModel.sample_cost`, which minimises the slowest rank's cost within 4/3 of

@@ -260,7 +260,9 @@ class StatefulDataLoader:
         self._step_plans = plan_epoch_steps(
             self.stats, epoch=epoch, seed=self.seed, shuffle=self.shuffle, samples_per_step=self.samples_per_step,
             drop_last=self.drop_last, dp_size=self.dp_size, micro_batch_size=self.micro_batch_size,
-            micro_batch_tokens=self.micro_batch_tokens, balance=self.balance, packing=self.packing,
+            micro_batch_tokens=self.micro_batch_tokens, balance=self.balance,
+            # a padding-free micro-batch costs its samples' tokens, as a packed row does, not rows × the longest
+            packing=self.packing or (self.padding_free and self.micro_batch_tokens is not None),
             cost_model=self.cost_model,
         )
         self._step_ends = np.cumsum([p.num_micro_batches for p in self._step_plans]).tolist()
@@ -420,6 +422,7 @@ class StatefulDataLoader:
             "micro_batch_size": self.micro_batch_size,
             "num_samples": len(self.dataset),
             "packing": self.packing,
+            "padding_free": self.padding_free,
             "micro_batch_tokens": self.micro_batch_tokens,
             "balance": self.balance,
             "samples_per_step": self.samples_per_step,
@@ -453,6 +456,9 @@ class StatefulDataLoader:
         mine = self.state_dict()
         keys = ("seed", "num_samples", "packing", "micro_batch_tokens", "balance")
         changed = [k for k in keys if state.get(k) != mine[k]]
+        # a token budget counts a padding-free micro-batch's summed tokens (checkpoints before it: padded)
+        if self.micro_batch_tokens is not None and bool(state.get("padding_free", False)) != self.padding_free:
+            changed.append("padding_free")
         old_step_samples = state.get("samples_per_step")
         if old_step_samples is None:
             changed.append("batch layout (the checkpoint has no token-budget step plan)")
