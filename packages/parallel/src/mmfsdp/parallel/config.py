@@ -38,7 +38,7 @@ class FSDPPlanConfig:
     num_to_backward_prefetch: int = 0
     """How many preceding wrapped modules each wrapped module starts gathering during backward."""
     min_group_params: int = 4_000_000
-    """Fewer parameters than this per FSDP2 group: consecutive entries of one module list (decoder layers, vision blocks) are sharded together until a group holds this many, and a smaller matched module outside a list joins the root's group (one all-gather and reduce-scatter for many small layers: the same numbers, less time per collective); 0 = one group per matched module."""
+    """Fewer parameters than this per FSDP2 group: consecutive entries of one module list (decoder layers, vision blocks) are sharded together until a group holds this many, and a smaller matched module outside a list, or a whole list smaller than this, joins the root's group (one all-gather and reduce-scatter for many small layers: the same numbers, less time per collective); 0 = one group per matched module."""
 
     def __post_init__(self) -> None:
         for key in ("num_to_forward_prefetch", "num_to_backward_prefetch", "min_group_params"):
