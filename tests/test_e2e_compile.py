@@ -4,10 +4,12 @@ Each compiled layout must give the per-step loss and gradient norm of the eager 
 batch (relative difference <= 1e-5) on the same tokens:
 
 - FSDP2 (data parallel 2), also with recompute and with chunk loss;
-- Ulysses 2 (one CP group, the micro-batch of the 1-process run, which the eager FSDP2 run's global batch equals).
+- Ulysses 2 (one CP group, the micro-batch of the 1-process run, which the eager FSDP2 run's global batch equals);
+- LoRA on FSDP2 (the adapters inside the compiled layers), against an eager LoRA run.
 
-The shapes rows mix text-only and image rows, so the padded length of a micro-batch changes from step to step:
-the compiled runs must not recompile for that. The number of graphs dynamo compiled is read after every step
+The shapes rows mix text-only and image rows, and micro-batches are padding-free (the default: a micro-batch's
+samples end to end in one row), so the length of a micro-batch changes from step to step: the compiled runs must
+not recompile for that (packed attention runs outside the graphs, `mmfsdp.model.attention._sdpa_varlen`). The number of graphs dynamo compiled is read after every step
 (`torch._dynamo.utils.counters`): steps 3-5 add none, and the run compiles at most a few graphs in all.
 
 The tests use torch.compile's `aot_eager` backend (traced and run through AOTAutograd, no code generation). Inductor
@@ -53,13 +55,20 @@ def _overrides(tmp: Path, name: str, **extra) -> list[str]:
 
 
 COMPILE = {"features.compile": "true", "features.compile_plan.backend": "aot_eager"}
+LORA = {"training.lora.enable": "true", "training.lora.rank": 8,
+        "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj]", "training.lr": 1.0e-2}
 RUNS = {
     "eager": {},
     "compiled": COMPILE,
     "compiled_recompute": {**COMPILE, "parallel.recompute": "true"},
     "compiled_chunk": {**COMPILE, "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16},
     "compiled_ulysses2": {**COMPILE, "parallel.ulysses_parallel_size": 2, "training.micro_batch_size": 4},
+    "eager_lora": LORA,
+    "compiled_lora": {**COMPILE, **LORA},
 }
+REFERENCE = {"compiled_lora": "eager_lora"}
+"""The eager run each compiled run is compared with (default: `eager`)."""
+COMPILED = [name for name in RUNS if name.startswith("compiled")]
 
 
 def _train(rank, world_size, runs):
@@ -108,9 +117,9 @@ def _close(value: float, reference: float) -> bool:
     return abs(value - reference) <= 1e-5 * abs(reference)
 
 
-@pytest.mark.parametrize("name", [name for name in RUNS if name != "eager"])
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_run_matches_eager(results, name):
-    got, expected = results[name]["steps"], results["eager"]["steps"]
+    got, expected = results[name]["steps"], results[REFERENCE.get(name, "eager")]["steps"]
     assert len(got) == len(expected) == STEPS
     for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(got, expected), 1):
         assert tokens == ref_tokens, f"{name}, step {step}: {tokens} tokens vs {ref_tokens}"
@@ -122,9 +131,10 @@ def test_compile_covers_the_decoder_layers_only_when_asked(results):
     assert results["eager"]["compiled"] == []
     assert results["compiled"]["compiled"] == ["model.language_model.layers.0", "model.language_model.layers.1"]
     assert results["compiled_recompute"]["compiled"] == results["compiled"]["compiled"]
+    assert results["eager_lora"]["compiled"] == [] and results["compiled_lora"]["compiled"]
 
 
-@pytest.mark.parametrize("name", [name for name in RUNS if name != "eager"])
+@pytest.mark.parametrize("name", COMPILED)
 def test_variable_lengths_do_not_recompile(results, name):
     run = results[name]
     if "ulysses" not in name:  # the Ulysses run's 4-row micro-batches all pad to the longest shapes row
