@@ -35,9 +35,10 @@ The pieces and where they run:
   evaluation: those have no bounded duration, and there the collective timeout
   (`parallel.collective_timeout_s`) is the guard. It is armed by the beat after
   each completed step (and after each save); micro-batch beats refresh it.
-  Before exiting, the hung rank SIGKILLs sibling ranks of its launcher that are
-  stopped (SIGSTOP, state T): they cannot act on the agent's SIGTERM, and the
-  agent would wait 30 s for them before its own SIGKILL.
+  When the hung rank exits, sibling ranks of its launcher that are stopped
+  (SIGSTOP, state T) are SIGKILLed by a helper it forks, just after its own exit
+  (so the agent reads the hang's exit code first): they cannot act on the
+  agent's SIGTERM, and the agent would wait 30 s for them before its own SIGKILL.
 - `take_save_lock()` — the `mmfsdp.ckpt.SaveDirLock` on `training.save`, taken
   by the launcher (or global rank 0 under an external torchrun), released at
   exit; `MMFSDP_SAVE_LOCKED=1` tells ranks their launcher holds it.
@@ -263,16 +264,34 @@ def _stopped_siblings() -> list[int]:
     return found
 
 
-def _exit_after_hang() -> None:
-    # The elastic agent stops the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank
-    # cannot act on SIGTERM, so it would hold the job for those 30 s. The job ends anyway: kill it now.
-    for pid in _stopped_siblings():
+def _kill_stopped(pids: list[int]) -> None:
+    rank = os.environ.get("RANK", "?")
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
-            rank = os.environ.get("RANK", "?")
             print(f"[rank {rank}] killed stopped rank process {pid}", file=sys.stderr, flush=True)
         except OSError:
             pass
+
+
+def _exit_after_hang() -> None:
+    # The elastic agent stops the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank
+    # cannot act on SIGTERM, so it would hold the job for those 30 s. The job ends anyway: kill it, but only
+    # once this rank has exited, so that the agent sees this rank's exit code (the hang) before the killed
+    # rank's: a forked helper (not a rank; fork clears the parent-death signal) waits for this process to end.
+    stopped = _stopped_siblings()
+    if stopped:
+        try:
+            helper = os.fork()
+        except OSError:
+            helper = None
+            _kill_stopped(stopped)
+        if helper == 0:
+            parent, deadline = os.getppid(), time.monotonic() + 5.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.005)
+            _kill_stopped(stopped)
+            os._exit(0)
     os._exit(HANG_EXIT_CODE)
 
 
