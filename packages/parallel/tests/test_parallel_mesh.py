@@ -68,7 +68,7 @@ def _layout(rank, world_size, plans):
             dict(
                 dp_rank=dims.dp_rank, dp_size=dims.dp_size, cp_rank=dims.cp_rank, cp_size=dims.cp_size,
                 cp=ranks(dims.cp_group), ulysses=ranks(dims.ulysses_group), ring=ranks(dims.ring_group),
-                dp=ranks(dims.dp_group), dp_cp=ranks(dims.dp_cp_group),
+                dp=ranks(dims.dp_group), dp_cp=ranks(dims.dp_cp_mesh.get_group()),
                 dp_shard_cp=dims.dp_shard_cp_mesh.mesh.flatten().tolist(),
                 fsdp_mesh=(dims.fsdp_mesh.mesh_dim_names, dims.fsdp_mesh.mesh.tolist()),
             )

@@ -61,11 +61,6 @@ class Registry(Generic[T]):
         self._load_entry_points()
         return dict(self._aliases)
 
-    def canonical(self, name: str) -> str:
-        """The registered name `name` stands for (itself unless it is an alias)."""
-        self._load_entry_points()
-        return self._aliases.get(name, name)
-
     def __contains__(self, name: object) -> bool:
         self._load_entry_points()
         return name in self._entries or name in self._aliases

@@ -27,10 +27,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from mmfsdp.parallel.patterns import match_module_names
+from mmfsdp.parallel.patterns import wrap_forwards
 
 __all__ = ["apply_activation_checkpointing", "is_checkpointed"]
 
@@ -56,11 +55,7 @@ def apply_activation_checkpointing(
     A pattern that matches nothing is a `ConfigError` under `key`. Modules already
     wrapped are left as they are.
     """
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        raise RuntimeError("apply_activation_checkpointing must run before apply_fsdp, on the unsharded model")
-    names = match_module_names(model, patterns, key=key)
-    for name in names:
-        module = model.get_submodule(name)
-        if not is_checkpointed(module):
-            module.forward = functools.partial(_checkpointed_forward, module.forward)
-    return names
+    return wrap_forwards(
+        model, patterns, lambda module: functools.partial(_checkpointed_forward, module.forward),
+        key=key, what="apply_activation_checkpointing", is_wrapped=is_checkpointed,
+    )

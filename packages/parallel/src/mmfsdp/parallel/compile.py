@@ -29,10 +29,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from mmfsdp.config import get_logger
-from mmfsdp.parallel.patterns import match_module_names
+from mmfsdp.parallel.patterns import wrap_forwards
 
 __all__ = ["apply_compile", "is_compiled"]
 
@@ -86,13 +85,10 @@ def apply_compile(
 
     A pattern that matches nothing is a `ConfigError` under `key`. Modules already compiled are left as they are.
     """
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        raise RuntimeError("apply_compile must run before apply_fsdp, on the unsharded model")
-    names = match_module_names(model, patterns, key=key)
-    for name in names:
-        module = model.get_submodule(name)
-        if not is_compiled(module):
-            module.forward = _CompiledForward(module.forward, backend, dynamic)
+    names = wrap_forwards(
+        model, patterns, lambda module: _CompiledForward(module.forward, backend, dynamic),
+        key=key, what="apply_compile", is_wrapped=is_compiled,
+    )
     if names:
         log.info(f"compile: {len(names)} modules compiled per block (backend {backend}, dynamic={dynamic})")
     return names

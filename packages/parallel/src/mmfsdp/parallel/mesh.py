@@ -250,14 +250,6 @@ class ParallelDims:
         return self.dp_mesh.get_group()
 
     @property
-    def dp_cp_group(self) -> dist.ProcessGroup:
-        return self.dp_cp_mesh.get_group()
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.plan.cp > 1
-
-    @property
     def ep_size(self) -> int:
         return self.plan.ep
 

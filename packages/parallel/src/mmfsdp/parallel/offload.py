@@ -44,9 +44,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import FSDPModule
 
-from mmfsdp.parallel.patterns import match_module_names
+from mmfsdp.parallel.patterns import wrap_forwards
 
 __all__ = ["ActivationOffload", "apply_activation_offload", "is_offloaded"]
 
@@ -62,12 +61,9 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.include_cpu = include_cpu
         self.offloaded_bytes = 0
-        """Bytes copied to the host by pack hooks since the last `reset_counters`."""
+        """Bytes copied to the host by pack hooks."""
         self.kept_bytes = 0
         """Bytes of saved tensors left where they were (parameters, small or CPU tensors)."""
-
-    def reset_counters(self) -> None:
-        self.offloaded_bytes = self.kept_bytes = 0
 
     def hooks(self, module: nn.Module) -> saved_tensors_hooks:
         """The saved-tensor hooks for one forward of `module` (its parameters and buffers are never moved)."""
@@ -127,14 +123,8 @@ def apply_activation_offload(
     under `key`. A module inside another matched module is skipped (the outer
     hooks already cover it), as are modules already wrapped.
     """
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        raise RuntimeError("apply_activation_offload must run before apply_fsdp, on the unsharded model")
     offload = ActivationOffload() if offload is None else offload
-    names = match_module_names(model, patterns, key=key)
-    for name in names:
-        if any(name.startswith(other + ".") for other in names):
-            continue
-        module = model.get_submodule(name)
-        if not is_offloaded(module):
-            module.forward = functools.partial(_offloaded_forward, module.forward, offload, module)
-    return names
+    return wrap_forwards(
+        model, patterns, lambda module: functools.partial(_offloaded_forward, module.forward, offload, module),
+        key=key, what="apply_activation_offload", is_wrapped=is_offloaded, outermost_only=True,
+    )

@@ -17,12 +17,14 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from mmfsdp.config import ConfigError
 
-__all__ = ["ModulePattern", "compile_module_pattern", "match_module_names"]
+__all__ = ["ModulePattern", "compile_module_pattern", "match_module_names", "wrap_forwards"]
 
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _INDEX = r"(0|[1-9][0-9]*)"
@@ -119,3 +121,33 @@ def match_module_names(model: nn.Module, patterns: list[str], *, key: str = "pat
                 f"{pattern.text!r} matches no module of {type(model).__name__}; {_suggestions(pattern.text, names)}",
             )
     return matched
+
+
+def wrap_forwards(
+    model: nn.Module,
+    patterns: list[str],
+    wrap: Callable[[nn.Module], Callable[..., Any]],
+    *,
+    key: str,
+    what: str,
+    is_wrapped: Callable[[nn.Module], bool],
+    outermost_only: bool = False,
+) -> list[str]:
+    """Replace, on the instance, the `forward` of every module matched by `patterns` with `wrap(module)` (which
+    closes over `module.forward`); return the matched names. No module is inserted, so parameter and state-dict
+    names do not change. The one loop behind per-block compile, activation checkpointing and activation offload.
+
+    Runs on the unsharded model (before FSDP2, whose hooks then sit around the replaced forward); `what` names the
+    caller in that error. A pattern that matches nothing is a `ConfigError` under `key`; modules for which
+    `is_wrapped` holds are left as they are; with `outermost_only`, a module inside another matched one is skipped.
+    """
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        raise RuntimeError(f"{what} must run before apply_fsdp, on the unsharded model")
+    names = match_module_names(model, patterns, key=key)
+    for name in names:
+        if outermost_only and any(name.startswith(other + ".") for other in names):
+            continue
+        module = model.get_submodule(name)
+        if not is_wrapped(module):
+            module.forward = wrap(module)
+    return names
