@@ -1,4 +1,5 @@
-"""Helpers for end-to-end tests that drive the real app as a subprocess (`python apps/train CONFIG ...`).
+"""Helpers for end-to-end tests that drive the real app as a subprocess (`python apps/train CONFIG ...`), and the
+paths every end-to-end test names (the repository root, the app, the tiny examples' configs and model directories).
 
 Imported by the tests as `apprun` (the `tests` directory is on pytest's `pythonpath`).
 """
@@ -17,6 +18,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "apps" / "train"
+EXAMPLES = ROOT / "examples"
+TINY = EXAMPLES / "tiny" / "config.yaml"
+"""The default run's config: a tiny Mistral3 (its tokenizer and processor in `examples/tiny/assets`)."""
+QWEN = EXAMPLES / "qwen3vl-tiny" / "config.yaml"
+QWEN_ASSETS = EXAMPLES / "qwen3vl-tiny" / "assets"
+MOE = EXAMPLES / "qwen3vl-moe-tiny" / "config.yaml"
+MOE_ASSETS = EXAMPLES / "qwen3vl-moe-tiny" / "assets"
+
+
+def close(value: float, reference: float, rel: float = 1e-5) -> bool:
+    """`value` within `rel` of `reference`, relative to the reference (the parity tolerance, fp32 on the CPU)."""
+    return abs(value - reference) <= rel * abs(reference)
 
 
 def overrides(items: dict) -> list[str]:
