@@ -22,7 +22,7 @@ _spec.loader.exec_module(dense)
 
 
 def write_model_config(out: Path, ids: dict[str, int]) -> None:
-    config = get_model_entry("qwen3_vl_moe").tiny_config(
+    config = get_model_entry("qwen3_vl_moe").testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"],

@@ -133,7 +133,7 @@ def write_image_processor(out: Path) -> None:
 
 
 def write_model_config(out: Path, ids: dict[str, int]) -> None:
-    config = get_model_entry("qwen3_vl").tiny_config(
+    config = get_model_entry("qwen3_vl").testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"],

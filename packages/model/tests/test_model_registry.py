@@ -22,7 +22,7 @@ ENTRY = get_model_entry("mistral3")
 
 
 def test_model_id_defaults_to_the_family_of_config_json(tmp_path):
-    ENTRY.tiny_config().save_pretrained(tmp_path)
+    ENTRY.testkit.tiny_config().save_pretrained(tmp_path)
     assert build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model").model_id == "mistral3"
 
 
@@ -69,7 +69,7 @@ def test_plans_name_real_modules(tiny_config):
 
 
 def test_tiny_config_is_tiny_and_overridable():
-    config = ENTRY.tiny_config(vocab_size=300, image_token_index=7, text_config={"num_hidden_layers": 3})
+    config = ENTRY.testkit.tiny_config(vocab_size=300, image_token_index=7, text_config={"num_hidden_layers": 3})
     assert config.text_config.vocab_size == 300 and config.image_token_index == 7
     assert config.text_config.num_hidden_layers == 3 and config.vision_config.patch_size == 8
     assert sum(p.numel() for p in Mistral3ForConditionalGeneration(config).parameters()) < 5_000_000
