@@ -280,7 +280,8 @@ def run_llamafactory(python: str, variant: str, assets: Path, cfg, args, out: Pa
     for step in run["steps"]:
         grids = step["image_grid_thw"]
         batch = {"image_grid_thw": torch.tensor(grids, dtype=torch.long) if grids else None}
-        step["flops"] = float(count_forward(shape, step["sample_lens"], entry.costs.image_patches(hf_config, batch)).model)
+        patches = entry.costs.image_patches(hf_config, batch)
+        step["flops"] = float(count_forward(shape, step["sample_lens"], patches).model)
     return run
 
 

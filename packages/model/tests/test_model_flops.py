@@ -1,6 +1,6 @@
-"""FLOP counting (`mmfsdp.model.flops`, the entries' `flop_shape` / `image_patches`) against hand calculations
-from the tiny configs' numbers, for each family, on the entries' test batches (rows of different lengths, images
-of different sizes in some rows)."""
+"""FLOP counting (`mmfsdp.model.flops`, the families' cost facets: `flop_shape` / `image_patches`) against hand
+calculations from the tiny configs' numbers, for each family, on the test kits' batches (rows of different lengths,
+images of different sizes in some rows)."""
 
 import torch
 
@@ -102,4 +102,5 @@ def test_qwen3_vl_counts_each_temporal_patch_of_a_video():
     entry = get_model_entry("qwen3_vl")
     batch = {"image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 2, 4], [1, 4, 4]])}
     assert entry.costs.image_patches(entry.testkit.tiny_config(), batch) == [24, 8, 8, 8, 16]
-    assert entry.costs.image_patches(entry.testkit.tiny_config(), {"video_grid_thw": torch.tensor([[2, 2, 2]])}) == [4, 4]
+    videos = {"video_grid_thw": torch.tensor([[2, 2, 2]])}
+    assert entry.costs.image_patches(entry.testkit.tiny_config(), videos) == [4, 4]

@@ -18,10 +18,10 @@ Magistral-Small-2509 worked through):
   (ring × ulysses)`; with a token budget `training.micro_batch_tokens` the micro-batch holds at most
   `max(micro_batch_tokens, cutoff_len)` tokens — a sample over the budget runs alone — and at most the
   rank's step, `micro_batch_size × gradient_accumulation_steps × cutoff_len`) × hidden × layers × the
-  family's bytes per token, hidden unit and layer (`FamilyCosts.decoder_values_per_token`, the spec's `costs`); recompute keeps
-  only each layer's input plus one layer being recomputed, offload moves the saved tensors of the matched
-  layers to the host (one layer in flight); the logits (or one chunk of them with chunk loss) come on top.
-  A frozen vision tower saves nothing.
+  family's bytes per token, hidden unit and layer (`FamilyCosts.decoder_values_per_token`, the spec's
+  `costs`); recompute keeps only each layer's input plus one layer being recomputed, offload moves the saved
+  tensors of the matched layers to the host (one layer in flight); the logits (or one chunk of them with chunk
+  loss) come on top. A frozen vision tower saves nothing.
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
@@ -132,7 +132,9 @@ def micro_batch_tokens(cfg: Config) -> int:
     return min(max(t.micro_batch_tokens, cutoff), t.micro_batch_size * t.gradient_accumulation_steps * cutoff)
 
 
-def _activations(cfg: Config, model: torch.nn.Module, entry: ModelEntry, plan: MeshPlan, image_token_share: float) -> int:
+def _activations(
+    cfg: Config, model: torch.nn.Module, entry: ModelEntry, plan: MeshPlan, image_token_share: float
+) -> int:
     text = model.config.text_config
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     tokens = micro_batch_tokens(cfg) // (plan.ring * plan.ulysses)

@@ -6,8 +6,8 @@
   `init_non_persistent_buffers`), its hooks (`state_dict_adapter()`, `validate_parallel`, `step_terms`,
   `num_experts`, `parallelize`), and two facets: `costs` (`FamilyCosts`: FLOPs, activation memory) and `testkit`
   (`FamilyTestKit`: `tiny_config(...)`, `test_batch(...)`). The generic machinery takes the spec:
-  `parallelize(entry, model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, compile, recompute,
-  offload, FSDP2; `mmfsdp.model.parallelize`) and `check_data(entry, ...)` (`mmfsdp.model.checks`).
+  `mmfsdp.model.parallelize.parallelize(entry, model, parallel_cfg, parallel_dims, features_cfg)` (expert
+  parallel, compile, recompute, offload, FSDP2) and `check_data(entry, ...)` (`mmfsdp.model.checks`).
   Families live one folder each under `mmfsdp.model.families` (spec, state-dict adapter, vision patches, test
   helpers) and register through the `mmfsdp.model_families` entry points; most are `HFFamilyEntry` declarations
   whose model class mixes `TrainingForwardMixin` into the HF class.
@@ -45,7 +45,6 @@ _LAZY = {
     "FamilyCosts": "mmfsdp.model.costs",
     "FamilyTestKit": "mmfsdp.model.testkit",
     "check_data": "mmfsdp.model.checks",
-    "parallelize": "mmfsdp.model.parallelize",
     "AttentionBackend": "mmfsdp.model.attention",
     "npu_layout": "mmfsdp.model.attention",
     "resolve_attention_backend": "mmfsdp.model.attention",
@@ -90,7 +89,6 @@ __all__ = [
     "FamilyCosts",
     "FamilyTestKit",
     "check_data",
-    "parallelize",
     "HFFamilyEntry",
     "TrainingForwardMixin",
     "NON_INPUT_KEYS",

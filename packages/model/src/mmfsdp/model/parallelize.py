@@ -95,7 +95,8 @@ def parallelize(
         plan = features_cfg.compile_plan
         apply_compile(model, patterns, backend=plan.backend, dynamic=plan.dynamic, key=key)
     if parallel_cfg.recompute:
-        apply_activation_checkpointing(model, list(parallel_cfg.recompute_plan.apply_modules or entry.recompute_modules))
+        patterns = parallel_cfg.recompute_plan.apply_modules or entry.recompute_modules
+        apply_activation_checkpointing(model, list(patterns))
     offload_modules = [] if features_cfg is None else features_cfg.activation_offload_plan.apply_modules
     if offload_modules:
         apply_activation_offload(model, offload_modules)

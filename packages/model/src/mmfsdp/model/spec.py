@@ -66,7 +66,8 @@ class Capabilities:
     def check_parallel(self, model_id: str, plan: MeshPlan) -> None:
         """Refuse (`ConfigError`) the parallel layout's context parallel unless declared, and expert parallel
         without an expert layout (a dense family) or with one `mmfsdp.parallel` does not know."""
-        for key, size in (("parallel.ulysses_parallel_size", plan.ulysses), ("parallel.ring_attention_size", plan.ring)):
+        cp_sizes = (("parallel.ulysses_parallel_size", plan.ulysses), ("parallel.ring_attention_size", plan.ring))
+        for key, size in cp_sizes:
             if size > 1 and not self.context_parallel:
                 raise ConfigError(
                     key,
@@ -86,8 +87,8 @@ class Capabilities:
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise ConfigError(
                 "parallel.expert_parallel_size",
-                f"{plan.ep}: model_id {model_id!r} declares expert layout {self.expert_layout!r}, which expert parallel "
-                f"cannot split (it knows {', '.join(EXPERT_LAYOUTS)}); set it to 1",
+                f"{plan.ep}: model_id {model_id!r} declares expert layout {self.expert_layout!r}, which expert "
+                f"parallel cannot split (it knows {', '.join(EXPERT_LAYOUTS)}); set it to 1",
             )
 
 
@@ -135,7 +136,7 @@ class ModelEntry:
     fsdp_modules: tuple[str, ...] = ()
     """Default `parallel.fsdp_plan.apply_modules`: each matched module becomes one FSDP2 group."""
     recompute_modules: tuple[str, ...] = ()
-    """Default activation-checkpointing patterns (their blocks under the decoder are what `features.compile` compiles)."""
+    """Default activation-checkpointing patterns (those under the decoder are what `features.compile` compiles)."""
 
     def build(self, model_cfg: ModelConfig, features_cfg: FeaturesConfig | None = None, *,
               device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
