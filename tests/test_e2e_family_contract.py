@@ -34,7 +34,9 @@ from mmfsdp.config import ConfigError
 from mmfsdp.data.collators import collator_names
 from mmfsdp.data.plugins import get_plugin, plugin_names
 from mmfsdp.data.templates import template_names
-from mmfsdp.model import ModelConfig, compute_loss_weights, get_model_entry, registered_model_ids, shift_labels
+from mmfsdp.model import (
+    ModelConfig, check_data, compute_loss_weights, get_model_entry, registered_model_ids, shift_labels,
+)
 from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
 from mmfsdp.parallel.testing import run_distributed
 
@@ -47,7 +49,7 @@ STEPS = 2
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     entry = get_model_entry(request.param)
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     ours, reference = model_pair(config, attn="mmfsdp_sdpa", hf_attn="sdpa")
     return entry, config, ours, reference
 
@@ -65,7 +67,7 @@ def saved(family, tmp_path_factory):
 @pytest.mark.parametrize("images", [True, False], ids=["images", "text_only"])
 def test_contract_step1_loss_equals_hf_labels_loss(family, images):
     entry, config, ours, reference = family
-    batch = entry.test_batch(config, images=images, seed=1)
+    batch = entry.testkit.test_batch(config, images=images, seed=1)
     assert any(key.startswith("pixel_values") for key in batch) == images
     targets = shift_labels(batch["labels"])
     (weights,) = compute_loss_weights([targets])
@@ -142,7 +144,7 @@ def _fsdp_steps(rank: int, world_size: int, model_ids: list[str]) -> dict[str, l
     out = {}
     for model_id in model_ids:
         entry = get_model_entry(model_id)
-        config = entry.tiny_config()
+        config = entry.testkit.tiny_config()
         torch.manual_seed(0)
         model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
         entry.parallelize(model, parallel_cfg, dims)
@@ -150,7 +152,7 @@ def _fsdp_steps(rank: int, world_size: int, model_ids: list[str]) -> dict[str, l
         history = []
         for step in range(STEPS):
             mine = range(rank * per_rank, (rank + 1) * per_rank)
-            batches = [entry.test_batch(config, images=i == 0, seed=10 * step + i) for i in mine]
+            batches = [entry.testkit.test_batch(config, images=i == 0, seed=10 * step + i) for i in mine]
             targets = [shift_labels(b["labels"]) for b in batches]
             weights = compute_loss_weights(targets, group=dims.dp_group, num_micro_batches=per_rank)
             total = torch.zeros(())
@@ -203,7 +205,8 @@ def test_contract_data_pieces_are_the_familys_own(family):
     """The family's own data pieces pass the check; every other registered one is refused, naming its key."""
     entry = family[0]
     own = entry.data
-    assert not entry.check_data(
+    assert not check_data(
+        entry,
         template=own.templates[0] if own.templates else None,
         image_plugin=own.image_plugins[0] if own.image_plugins else None,
         collator=own.collators[0] if own.collators else None,
@@ -215,21 +218,21 @@ def test_contract_data_pieces_are_the_familys_own(family):
         (collator_names(), own.collators, "collator"),
     ):
         for name in set(names) - set(declared):
-            errors = entry.check_data(
-                **{"template": None, "image_plugin": None, "collator": None, field: name}, packing=False
+            errors = check_data(
+                entry, **{"template": None, "image_plugin": None, "collator": None, field: name}, packing=False
             )
             assert len(errors) == 1 and f"{name!r} is not for model_id {entry.model_id!r}" in str(errors[0]), name
     if not entry.capabilities.packing:
-        (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=True)
+        (error,) = check_data(entry, template=None, image_plugin=None, collator=None, packing=True)
         assert error.key == "data.dataset_param.basic_parameters.packing"
-        (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
+        (error,) = check_data(entry, template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
         assert error.key == "data.dataloader_param.padding_free"
     else:
-        assert not entry.check_data(template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
+        assert not check_data(entry, template=None, image_plugin=None, collator=None, packing=False, padding_free=True)
     if entry.capabilities.video:  # a family declaring video reads it with its own image plugin
         assert own.image_plugins and get_plugin(own.image_plugins[0]).supports_video
     else:
-        (error,) = entry.check_data(template=None, image_plugin=None, collator=None, packing=False, videos=True)
+        (error,) = check_data(entry, template=None, image_plugin=None, collator=None, packing=False, videos=True)
         assert error.key == "data.dataset_param.attr.videos" and "\n" not in str(error)
 
 
@@ -251,21 +254,21 @@ def test_contract_flop_count_equals_the_measured_matmuls(family):
     entry, config, ours, _ = family
     if torch.ops.aten._grouped_mm not in flop_counter.flop_registry:
         flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
-    batch = entry.test_batch(config, images=True)
+    batch = entry.testkit.test_batch(config, images=True)
     with flop_counter.FlopCounterMode(display=False) as counter, torch.no_grad():
         ours(**model_inputs(batch))
     measured = sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in _MATMULS)
-    shape = entry.flop_shape(config)
+    shape = entry.costs.flop_shape(config)
     rows, seq_len = batch["input_ids"].shape
     # the model computes every padded position; attention and the convolution are left out of both sides
     counted = tower_forward(dataclasses.replace(shape.decoder, attention_dim=0), [seq_len] * rows)
-    patches = entry.image_patches(config, batch)
+    patches = entry.costs.image_patches(config, batch)
     assert patches, "the test batch has images"
     # a placeholder pass of the tower for each kind of media the batch lacks (Qwen3-VL: videos) is computed too
     missing = ours._needs_vision_placeholder(model_inputs(batch))
     if missing:
         placeholder = ours.placeholder_vision_inputs(torch.device("cpu"), torch.float32)
-        patches = patches + entry.image_patches(config, placeholder) * missing
+        patches = patches + entry.costs.image_patches(config, placeholder) * missing
     if entry.vision_modules:
         assert shape.vision is not None, "a family with a vision tower describes it (vision_flops)"
         counted = counted + tower_forward(dataclasses.replace(shape.vision, attention_dim=0, params_outside=0), patches)

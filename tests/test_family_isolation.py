@@ -1,7 +1,7 @@
 """Generic code names no model family: outside `families/` folders, no module of `packages/*/src` or
 `apps/train/src` holds a family's name in an identifier, an import, or a key / default string (a string constant
 without spaces). Docstrings, comments and messages (strings with spaces) may still name one as an example.
-A family is one folder under `mmfsdp.model.families` and one under `mmfsdp.data.families` (docs/model.md)."""
+A family is one folder under `mmfsdp.model.families` and one under `mmfsdp.data.families` (docs/families.md)."""
 
 import ast
 import io

@@ -2,7 +2,7 @@
 
 The tokenizer, its config and the image processor are the tiny Qwen3-VL run's
 (`examples/qwen3vl-tiny/make_assets.py` writes them the same way, byte for byte);
-`config.json` is a Qwen3-VL MoE from `Qwen3VLMoeEntry.tiny_config`: the qwen3vl-tiny
+`config.json` is a Qwen3-VL MoE from `Qwen3VLMoeTestKit.tiny_config`: the qwen3vl-tiny
 dimensions with every decoder MLP a sparse block of 8 experts, top-2, expert size
 128, `router_aux_loss_coef` 0.01. No weights: the run uses `model.random_init: true`.
 The files are committed; this script documents how they were made and regenerates them.
@@ -22,7 +22,7 @@ _spec.loader.exec_module(dense)
 
 
 def write_model_config(out: Path, ids: dict[str, int]) -> None:
-    config = get_model_entry("qwen3_vl_moe").tiny_config(
+    config = get_model_entry("qwen3_vl_moe").testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"],

@@ -13,7 +13,7 @@ The directory holds what a Qwen3-VL Instruct checkpoint holds, minus the weights
   (`packages/data/tests/data/qwen3_vl_instruct_chat_template.jinja`);
 - `preprocessor_config.json`: the `Qwen2VLImageProcessor` (16-px patches, merge 2,
   temporal patch 2, Qwen3-VL's 0.5 mean / std);
-- `config.json`: a Qwen3-VL of ~1M parameters from `Qwen3VLEntry.tiny_config`,
+- `config.json`: a Qwen3-VL of ~1M parameters from `Qwen3VLTestKit.tiny_config`,
   its vocabulary and image / video / vision-start / vision-end ids those of the tokenizer.
 
 The files are committed; this script documents how they were made and regenerates
@@ -133,7 +133,7 @@ def write_image_processor(out: Path) -> None:
 
 
 def write_model_config(out: Path, ids: dict[str, int]) -> None:
-    config = get_model_entry("qwen3_vl").tiny_config(
+    config = get_model_entry("qwen3_vl").testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"],

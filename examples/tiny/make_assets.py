@@ -20,7 +20,7 @@ if __name__ == "__main__":
     if out.exists():
         shutil.rmtree(out)
     ids = write_tiny_processor(out, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, spatial_merge_size=MERGE)
-    config = get_model_entry("mistral3").tiny_config(
+    config = get_model_entry("mistral3").testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_index=ids["image_token_index"],
         text_config=dict(

@@ -67,7 +67,7 @@ def _record(storages: dict[int, int], tensor: torch.Tensor, params: set[int]) ->
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     entry = get_model_entry("mistral3")
     heads = max(args.hidden // 64, 1)
-    config = entry.tiny_config(
+    config = entry.testkit.tiny_config(
         vocab_size=args.vocab,
         text_config=dict(
             hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,

@@ -63,7 +63,7 @@ def _measure(rank: int, world_size: int, args: dict, lora: bool) -> dict:
 
     entry = get_model_entry("mistral3")
     hidden, heads = args["hidden"], max(args["hidden"] // 64, 1)
-    config = entry.tiny_config(
+    config = entry.testkit.tiny_config(
         vocab_size=args["vocab"],
         text_config=dict(
             hidden_size=hidden,

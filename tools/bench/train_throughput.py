@@ -191,7 +191,7 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
                                          collate_fn=_PadToLongest(processor.pad_token_id), num_workers=2,
                                          drop_last=True)
     entry = get_model_entry("qwen3_vl")
-    shape = entry.flop_shape(hf_config)
+    shape = entry.costs.flop_shape(hf_config)
     steps = []
     batches = iter(loader)
     for _ in range(args["warmup"] + args["steps"]):
@@ -204,7 +204,7 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
         optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - started
         lengths = sample_lengths(batch["attention_mask"], None)
-        flops = count_forward(shape, lengths, entry.image_patches(hf_config, batch))
+        flops = count_forward(shape, lengths, entry.costs.image_patches(hf_config, batch))
         counts = torch.tensor([float(batch["attention_mask"].sum()), float(flops.model), step_time],
                               dtype=torch.float64)
         dist.all_reduce(counts)  # outside the timed region: tokens and FLOPs of the global batch, summed step time
@@ -276,11 +276,12 @@ def run_llamafactory(python: str, variant: str, assets: Path, cfg, args, out: Pa
     run = json.loads(result.read_text())
     entry = get_model_entry("qwen3_vl")
     hf_config = AutoConfig.from_pretrained(assets)
-    shape = entry.flop_shape(hf_config)
+    shape = entry.costs.flop_shape(hf_config)
     for step in run["steps"]:
         grids = step["image_grid_thw"]
         batch = {"image_grid_thw": torch.tensor(grids, dtype=torch.long) if grids else None}
-        step["flops"] = float(count_forward(shape, step["sample_lens"], entry.image_patches(hf_config, batch)).model)
+        patches = entry.costs.image_patches(hf_config, batch)
+        step["flops"] = float(count_forward(shape, step["sample_lens"], patches).model)
     return run
 
 

@@ -45,7 +45,7 @@ def _config(width: int, depth: int):
         depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=width // 32,
         out_hidden_size=128, deepstack_visual_indexes=[0, depth - 1], num_position_embeddings=1024,
     )
-    return get_model_entry("qwen3_vl").tiny_config(vision_config=vision, text_config={"hidden_size": 128})
+    return get_model_entry("qwen3_vl").testkit.tiny_config(vision_config=vision, text_config={"hidden_size": 128})
 
 
 def _batch(config):

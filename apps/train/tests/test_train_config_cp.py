@@ -16,7 +16,7 @@ TINY = ROOT / "examples" / "tiny" / "config.yaml"  # 4 attention heads, 2 KV hea
 
 def _model_dir(tmp_path: Path, **text) -> str:
     path = tmp_path / "model"
-    get_model_entry("mistral3").tiny_config(text_config=text).save_pretrained(path)
+    get_model_entry("mistral3").testkit.tiny_config(text_config=text).save_pretrained(path)
     return str(path)
 
 

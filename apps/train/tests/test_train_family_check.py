@@ -46,7 +46,7 @@ def test_context_parallel_on_a_family_that_does_not_declare_it(capsys, tmp_path)
     from mmfsdp.model import get_model_entry
 
     model_dir = tmp_path / "llava"
-    get_model_entry("llava").tiny_config().save_pretrained(model_dir)
+    get_model_entry("llava").testkit.tiny_config().save_pretrained(model_dir)
     code, lines = _check_lines(
         capsys,
         tmp_path,

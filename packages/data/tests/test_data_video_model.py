@@ -1,8 +1,9 @@
 """Video data against the tiny `qwen3_vl` model: token counts equal the vision tower's features; the training forward
 on a collated video + image + text-only batch equals plain HF `labels=`; packed video samples equal separate runs.
 
-The model is `get_model_entry("qwen3_vl").tiny_config()` with the test tokenizer's vocabulary and media token ids
-(16-px patches, merge 2, temporal patch 2, like the plugin's processors), fp32 on CPU. Clips are written at test time.
+The model is `get_model_entry("qwen3_vl").testkit.tiny_config()` with the test tokenizer's vocabulary and media
+token ids (16-px patches, merge 2, temporal patch 2, like the plugin's processors), fp32 on CPU. Clips are written
+at test time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _row(user, videos=(), images=(), answer="It moves right."):
 @pytest.fixture(scope="module")
 def tiny_config(qwen_processor):
     tid = qwen_processor.token_id
-    config = get_model_entry("qwen3_vl").tiny_config(
+    config = get_model_entry("qwen3_vl").testkit.tiny_config(
         vocab_size=len(qwen_processor.tokenizer),
         image_token_id=tid("<|image_pad|>"),
         video_token_id=tid("<|video_pad|>"),

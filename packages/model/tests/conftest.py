@@ -14,4 +14,4 @@ def _one_thread():
 
 @pytest.fixture
 def tiny_config():
-    return get_model_entry("mistral3").tiny_config()
+    return get_model_entry("mistral3").testkit.tiny_config()

@@ -75,7 +75,7 @@ def test_frozen_lm_head(tiny_config):
 
 
 def test_tied_lm_head(tiny_config):
-    config = get_model_entry("mistral3").tiny_config(tie_word_embeddings=True)
+    config = get_model_entry("mistral3").testkit.tiny_config(tie_word_embeddings=True)
     ours, reference = model_pair(config)
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
     ours.set_chunk_loss(7)

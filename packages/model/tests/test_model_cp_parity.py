@@ -41,7 +41,7 @@ PAD_ID = 0
 
 
 def _config(kv_heads: int = 2):
-    return get_model_entry("mistral3").tiny_config(text_config={"num_key_value_heads": kv_heads})
+    return get_model_entry("mistral3").testkit.tiny_config(text_config={"num_key_value_heads": kv_heads})
 
 
 def _initial_state(config) -> dict[str, torch.Tensor]:

@@ -67,7 +67,7 @@ def _worst_grad_error(model, expected, group):
 def _fsdp_chunk_loss(group):
     """Chunk loss on a 2-rank FSDP2 mesh (fp32, then bf16 mixed precision) against one-process HF."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    config = get_model_entry("mistral3").tiny_config()
+    config = get_model_entry("mistral3").testkit.tiny_config()
     ours, reference = model_pair(config)
     # one micro-batch per rank, with different numbers of trained tokens and images
     batches = [
@@ -136,7 +136,7 @@ def _step(model, batches, cu_seq_lens, targets, loss_type, group):
 
 def _normalisation(rank, pair):
     """The loss and gradient differences of 2 ranks × 2 and 4 × 1 from 1 process × 4 micro-batches, per loss type."""
-    config = get_model_entry("mistral3").tiny_config()
+    config = get_model_entry("mistral3").testkit.tiny_config()
     base, hf = model_pair(config)
     batches, cu_seq_lens = _text_batches(config)
     targets = [shift_labels(b["labels"], cu) for b, cu in zip(batches, cu_seq_lens)]

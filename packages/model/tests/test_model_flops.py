@@ -1,6 +1,6 @@
-"""FLOP counting (`mmfsdp.model.flops`, the entries' `flop_shape` / `image_patches`) against hand calculations
-from the tiny configs' numbers, for each family, on the entries' test batches (rows of different lengths, images
-of different sizes in some rows)."""
+"""FLOP counting (`mmfsdp.model.flops`, the families' cost facets: `flop_shape` / `image_patches`) against hand
+calculations from the tiny configs' numbers, for each family, on the test kits' batches (rows of different lengths,
+images of different sizes in some rows)."""
 
 import torch
 
@@ -14,11 +14,11 @@ def _causal_pairs(lengths):
 
 def _count(model_id):
     entry = get_model_entry(model_id)
-    config = entry.tiny_config()
-    batch = entry.test_batch(config, images=True)
+    config = entry.testkit.tiny_config()
+    batch = entry.testkit.test_batch(config, images=True)
     lens = sample_lengths(batch["attention_mask"], batch.get("cu_seq_lens"))
-    patches = entry.image_patches(config, batch)
-    return config, lens, patches, count_forward(entry.flop_shape(config), lens, patches)
+    patches = entry.costs.image_patches(config, batch)
+    return config, lens, patches, count_forward(entry.costs.flop_shape(config), lens, patches)
 
 
 def test_model_flops_mistral3_by_hand():
@@ -85,8 +85,8 @@ def test_model_flops_qwen3_vl_moe_counts_top_k_experts_and_the_router():
 
 def test_model_flops_moe_dense_layers_follow_hf_rule():
     entry = get_model_entry("qwen3_vl_moe")
-    text = entry.tiny_config(text_config={"mlp_only_layers": [0]}).text_config
-    assert entry.decoder_mlp_params(text) == 3 * 64 * 128 + (64 * 8 + 2 * 3 * 64 * 48)
+    text = entry.testkit.tiny_config(text_config={"mlp_only_layers": [0]}).text_config
+    assert entry.costs.decoder_mlp_params(text) == 3 * 64 * 128 + (64 * 8 + 2 * 3 * 64 * 48)
 
 
 def test_model_flops_packed_lengths_come_from_cu_seq_lens_without_padding():
@@ -101,5 +101,6 @@ def test_model_flops_packed_lengths_come_from_cu_seq_lens_without_padding():
 def test_qwen3_vl_counts_each_temporal_patch_of_a_video():
     entry = get_model_entry("qwen3_vl")
     batch = {"image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 2, 4], [1, 4, 4]])}
-    assert entry.image_patches(entry.tiny_config(), batch) == [24, 8, 8, 8, 16]
-    assert entry.image_patches(entry.tiny_config(), {"video_grid_thw": torch.tensor([[2, 2, 2]])}) == [4, 4]
+    assert entry.costs.image_patches(entry.testkit.tiny_config(), batch) == [24, 8, 8, 8, 16]
+    videos = {"video_grid_thw": torch.tensor([[2, 2, 2]])}
+    assert entry.costs.image_patches(entry.testkit.tiny_config(), videos) == [4, 4]

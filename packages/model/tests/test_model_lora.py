@@ -71,7 +71,7 @@ def _logits(model, inputs) -> torch.Tensor:
 
 def _save_base(entry, path, seed: int = 0):
     torch.manual_seed(seed)
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     _hf_class(entry)._from_config(config, attn_implementation="sdpa").save_pretrained(path)
     return config
 
@@ -99,7 +99,7 @@ def test_lora_config_values_name_the_key(values, key):
 def test_targets_by_pattern_and_by_leaf_name_and_the_errors():
     entry = get_model_entry("mistral3")
     with torch.device("meta"):
-        model = entry.model_class._from_config(entry.tiny_config())
+        model = entry.model_class._from_config(entry.testkit.tiny_config())
     by_leaf = resolve_lora_targets(model, ["q_proj"], entry)
     assert "model.language_model.layers.1.self_attn.q_proj" in by_leaf
     assert "model.vision_tower.transformer.layers.0.attention.q_proj" in by_leaf  # a leaf name is every such module
@@ -121,7 +121,7 @@ def test_targets_by_pattern_and_by_leaf_name_and_the_errors():
 @pytest.mark.parametrize("model_id", FAMILIES)
 def test_injection_keeps_paths_freezes_the_base_and_zero_b_is_the_base_model(model_id):
     entry = get_model_entry(model_id)
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     torch.manual_seed(0)
     model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
     inputs = _inputs(entry, config)
@@ -140,7 +140,7 @@ def test_injection_keeps_paths_freezes_the_base_and_zero_b_is_the_base_model(mod
 
 def test_adapters_stay_fp32_on_a_bf16_base():
     entry = get_model_entry("qwen3_vl")
-    model = entry.model_class._from_config(entry.tiny_config(), dtype=torch.bfloat16)
+    model = entry.model_class._from_config(entry.testkit.tiny_config(), dtype=torch.bfloat16)
     apply_lora(model, _lora(), entry)
     dtypes = {("lora_" in name, p.dtype) for name, p in model.named_parameters()}
     assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}

@@ -14,7 +14,7 @@ from mmfsdp.model.testing import rel_diff
 
 def _model():
     entry = get_model_entry("mistral3")
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     torch.manual_seed(0)
     return entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa"), config
 

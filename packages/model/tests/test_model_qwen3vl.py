@@ -13,6 +13,7 @@ from mmfsdp.model.families.qwen3_vl.model import Qwen3VLForConditionalGeneration
 from mmfsdp.model.chunk_loss import ChunkLossLinear
 from mmfsdp.model.context_parallel import CPBatch
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types, split_mrope_position_ids, split_visual_embeds
+from mmfsdp.model.parallelize import fsdp_groups
 from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel import MeshPlan, ParallelConfig
@@ -26,7 +27,7 @@ IGNORE = -100
 
 @pytest.fixture
 def config():
-    return ENTRY.tiny_config()
+    return ENTRY.testkit.tiny_config()
 
 
 def _samples(config):
@@ -242,7 +243,7 @@ def test_build_loads_safetensors_and_meta_build_gives_the_hf_logits(saved, confi
 
 
 def test_a_mistral3_directory_is_refused(tmp_path):
-    get_model_entry("mistral3").tiny_config().save_pretrained(tmp_path)
+    get_model_entry("mistral3").testkit.tiny_config().save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="not 'qwen3_vl'"):
         ENTRY.build(build(ModelConfig, {"model_id": "qwen3_vl", "model_name_or_path": str(tmp_path), "random_init": True}, "model"))
 
@@ -260,10 +261,10 @@ def test_default_fsdp_groups_and_override():
         fsdp_mesh = object()
 
     parallel_cfg = build(ParallelConfig, {}, "parallel")
-    (group,) = ENTRY.fsdp_groups(parallel_cfg, Dims)
+    (group,) = fsdp_groups(ENTRY, parallel_cfg, Dims)
     assert group.patterns == ENTRY.fsdp_modules and group.mesh is Dims.fsdp_mesh
     parallel_cfg.fsdp_plan.apply_modules = ["model.language_model.layers.{*}"]
-    (group,) = ENTRY.fsdp_groups(parallel_cfg, Dims)
+    (group,) = fsdp_groups(ENTRY, parallel_cfg, Dims)
     assert group.patterns == ("model.language_model.layers.{*}",) and group.key == "parallel.fsdp_plan.apply_modules"
 
 

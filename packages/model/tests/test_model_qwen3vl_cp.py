@@ -31,7 +31,7 @@ TOL = 1e-5
 
 def _config():
     # three decoder layers: a deepstack feature added after the last layer reaches only its own (untrained) position
-    return get_model_entry("qwen3_vl").tiny_config(text_config={"num_hidden_layers": 3})
+    return get_model_entry("qwen3_vl").testkit.tiny_config(text_config={"num_hidden_layers": 3})
 
 
 def _batch(config, kind: str) -> dict:

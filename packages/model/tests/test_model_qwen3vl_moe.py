@@ -31,7 +31,7 @@ EXPERTS = "model.language_model.layers.{}.mlp.experts."
 
 @pytest.fixture
 def config():
-    return ENTRY.tiny_config(text_config=dict(router_aux_loss_coef=0.1))
+    return ENTRY.testkit.tiny_config(text_config=dict(router_aux_loss_coef=0.1))
 
 
 def _samples(config):
@@ -78,7 +78,7 @@ def test_plans_name_real_modules(config):
         assert module.gate_up_proj.shape == (8, 2 * 48, text.hidden_size)
         assert module.down_proj.shape == (8, text.hidden_size, 48)
     assert len(match_module_names(model, list(ENTRY.router_modules))) == text.num_hidden_layers
-    assert ENTRY.decoder_values_per_token(text) > 8
+    assert ENTRY.costs.decoder_values_per_token(text) > 8
 
 
 # -- the training forward against plain HF ----------------------------------------------------
@@ -364,7 +364,7 @@ def _cp_model(config):
 def _cp_runs(rank, world_size, cases):
     from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
 
-    config = ENTRY.tiny_config()
+    config = ENTRY.testkit.tiny_config()
     results = {}
     for case in cases:
         parallel_cfg = ParallelConfig(
@@ -386,7 +386,7 @@ def test_context_parallel_loss_and_router_aux_loss_equal_one_process():
     from mmfsdp.parallel.testing import run_distributed
 
     per_rank = run_distributed(_cp_runs, 2, _CP_CASES, timeout=600)
-    config = ENTRY.tiny_config()
+    config = ENTRY.testkit.tiny_config()
     failures = []
     for case in _CP_CASES:
         expected, expected_grads, expected_counts = _cp_step(_cp_model(config), _cp_batch(config, case["packed"]), 0.1)

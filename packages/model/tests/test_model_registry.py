@@ -1,18 +1,24 @@
-"""Config sections, the registry, the mistral3 entry: build paths, plans, meta init, freezing, key map."""
+"""Config sections, the registry, the spec a family fills, the mistral3 entry: build paths, plans, meta init,
+freezing, key map."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Mistral3ForConditionalGeneration
+from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
 from mmfsdp.config import ConfigError, build
-from mmfsdp.model import FeaturesConfig, ModelConfig, freeze_modules, get_model_entry
+from mmfsdp.model import (
+    FamilyCosts, FamilyTestKit, FeaturesConfig, HFFamilyEntry, ModelConfig, ModelEntry, freeze_modules,
+    get_model_entry, register_model, registered_model_ids,
+)
 from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGenerationFSDP
 from mmfsdp.model.chunk_loss import ChunkLossLinear
 from mmfsdp.model.testing import model_inputs, rel_diff
 from mmfsdp.model.families.mistral3.testing import tiny_batch
+from mmfsdp.model.spec import REQUIRED_MEMBERS, missing_members
 from mmfsdp.parallel.patterns import match_module_names
 
 ENTRY = get_model_entry("mistral3")
@@ -22,7 +28,7 @@ ENTRY = get_model_entry("mistral3")
 
 
 def test_model_id_defaults_to_the_family_of_config_json(tmp_path):
-    ENTRY.tiny_config().save_pretrained(tmp_path)
+    ENTRY.testkit.tiny_config().save_pretrained(tmp_path)
     assert build(ModelConfig, {"model_name_or_path": str(tmp_path)}, "model").model_id == "mistral3"
 
 
@@ -56,6 +62,53 @@ def test_unknown_model_id_suggests_the_closest():
         get_model_entry("mistral")
 
 
+# -- the spec a family fills (docs/families.md) -------------------------------------------------
+
+
+def test_docs_state_the_count_of_required_members():
+    text = (Path(__file__).resolve().parents[3] / "docs" / "families.md").read_text()
+    assert len(REQUIRED_MEMBERS) == 7 and f"**{len(REQUIRED_MEMBERS)} required members**" in text
+    assert all(f"`{name}`" in text for name in REQUIRED_MEMBERS)
+
+
+def test_an_hf_spec_of_only_the_required_members_is_complete_and_gets_the_defaults():
+    class Minimal(HFFamilyEntry):
+        config_class = Mistral3Config
+        model_class = Mistral3ForConditionalGenerationFSDP
+        fsdp_modules = ("model.language_model.layers.{*}",)
+        recompute_modules = ("model.language_model.layers.{*}",)
+
+    assert missing_members(Minimal) == []
+    assert missing_members(ModelEntry) == list(REQUIRED_MEMBERS[1:])
+    spec = Minimal()
+    assert type(spec.costs) is FamilyCosts and type(spec.testkit) is FamilyTestKit
+    assert not spec.capabilities.context_parallel and spec.data.templates == () and spec.vision_modules == ()
+
+
+def test_register_model_refuses_a_spec_without_a_required_member():
+    class NoRecompute(HFFamilyEntry):
+        config_class = Mistral3Config
+        model_class = Mistral3ForConditionalGenerationFSDP
+        fsdp_modules = ("model.language_model.layers.{*}",)
+
+    with pytest.raises(TypeError, match=r"'no_recompute' \(.*NoRecompute\) does not set recompute_modules$"):
+        register_model("no_recompute")(NoRecompute)
+    assert "no_recompute" not in registered_model_ids()
+
+
+def test_the_llava_spec_defines_the_required_members_and_beyond_them_only_declarations_facets_and_two_hooks():
+    """The test-only family, written as a user writes one: its class body is the required members an HF family
+    writes, what it declares (vision modules, capabilities, data), its costs and test kit, and the two hooks a
+    family outside an installed package with CLIP's buffers needs."""
+    from families.llava import LlavaEntry
+
+    written = {name for name in vars(LlavaEntry) if not name.startswith("__")}
+    required = set(REQUIRED_MEMBERS) - {"model_id", "build", "init_non_persistent_buffers"}  # decorator; HFFamilyEntry
+    assert required <= written
+    declared = {"vision_modules", "capabilities", "data", "costs", "testkit"}
+    assert written - required <= declared | {"state_dict_adapter", "init_non_persistent_buffers"}
+
+
 # -- the entry --------------------------------------------------------------------------------
 
 
@@ -69,7 +122,7 @@ def test_plans_name_real_modules(tiny_config):
 
 
 def test_tiny_config_is_tiny_and_overridable():
-    config = ENTRY.tiny_config(vocab_size=300, image_token_index=7, text_config={"num_hidden_layers": 3})
+    config = ENTRY.testkit.tiny_config(vocab_size=300, image_token_index=7, text_config={"num_hidden_layers": 3})
     assert config.text_config.vocab_size == 300 and config.image_token_index == 7
     assert config.text_config.num_hidden_layers == 3 and config.vision_config.patch_size == 8
     assert sum(p.numel() for p in Mistral3ForConditionalGeneration(config).parameters()) < 5_000_000

@@ -17,7 +17,7 @@ FAMILIES = sorted(registered_model_ids())
 
 
 def _text_only_batch(model_id: str, config) -> dict[str, torch.Tensor]:
-    return get_model_entry(model_id).test_batch(config, images=False, seed=3)
+    return get_model_entry(model_id).testkit.test_batch(config, images=False, seed=3)
 
 
 def _vision_parameters(model, model_id: str) -> set[str]:
@@ -29,7 +29,7 @@ def _vision_parameters(model, model_id: str) -> set[str]:
 def family(request):
     model_id = request.param
     entry = get_model_entry(model_id)
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     ours, reference = model_pair(config, attn="sdpa", hf_attn="sdpa")
     return model_id, config, ours, reference
 
@@ -110,7 +110,7 @@ def test_placeholder_grads_match_the_image_path_parameters(family):
     sum(f.sum() for f in features).backward()
     reached = {name for name, p in ours.named_parameters() if p.grad is not None}
     ours.zero_grad(set_to_none=True)
-    batch = get_model_entry(model_id).test_batch(config, images=True, seed=6)
+    batch = get_model_entry(model_id).testkit.test_batch(config, images=True, seed=6)
     targets = shift_labels(batch["labels"])
     (weights,) = compute_loss_weights([targets], loss_type="per_token")
     ours(**model_inputs(batch), shift_labels=targets, loss_weights=weights).loss.backward()
@@ -140,7 +140,7 @@ def test_placeholder_passes_follow_the_media_kinds_of_the_data(family):
     model_id, config, ours, _ = family
     kinds = list(ours.vision_inputs)
     text = _text_only_batch(model_id, config)
-    images = get_model_entry(model_id).test_batch(config, images=True, seed=6)
+    images = get_model_entry(model_id).testkit.test_batch(config, images=True, seed=6)
     try:
         assert _tower_calls(ours, model_id, text)[0] == len(kinds)  # default: every kind the family reads
         calls_all, loss_all = _tower_calls(ours, model_id, images)

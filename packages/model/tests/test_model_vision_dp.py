@@ -69,7 +69,7 @@ def test_a_share_of_the_media_encodes_to_the_same_features(family):
     """What a rank encodes from `select_vision_media` equals those items' features in the whole call (the towers
     attend within an image), also for a share of a single one-token image."""
     entry = get_model_entry(family)
-    config = entry.tiny_config()
+    config = entry.testkit.tiny_config()
     torch.manual_seed(0)
     model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
     base, call = model.model, _calls(family, config)

@@ -5,10 +5,10 @@ Importing this package registers it (`mmfsdp.model.register_model`); nothing out
 installed family would instead declare its module under the `mmfsdp.model_families` entry points of its package
 (and its adapter under `mmfsdp.state_dict_adapters`), so that `registered_model_ids()` lists it without an import.
 
-- `model.py`: the model class (`TrainingForwardMixin` + the HF class, with its vision placeholder) and the entry
-  (plans, capabilities, meta init of CLIP's position ids, `tiny_config`, `test_batch`);
+- `model.py`: the model class (`TrainingForwardMixin` + the HF class, with its vision placeholder) and the spec
+  (plans, capabilities, meta init of CLIP's position ids), with its costs and test kit (`tiny_config`, `test_batch`);
 - `adapter.py`: the state-dict adapter (HF files keep LLaVA's original key layout);
-- `testing.py`: the synthetic batches of `test_batch`.
+- `testing.py`: the synthetic batches of the test kit's `test_batch`.
 """
 
 from families.llava.adapter import LlavaAdapter

@@ -1,12 +1,13 @@
-"""The LLaVA model class and its entry (model id `llava`).
+"""The LLaVA model class and its spec (model id `llava`).
 
 `LlavaForConditionalGenerationFSDP` is the HF model plus the shared training forward (weighted loss, chunk loss,
 varlen keywords, the vision placeholder for text-only micro-batches) — nothing of LLaVA's is forked. CLIP runs
 every image at one fixed size, so its tower needs no per-image attention; its smallest input is one image.
 
 `LlavaEntry` declares the rest: plans as module patterns, no capability beyond FSDP2 (context parallel and packing
-are untested here, so `--check` refuses them), no data pieces of `mmfsdp.data` (its batches come from
-`test_batch`), its state-dict adapter, and the meta init of CLIP's non-persistent `position_ids`.
+are untested here, so `--check` refuses them), no data pieces of `mmfsdp.data` (its batches come from its test
+kit), its state-dict adapter, the meta init of CLIP's non-persistent `position_ids`, its costs (`LlavaCosts`:
+CLIP's FLOPs and patches) and its test kit (`LlavaTestKit`).
 """
 
 from typing import Any
@@ -16,10 +17,12 @@ from torch import nn
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from families.llava.adapter import LlavaAdapter
-from mmfsdp.model import Capabilities, DataNames, HFFamilyEntry, TrainingForwardMixin, register_model
+from mmfsdp.model import (
+    Capabilities, DataNames, FamilyCosts, FamilyTestKit, HFFamilyEntry, TrainingForwardMixin, register_model,
+)
 from mmfsdp.model.flops import TowerFlops
 
-__all__ = ["LlavaEntry", "LlavaForConditionalGenerationFSDP"]
+__all__ = ["LlavaCosts", "LlavaEntry", "LlavaForConditionalGenerationFSDP", "LlavaTestKit"]
 
 
 class LlavaForConditionalGenerationFSDP(TrainingForwardMixin, LlavaForConditionalGeneration):
@@ -36,33 +39,8 @@ class LlavaForConditionalGenerationFSDP(TrainingForwardMixin, LlavaForConditiona
         return {"pixel_values": torch.zeros(shape, device=device, dtype=dtype)}
 
 
-@register_model("llava")
-class LlavaEntry(HFFamilyEntry):
-    """CLIP vision tower + two-layer projector + Llama decoder."""
-
-    config_class = LlavaConfig
-    model_class = LlavaForConditionalGenerationFSDP
-    fsdp_modules = (
-        "model.vision_tower.encoder.layers.{*}",
-        "model.multi_modal_projector",
-        "model.language_model.embed_tokens",
-        "model.language_model.layers.{*}",
-        "lm_head",
-    )
-    recompute_modules = ("model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}")
-    vision_modules = ("model.vision_tower", "model.multi_modal_projector")
-    capabilities = Capabilities()  # FSDP2 only: context parallel and packing are not tested here, so refused
-    data = DataNames()  # no template, plugin or collator of mmfsdp.data fits it; its batches come from test_batch
-
-    def state_dict_adapter(self) -> LlavaAdapter:
-        return LlavaAdapter()
-
-    def init_non_persistent_buffers(self, model: nn.Module) -> None:
-        """The rotary `inv_freq` (the default), and CLIP's `position_ids` `[1, num_positions]`."""
-        super().init_non_persistent_buffers(model)
-        embeddings = model.get_submodule("model.vision_tower.embeddings")
-        positions = torch.arange(embeddings.num_positions, device=embeddings.position_ids.device)
-        embeddings.position_ids.copy_(positions.expand(1, -1))
+class LlavaCosts(FamilyCosts):
+    """CLIP's vision tower and the projector: FLOPs, and the patches of each (fixed-size) image."""
 
     def vision_flops(self, config: LlavaConfig) -> TowerFlops:
         """CLIP layers (q, k, v, o; fc1, fc2), the patch convolution, and per image token the projector (`linear_1`,
@@ -75,13 +53,17 @@ class LlavaEntry(HFFamilyEntry):
             params_per_merged_token=hidden * text.hidden_size + text.hidden_size**2,
         )
 
-    def image_patches(self, config: LlavaConfig, batch: dict[str, Any]) -> list[int]:
+    def image_patches(self, config: LlavaConfig, batch: dict[str, torch.Tensor]) -> list[int]:
         """Every image is CLIP's fixed size: its patches and the class token."""
         pixels = batch.get("pixel_values")
         if pixels is None:
             return []
         vision = config.vision_config
         return [(vision.image_size // vision.patch_size) ** 2 + 1] * pixels.shape[0]
+
+
+class LlavaTestKit(FamilyTestKit):
+    """Tiny LLaVA configs and batches (`testing.llava_batch`)."""
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> LlavaConfig:
         """A LLaVA config of ~0.2M parameters (fp32, untied lm_head): CLIP hidden 32, 2 layers, 16x16 images of
@@ -124,3 +106,34 @@ class LlavaEntry(HFFamilyEntry):
         from families.llava.testing import llava_batch
 
         return llava_batch(config, lengths=(24, 19, 14), images_per_row=(2, 1, 0) if images else (0, 0, 0), seed=seed)
+
+
+@register_model("llava")
+class LlavaEntry(HFFamilyEntry):
+    """CLIP vision tower + two-layer projector + Llama decoder."""
+
+    config_class = LlavaConfig
+    model_class = LlavaForConditionalGenerationFSDP
+    fsdp_modules = (
+        "model.vision_tower.encoder.layers.{*}",
+        "model.multi_modal_projector",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.{*}",
+        "lm_head",
+    )
+    recompute_modules = ("model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}")
+    vision_modules = ("model.vision_tower", "model.multi_modal_projector")
+    capabilities = Capabilities()  # FSDP2 only: context parallel and packing are not tested here, so refused
+    data = DataNames()  # no template, plugin or collator of mmfsdp.data fits it; its batches come from its test kit
+    costs = LlavaCosts()
+    testkit = LlavaTestKit()
+
+    def state_dict_adapter(self) -> LlavaAdapter:
+        return LlavaAdapter()
+
+    def init_non_persistent_buffers(self, model: nn.Module) -> None:
+        """The rotary `inv_freq` (the default), and CLIP's `position_ids` `[1, num_positions]`."""
+        super().init_non_persistent_buffers(model)
+        embeddings = model.get_submodule("model.vision_tower.embeddings")
+        positions = torch.arange(embeddings.num_positions, device=embeddings.position_ids.device)
+        embeddings.position_ids.copy_(positions.expand(1, -1))

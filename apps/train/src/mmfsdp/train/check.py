@@ -24,7 +24,7 @@ is skipped, not reported twice):
    target must name `nn.Linear` modules (not `lm_head`), some outside the frozen
    modules, and `pretrained_lora_path` must be a PEFT adapter directory.
    The template, image plugin and collator must be ones the model family
-   declares, and packing a capability it declares (`ModelEntry.check_data`).
+   declares, and packing a capability it declares (`mmfsdp.model.check_data`).
 6. `training.output_dir`, `training.save` and the data cache directory are
    writable, or creatable (nothing is created).
 7. The checkpoints step 4 found fit the model of step 5: keys and shapes from
@@ -85,11 +85,11 @@ def model_check(cfg: Config) -> list[ConfigError]:
 
 def _family_data(cfg: Config) -> list[ConfigError]:
     """Template, image plugin and collator must be ones the model family lists, and packing and a video column
-    (`attr.videos`) ones it supports (`ModelEntry.check_data`); context and expert parallel are the entry's
+    (`attr.videos`) ones it supports (`mmfsdp.model.check_data`); context and expert parallel are the entry's
     `validate_parallel` (step 1). An
     unknown name is left to `_registry_names`, an unknown model id to the model section."""
     from mmfsdp.data import get_collator, get_plugin, get_template
-    from mmfsdp.model import get_model_entry
+    from mmfsdp.model import check_data, get_model_entry
 
     def registered(get, name: str | None) -> str | None:
         """The registered name `name` selects (an alias resolved), or None if it selects nothing."""
@@ -105,7 +105,8 @@ def _family_data(cfg: Config) -> list[ConfigError]:
     plugin = pre.image_plugin
     if plugin is None and template is not None:
         plugin = get_template(template).default_plugin
-    return entry.check_data(
+    return check_data(
+        entry,
         template=template,
         image_plugin=registered(get_plugin, plugin),
         collator=registered(get_collator, cfg.data.dataloader_param.collate_param.model_name),
@@ -240,6 +241,7 @@ def _build_meta(cfg: Config, model_cfg, errors: list[ConfigError]):
 def _model_patterns(cfg: Config, entry, model) -> list[ConfigError]:
     """Match every module pattern of the config against the meta-built `model`."""
     from mmfsdp.model import resolve_lora_targets
+    from mmfsdp.model.parallelize import expert_parallel_patterns
     from mmfsdp.parallel.expert_parallel import check_experts_module
 
     errors: list[ConfigError] = []
@@ -252,7 +254,7 @@ def _model_patterns(cfg: Config, entry, model) -> list[ConfigError]:
         ("features.activation_offload_plan.apply_modules", cfg.features.activation_offload_plan.apply_modules or []),
     ]
     if cfg.parallel.ep_plan.apply_modules is not None or cfg.parallel.expert_parallel_size > 1:
-        ep_key, ep_patterns = entry.expert_parallel_patterns(cfg.parallel)
+        ep_key, ep_patterns = expert_parallel_patterns(entry, cfg.parallel)
         lists.append((ep_key, list(ep_patterns)))
     if cfg.parallel.recompute:
         lists.append(("parallel.recompute_plan.apply_modules", recompute) if recompute is not None

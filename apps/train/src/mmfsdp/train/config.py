@@ -285,7 +285,8 @@ class Config:
 
 def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:
     """Data choices left null take the model family's defaults: the first template and collator its entry lists
-    (`ModelEntry.data`), and padding-free micro-batches where it packs (`capabilities.packing`). The data package names no family (it never sees the model); this is where the two meet.
+    (the family spec's `data`), and padding-free micro-batches where it packs (`capabilities.packing`). The data
+    package names no family (it never sees the model); this is where the two meet.
     A family that lists none leaves them null, and the data package asks for them by key."""
     pre = data_cfg.dataset_param.preprocess_parameters
     loader = data_cfg.dataloader_param

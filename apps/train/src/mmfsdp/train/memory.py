@@ -1,8 +1,8 @@
 """The memory plan: what one rank holds on its device for a config, from `config.json` alone.
 
 `memory_plan(cfg, world_size)` builds the model on the meta device through the
-trainer's own path (the family's `build`, `training.lora`, `model.freeze`), so no weights are read
-and no memory is used, and estimates per rank (docs/memory.md has the formulas and
+trainer's own path (the family's `build`, then `Trainable.prepare`: `training.lora`, `model.freeze`), so no
+weights are read and no memory is used, and estimates per rank (docs/memory.md has the formulas and
 Magistral-Small-2509 worked through):
 
 - parameters: the master copy in `model.dtype`, sharded by FSDP2 over its shard group
@@ -18,10 +18,10 @@ Magistral-Small-2509 worked through):
   (ring × ulysses)`; with a token budget `training.micro_batch_tokens` the micro-batch holds at most
   `max(micro_batch_tokens, cutoff_len)` tokens — a sample over the budget runs alone — and at most the
   rank's step, `micro_batch_size × gradient_accumulation_steps × cutoff_len`) × hidden × layers × the
-  family's bytes per token, hidden unit and layer (`ModelEntry.decoder_values_per_token`); recompute keeps
-  only each layer's input plus one layer being recomputed, offload moves the saved tensors of the matched
-  layers to the host (one layer in flight); the logits (or one chunk of them with chunk loss) come on top.
-  A frozen vision tower saves nothing.
+  family's bytes per token, hidden unit and layer (`FamilyCosts.decoder_values_per_token`, the spec's
+  `costs`); recompute keeps only each layer's input plus one layer being recomputed, offload moves the saved
+  tensors of the matched layers to the host (one layer in flight); the logits (or one chunk of them with chunk
+  loss) come on top. A frozen vision tower saves nothing.
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
@@ -40,12 +40,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from mmfsdp.model import ModelEntry
+    from mmfsdp.parallel import MeshPlan
 
 __all__ = ["MemoryPlan", "VideoBudget", "memory_plan", "memory_plan_lines", "video_token_budget"]
 
@@ -91,15 +97,14 @@ def _detected_device_memory() -> int | None:
     return int(getattr(torch, device_type).get_device_properties(0).total_memory)
 
 
-def _build_meta(cfg: Config) -> tuple[torch.nn.Module, Any]:
-    from mmfsdp.model import apply_lora, freeze_modules, get_model_entry
+def _build_meta(cfg: Config) -> tuple[torch.nn.Module, ModelEntry]:
+    """The model on the meta device as the trainer prepares it (`Trainable.prepare`: LoRA adapters, frozen modules)."""
+    from mmfsdp.model import get_model_entry
+    from mmfsdp.train.trainable import Trainable
 
     entry = get_model_entry(cfg.model.model_id)
     model = entry.build(cfg.model, cfg.features, device=torch.device("meta"))
-    if cfg.training.lora.enable:
-        apply_lora(model, cfg.training.lora, entry)
-    if cfg.model.freeze:
-        freeze_modules(model, cfg.model.freeze)
+    Trainable(cfg.training.lora, freeze=cfg.model.freeze, entry=entry, seed=cfg.training.seed).prepare(model)
     return model, entry
 
 
@@ -127,11 +132,13 @@ def micro_batch_tokens(cfg: Config) -> int:
     return min(max(t.micro_batch_tokens, cutoff), t.micro_batch_size * t.gradient_accumulation_steps * cutoff)
 
 
-def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, image_token_share: float) -> int:
+def _activations(
+    cfg: Config, model: torch.nn.Module, entry: ModelEntry, plan: MeshPlan, image_token_share: float
+) -> int:
     text = model.config.text_config
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     tokens = micro_batch_tokens(cfg) // (plan.ring * plan.ulysses)
-    per_layer = tokens * text.hidden_size * entry.decoder_values_per_token(text) * compute
+    per_layer = tokens * text.hidden_size * entry.costs.decoder_values_per_token(text) * compute
     layer_input = tokens * text.hidden_size * compute
     layers = text.num_hidden_layers
     recompute = cfg.parallel.recompute
@@ -152,10 +159,10 @@ def _activations(cfg: Config, model: torch.nn.Module, entry: Any, plan: Any, ima
     vision_tower = model.get_submodule(entry.vision_modules[0]) if entry.vision_modules else None
     if vision_tower is not None and any(p.requires_grad for p in vision_tower.parameters()):
         vis = model.config.vision_config
-        patches = tokens * image_token_share * entry.vision_patches_per_image_token(model.config)
+        patches = tokens * image_token_share * entry.costs.vision_patches_per_image_token(model.config)
         vision_layer = patches * vis.hidden_size * (8 + 5 * vis.intermediate_size / vis.hidden_size) * compute
         vision_input = patches * vis.hidden_size * compute
-        depth = entry.vision_num_layers(model.config)
+        depth = entry.costs.vision_num_layers(model.config)
         vision = depth * vision_input + vision_layer if recompute else depth * vision_layer
     return int(decoder + logits + vision)
 
@@ -177,7 +184,7 @@ class VideoBudget:
     """Tokens of one video at most, about (pads + timestamps); None: no pixel limit in the config."""
 
 
-def video_token_budget(cfg: Config, model_config: Any) -> VideoBudget | None:
+def video_token_budget(cfg: Config, model_config: PretrainedConfig) -> VideoBudget | None:
     """The token bound of one video (module docstring) for a config that reads videos; None when it reads none."""
     if cfg.data.dataset_param.attr.videos is None:
         return None

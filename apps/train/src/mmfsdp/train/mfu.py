@@ -1,7 +1,7 @@
 """MFU and TFLOP/s of each step: the FLOPs of its real batch over the devices' peak.
 
 `FlopMeter` counts each micro-batch as the trainer takes it (`count`, host-side: sample lengths from the attention
-mask and `cu_seq_lens`, image patches through the family's `image_patches`; `mmfsdp.model.flops` has the
+mask and `cu_seq_lens`, image patches through the family's `costs.image_patches`; `mmfsdp.model.flops` has the
 formulas), the trainer sums the counts over the data-parallel group together with the token count (one
 all-reduce), and `scalars` turns a step's sum into the record's numbers:
 
@@ -13,7 +13,7 @@ all-reduce), and `scalars` turns a step's sum into the record's numbers:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,11 @@ from mmfsdp.config import get_logger
 from mmfsdp.model.flops import ForwardFlops, count_forward, sample_lengths
 from mmfsdp.parallel.dtypes import dtype_name
 from mmfsdp.parallel.peak import device_name, measure_gemm_tflops, table_peak_tflops
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from mmfsdp.model import FamilyCosts
 
 log = get_logger("mmfsdp.train")
 
@@ -44,13 +49,13 @@ def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: fl
 
 
 class FlopMeter:
-    def __init__(self, entry: Any, model_config: Any, *, device: torch.device, dtype: torch.dtype, world_size: int,
-                 recompute: bool, peak_tflops: float | None = None):
-        """`entry`: the model family's `ModelEntry`; `model_config`: the HF config of the built model; `dtype`: the
-        compute dtype (the peak is per dtype)."""
-        self.entry = entry
+    def __init__(self, costs: FamilyCosts, model_config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype,
+                 world_size: int, recompute: bool, peak_tflops: float | None = None):
+        """`costs`: the model family's cost facet (`entry.costs`); `model_config`: the HF config of the built model;
+        `dtype`: the compute dtype (the peak is per dtype)."""
+        self.costs = costs
         self.model_config = model_config
-        self.shape = entry.flop_shape(model_config)
+        self.shape = costs.flop_shape(model_config)
         self.world_size = world_size
         self.recompute = recompute
         self.peak_tflops, source = resolve_peak_tflops(device, dtype, peak_tflops)
@@ -59,7 +64,7 @@ class FlopMeter:
     def count(self, batch: dict[str, Any]) -> ForwardFlops:
         """Forward FLOPs of one collated micro-batch (on the host, before it moves to the device)."""
         lens = sample_lengths(batch["attention_mask"], batch.get("cu_seq_lens"))
-        return count_forward(self.shape, lens, self.entry.image_patches(self.model_config, batch))
+        return count_forward(self.shape, lens, self.costs.image_patches(self.model_config, batch))
 
     def scalars(self, flops: ForwardFlops, step_time_s: float) -> dict[str, float]:
         """`tflops`, `mfu` (and `hfu` with recompute) of a step whose data-parallel group computed `flops`."""

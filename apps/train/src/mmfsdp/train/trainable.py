@@ -14,12 +14,15 @@ The trainer asks it at four points and has no LoRA branch of its own:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from mmfsdp.ckpt.lora import LORA_METADATA, stored_key
 from mmfsdp.model import apply_lora, freeze_modules, init_lora_adapters, load_lora_adapter, lora_metadata
+
+if TYPE_CHECKING:
+    from mmfsdp.model import LoraConfig, ModelEntry
 
 __all__ = ["Trainable"]
 
@@ -27,7 +30,7 @@ __all__ = ["Trainable"]
 class Trainable:
     """The trained parameters of one run (module docstring)."""
 
-    def __init__(self, lora_cfg: Any, *, freeze: list[str] | None, entry: Any, seed: int):
+    def __init__(self, lora_cfg: LoraConfig, *, freeze: list[str] | None, entry: ModelEntry, seed: int):
         self.lora_cfg = lora_cfg
         self.freeze = freeze
         self.entry = entry

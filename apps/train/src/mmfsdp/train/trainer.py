@@ -162,7 +162,7 @@ class Trainer:
         if self.start.resume is not None:
             self.step = self.checkpointer.resume(self.start.resume)
         self.flop_meter = FlopMeter(
-            self.entry, self.model.config, device=self.device, world_size=self.world_size,
+            self.entry.costs, self.model.config, device=self.device, world_size=self.world_size,
             dtype=DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
             peak_tflops=cfg.tools.peak_tflops,
         )

@@ -1,15 +1,16 @@
 """Model families for mmfsdp: the registry, the shared training forward, chunk loss, loss weights, attention.
 
 - `ModelConfig` (YAML `model:`) and `FeaturesConfig` (YAML `features:`).
-- `get_model_entry(model_id)` → `ModelEntry`: `config_class`, `model_class`,
-  `build(model_cfg, features_cfg, device=, dtype=)`, the default plans (`fsdp_modules`,
-  `recompute_modules`, `vision_modules`), `decoder_name`, `lm_head_name`, `expert_modules`,
-  `parallelize(model, parallel_cfg, parallel_dims, features_cfg)` (expert parallel, recompute, FSDP2),
-  `init_non_persistent_buffers(model)`, `state_dict_adapter()`, `tiny_config(...)` and `test_batch(...)`;
-  what it supports (`capabilities`: `Capabilities`) and its data pieces by name (`data`: `DataNames`).
-  Families live one folder each under `mmfsdp.model.families` (entry, state-dict adapter, vision patches, test
+- `get_model_entry(model_id)` → the family's spec, a `ModelEntry` (`mmfsdp.model.spec`; docs/families.md):
+  its declaration (config and model classes, module patterns, `capabilities`, `data`, `build`,
+  `init_non_persistent_buffers`), its hooks (`state_dict_adapter()`, `validate_parallel`, `step_terms`,
+  `num_experts`, `parallelize`), and two facets: `costs` (`FamilyCosts`: FLOPs, activation memory) and `testkit`
+  (`FamilyTestKit`: `tiny_config(...)`, `test_batch(...)`). The generic machinery takes the spec:
+  `mmfsdp.model.parallelize.parallelize(entry, model, parallel_cfg, parallel_dims, features_cfg)` (expert
+  parallel, compile, recompute, offload, FSDP2) and `check_data(entry, ...)` (`mmfsdp.model.checks`).
+  Families live one folder each under `mmfsdp.model.families` (spec, state-dict adapter, vision patches, test
   helpers) and register through the `mmfsdp.model_families` entry points; most are `HFFamilyEntry` declarations
-  whose model class mixes `TrainingForwardMixin` into the HF class (docs/model.md).
+  whose model class mixes `TrainingForwardMixin` into the HF class.
 - MoE families also return `outputs.router_load` from the training forward; `load_balancing_loss`
   and `expert_load_summary` (`mmfsdp.model.router`) turn it into the router aux loss and load statistics.
 - `entry.step_terms(loss_cfg)` → `StepTerms`: what a family adds to a training step (extra loss terms,
@@ -34,13 +35,16 @@ from mmfsdp.config.lazy import lazy_exports
 # Names load on first use (PEP 562): reading a config needs `ModelConfig`, not transformers,
 # and a launcher that never builds a model never imports a family.
 _LAZY = {
-    "Capabilities": "mmfsdp.model.registry",
-    "DataNames": "mmfsdp.model.registry",
-    "ModelEntry": "mmfsdp.model.registry",
-    "StepTerms": "mmfsdp.model.registry",
-    "get_model_entry": "mmfsdp.model.registry",
-    "register_model": "mmfsdp.model.registry",
+    "Capabilities": "mmfsdp.model.spec",
+    "DataNames": "mmfsdp.model.spec",
+    "ModelEntry": "mmfsdp.model.spec",
+    "StepTerms": "mmfsdp.model.spec",
+    "get_model_entry": "mmfsdp.model.spec",
+    "register_model": "mmfsdp.model.spec",
     "registered_model_ids": "mmfsdp.model.registry",
+    "FamilyCosts": "mmfsdp.model.costs",
+    "FamilyTestKit": "mmfsdp.model.testkit",
+    "check_data": "mmfsdp.model.checks",
     "AttentionBackend": "mmfsdp.model.attention",
     "npu_layout": "mmfsdp.model.attention",
     "resolve_attention_backend": "mmfsdp.model.attention",
@@ -82,6 +86,9 @@ __all__ = [
     "DataNames",
     "ModelEntry",
     "StepTerms",
+    "FamilyCosts",
+    "FamilyTestKit",
+    "check_data",
     "HFFamilyEntry",
     "TrainingForwardMixin",
     "NON_INPUT_KEYS",

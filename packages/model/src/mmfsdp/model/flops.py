@@ -1,8 +1,8 @@
 """FLOPs of a training step, counted from its real batch (for MFU and TFLOP/s in the log line).
 
-A model family describes its towers in numbers (`ModelEntry.flop_shape(config)`: a `FlopShape` of `TowerFlops`,
-read from the HF config) and says how many vision patches each image of a batch has
-(`ModelEntry.image_patches(batch)`); everything here is generic and names no family.
+A model family describes its towers in numbers (its spec's cost facet, `entry.costs.flop_shape(config)`: a
+`FlopShape` of `TowerFlops`, read from the HF config; `mmfsdp.model.costs`) and says how many vision patches each
+image of a batch has (`entry.costs.image_patches(config, batch)`); everything here is generic and names no family.
 
 Forward FLOPs of one micro-batch, multiply-add = 2 FLOPs:
 
@@ -28,9 +28,12 @@ With FSDP2 every rank counts its own micro-batches; the trainer sums the counts 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["FlopShape", "ForwardFlops", "TowerFlops", "count_forward", "sample_lengths", "tower_forward"]
 
@@ -58,7 +61,7 @@ class TowerFlops:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FlopShape:
-    """A model family's towers for FLOP counting (`ModelEntry.flop_shape`)."""
+    """A model family's towers for FLOP counting (`FamilyCosts.flop_shape`)."""
 
     decoder: TowerFlops
     vision: TowerFlops | None = None
@@ -122,7 +125,7 @@ def sample_lengths(attention_mask: torch.Tensor, cu_seq_lens: torch.Tensor | Non
     return [int(n) for n in lens if n > 0]
 
 
-def gated_decoder(text_config: Any, mlp_params: int) -> TowerFlops:
+def gated_decoder(text_config: PretrainedConfig, mlp_params: int) -> TowerFlops:
     """The decoder of most families: grouped-query attention (q, k, v, o projections), an MLP of `mlp_params`
     matmul weights per token over all layers, and `lm_head`."""
     hidden = text_config.hidden_size

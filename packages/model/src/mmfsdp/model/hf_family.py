@@ -1,6 +1,6 @@
 """`HFFamilyEntry`: the build, checks and meta-init every HF `*ForConditionalGeneration` family shares.
 
-A family module declares a subclass with `config_class`, `model_class` (a
+A family module declares a subclass (a `mmfsdp.model.spec.ModelEntry`) with `config_class`, `model_class` (a
 `TrainingForwardMixin` subclass of the HF class) and its default plans (its
 checkpoint names and layouts are its state-dict adapter's, `mmfsdp.model.adapters`);
 `build` then follows one set of rules for all families:
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,11 +35,14 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.attention import resolve_attention_backend
 from mmfsdp.model.config import FeaturesConfig, ModelConfig
 from mmfsdp.model.meta_init import init_rotary_buffers
-from mmfsdp.model.registry import ModelEntry
+from mmfsdp.model.spec import ModelEntry
 from mmfsdp.parallel.cp import validate_ulysses_heads
 from mmfsdp.parallel.device import detect_device_type
 from mmfsdp.parallel.expert_parallel import check_expert_parallel_size
 from mmfsdp.parallel.dtypes import DTYPES
+
+if TYPE_CHECKING:
+    from mmfsdp.parallel import MeshPlan
 
 __all__ = ["HFFamilyEntry", "safetensors_problem", "model_dir"]
 
@@ -90,7 +93,7 @@ class HFFamilyEntry(ModelEntry):
             )
         return config
 
-    def validate_parallel(self, model_cfg: ModelConfig, plan: Any) -> None:
+    def validate_parallel(self, model_cfg: ModelConfig, plan: MeshPlan) -> None:
         """Checks against config.json: expert parallel (a MoE model whose experts it divides); context parallel
         (Ulysses size vs. heads, no sliding window)."""
         super().validate_parallel(model_cfg, plan)

@@ -35,12 +35,15 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from mmfsdp.config import ConfigError, get_logger
+
+if TYPE_CHECKING:
+    from mmfsdp.model.spec import ModelEntry
 
 __all__ = [
     "LoraConfig",
@@ -96,7 +99,7 @@ def _is_leaf_name(target: str) -> bool:
 
 
 def resolve_lora_targets(
-    model: nn.Module, targets: list[str], entry: Any = None, *, key: str = f"{_KEY}.target_modules"
+    model: nn.Module, targets: list[str], entry: ModelEntry | None = None, *, key: str = f"{_KEY}.target_modules"
 ) -> list[str]:
     """The full names of the modules `targets` name, in model order, each once.
 
@@ -140,7 +143,7 @@ def resolve_lora_targets(
     return [name for name in names if name in chosen]
 
 
-def apply_lora(model: nn.Module, lora_cfg: LoraConfig, entry: Any = None) -> list[str]:
+def apply_lora(model: nn.Module, lora_cfg: LoraConfig, entry: ModelEntry | None = None) -> list[str]:
     """Freeze `model` and inject LoRA adapters (fp32) into the modules `lora_cfg.target_modules` names, in place,
     on the CPU or the meta device; return the wrapped module names. Run before `entry.parallelize`."""
     from peft import LoraConfig as PeftLoraConfig

@@ -25,7 +25,7 @@ aux loss of the global batch, exactly as the LM loss shares do (so the same
 "× fsdp group size" backward applies). Under activation checkpointing the hooks
 record only in the forward, not in the recomputation.
 
-`RouterStepTerms` is a MoE family's `StepTerms` (`mmfsdp.model.registry`): per micro-batch it sums the
+`RouterStepTerms` is a MoE family's `StepTerms` (`mmfsdp.model.spec`): per micro-batch it sums the
 counts and tokens over every rank and returns `coef × share / num_micro_batches`; for the step's log it gives
 `aux_loss` (the unscaled aux loss of the global batch, mean over micro-batches) and `expert_load_max` /
 `expert_load_mean` (top-k assignments per expert and layer over the step's global batch).
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmfsdp.model.context_parallel import CP_CONTEXT_KEY, CPBatch
-from mmfsdp.model.registry import StepTerms
+from mmfsdp.model.spec import StepTerms
 
 __all__ = ["RouterLoad", "RouterLoadRecorder", "RouterStepTerms", "load_balancing_loss", "expert_load_summary"]
 

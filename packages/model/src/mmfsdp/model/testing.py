@@ -9,7 +9,7 @@ weights; `model_inputs(batch)` is every key of a batch but the labels; `rel_diff
 parity tests bound (max |a − b| / max |b|).
 
 A family's own synthetic batches live with the family (`mmfsdp.model.families.<model_id>.testing`) and reach
-generic tests through its entry's `tiny_config` / `test_batch`.
+generic tests through its spec's test kit (`entry.testkit.tiny_config` / `entry.testkit.test_batch`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from mmfsdp.model.registry import get_model_entry, registered_model_ids
+from mmfsdp.model.registry import registered_model_ids
+from mmfsdp.model.spec import get_model_entry
 from mmfsdp.model.training_forward import model_inputs
 
 __all__ = [

@@ -7,10 +7,10 @@ addition is the per-image attention hook on the vision tower
 (`mmfsdp.model.families.mistral3.vision`): the tower flattens the patches of all images into
 one sequence, and each image must attend only to itself.
 
-`Mistral3Entry` is the declaration: config and model classes, plans, what it
+`Mistral3Entry` is the family's spec: config and model classes, plans, what it
 supports (context parallel, packing), its data pieces (`mistral` template,
-`pixtral` plugin and collator), and `tiny_config` / `test_batch` for tests. Building,
-the parallel checks and meta init are `HFFamilyEntry`'s.
+`pixtral` plugin and collator), its costs (`Mistral3Costs`: Pixtral's FLOPs and patches) and its
+test kit (`Mistral3TestKit`). Building, the parallel checks and meta init are `HFFamilyEntry`'s.
 """
 
 from __future__ import annotations
@@ -21,13 +21,18 @@ import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 from transformers.models.mistral3.modeling_mistral3 import Mistral3Model
 
+from mmfsdp.model.costs import FamilyCosts
 from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry, safetensors_problem
-from mmfsdp.model.registry import Capabilities, DataNames, register_model
+from mmfsdp.model.spec import Capabilities, DataNames, register_model
+from mmfsdp.model.testkit import FamilyTestKit
 from mmfsdp.model.training_forward import TrainingForwardMixin, packed_attention_kwargs
 from mmfsdp.model.families.mistral3.vision import install_per_image_attention
 
-__all__ = ["Mistral3ForConditionalGenerationFSDP", "Mistral3Entry", "packed_attention_kwargs", "safetensors_problem"]
+__all__ = [
+    "Mistral3Costs", "Mistral3Entry", "Mistral3ForConditionalGenerationFSDP", "Mistral3TestKit",
+    "packed_attention_kwargs", "safetensors_problem",
+]
 
 
 def _placeholder_image(num_channels: int, side: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -101,23 +106,8 @@ class Mistral3ForConditionalGenerationFSDP(TrainingForwardMixin, Mistral3ForCond
         return {**call, "pixel_values": pixel_values, "image_sizes": call["image_sizes"][indices]}
 
 
-@register_model("mistral3")
-class Mistral3Entry(HFFamilyEntry):
-    """Pixtral vision tower + patch-merging projector + Mistral decoder."""
-
-    config_class = Mistral3Config
-    model_class = Mistral3ForConditionalGenerationFSDP
-    fsdp_modules = (
-        "model.vision_tower.transformer.layers.{*}",
-        "model.multi_modal_projector",
-        "model.language_model.embed_tokens",
-        "model.language_model.layers.{*}",
-        "lm_head",
-    )
-    recompute_modules = ("model.vision_tower.transformer.layers.{*}", "model.language_model.layers.{*}")
-    vision_modules = ("model.vision_tower", "model.multi_modal_projector")
-    capabilities = Capabilities(context_parallel=True, packing=True)
-    data = DataNames(templates=("mistral",), image_plugins=("pixtral",), collators=("pixtral",))
+class Mistral3Costs(FamilyCosts):
+    """Pixtral's vision tower: its FLOPs and the patches of each image."""
 
     def vision_flops(self, config: Mistral3Config) -> TowerFlops:
         """Pixtral blocks (q, k, v, o of the hidden size; gated MLP), the patch convolution, and per merged token
@@ -135,13 +125,17 @@ class Mistral3Entry(HFFamilyEntry):
             merge=merge,
         )
 
-    def image_patches(self, config: Mistral3Config, batch: dict[str, Any]) -> list[int]:
+    def image_patches(self, config: Mistral3Config, batch: dict[str, torch.Tensor]) -> list[int]:
         """From `image_sizes` (height, width in pixels; `pixel_values` is padded to the largest image)."""
         sizes = batch.get("image_sizes")
         if sizes is None:
             return []
         patch = config.vision_config.patch_size
         return [int(h) // patch * (int(w) // patch) for h, w in sizes.tolist()]
+
+
+class Mistral3TestKit(FamilyTestKit):
+    """Tiny Mistral3 configs and batches (`testing.tiny_batch`)."""
 
     def test_batch(self, config: Mistral3Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the
@@ -174,3 +168,24 @@ class Mistral3Entry(HFFamilyEntry):
         )
         settings.update(overrides)
         return Mistral3Config(**settings)
+
+
+@register_model("mistral3")
+class Mistral3Entry(HFFamilyEntry):
+    """Pixtral vision tower + patch-merging projector + Mistral decoder."""
+
+    config_class = Mistral3Config
+    model_class = Mistral3ForConditionalGenerationFSDP
+    fsdp_modules = (
+        "model.vision_tower.transformer.layers.{*}",
+        "model.multi_modal_projector",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.{*}",
+        "lm_head",
+    )
+    recompute_modules = ("model.vision_tower.transformer.layers.{*}", "model.language_model.layers.{*}")
+    vision_modules = ("model.vision_tower", "model.multi_modal_projector")
+    capabilities = Capabilities(context_parallel=True, packing=True)
+    data = DataNames(templates=("mistral",), image_plugins=("pixtral",), collators=("pixtral",))
+    costs = Mistral3Costs()
+    testkit = Mistral3TestKit()

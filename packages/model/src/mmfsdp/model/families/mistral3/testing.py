@@ -1,4 +1,4 @@
-"""Mistral3's test helpers: synthetic batches for a tiny config (`Mistral3Entry.tiny_config`).
+"""Mistral3's test helpers: synthetic batches for a tiny config (`Mistral3TestKit.tiny_config`).
 
 `tiny_batch(config, ...)` lays out `batch_size` rows of `seq_len` tokens; images
 go, in order, into consecutive rows (image `i` into row `i · B // num_images`) as the right number of

@@ -34,19 +34,23 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import PretrainedConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from mmfsdp.model.context_parallel import CPBatch, split_sequence_kwargs
+from mmfsdp.model.costs import FamilyCosts
 from mmfsdp.model.flops import TowerFlops
 from mmfsdp.model.hf_family import HFFamilyEntry
 from mmfsdp.model.loss import sample_starts
-from mmfsdp.model.registry import Capabilities, DataNames, register_model
+from mmfsdp.model.spec import Capabilities, DataNames, register_model
+from mmfsdp.model.testkit import FamilyTestKit
 from mmfsdp.model.training_forward import TrainingForwardMixin
 
 __all__ = [
     "Qwen3VLForConditionalGenerationFSDP",
     "Qwen3VLTrainingMixin",
+    "Qwen3VLCosts",
     "Qwen3VLEntry",
+    "Qwen3VLTestKit",
     "mm_token_types",
     "mrope_position_ids",
     "split_mrope_position_ids",
@@ -205,24 +209,8 @@ class Qwen3VLForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLForCondit
         self.init_training_forward()
 
 
-@register_model("qwen3_vl")
-class Qwen3VLEntry(HFFamilyEntry):
-    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 decoder with M-RoPE."""
-
-    config_class = Qwen3VLConfig
-    model_class = Qwen3VLForConditionalGenerationFSDP
-    fsdp_modules = (
-        "model.visual.blocks.{*}",
-        "model.visual.merger",
-        "model.visual.deepstack_merger_list.{*}",
-        "model.language_model.embed_tokens",
-        "model.language_model.layers.{*}",
-        "lm_head",
-    )
-    recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
-    vision_modules = ("model.visual",)
-    capabilities = Capabilities(context_parallel=True, packing=True, video=True)
-    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+class Qwen3VLCosts(FamilyCosts):
+    """The Qwen3-VL vision tower (with DeepStack mergers): its FLOPs and the patches of each image and video."""
 
     def vision_flops(self, config: Qwen3VLConfig) -> TowerFlops:
         """Qwen3-VL vision blocks (fused qkv and proj of the hidden size; MLP fc1, fc2), the 3-D patch convolution,
@@ -239,7 +227,7 @@ class Qwen3VLEntry(HFFamilyEntry):
             params_per_merged_token=(1 + len(vision.deepstack_visual_indexes or ())) * merger, merge=merge,
         )
 
-    def image_patches(self, config: Qwen3VLConfig, batch: dict[str, Any]) -> list[int]:
+    def image_patches(self, config: Qwen3VLConfig, batch: dict[str, torch.Tensor]) -> list[int]:
         """`t·h·w` of each row of `image_grid_thw`, then `h·w` for each temporal patch of each row of
         `video_grid_thw`: each image, and each temporal patch of a video, attends to its own patches."""
         images, videos = batch.get("image_grid_thw"), batch.get("video_grid_thw")
@@ -247,6 +235,13 @@ class Qwen3VLEntry(HFFamilyEntry):
         for t, h, w in videos.tolist() if videos is not None else []:
             patches += [int(h) * int(w)] * int(t)
         return patches
+
+
+class Qwen3VLTestKit(FamilyTestKit):
+    """Tiny Qwen3-VL configs and batches (`testing.qwen3_vl_batch`); the MoE family's kit builds on it."""
+
+    config_class: type[PretrainedConfig] = Qwen3VLConfig
+    """The config class `tiny_config` makes."""
 
     def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
@@ -264,7 +259,7 @@ class Qwen3VLEntry(HFFamilyEntry):
         return batch
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
-        """A config of the entry's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).
+        """A config of the kit's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).
 
         `text_config` / `vision_config` overrides are dicts merged into the tiny
         defaults; other keywords are top-level `Qwen3VLConfig` fields. The video,
@@ -288,3 +283,25 @@ class Qwen3VLEntry(HFFamilyEntry):
         )
         settings.update(overrides)
         return self.config_class(**settings)
+
+
+@register_model("qwen3_vl")
+class Qwen3VLEntry(HFFamilyEntry):
+    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 decoder with M-RoPE."""
+
+    config_class = Qwen3VLConfig
+    model_class = Qwen3VLForConditionalGenerationFSDP
+    fsdp_modules = (
+        "model.visual.blocks.{*}",
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.{*}",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.{*}",
+        "lm_head",
+    )
+    recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
+    vision_modules = ("model.visual",)
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True)
+    data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    costs = Qwen3VLCosts()
+    testkit = Qwen3VLTestKit()

@@ -17,7 +17,7 @@ tower already attends per image). What the MoE adds:
   top-k assignments and summed router probabilities of this rank's tokens, padding
   excluded), from which `load_balancing_loss` gives HF's unscaled `aux_loss` and
   `expert_load_summary` the load statistics. The LM loss `outputs.loss` is
-  unchanged; the entry's `step_terms` (`RouterStepTerms`) adds
+  unchanged; the spec's `step_terms` (`RouterStepTerms`) adds
   `features.loss_cfg.router_aux_loss_coef × aux` to each micro-batch's loss and
   reports the aux loss and expert load of the step (`entry.router_aux_loss_coef(config)`
   is the checkpoint's own coefficient).
@@ -29,16 +29,19 @@ Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+from transformers import PretrainedConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
-from mmfsdp.model.families.qwen3_vl.model import Qwen3VLEntry, Qwen3VLTrainingMixin
-from mmfsdp.model.registry import Capabilities, register_model
+from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLEntry, Qwen3VLTestKit, Qwen3VLTrainingMixin
 from mmfsdp.model.router import RouterLoadRecorder, RouterStepTerms
+from mmfsdp.model.spec import Capabilities, register_model
 
-__all__ = ["Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeEntry"]
+if TYPE_CHECKING:
+    from mmfsdp.model.config import LossConfig
+
+__all__ = ["Qwen3VLMoeCosts", "Qwen3VLMoeEntry", "Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeTestKit"]
 
 
 class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration):
@@ -67,26 +70,10 @@ class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeFor
         return outputs
 
 
-@register_model("qwen3_vl_moe")
-class Qwen3VLMoeEntry(Qwen3VLEntry):
-    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 MoE decoder with M-RoPE."""
+class Qwen3VLMoeCosts(Qwen3VLCosts):
+    """Qwen3-VL's costs with a sparse decoder: per token the router and the top-k experts."""
 
-    config_class = Qwen3VLMoeConfig
-    model_class = Qwen3VLMoeForConditionalGenerationFSDP
-    expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
-    """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
-    router_modules = ("model.language_model.layers.{*}.mlp.gate",)
-    """The routers (`weight` `[E, H]`), replicated over expert parallel."""
-    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
-
-    def num_experts(self, config: Qwen3VLMoeConfig) -> int:
-        return int(config.text_config.num_experts)
-
-    def step_terms(self, loss_cfg: Any) -> RouterStepTerms:
-        """The router load-balancing loss (× `router_aux_loss_coef`) and the expert load of each step."""
-        return RouterStepTerms(loss_cfg.router_aux_loss_coef)
-
-    def decoder_mlp_params(self, text_config: Any) -> int:
+    def decoder_mlp_params(self, text_config: PretrainedConfig) -> int:
         """Per sparse layer the router (`H·E`) and the top-k experts (gate, up, down of `moe_intermediate_size`);
         a layer in `mlp_only_layers` or off the `decoder_sparse_step` has the dense MLP (HF's rule)."""
         hidden = text_config.hidden_size
@@ -100,7 +87,7 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
             for i in range(text_config.num_hidden_layers)
         )
 
-    def decoder_values_per_token(self, text_config: Any) -> float:
+    def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:
         """As the dense layer, with the MLP's 5 values per token for each of the top-k experts' intermediate
         size, plus the router's logits and probabilities (2 E-sized)."""
         hidden = text_config.hidden_size
@@ -109,11 +96,39 @@ class Qwen3VLMoeEntry(Qwen3VLEntry):
         expert = text_config.num_experts_per_tok * text_config.moe_intermediate_size
         return 8 + 3 * kv / hidden + 5 * expert / hidden + 2 * text_config.num_experts / hidden
 
+
+class Qwen3VLMoeTestKit(Qwen3VLTestKit):
+    """Qwen3-VL's tiny configs and batches with a MoE decoder."""
+
+    config_class = Qwen3VLMoeConfig
+
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLMoeConfig:
-        """`Qwen3VLEntry.tiny_config` with a MoE decoder: 8 experts, top-2, expert size 48, every layer sparse."""
+        """`Qwen3VLTestKit.tiny_config` with a MoE decoder: 8 experts, top-2, expert size 48, every layer sparse."""
         text = dict(
             moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=0.01, tie_word_embeddings=False,
         )
         text.update(overrides.pop("text_config", {}))
         return super().tiny_config(vocab_size=vocab_size, image_token_id=image_token_id, text_config=text, **overrides)
+
+
+@register_model("qwen3_vl_moe")
+class Qwen3VLMoeEntry(Qwen3VLEntry):
+    """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 MoE decoder with M-RoPE."""
+
+    config_class = Qwen3VLMoeConfig
+    model_class = Qwen3VLMoeForConditionalGenerationFSDP
+    expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
+    """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
+    router_modules = ("model.language_model.layers.{*}.mlp.gate",)
+    """The routers (`weight` `[E, H]`), replicated over expert parallel."""
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
+    costs = Qwen3VLMoeCosts()
+    testkit = Qwen3VLMoeTestKit()
+
+    def num_experts(self, config: Qwen3VLMoeConfig) -> int:
+        return int(config.text_config.num_experts)
+
+    def step_terms(self, loss_cfg: LossConfig) -> RouterStepTerms:
+        """The router load-balancing loss (× `router_aux_loss_coef`) and the expert load of each step."""
+        return RouterStepTerms(loss_cfg.router_aux_loss_coef)

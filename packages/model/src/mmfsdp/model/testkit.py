@@ -1,0 +1,31 @@
+"""`FamilyTestKit`: what tests need of a family — a tiny config and synthetic batches for it.
+
+It is a facet of the family's spec (`ModelEntry.testkit`), apart from the declaration and never used in training.
+The family contract test (`tests/test_e2e_family_contract.py`) runs over every registered family through it, so a
+family that registers a kit gets that coverage; the base has none and says so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["FamilyTestKit"]
+
+
+class FamilyTestKit:
+    """Tiny configs and batches of one family for tests and examples; this base has none."""
+
+    def tiny_config(self, **overrides: Any) -> PretrainedConfig:
+        """A config of the family's HF config class, about 0.1-1M parameters (fp32, untied `lm_head`); keywords
+        override its fields (`text_config` / `vision_config`: dicts merged into the tiny sub-configs)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tiny_config")
+
+    def test_batch(self, config: PretrainedConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """A collated batch for the tiny `config`: rows of different lengths with right padding and `labels`;
+        with `images`, images of different sizes in some rows and none in others; without, no vision input."""
+        raise NotImplementedError(f"{type(self).__name__} has no test_batch")
