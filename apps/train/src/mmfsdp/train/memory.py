@@ -27,8 +27,8 @@ Magistral-Small-2509 worked through):
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
 
 Videos (a config that reads a `videos` column): `video_token_budget` bounds the decoder tokens of
-one video from the data settings alone — `video_maxlen` frames in temporal patches of
-`temporal_patch_size`, each frame at most `video_max_pixels` (and at most its share of
+one video from the data settings alone — `video_maxlen` frames (null: the video processor's
+`max_frames`) in temporal patches of `temporal_patch_size`, each frame at most `video_max_pixels` (and at most its share of
 `video_total_pixels`), one token per `(patch_size · merge)²` pixels of a patch, plus each temporal
 patch's timestamp and vision start/end — and `--check` prints it next to `cutoff_len`: the
 activations above count those tokens like image tokens (the vision tower runs per temporal patch as
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmfsdp.config import ConfigError
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
 
@@ -184,15 +185,18 @@ class VideoBudget:
     """Tokens of one video at most, about (pads + timestamps); None: no pixel limit in the config."""
 
 
-def video_token_budget(cfg: Config, model_config: PretrainedConfig) -> VideoBudget | None:
-    """The token bound of one video (module docstring) for a config that reads videos; None when it reads none."""
+def video_token_budget(
+    cfg: Config, model_config: PretrainedConfig, max_frames: int | None = None
+) -> VideoBudget | None:
+    """The token bound of one video (module docstring) for a config that reads videos; None when it reads none.
+    `max_frames` stands for `video_maxlen` where the config leaves it null (the video processor's `max_frames`)."""
     if cfg.data.dataset_param.attr.videos is None:
         return None
     pp = cfg.data.dataset_param.preprocess_parameters
     vision = model_config.vision_config
     temporal = int(getattr(vision, "temporal_patch_size", 1) or 1)
     cell = int(vision.patch_size) * int(getattr(vision, "spatial_merge_size", 1) or 1)
-    groups = -(-pp.video_maxlen // temporal)
+    groups = -(-(pp.video_maxlen or max_frames) // temporal)
     frames = groups * temporal
     limits = [limit for limit in (pp.video_max_pixels, pp.video_total_pixels and pp.video_total_pixels // frames)
               if limit]
@@ -215,7 +219,16 @@ def _video_lines(cfg: Config) -> list[str]:
         return []
     if not hasattr(model_config, "vision_config"):
         return []
-    budget = video_token_budget(cfg, model_config)
+    max_frames = None
+    pp = cfg.data.dataset_param.preprocess_parameters
+    if cfg.data.dataset_param.attr.videos is not None and pp.video_maxlen is None:
+        from mmfsdp.data import DataError, media_settings
+
+        try:
+            max_frames = next(s.value for s in media_settings(cfg.data) if s.key == "video_maxlen")
+        except (ConfigError, DataError, OSError, StopIteration):
+            return []
+    budget = video_token_budget(cfg, model_config, max_frames)
     if budget is None:
         return []
     cutoff = cfg.data.dataset_param.preprocess_parameters.cutoff_len

@@ -32,9 +32,9 @@ from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
 from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, has_eval_data, prepare_dataset, register_dataset_type
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
-from mmfsdp.data.plugins import ImagePlugin, VideoPlugin, get_plugin, register_plugin
+from mmfsdp.data.plugins import ImagePlugin, MediaSetting, VideoPlugin, get_plugin, register_plugin
 from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
-from mmfsdp.data.build import build_processor
+from mmfsdp.data.build import build_plugin, build_processor, media_settings
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, Template, get_template, register_template
 
@@ -54,6 +54,7 @@ __all__ = [
     "IGNORE_INDEX",
     "IMAGE_PLACEHOLDER",
     "ImagePlugin",
+    "MediaSetting",
     "VideoInfo",
     "VideoOptions",
     "VideoPlugin",
@@ -68,7 +69,9 @@ __all__ = [
     "Template",
     "build_dataloader",
     "build_dataset",
+    "build_plugin",
     "build_processor",
+    "media_settings",
     "dataset_files",
     "has_eval_data",
     "get_collator",

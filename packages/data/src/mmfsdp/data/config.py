@@ -95,17 +95,23 @@ class PreprocessParametersConfig:
     trust_remote_code: bool = False
     """Allow code shipped with the model directory to run while loading the tokenizer/processor."""
     image_max_pixels: int | None = None
-    """Downscale images with more pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
+    """Image pixel upper limit (`pixtral`: downscale before the image processor; `qwen3_vl`: the resize's area bound);
+    null = the model directory's image processor (`pixtral`: no pre-resize; `qwen3_vl`: its `size.longest_edge`)."""
     image_min_pixels: int | None = None
-    """Upscale images with fewer pixels than this (keeping aspect ratio) before the image processor; null = no limit."""
-    video_fps: float = 2.0
-    """Frames sampled per second of video (before `video_maxlen` caps them), as Qwen3-VL's video processor samples."""
-    video_maxlen: int = 128
-    """Most frames sampled from one video."""
+    """Image pixel lower limit (`pixtral`: upscale before the image processor; `qwen3_vl`: the resize's area bound);
+    null = the model directory's image processor (`pixtral`: no pre-resize; `qwen3_vl`: its `size.shortest_edge`)."""
+    video_fps: float | None = None
+    """Frames sampled per second of video (before `video_maxlen` caps them); null = the model directory's video
+    processor's `fps` (`video_preprocessor_config.json`, else transformers' default for the model type: Qwen3-VL 2)."""
+    video_maxlen: int | None = None
+    """Most frames sampled from one video; null = the model directory's video processor's `max_frames`
+    (`video_preprocessor_config.json`, else transformers' default for the model type: Qwen3-VL 768)."""
     video_max_pixels: int | None = None
-    """Downscale each video frame with more pixels than this (aspect kept) before the video processor; null = none."""
+    """Downscale each video frame with more pixels than this (aspect kept) before the video processor; null = none
+    (the video processor's own `size`, from the model directory, applies either way)."""
     video_min_pixels: int | None = None
-    """Upscale each video frame with fewer pixels than this (aspect kept) before the video processor; null, 0 = none."""
+    """Upscale each video frame with fewer pixels than this (aspect kept) before the video processor; null, 0 = none
+    (the video processor's own `size` applies either way)."""
     video_total_pixels: int | None = None
     """Budget of one sample's video pixels (all sampled frames of all its videos): each frame's limit becomes at most
     this ÷ the sample's frame count (never under `video_min_pixels`), so a long video shrinks its frames instead of
@@ -132,10 +138,10 @@ class PreprocessParametersConfig:
                 raise ConfigError(key, f"must be >= 1 or null, got {value}")
         if self.image_max_pixels is not None and self.image_min_pixels is not None and self.image_min_pixels > self.image_max_pixels:
             raise ConfigError("image_min_pixels", f"{self.image_min_pixels} is larger than image_max_pixels {self.image_max_pixels}")
-        if not (self.video_fps > 0 and math.isfinite(self.video_fps)):
-            raise ConfigError("video_fps", f"must be a positive number, got {self.video_fps}")
-        if self.video_maxlen < 1:
-            raise ConfigError("video_maxlen", f"must be >= 1, got {self.video_maxlen}")
+        if self.video_fps is not None and not (self.video_fps > 0 and math.isfinite(self.video_fps)):
+            raise ConfigError("video_fps", f"must be a positive number or null, got {self.video_fps}")
+        if self.video_maxlen is not None and self.video_maxlen < 1:
+            raise ConfigError("video_maxlen", f"must be >= 1 or null, got {self.video_maxlen}")
         for key in ("video_max_pixels", "video_total_pixels"):
             value = getattr(self, key)
             if value is not None and value < 1:

@@ -45,14 +45,13 @@ import torch
 from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
 
 from mmfsdp.data.balance import SampleStats, sample_stats
+from mmfsdp.data.build import build_plugin
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, all_rows_bad_message, format_counts, top_reason
 from mmfsdp.data.paths import media_path
-from mmfsdp.data.plugins import get_plugin
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
-from mmfsdp.data.video import VideoOptions
 
 __all__ = [
     "SFTDataset",
@@ -338,12 +337,7 @@ class SampleEncoder:
         self.template = template_cls(
             processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
         )
-        self.plugin = get_plugin(pp.image_plugin or template_cls.default_plugin)(
-            processor,
-            image_max_pixels=pp.image_max_pixels,
-            image_min_pixels=pp.image_min_pixels,
-            video=VideoOptions.from_config(pp),
-        )
+        self.plugin = build_plugin(data_cfg, processor)
 
     def image_path(self, path: str) -> str:
         """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""

@@ -11,6 +11,9 @@ Every plugin implements `ImagePlugin`. The dataset sees only that protocol:
 - `token_inputs(input_ids)` -> per-token inputs besides the ids (Qwen's
   `mm_token_type_ids`; none for Pixtral).
 - `fingerprint()` -> every setting that changes tokens, for the cache key.
+- `media_settings()` -> the effective image and video settings, each with where its value came from (the config,
+  a file of the model directory as transformers' `from_pretrained` read it, or transformers' default), for
+  `mm-data inspect` and `--check`.
 - `image_token_ids` -> the ids that belong to image (and video) blocks (never trained, never cut).
 - optional `write_tiny_processor(out_dir, *, image_size, patch_size, spatial_merge_size)` (a static method):
   writes a tiny offline processor for the synthetic data (`synthetic_shapes`) when its directory is missing.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -44,14 +48,17 @@ from mmfsdp.data.video import VideoOptions
 
 __all__ = [
     "ImagePlugin",
+    "MediaSetting",
     "VideoPlugin",
     "decode_image",
     "get_plugin",
     "header_size",
     "plugin_names",
+    "processor_file",
     "read_json",
     "register_plugin",
     "scale_to_pixel_limits",
+    "setting_source",
     "size_value",
 ]
 
@@ -100,6 +107,10 @@ class ImagePlugin(Protocol):
         """JSON-able settings that change tokens (the image processor's own config is hashed separately)."""
         ...
 
+    def media_settings(self) -> list[MediaSetting]:
+        """The effective image (and video) settings and where each value came from."""
+        ...
+
     def describe(self, grid: tuple[int, ...]) -> str:
         """One line about an image's tokens, for `mm-data inspect`."""
         ...
@@ -137,6 +148,44 @@ class VideoPlugin(Protocol):
     def video_label(self, grid: tuple[int, ...]) -> str:
         """How a video block is shown in decoded text (`<video LABEL>`)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSetting:
+    """One effective image or video setting, as a plugin applies it, and where its value came from."""
+
+    key: str
+    """The `preprocess_parameters` key, or `video_processor.NAME` / `image_processor.NAME` for a processor setting
+    that no key shadows."""
+    value: Any
+    source: str
+    """`config`, `model directory: FILE` (the file transformers read the processor from) or `transformers default
+    (CLASS.NAME)`; for a null key that has no processor value, what null means."""
+
+    def __str__(self) -> str:
+        return f"{self.key:<36} {self.value} ({self.source})"
+
+
+def processor_file(model_dir: Path, section: str, files: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+    """The file transformers' `from_pretrained` takes a processor's settings from, and those settings:
+    `processor_config.json`'s `section` (`image_processor`, `video_processor`), else the first of `files`."""
+    nested = read_json(model_dir / "processor_config.json").get(section)
+    if isinstance(nested, dict):
+        return f"processor_config.json ({section})", nested
+    for name in files:
+        if (model_dir / name).is_file():
+            return name, read_json(model_dir / name)
+    return None
+
+
+def setting_source(
+    found: tuple[str, dict[str, Any]] | None, keys: tuple[str, ...], processor: Any, name: str
+) -> str:
+    """Where a loaded processor's setting `name` came from: the model directory's file when it has any of `keys`
+    (`found` is `processor_file`'s answer), else transformers' default for the processor class."""
+    if found is not None and any(key in found[1] for key in keys):
+        return f"model directory: {found[0]}"
+    return f"transformers default ({type(processor).__name__}.{name})"
 
 
 _PLUGINS: Registry[type[ImagePlugin]] = Registry("image plugin", f"{_KEY}.image_plugin", entry_point_group="mmfsdp.data_families")

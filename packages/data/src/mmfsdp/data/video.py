@@ -190,10 +190,10 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
 class VideoOptions:
     """The video settings of `preprocess_parameters` that a plugin samples and sizes videos with."""
 
-    fps: float = 2.0
-    """`video_fps`: frames sampled per second of video."""
-    maxlen: int = 128
-    """`video_maxlen`: most frames sampled from one video."""
+    fps: float | None = None
+    """`video_fps`: frames sampled per second of video; None = the video processor's own `fps`."""
+    maxlen: int | None = None
+    """`video_maxlen`: most frames sampled from one video; None = the video processor's own `max_frames`."""
     max_pixels: int | None = None
     """`video_max_pixels`: per-frame downscale limit before the video processor."""
     min_pixels: int | None = None

@@ -28,7 +28,10 @@ from PIL import Image
 
 from mmfsdp.config import ConfigError
 from mmfsdp.data.errors import BadSample
-from mmfsdp.data.plugins import decode_image, header_size, read_json, register_plugin, scale_to_pixel_limits, size_value
+from mmfsdp.data.plugins import (
+    MediaSetting, decode_image, header_size, processor_file, read_json, register_plugin, scale_to_pixel_limits,
+    setting_source, size_value,
+)
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.video import VideoOptions
 
@@ -114,6 +117,7 @@ class PixtralPlugin:
         if longest_edge is None:
             raise ConfigError("data.dataset_param.preprocess_parameters.model_name_or_path", "the Pixtral image processor has no size.longest_edge")
         self.longest_edge = longest_edge
+        self.model_dir = processor.name_or_path
         self.image_max_pixels = image_max_pixels
         self.image_min_pixels = image_min_pixels
         self.image_id = processor.token_id(getattr(hf, "image_token", self.image_token))
@@ -175,6 +179,21 @@ class PixtralPlugin:
 
     def fingerprint(self) -> list[Any]:
         return [self.name, self.cell, self.longest_edge, self.image_max_pixels, self.image_min_pixels]
+
+    def media_settings(self) -> list[MediaSetting]:
+        """The optional pre-resize limits and the image processor's `size.longest_edge`, each with its source."""
+        model_dir = Path(self.model_dir)
+        if (model_dir / "preprocessor_config.json").is_file():
+            found = processor_file(model_dir, "image_processor", ("preprocessor_config.json",))
+            source = setting_source(found, ("size",), self.image_processor, "size")
+        else:
+            source = "model directory: tekken.json image section or config.json vision_config.image_size"
+        unset = "null: no pre-resize; image_processor.size.longest_edge applies"
+        return [
+            MediaSetting("image_max_pixels", self.image_max_pixels, "config" if self.image_max_pixels else unset),
+            MediaSetting("image_min_pixels", self.image_min_pixels, "config" if self.image_min_pixels else unset),
+            MediaSetting("image_processor.size.longest_edge", self.longest_edge, source),
+        ]
 
     def describe(self, grid: tuple[int, ...]) -> str:
         rows, cols = grid

@@ -12,11 +12,13 @@ Images (the HF `Qwen2VLImageProcessor`, as Qwen2-VL, Qwen2.5-VL and Qwen3-VL use
    `[Σ t·h·w, C·T·P·P]` (patches flattened, `T` = temporal_patch_size) and
    `image_grid_thw` `[n, 3]`.
 
-Videos (Qwen3-VL's semantics; `Qwen3VLVideoProcessor` from `video_preprocessor_config.json`,
-else one with the image processor's settings):
+Videos (Qwen3-VL's semantics; the `Qwen3VLVideoProcessor` transformers loads from the model directory —
+`video_preprocessor_config.json`, else the image processor's `preprocessor_config.json` — as
+`AutoProcessor.from_pretrained` does for inference):
 
 1. The headers give frame count and rate; the frames are sampled by the video processor's
-   own `sample_frames` at `video_fps`, at most `video_maxlen`.
+   own `sample_frames` at `video_fps`, at most `video_maxlen` (each null = the processor's
+   own `fps` / `max_frames`, so that a config that sets neither samples what inference samples).
 2. Each frame is scaled into [`video_min_pixels`, `video_max_pixels`] (the max lowered to
    the sample's share of `video_total_pixels`), then the video `smart_resize` sizes all
    frames together; the grid is `(ceil(frames / T), h, w)`.
@@ -43,26 +45,18 @@ from PIL import Image
 
 from mmfsdp.config import ConfigError
 from mmfsdp.data.errors import BadSample
-from mmfsdp.data.plugins import decode_image, header_size, register_plugin, scale_to_pixel_limits, size_value
+from mmfsdp.data.plugins import (
+    MediaSetting, decode_image, header_size, processor_file, register_plugin, scale_to_pixel_limits, setting_source,
+    size_value,
+)
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
 
-__all__ = ["Qwen3VLPlugin", "video_settings_of"]
+__all__ = ["Qwen3VLPlugin"]
 
 _KEY = "data.dataset_param.preprocess_parameters"
-
-
-def video_settings_of(image_processor: Any) -> dict[str, Any]:
-    """`Qwen3VLVideoProcessor` keywords matching a Qwen-VL image processor, for models that ship no video config."""
-    size = image_processor.size
-    return {
-        "patch_size": int(image_processor.patch_size),
-        "temporal_patch_size": int(image_processor.temporal_patch_size),
-        "merge_size": int(image_processor.merge_size),
-        "size": {key: size_value(size, key) for key in ("shortest_edge", "longest_edge")},
-        "image_mean": list(image_processor.image_mean),
-        "image_std": list(image_processor.image_std),
-    }
+_IMAGE_FILES = ("preprocessor_config.json",)
+_VIDEO_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")
 
 
 @register_plugin
@@ -79,18 +73,15 @@ class Qwen3VLPlugin:
 
     @classmethod
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
-        """A `Qwen3VLProcessor` around `tokenizer`: the `Qwen2VLImageProcessor` of `preprocessor_config.json` and the
-        `Qwen3VLVideoProcessor` of `video_preprocessor_config.json` (without one: the image processor's patch, merge,
-        temporal patch, size, mean and std settings)."""
+        """A `Qwen3VLProcessor` around `tokenizer`: the `Qwen2VLImageProcessor` and `Qwen3VLVideoProcessor` that
+        transformers loads from the model directory (the video one from `video_preprocessor_config.json`, else from
+        `preprocessor_config.json`; what it lacks takes transformers' defaults)."""
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
         if not (model_dir / "preprocessor_config.json").is_file():
             raise ConfigError(f"{_KEY}.model_name_or_path", f"{str(model_dir)!r} has no preprocessor_config.json; the qwen3_vl plugin needs the model's image processor settings")
         image_processor = Qwen2VLImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        if (model_dir / "video_preprocessor_config.json").is_file():
-            video_processor = Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        else:
-            video_processor = Qwen3VLVideoProcessor(**video_settings_of(image_processor))
+        video_processor = Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
 
     def __init__(
@@ -102,6 +93,8 @@ class Qwen3VLPlugin:
         self.patch_size = int(self.image_processor.patch_size)
         self.merge_size = int(self.image_processor.merge_size)
         size = self.image_processor.size
+        self.image_limits = (image_min_pixels, image_max_pixels)
+        """`image_min_pixels`, `image_max_pixels` as configured (None: the image processor's)."""
         self.min_pixels = image_min_pixels or size_value(size, "shortest_edge")
         """Smallest resized area: `image_min_pixels`, else the image processor's `size.shortest_edge`."""
         self.max_pixels = image_max_pixels or size_value(size, "longest_edge")
@@ -134,8 +127,13 @@ class Qwen3VLPlugin:
         self._video_kwargs: dict[str, Any] = {"do_sample_frames": False, "return_tensors": "pt"}
         if "cap_pixels_per_frame" in known:
             self._video_kwargs["cap_pixels_per_frame"] = self.cap_pixels_per_frame
+        options = self.video_options
+        self.video_fps = options.fps if options.fps is not None else vp.fps
+        """Frames sampled per second: `video_fps`, else the video processor's `fps` (None: every frame)."""
+        self.video_maxlen = options.maxlen if options.maxlen is not None else int(vp.max_frames)
+        """Most frames sampled from one video: `video_maxlen`, else the video processor's `max_frames`."""
         self._sampler = copy.copy(vp)
-        self._sampler.max_frames = self.video_options.maxlen
+        self._sampler.max_frames = self.video_maxlen
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) in patches of an image of this original size (HF's `smart_resize`; `ValueError` past aspect 200)."""
@@ -183,6 +181,38 @@ class Qwen3VLPlugin:
             self._video_kwargs,
         ]
 
+    def media_settings(self) -> list[MediaSetting]:
+        """Image pixel bounds, video sampling and video pixel limits as applied, each with its source."""
+        model_dir = Path(self.processor.name_or_path)
+        image_file = processor_file(model_dir, "image_processor", _IMAGE_FILES)
+        video_file = processor_file(model_dir, "video_processor", _VIDEO_FILES)
+        ip, vp, options = self.image_processor, self.video_processor, self.video_options
+
+        def image(key: str, explicit: int | None, value: int, legacy: str) -> MediaSetting:
+            if explicit is not None:
+                return MediaSetting(key, explicit, "config")
+            return MediaSetting(key, value, setting_source(image_file, ("size", legacy), ip, "size"))
+
+        def video(key: str, explicit: Any, value: Any, name: str) -> MediaSetting:
+            if explicit is not None:
+                return MediaSetting(key, explicit, "config")
+            return MediaSetting(key, value, setting_source(video_file, (name,), vp, name))
+
+        no_limit = "null: no per-frame limit; video_processor.size applies"
+        return [
+            image("image_min_pixels", self.image_limits[0], self.min_pixels, "min_pixels"),
+            image("image_max_pixels", self.image_limits[1], self.max_pixels, "max_pixels"),
+            video("video_fps", options.fps, self.video_fps, "fps"),
+            video("video_maxlen", options.maxlen, self.video_maxlen, "max_frames"),
+            video("video_processor.min_frames", None, int(vp.min_frames), "min_frames"),
+            video("video_processor.size", None, dict(zip(("shortest_edge", "longest_edge"), self.video_size)), "size"),
+            video("video_processor.cap_pixels_per_frame", None, self.cap_pixels_per_frame, "cap_pixels_per_frame"),
+            MediaSetting("video_max_pixels", options.max_pixels, "config" if options.max_pixels else no_limit),
+            MediaSetting("video_min_pixels", options.min_pixels, "config" if options.min_pixels else no_limit),
+            MediaSetting("video_total_pixels", options.total_pixels,
+                         "config" if options.total_pixels else "null: no budget per sample"),
+        ]
+
     def describe(self, grid: tuple[int, ...]) -> str:
         t, h, w = grid
         n = t * h * w // self.merge_size**2
@@ -202,7 +232,7 @@ class Qwen3VLPlugin:
             total_num_frames=info.num_frames, fps=float(info.fps), width=info.width, height=info.height,
             duration=info.duration,
         )
-        return [int(i) for i in self._sampler.sample_frames(metadata, fps=self.video_options.fps)]
+        return [int(i) for i in self._sampler.sample_frames(metadata, fps=self.video_fps)]
 
     def video_resize(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         """(height, width) the video processor resizes `num_frames` frames of this size to (its `smart_resize`)."""
