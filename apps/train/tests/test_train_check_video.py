@@ -60,6 +60,19 @@ def test_example_passes_check_with_its_video_budget(data, tmp_path, capsys):
     # video_maxlen 8 frames in 4 temporal patches of 32 x 32 px: 1 pad + at most 8 timestamp/start/end tokens each
     assert "video tokens      ~<= 36 per video (4 temporal patches of <= 1024 px per frame, video_maxlen 8)" in out
     assert "video budget:" not in out
+    # the settings the data will use, with their sources: the example's assets have no video_preprocessor_config.json
+    assert f"  {'video_fps':<36} 2.0 (config)" in out
+    default = "transformers default (Qwen3VLVideoProcessor.min_frames)"
+    assert f"  {'video_processor.min_frames':<36} 4 ({default})" in out
+    size = "{'shortest_edge': 1024, 'longest_edge': 65536} (model directory: preprocessor_config.json)"
+    assert f"  {'video_processor.size':<36} {size}" in out
+
+
+def test_check_budgets_the_video_processors_max_frames_when_video_maxlen_is_null(data, tmp_path, capsys):
+    assert main(_args(data, tmp_path, "data.dataset_param.preprocess_parameters.video_maxlen=null")) == 0
+    out = capsys.readouterr().out
+    assert f"  {'video_maxlen':<36} 768 (transformers default (Qwen3VLVideoProcessor.max_frames))" in out
+    assert "video tokens      ~<= 3456 per video (384 temporal patches of <= 1024 px per frame, video_maxlen 768)" in out
 
 
 def test_check_names_a_video_that_can_outgrow_cutoff_len(data, tmp_path, capsys):
@@ -79,5 +92,7 @@ def test_video_token_budget():
     assert video_token_budget(cfg, model_config).tokens == 4 * (1 + 8)
     pp.video_max_pixels = pp.video_total_pixels = None
     assert video_token_budget(cfg, model_config).tokens is None
+    pp.video_maxlen = None  # null: --check passes the video processor's max_frames
+    assert video_token_budget(cfg, model_config, max_frames=768).num_temporal_patches == 384
     cfg.data.dataset_param.attr.videos = None
     assert video_token_budget(cfg, model_config) is None

@@ -31,6 +31,9 @@ is skipped, not reported twice):
    DCP `.metadata` or safetensors headers, through the family's state-dict
    adapter, never tensor data (`mmfsdp.train.check_ckpt`).
 
+`media_setting_lines(cfg)` is the report's part on the data: the image and video settings the
+data plugin will apply, each with where its value came from (`mmfsdp.data.media_settings`).
+
 It is two halves so that a launcher need not import the model code:
 `host_check` (steps 1, 2 and 6: no transformers, no model) and `model_check`
 (steps 3–5 and 7). The app's own launcher runs `host_check` before it starts the
@@ -47,7 +50,19 @@ from pathlib import Path
 from mmfsdp.config import ConfigError
 from mmfsdp.train.config import Config, check_world
 
-__all__ = ["deep_check", "host_check", "model_check"]
+__all__ = ["deep_check", "host_check", "media_setting_lines", "model_check"]
+
+
+def media_setting_lines(cfg: Config) -> list[str]:
+    """The effective image and video settings with their sources (config, model directory file, transformers
+    default), or one line saying why they cannot be read yet (synthetic data writes its processor at start)."""
+    from mmfsdp.data import DataError, media_settings
+
+    try:
+        settings = media_settings(cfg.data)
+    except (ConfigError, DataError, OSError) as err:
+        return [f"media settings: not resolved ({err})"]
+    return ["media settings (preprocess_parameters; value, and where it came from):", *(f"  {s}" for s in settings)]
 
 
 def deep_check(cfg: Config, world_size: int) -> list[ConfigError]:

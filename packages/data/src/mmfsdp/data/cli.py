@@ -35,8 +35,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         description=(
             "Show one sample exactly as the model will see it: the decoded text with the trained "
             f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image or video block shown as its grid, the token "
-            "count, each image's grid and processed size, and each video's sampled frame times, grid and token "
-            "count. Builds (or reuses) the tokenized cache. "
+            "count, each image's grid and processed size, each video's sampled frame times, grid and token "
+            "count, and the effective image and video settings with where each came from (config, model directory "
+            "file, transformers default). Builds (or reuses) the tokenized cache. "
             "Overrides may come before or after the options."
         ),
     )
@@ -234,6 +235,7 @@ def _inspect(args: argparse.Namespace) -> int:
                     "video_grids": record["video_grids"],
                     "videos": record["videos"],
                     "video_frame_times": [plugin.frame_times(tuple(g)) for g in record["video_grids"]],
+                    "media_settings": {s.key: {"value": s.value, "source": s.source} for s in plugin.media_settings()},
                     **({"bad_reason": item["bad_reason"], "bad_detail": item["bad_detail"]} if "bad_reason" in item else {}),
                 }
             )
@@ -251,6 +253,9 @@ def _inspect(args: argparse.Namespace) -> int:
     video_grids = [tuple(g) for g in record["video_grids"]]
     for k, (path, grid) in enumerate(zip(record["videos"], video_grids)):
         print(f"video {k}: {path}: {plugin.describe_video(grid)}")
+    print("media settings (value, and where it came from):")
+    for setting in plugin.media_settings():
+        print(f"  {setting}")
     print(f"text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
     print(_render(ids, labels, dataset.processor, plugin, grids, video_grids))
     return 0
