@@ -1,18 +1,28 @@
-"""Video rows give exactly HF `Qwen3VLProcessor`'s ids, `mm_token_type_ids`, `pixel_values_videos` and `video_grid_thw`.
+"""Video rows give exactly what transformers' own Qwen3-VL processor makes of them at inference: the same ids,
+`mm_token_type_ids`, `pixel_values_videos` and `video_grid_thw`.
 
-Reference: the official Qwen3-VL chat template renders the conversation (video items as
-`<|vision_start|><|video_pad|><|vision_end|>`), then `Qwen3VLProcessor` — a real
-`Qwen3VLVideoProcessor` set like the image processor (16-px patches, merge 2, temporal
-patch 2), sampling at `video_fps` with `max_frames = video_maxlen` — gets *every* frame of
-each clip (decoded here with PyAV) and its metadata, so HF samples the frames, stamps the
-temporal groups and processes the pixels itself. mmfsdp reads only the headers while
-tokenizing and decodes only the sampled frames in `pixel_inputs`. Clips are written at test
-time: a square moving over noise, 9–20 frames, 40–64 px.
+The reference is a user's inference code: `AutoProcessor.from_pretrained` on a model directory that holds
+Qwen3-VL's processor files (`data/qwen3_vl_processor/`: sampling at fps 2, 4 to 768 frames) beside a tokenizer;
+each clip decoded by transformers' `load_video` (PyAV backend: every frame and its metadata) — a WebM, whose
+header has no frame count for `load_video`, by decoding every frame with PyAV — and handed to the processor, which
+samples the frames itself (its own `fps`, `min_frames`, `max_frames`), stamps the temporal groups and processes
+the pixels. The reference is never given a sampling setting: mmfsdp's config leaves `video_fps` and
+`video_maxlen` null (the model directory's values), or sets them where the reference reads a directory whose
+video processor holds the same values. mmfsdp reads only the headers while tokenizing and decodes only the
+sampled frames in `video_inputs`.
+
+Clips, written once per session at low resolution: 70 s at 4 fps (140 frames sampled, more than the 128 that
+LLaMA-Factory's `video_maxlen` default keeps), h264 with B-frames at 29.97 fps, odd-sized mpeg4, an odd-sized
+VP9 WebM and two short mpeg4 clips; a square moves over noise in each.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -21,32 +31,81 @@ import pytest
 import torch
 from PIL import Image
 
-from mmfsdp.data import SampleEncoder, build_dataset, get_collator
+from mmfsdp.data import SampleEncoder, build_dataset, build_processor, get_collator, media_settings
 
 DATA = Path(__file__).parent / "data"
 INSTRUCT = "qwen3_vl_instruct_chat_template.jinja"
 THINKING = "qwen3_vl_thinking_chat_template.jinja"
-VIDEO_FPS, VIDEO_MAXLEN = 4.0, 7
-CLIPS = {"a.mp4": (12, 48, 32, 8), "b.mp4": (20, 64, 40, 10), "c.mp4": (9, 40, 56, 6)}  # frames, width, height, fps
+CLIPS = {  # name: frames, width, height, fps, codec
+    "long.mp4": (280, 32, 24, 4, "mpeg4"),
+    "ntsc.mp4": (100, 46, 28, Fraction(30000, 1001), "libx264"),  # x264's defaults use B-frames
+    "odd.mp4": (30, 45, 27, 10, "mpeg4"),
+    "odd.webm": (25, 37, 29, 10, "libvpx-vp9"),
+    "a.mp4": (12, 48, 32, 8, "mpeg4"),
+    "b.mp4": (20, 64, 40, 10, "mpeg4"),
+}
+TUNED = {"fps": 4, "max_frames": 7}
+"""A user's own video sampling, in the tuned directory's `video_preprocessor_config.json`."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def media(tmp_path_factory, h) -> Path:
     out = tmp_path_factory.mktemp("video_media")
-    for i, (name, (frames, width, height, fps)) in enumerate(CLIPS.items()):
-        h.write_video(out / name, frames, width, height, fps=fps, seed=i)
+    for i, (name, (frames, width, height, fps, codec)) in enumerate(CLIPS.items()):
+        h.write_video(out / name, frames, width, height, fps=fps, codec=codec, seed=i)
     h.write_image(out / "img0.png", 40, 70, seed=0)
     h.write_image(out / "img1.png", 64, 64, seed=1)
+    with av.open(str(out / "ntsc.mp4")) as container:
+        assert container.streams.video[0].codec_context.has_b_frames
+    with av.open(str(out / "odd.webm")) as container:
+        assert not container.streams.video[0].frames  # the header has no frame count
     return out
 
 
-def _all_frames(path: Path):
-    """Every frame of a clip and HF's metadata for it, the way HF's own PyAV reader builds them."""
-    from transformers.video_utils import VideoMetadata
+def _model_dir(out: Path, qwen_dir: Path, **video: object) -> Path:
+    """The tokenizer of `qwen_dir` and the Qwen3-VL processor files, the video settings replaced by `video`."""
+    shutil.copytree(qwen_dir, out, dirs_exist_ok=True)
+    for file in (DATA / "qwen3_vl_processor").iterdir():
+        shutil.copy(file, out / file.name)
+    settings = json.loads((out / "video_preprocessor_config.json").read_text())
+    (out / "video_preprocessor_config.json").write_text(json.dumps({**settings, **video}))
+    return out
 
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        fps = float(stream.average_rate)
+
+@pytest.fixture(scope="session")
+def model_dir(qwen_dir, tmp_path_factory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("qwen3_vl_published"), qwen_dir)
+
+
+@pytest.fixture(scope="session")
+def tuned_dir(qwen_dir, tmp_path_factory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("qwen3_vl_tuned"), qwen_dir, **TUNED)
+
+
+@pytest.fixture(scope="session")
+def processor(model_dir, tmp_path_factory, h):
+    return build_processor(
+        h.data_config(model_dir, tmp_path_factory.mktemp("unused"), preprocess={"template": "qwen3_vl_nothink"})
+    )
+
+
+@functools.cache
+def _inference_processor(directory: str):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(directory)
+
+
+@functools.cache
+def _decoded(path: str):
+    """Every frame of a clip and its metadata: transformers' `load_video`, or for a WebM (no frame count in its
+    header, so `load_video` reads none) PyAV's frames, counted."""
+    from transformers.video_utils import VideoMetadata, load_video
+
+    if not path.endswith(".webm"):
+        return load_video(path, backend="pyav")
+    with av.open(path) as container:
+        fps = float(container.streams.video[0].average_rate)
         frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
     n, height, width = frames.shape[:3]
     return frames, VideoMetadata(total_num_frames=n, fps=fps, width=width, height=height, duration=n / fps)
@@ -62,26 +121,11 @@ def _resized(frames: np.ndarray, max_pixels: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize(size, Image.Resampling.BICUBIC)) for f in frames])
 
 
-def _reference(processor, media: Path, turns, images, videos, *, system=None, template=INSTRUCT, frame_max_pixels=None):
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+def _reference(directory: Path, media: Path, turns, images, videos, *, system=None, template=INSTRUCT,
+               frame_max_pixels=None):
+    import copy
 
-    image_processor = Qwen2VLImageProcessor.from_pretrained(processor.name_or_path)
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-        fps=VIDEO_FPS,
-        max_frames=VIDEO_MAXLEN,
-    )
-    hf = Qwen3VLProcessor(
-        image_processor=image_processor,
-        tokenizer=processor.tokenizer,
-        video_processor=video_processor,
-        chat_template=(DATA / template).read_text(),
-    )
+    hf = _inference_processor(str(directory))
     messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
     for user, assistant in turns:
         content = []
@@ -94,20 +138,15 @@ def _reference(processor, media: Path, turns, images, videos, *, system=None, te
             {"role": "user", "content": content},
             {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
         ]
-    text = hf.apply_chat_template(messages, tokenize=False)
-    decoded = [_all_frames(media / name) for name in videos]
+    text = hf.apply_chat_template(messages, tokenize=False, chat_template=(DATA / template).read_text())
+    decoded = [_decoded(str(media / name)) for name in videos]
     frames = [_resized(f, frame_max_pixels) if frame_max_pixels else f for f, _ in decoded]
-    kwargs = {}
-    if "cap_pixels_per_frame" in getattr(Qwen3VLVideoProcessor.valid_kwargs, "__annotations__", {}):
-        kwargs["cap_pixels_per_frame"] = False
     return hf(
         text=[text],
         images=[Image.open(media / name).convert("RGB") for name in images] or None,
         videos=frames or None,
-        video_metadata=[m for _, m in decoded] or None,
-        do_sample_frames=True,
+        video_metadata=[copy.deepcopy(m) for _, m in decoded] or None,  # the processor writes its sampling into it
         return_tensors="pt",
-        **kwargs,
     )
 
 
@@ -119,29 +158,18 @@ def _row(turns, images, videos, system=None) -> dict:
 
 
 def _config(h, processor, media, template="qwen3_vl_nothink", basic=None, **preprocess):
-    pp = {"template": template, "video_fps": VIDEO_FPS, "video_maxlen": VIDEO_MAXLEN, **preprocess}
+    pp = {"template": template, **preprocess}
     return h.data_config(processor.name_or_path, media, preprocess=pp, attr={"videos": "videos"}, basic=basic or {})
 
 
-def _compare(
-    h,
-    processor,
-    media,
-    turns,
-    images=(),
-    videos=(),
-    *,
-    system=None,
-    template="qwen3_vl_nothink",
-    frame_max_pixels=None,
-    **preprocess,
-):
+def _compare(h, processor, media, turns, images=(), videos=(), *, system=None, template="qwen3_vl_nothink",
+             reference_dir=None, frame_max_pixels=None, **preprocess):
     cfg = _config(h, processor, media, template, **preprocess)
     encoder = SampleEncoder(cfg, processor)
     sample = encoder.encode_row(_row(turns, list(images), list(videos), system))
-    hf_template = INSTRUCT if template == "qwen3_vl_nothink" else THINKING
     reference = _reference(
-        processor, media, turns, images, videos, system=system, template=hf_template, frame_max_pixels=frame_max_pixels
+        reference_dir or Path(processor.name_or_path), media, turns, images, videos, system=system,
+        template=INSTRUCT if template == "qwen3_vl_nothink" else THINKING, frame_max_pixels=frame_max_pixels,
     )
     assert sample["input_ids"] == reference["input_ids"][0].tolist()
     token_types = encoder.plugin.token_inputs(torch.tensor(sample["input_ids"]))["mm_token_type_ids"]
@@ -157,97 +185,102 @@ def _compare(
 
 
 @pytest.mark.timeout(120)
-def test_one_video(qwen_processor, media, h):
-    encoder, sample = _compare(
-        h, qwen_processor, media, [("<video>Which way does the square move?", "Right.")], videos=["a.mp4"]
-    )
-    grid = sample["video_grids"][0]
-    assert grid[:3] == [3, 2, 4] and grid[9:] == [0, 2, 4, 7, 9, 11]  # 12 frames at 8 fps sampled at 4 fps: 6 frames
-    assert sum(t == encoder.plugin.video_id for t in sample["input_ids"]) == 3 * 2 * 4 // 4
-    assert all(
-        label == -100 for t, label in zip(sample["input_ids"], sample["labels"]) if t in encoder.plugin.image_token_ids
-    )
+def test_a_70_second_clip_samples_what_inference_samples(processor, media, h):
+    encoder, sample = _compare(h, processor, media, [("<video>Where is it?", "Right.")], videos=["long.mp4"])
+    frames = sample["video_grids"][0][9:]
+    assert len(frames) == 140 and frames[-1] == 279  # 70 s at fps 2, over the 128 LLaMA-Factory's default keeps
+    assert encoder.plugin.group_times(tuple(sample["video_grids"][0]))[-1] > 69
 
 
 @pytest.mark.timeout(120)
-def test_two_videos_of_different_lengths_and_sizes(qwen_processor, media, h):
-    _, sample = _compare(
-        h, qwen_processor, media, [("First <video> then <video>: same motion?", "Yes.")], videos=["b.mp4", "c.mp4"]
-    )
-    assert [len(g) - 9 for g in sample["video_grids"]] == [
-        7,
-        6,
-    ]  # b capped by video_maxlen (odd: the last group repeats)
-    assert sample["video_grids"][0][:3] != sample["video_grids"][1][:3]
-
-
-@pytest.mark.timeout(120)
-def test_videos_and_images_in_a_multi_turn_conversation(qwen_processor, media, h):
+def test_several_videos_and_images_in_a_multi_turn_conversation(processor, media, h):
     turns = [
         ("<image>Describe this.", "Noise."),
         ("Now <video> and <image> together.", "A square moves over noise."),
-        ("And this one? <video>", "It moves right.\n"),
+        ("And these? <video><video>", "They move right.\n"),
+        ("Last: <video>", "Same."),
     ]
-    _compare(
-        h,
-        qwen_processor,
-        media,
-        turns,
-        images=["img0.png", "img1.png"],
-        videos=["a.mp4", "c.mp4"],
-        system="Answer briefly.",
-    )
-
-
-@pytest.mark.timeout(120)
-def test_thinking_template_multi_turn(qwen_processor, media, h):
-    turns = [("<video>What moves?", "A square."), ("Which way?", "<think>\nx grows\n</think>\n\nRight.")]
-    _compare(h, qwen_processor, media, turns, videos=["b.mp4"], template="qwen3_vl")
-
-
-@pytest.mark.timeout(120)
-def test_video_max_pixels_scales_each_frame_before_the_video_processor(qwen_processor, media, h):
     _, sample = _compare(
-        h, qwen_processor, media, [("<video>?", "ok")], videos=["b.mp4"], frame_max_pixels=1200, video_max_pixels=1200
+        h, processor, media, turns, images=["img0.png", "img1.png"],
+        videos=["odd.mp4", "ntsc.mp4", "odd.webm", "a.mp4"], system="Answer briefly.",
+    )
+    # 3 s at 10 fps, 100 frames at 29.97 fps, 2.5 s at 10 fps, 1.5 s at 8 fps (min_frames 4)
+    assert [len(g) - 9 for g in sample["video_grids"]] == [6, 6, 5, 4]
+    assert [tuple(g[3:5]) for g in sample["video_grids"]] == [(45, 27), (46, 28), (37, 29), (48, 32)]
+
+
+@pytest.mark.timeout(120)
+def test_thinking_template_multi_turn(processor, media, h):
+    turns = [("<video>What moves?", "A square."), ("Which way?", "<think>\nx grows\n</think>\n\nRight.")]
+    _compare(h, processor, media, turns, videos=["b.mp4"], template="qwen3_vl")
+
+
+@pytest.mark.timeout(120)
+def test_explicit_video_fps_and_maxlen_win_over_the_model_directory(processor, media, h, tuned_dir):
+    _, sample = _compare(
+        h, processor, media, [("First <video> then <video>: same motion?", "Yes.")], videos=["b.mp4", "a.mp4"],
+        reference_dir=tuned_dir, video_fps=TUNED["fps"], video_maxlen=TUNED["max_frames"],
+    )
+    assert [len(g) - 9 for g in sample["video_grids"]] == [7, 6]  # b capped by max_frames (odd: the last group repeats)
+
+
+@pytest.mark.timeout(120)
+def test_video_max_pixels_scales_each_frame_before_the_video_processor(processor, media, h):
+    _, sample = _compare(
+        h, processor, media, [("<video>?", "ok")], videos=["b.mp4"], frame_max_pixels=1200, video_max_pixels=1200
     )
     assert sample["video_grids"][0][5:7] == [43, 27]
 
 
 @pytest.mark.timeout(120)
-def test_video_total_pixels_shares_the_budget_over_the_sample_frames(qwen_processor, media, h):
-    budget = 13 * 600  # 6 + 7 sampled frames
+def test_video_total_pixels_shares_the_budget_over_the_sample_frames(processor, media, h):
+    budget = 8 * 600  # 4 + 4 sampled frames
     _, sample = _compare(
-        h,
-        qwen_processor,
-        media,
-        [("<video><video>?", "ok")],
-        videos=["a.mp4", "b.mp4"],
-        frame_max_pixels=600,
+        h, processor, media, [("<video><video>?", "ok")], videos=["a.mp4", "b.mp4"], frame_max_pixels=600,
         video_total_pixels=budget,
     )
+    assert [len(g) - 9 for g in sample["video_grids"]] == [4, 4]
     assert all(g[5] * g[6] <= 600 for g in sample["video_grids"])
 
 
+def test_media_settings_name_where_each_value_came_from(processor, qwen_processor, media, h):
+    published = {s.key: (s.value, s.source) for s in media_settings(_config(h, processor, media), processor)}
+    assert published["video_fps"] == (2, "model directory: video_preprocessor_config.json")
+    assert published["video_maxlen"] == (768, "model directory: video_preprocessor_config.json")
+    assert published["video_processor.min_frames"] == (4, "model directory: video_preprocessor_config.json")
+    size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+    assert published["video_processor.size"] == (size, "transformers default (Qwen3VLVideoProcessor.size)")
+    assert published["image_max_pixels"] == (28 * 28 * 1280, "transformers default (Qwen2VLImageProcessor.size)")
+    assert published["video_max_pixels"][0] is None
+    explicit = _config(h, processor, media, video_fps=1.5, image_min_pixels=4096)
+    given = {s.key: (s.value, s.source) for s in media_settings(explicit, processor)}
+    assert given["video_fps"] == (1.5, "config") and given["image_min_pixels"] == (4096, "config")
+    # the older test directory has no video_preprocessor_config.json: transformers reads preprocessor_config.json
+    older = {s.key: (s.value, s.source) for s in media_settings(_config(h, qwen_processor, media), qwen_processor)}
+    assert older["video_fps"] == (2, "transformers default (Qwen3VLVideoProcessor.fps)")
+    assert older["video_processor.size"] == (
+        {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}, "model directory: preprocessor_config.json"
+    )
+
+
 @pytest.mark.timeout(180)
-def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_path):
+def test_dataset_and_collator_carry_video_inputs(processor, media, h, tmp_path):
     rows = [
         _row([("<video>What moves?", "A square.")], [], ["a.mp4"]),
         _row([("<image>And here?", "Noise.")], ["img0.png"], []),
         _row([("Hello", "Hi.")], [], []),
-        _row([("<video><image>Both?", "Yes.")], ["img1.png"], ["c.mp4"]),
+        _row([("<video><image>Both?", "Yes.")], ["img1.png"], ["odd.webm"]),
     ]
     cfg = _config(
-        h,
-        qwen_processor,
-        media,
+        h, processor, media,
         basic={"dataset": str(h.write_jsonl(tmp_path / "train.jsonl", rows)), "cache_dir": str(tmp_path / "cache")},
     )
-    dataset = build_dataset(cfg, qwen_processor)
+    dataset = build_dataset(cfg, processor)
     assert len(dataset) == 4
     assert dataset.media_kinds() == {"image", "video"}
     items = [dataset[i] for i in range(4)]
     assert set(items[0]) >= {"pixel_values_videos", "video_grid_thw"} and "pixel_values_videos" not in items[1]
-    collator = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id)
+    collator = get_collator("qwen3vl")(pad_token_id=processor.pad_token_id)
     batch = collator(items)
     assert torch.equal(batch["video_grid_thw"], torch.cat([items[0]["video_grid_thw"], items[3]["video_grid_thw"]]))
     assert torch.equal(
@@ -257,14 +290,12 @@ def test_dataset_and_collator_carry_video_inputs(qwen_processor, media, h, tmp_p
     assert int((batch["mm_token_type_ids"] == 2).sum()) == sum(
         int((it["mm_token_type_ids"] == 2).sum()) for it in items
     )
-    packed = get_collator("qwen3vl")(pad_token_id=qwen_processor.pad_token_id, packing=True)([items])
+    packed = get_collator("qwen3vl")(pad_token_id=processor.pad_token_id, packing=True)([items])
     assert torch.equal(packed["video_grid_thw"], batch["video_grid_thw"]) and packed["input_ids"].shape[0] == 1
 
 
 @pytest.mark.timeout(120)
-def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_processor, media, h, tmp_path, capsys):
-    import json
-
+def test_mm_data_inspect_shows_each_videos_frames_and_the_settings_sources(processor, media, h, tmp_path, capsys):
     import yaml
 
     from mmfsdp.data.cli import main
@@ -273,10 +304,7 @@ def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_proc
     data = {
         "dataset_param": {
             "preprocess_parameters": {
-                "model_name_or_path": qwen_processor.name_or_path,
-                "template": "qwen3_vl_nothink",
-                "video_fps": VIDEO_FPS,
-                "video_maxlen": VIDEO_MAXLEN,
+                "model_name_or_path": processor.name_or_path, "template": "qwen3_vl_nothink", "video_maxlen": 6,
             },
             "basic_parameters": {
                 "dataset_dir": str(media),
@@ -291,11 +319,13 @@ def test_mm_data_inspect_shows_each_videos_frame_times_grid_and_tokens(qwen_proc
     config.write_text(yaml.safe_dump({"data": data}))
     assert main(["inspect", str(config)]) == 0
     out = capsys.readouterr().out
-    times = "6 frames at 0.00, 0.25, 0.50, 0.88, 1.12, 1.38 s (48x32 px)"
-    assert f"video 0: {media / 'a.mp4'}: {times} -> grid 3x2x4 patches -> 6 <|video_pad|> in 3 groups" in out
-    assert (
-        "<video 3x2x4 6 frames>What moves" not in out and "<image 1x4x2>and <video 3x2x4 6 frames>: what moves?" in out
-    )
+    # 12 frames at 8 fps sampled at fps 2: 3, raised to min_frames 4; upscaled to the video processor's size
+    times = "4 frames at 0.00, 0.50, 0.88, 1.38 s (48x32 px)"
+    assert f"video 0: {media / 'a.mp4'}: {times} -> grid 2x10x14 patches -> 70 <|video_pad|> in 2 groups" in out
+    assert "<image 1x6x4>and <video 2x10x14 4 frames>: what moves?" in out
+    assert f"  {'video_fps':<36} 2 (model directory: video_preprocessor_config.json)" in out
+    assert f"  {'video_maxlen':<36} 6 (config)" in out
     assert main(["inspect", str(config), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["video_grids"][0][:3] == [3, 2, 4] and shown["video_frame_times"][0][-1] == 11 / 8
+    assert shown["video_grids"][0][:3] == [2, 10, 14] and shown["video_frame_times"][0][-1] == 11 / 8
+    assert shown["media_settings"]["video_maxlen"] == {"value": 6, "source": "config"}
