@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from mmfsdp.data import SampleEncoder, build_processor
+from mmfsdp.data import SampleEncoder, build_processor, media_settings
 from mmfsdp.data.families.mistral.collator import PixtralCollator
 from mmfsdp.data.plugins import scale_to_pixel_limits
 from mmfsdp.data.families.mistral.plugin import pixtral_resized_size
@@ -75,6 +75,24 @@ def test_tekken_tokenizer_matches_pixtral_processor(tokjson_processor, tmp_path,
 def test_tiny_processor_matches_pixtral_processor(tiny_processor, tmp_path, h):
     cfg = h.data_config(tiny_processor.name_or_path, tmp_path)
     _compare(tiny_processor, cfg, tmp_path, h, [(64, 64), (10, 90), (200, 31)])
+
+
+def test_a_directory_as_transformers_5_saves_it_loads_the_same_processor(tiny_processor, tmp_path, h):
+    """transformers 5 saves the image processor as a section of processor_config.json, with no
+    preprocessor_config.json; the plugin reads it there, as AutoProcessor does, not from the tekken fallback."""
+    saved = tmp_path / "saved"
+    tiny_processor.hf_processor.save_pretrained(str(saved))
+    assert not (saved / "preprocessor_config.json").exists()
+    cfg = h.data_config(saved, tmp_path)
+    again = build_processor(cfg)
+    assert type(again.image_processor) is type(tiny_processor.image_processor)
+    assert again.image_processor.to_dict() == tiny_processor.image_processor.to_dict()
+    found = {s.key: (s.value, s.source) for s in media_settings(cfg, again)}
+    source = "model directory: processor_config.json (image_processor)"
+    assert found["image_processor.size.longest_edge"] == (64, source)
+    assert found["image_max_pixels"][0] is None
+    cfg = h.data_config(tiny_processor.name_or_path, tmp_path, preprocess={"image_max_pixels": 32 * 32})
+    assert {s.key: s.source for s in media_settings(cfg, tiny_processor)}["image_max_pixels"] == "config"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -243,7 +243,7 @@ def test_video_total_pixels_shares_the_budget_over_the_sample_frames(processor, 
     assert all(g[5] * g[6] <= 600 for g in sample["video_grids"])
 
 
-def test_media_settings_name_where_each_value_came_from(processor, qwen_processor, media, h):
+def test_media_settings_name_where_each_value_came_from(processor, qwen_processor, media, h, tmp_path):
     published = {s.key: (s.value, s.source) for s in media_settings(_config(h, processor, media), processor)}
     assert published["video_fps"] == (2, "model directory: video_preprocessor_config.json")
     assert published["video_maxlen"] == (768, "model directory: video_preprocessor_config.json")
@@ -255,6 +255,15 @@ def test_media_settings_name_where_each_value_came_from(processor, qwen_processo
     explicit = _config(h, processor, media, video_fps=1.5, image_min_pixels=4096)
     given = {s.key: (s.value, s.source) for s in media_settings(explicit, processor)}
     assert given["video_fps"] == (1.5, "config") and given["image_min_pixels"] == (4096, "config")
+    # transformers 5 saves both processors as sections of processor_config.json: the same settings, read there
+    saved = tmp_path / "saved_by_transformers_5"
+    processor.hf_processor.save_pretrained(str(saved))
+    assert not (saved / "preprocessor_config.json").exists()
+    again = build_processor(h.data_config(saved, tmp_path, preprocess={"template": "qwen3_vl_nothink"}))
+    resaved = {s.key: (s.value, s.source) for s in media_settings(_config(h, again, media), again)}
+    assert {key: value for key, (value, _) in resaved.items()} == {key: value for key, (value, _) in published.items()}
+    assert resaved["video_maxlen"] == (768, "model directory: processor_config.json (video_processor)")
+    assert resaved["image_max_pixels"][1] == "model directory: processor_config.json (image_processor)"
     # the older test directory has no video_preprocessor_config.json: transformers reads preprocessor_config.json
     older = {s.key: (s.value, s.source) for s in media_settings(_config(h, qwen_processor, media), qwen_processor)}
     assert older["video_fps"] == (2, "transformers default (Qwen3VLVideoProcessor.fps)")

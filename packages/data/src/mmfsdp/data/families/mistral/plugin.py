@@ -60,7 +60,8 @@ class PixtralPlugin:
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
         """A `PixtralProcessor` around `tokenizer`, configured from the model directory.
 
-        The image processor comes from `preprocessor_config.json` when there is one, else
+        The image processor comes from `preprocessor_config.json` (or the `image_processor` section of
+        `processor_config.json`, as transformers 5 saves it) when there is one, else
         from `tekken.json`'s image section or `config.json`'s vision config (Mistral ships
         some checkpoints with only those); patch and merge sizes likewise from
         `processor_config.json`, `config.json` or `tekken.json`.
@@ -74,7 +75,7 @@ class PixtralPlugin:
         tekken_image = tekken.get("image") or tekken.get("multimodal") or {}
         patch_size = processor_cfg.get("patch_size") or vision_cfg.get("patch_size") or tekken_image.get("image_patch_size")
         merge = processor_cfg.get("spatial_merge_size") or model_cfg.get("spatial_merge_size") or tekken_image.get("spatial_merge_size") or 1
-        if (model_dir / "preprocessor_config.json").is_file():
+        if processor_file(model_dir, "image_processor", ("preprocessor_config.json",)) is not None:
             image_processor = AutoImageProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
             patch_size = patch_size or size_value(image_processor.patch_size, "height")
         else:
@@ -183,8 +184,8 @@ class PixtralPlugin:
     def media_settings(self) -> list[MediaSetting]:
         """The optional pre-resize limits and the image processor's `size.longest_edge`, each with its source."""
         model_dir = Path(self.model_dir)
-        if (model_dir / "preprocessor_config.json").is_file():
-            found = processor_file(model_dir, "image_processor", ("preprocessor_config.json",))
+        found = processor_file(model_dir, "image_processor", ("preprocessor_config.json",))
+        if found is not None:
             source = setting_source(found, ("size",), self.image_processor, "size")
         else:
             source = "model directory: tekken.json image section or config.json vision_config.image_size"

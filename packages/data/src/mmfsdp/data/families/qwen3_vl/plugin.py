@@ -74,12 +74,18 @@ class Qwen3VLPlugin:
     @classmethod
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
         """A `Qwen3VLProcessor` around `tokenizer`: the `Qwen2VLImageProcessor` and `Qwen3VLVideoProcessor` that
-        transformers loads from the model directory (the video one from `video_preprocessor_config.json`, else from
-        `preprocessor_config.json`; what it lacks takes transformers' defaults)."""
+        transformers loads from the model directory (`processor_config.json`'s sections as transformers 5 saves
+        them, else `preprocessor_config.json` and, for video, `video_preprocessor_config.json` before it; what the
+        file lacks takes transformers' defaults)."""
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-        if not (model_dir / "preprocessor_config.json").is_file():
-            raise ConfigError(f"{_KEY}.model_name_or_path", f"{str(model_dir)!r} has no preprocessor_config.json; the qwen3_vl plugin needs the model's image processor settings")
+        if processor_file(model_dir, "image_processor", _IMAGE_FILES) is None:
+            raise ConfigError(
+                f"{_KEY}.model_name_or_path",
+                f"{str(model_dir)!r} has no preprocessor_config.json (nor processor_config.json with an "
+                "image_processor section, as transformers 5 saves it); the qwen3_vl plugin needs the model's image "
+                "processor settings",
+            )
         image_processor = Qwen2VLImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
         video_processor = Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
