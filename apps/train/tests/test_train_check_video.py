@@ -72,7 +72,8 @@ def test_check_budgets_the_video_processors_max_frames_when_video_maxlen_is_null
     assert main(_args(data, tmp_path, "data.dataset_param.preprocess_parameters.video_maxlen=null")) == 0
     out = capsys.readouterr().out
     assert f"  {'video_maxlen':<36} 768 (transformers default (Qwen3VLVideoProcessor.max_frames))" in out
-    assert "video tokens      ~<= 3456 per video (384 temporal patches of <= 1024 px per frame, video_maxlen 768)" in out
+    assert "video tokens      ~<= 3456 per video (384 temporal patches of <= 1024 px per frame, video_maxlen 768)" \
+        in out
 
 
 def test_check_names_a_video_that_can_outgrow_cutoff_len(data, tmp_path, capsys):

@@ -28,9 +28,9 @@ the device memory (detected, or `--device-memory`), lists which single changes w
 
 Videos (a config that reads a `videos` column): `video_token_budget` bounds the decoder tokens of
 one video from the data settings alone — `video_maxlen` frames (null: the video processor's
-`max_frames`) in temporal patches of `temporal_patch_size`, each frame at most `video_max_pixels` (and at most its share of
-`video_total_pixels`), one token per `(patch_size · merge)²` pixels of a patch, plus each temporal
-patch's timestamp and vision start/end — and `--check` prints it next to `cutoff_len`: the
+`max_frames`) in temporal patches of `temporal_patch_size`, each frame at most `video_max_pixels`
+(and at most its share of `video_total_pixels`), one token per `(patch_size · merge)²` pixels of a
+patch, plus each temporal patch's timestamp and vision start/end — and `--check` prints it next to `cutoff_len`: the
 activations above count those tokens like image tokens (the vision tower runs per temporal patch as
 per image), and a video that could outgrow `cutoff_len` is named before the run, not found as a
 `too_long` row in it.

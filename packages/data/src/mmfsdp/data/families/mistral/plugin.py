@@ -190,9 +190,9 @@ class PixtralPlugin:
         else:
             source = "model directory: tekken.json image section or config.json vision_config.image_size"
         unset = "null: no pre-resize; image_processor.size.longest_edge applies"
+        limits = {"image_max_pixels": self.image_max_pixels, "image_min_pixels": self.image_min_pixels}
         return [
-            MediaSetting("image_max_pixels", self.image_max_pixels, "config" if self.image_max_pixels else unset),
-            MediaSetting("image_min_pixels", self.image_min_pixels, "config" if self.image_min_pixels else unset),
+            *(MediaSetting(key, value, unset if value is None else "config") for key, value in limits.items()),
             MediaSetting("image_processor.size.longest_edge", self.longest_edge, source),
         ]
 

@@ -13,8 +13,8 @@ Images (the HF `Qwen2VLImageProcessor`, as Qwen2-VL, Qwen2.5-VL and Qwen3-VL use
    `image_grid_thw` `[n, 3]`.
 
 Videos (Qwen3-VL's semantics; the `Qwen3VLVideoProcessor` transformers loads from the model directory —
-`video_preprocessor_config.json`, else the image processor's `preprocessor_config.json` — as
-`AutoProcessor.from_pretrained` does for inference):
+`processor_config.json`'s `video_processor` section, else `video_preprocessor_config.json`, else the image
+processor's `preprocessor_config.json` — as `AutoProcessor.from_pretrained` does for inference):
 
 1. The headers give frame count and rate; the frames are sampled by the video processor's
    own `sample_frames` at `video_fps`, at most `video_maxlen` (each null = the processor's
@@ -213,10 +213,10 @@ class Qwen3VLPlugin:
             video("video_processor.min_frames", None, int(vp.min_frames), "min_frames"),
             video("video_processor.size", None, dict(zip(("shortest_edge", "longest_edge"), self.video_size)), "size"),
             video("video_processor.cap_pixels_per_frame", None, self.cap_pixels_per_frame, "cap_pixels_per_frame"),
-            MediaSetting("video_max_pixels", options.max_pixels, "config" if options.max_pixels else no_limit),
-            MediaSetting("video_min_pixels", options.min_pixels, "config" if options.min_pixels else no_limit),
+            MediaSetting("video_max_pixels", options.max_pixels, no_limit if options.max_pixels is None else "config"),
+            MediaSetting("video_min_pixels", options.min_pixels, no_limit if options.min_pixels is None else "config"),
             MediaSetting("video_total_pixels", options.total_pixels,
-                         "config" if options.total_pixels else "null: no budget per sample"),
+                         "null: no budget per sample" if options.total_pixels is None else "config"),
         ]
 
     def describe(self, grid: tuple[int, ...]) -> str:
