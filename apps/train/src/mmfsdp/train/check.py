@@ -60,7 +60,7 @@ def media_setting_lines(cfg: Config) -> list[str]:
 
     try:
         settings = media_settings(cfg.data)
-    except (ConfigError, DataError, OSError) as err:
+    except (ConfigError, DataError, OSError, ValueError) as err:  # transformers: OSError, ValueError for bad files
         return [f"media settings: not resolved ({err})"]
     return ["media settings (preprocess_parameters; value, and where it came from):", *(f"  {s}" for s in settings)]
 

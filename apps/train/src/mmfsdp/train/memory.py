@@ -226,7 +226,7 @@ def _video_lines(cfg: Config) -> list[str]:
 
         try:
             max_frames = next(s.value for s in media_settings(cfg.data) if s.key == "video_maxlen")
-        except (ConfigError, DataError, OSError, StopIteration):
+        except (ConfigError, DataError, OSError, ValueError, StopIteration):
             return []
     budget = video_token_budget(cfg, model_config, max_frames)
     if budget is None:
