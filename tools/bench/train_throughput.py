@@ -191,7 +191,8 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=1234,
                                                               drop_last=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args["micro_batch"], sampler=sampler,
-                                         collate_fn=_PadToLongest(processor.pad_token_id), num_workers=2,
+                                         collate_fn=_PadToLongest(processor.pad_token_id),
+                                         num_workers=args["plain_workers"],
                                          drop_last=True)
     entry = get_model_entry("qwen3_vl")
     shape = entry.costs.flop_shape(hf_config)
@@ -393,6 +394,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank and step (global batch: × nproc)")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped before the medians")
     parser.add_argument("--steps", type=int, default=15, help="steady-state steps measured (tiny)")
+    parser.add_argument("--plain-workers", type=int, default=2, help="DataLoader workers of the plain loop (default: 2)")
     parser.add_argument("--tiny-rows", type=int, default=1024, help="training rows of the tiny size (default: 1024)")
     parser.add_argument("--large-steps", type=int, default=6, help="steady-state steps measured (large)")
     parser.add_argument("--large-warmup", type=int, default=2)
@@ -414,7 +416,7 @@ def main() -> None:
                              "llamafactory_run.py), with and without its gradient checkpointing; default: not run")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
     args = parse_args(parser, sizes="tiny", micro_batch=2, warmup=1, steps=2, tiny_rows=32, repeats=1,
-                      best_preset="balance")
+                      best_preset="balance", plain_workers=0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
