@@ -79,6 +79,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke",),
         {"share_cost_cp2": NUMBER, "time_ratio_cp2": NUMBER, "bytes_ratio_cp2": NUMBER, "vision_ratio_cp2": NUMBER},
     ),
+    "tools/suite_timings.py": (
+        ("--smoke",),
+        {"wall_s": NUMBER, "pytest_exit": int, "files": int, "sum_s": NUMBER, "longest": dict},
+    ),
     "tools/data/llava_instruct_to_mllm.py": (
         ("--input", "{tmp}/llava.json", "--image-dir", "{tmp}/coco", "--dataset-dir", "{tmp}",
          "--output", "{tmp}/out.jsonl", "--check-images"),
@@ -124,8 +128,16 @@ def _check_probe(result: dict, tmp: Path) -> None:
     assert "unavailable" in result["backends"]["flash_attention_2"]  # no CPU kernel
 
 
+def _check_suite_timings(result: dict, tmp: Path) -> None:
+    assert result["pytest_exit"] == 0 and result["files"] == 1 and result["written"] is None
+
+
 INPUTS = {"tools/data/llava_instruct_to_mllm.py": _llava_inputs}
-CHECKS = {"tools/data/llava_instruct_to_mllm.py": _check_llava, "tools/probe/vision_attention.py": _check_probe}
+CHECKS = {
+    "tools/data/llava_instruct_to_mllm.py": _check_llava,
+    "tools/probe/vision_attention.py": _check_probe,
+    "tools/suite_timings.py": _check_suite_timings,
+}
 
 
 def test_every_tool_has_a_smoke_case():
@@ -168,7 +180,7 @@ def test_help(script, capsys, monkeypatch):
         runpy.run_path(str(path), run_name="__main__")
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "usage" in out and ("--smoke" in out) == script.startswith("tools/bench/"), out
+    assert "usage" in out and ("--smoke" in out or not script.startswith("tools/bench/")), out
 
 
 def _load_probe():
