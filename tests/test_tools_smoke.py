@@ -98,7 +98,9 @@ line's JSON and their types)."""
 
 HELPERS = {"tools/bench/_smoke.py": "imported by the bench scripts: their `--smoke` flag"}
 COVERED_ELSEWHERE = {
-    "tools/gen_config_reference.py": ("apps/train/tests/test_train_check.py", "test_gen_config_reference_help_and_check"),
+    "tools/gen_config_reference.py": (
+        "apps/train/tests/test_train_check.py", "test_gen_config_reference_help_and_check",
+    ),
 }
 """Scripts run by another test (file, test name): gen_config_reference's `--check` is its smallest mode."""
 
@@ -155,6 +157,7 @@ def _check_types(result: dict, keys: dict) -> None:
         assert kind is not NUMBER or math.isfinite(value), f"{key}: {value!r}"
 
 
+@pytest.mark.slow  # ~165 CPU-seconds for all of them, most of it importing torch and transformers, ~50 in train_throughput
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_smoke(script, tmp_path):
     args, keys = SMOKE[script]
@@ -163,7 +166,8 @@ def test_smoke(script, tmp_path):
     command = [sys.executable, script, *(arg.format(tmp=tmp_path) for arg in args)]
     run = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=TIMEOUT_S)
-    assert run.returncode == 0, f"{' '.join(command)} exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    output = f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    assert run.returncode == 0, f"{' '.join(command)} exited {run.returncode}:\n{output}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     _check_types(result, keys)
     if script in CHECKS:

@@ -14,7 +14,9 @@ import argparse
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, **smoke: object) -> argparse.Namespace:
     """`parser.parse_args(argv)` with a `--smoke` flag that defaults the options named in `smoke` to those values."""
     sizes = " ".join(f"{name}={' '.join(map(str, v)) if isinstance(v, list) else v}" for name, v in smoke.items())
-    parser.add_argument("--smoke", action="store_true", help=f"smallest mode, the one CI runs ({sizes}; a flag given wins)")
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"smallest mode, the one CI runs ({sizes}; a flag given wins)"
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in smoke if not hasattr(args, name)]
     assert not unknown, f"smoke sizes for options the parser does not have: {unknown}"

@@ -3,7 +3,7 @@
     uv run python tools/bench/train_throughput.py                       # both sizes, a few minutes on 2 CPU cores
     uv run python tools/bench/train_throughput.py --sizes tiny --steps 60 --warmup 10
     uv run python tools/bench/train_throughput.py --best training.micro_batch_size=2   # extra overrides for (c)
-    uv run python tools/bench/train_throughput.py --smoke    # the smallest run (CI): tiny, 3 steps, 1 repeat, no compile
+    uv run python tools/bench/train_throughput.py --smoke    # the smallest run (CI): tiny, 3 steps, no compile
 
 The same random-init Qwen3-VL, the same data and the same global batch (`--nproc` ranks × `--micro-batch` rows)
 run three ways, one after the other, each on `--nproc` gloo processes (fp32):
@@ -394,7 +394,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank and step (global batch: × nproc)")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped before the medians")
     parser.add_argument("--steps", type=int, default=15, help="steady-state steps measured (tiny)")
-    parser.add_argument("--plain-workers", type=int, default=2, help="DataLoader workers of the plain loop (default: 2)")
+    parser.add_argument("--plain-workers", type=int, default=2,
+                        help="DataLoader workers of the plain loop (default: 2)")
     parser.add_argument("--tiny-rows", type=int, default=1024, help="training rows of the tiny size (default: 1024)")
     parser.add_argument("--large-steps", type=int, default=6, help="steady-state steps measured (large)")
     parser.add_argument("--large-warmup", type=int, default=2)
