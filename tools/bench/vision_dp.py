@@ -72,6 +72,7 @@ def _saved_bytes_hooks(params: set[int], seen: dict[int, int]):
 
 
 def _rank(rank: int, world_size: int, width: int, depth: int, repeats: int) -> dict:
+    # imported here: it pulls in transformers, which the parent never needs (the ranks have it preloaded)
     from mmfsdp.model.training_forward import vision_features
 
     torch.set_num_threads(1)
