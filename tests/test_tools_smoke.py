@@ -157,7 +157,7 @@ def _check_types(result: dict, keys: dict) -> None:
         assert kind is not NUMBER or math.isfinite(value), f"{key}: {value!r}"
 
 
-@pytest.mark.slow  # ~165 CPU-seconds in all, mostly torch and transformers imports; ~50 in train_throughput
+@pytest.mark.slow  # ~150 CPU-seconds in all, mostly torch and transformers imports; ~50 in train_throughput
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_smoke(script, tmp_path):
     args, keys = SMOKE[script]
