@@ -2,6 +2,7 @@
 
     uv run python tools/bench/activation_offload.py                       # CPU, a small Mistral decoder
     uv run python tools/bench/activation_offload.py --recompute           # offload on top of recompute
+    uv run python tools/bench/activation_offload.py --smoke               # the smallest run (CI)
     uv run python tools/bench/activation_offload.py --device cuda --dtype bf16 --hidden 4096 --layers 8 --seq-len 8192
 
 One process builds a random Mistral3 (`mmfsdp.model`'s `Mistral3ForConditionalGenerationFSDP`,
@@ -33,6 +34,7 @@ import json
 import time
 
 import torch
+from _smoke import parse_args
 
 from mmfsdp.model import get_model_entry
 from mmfsdp.parallel import ActivationOffload, apply_activation_checkpointing, apply_activation_offload
@@ -134,7 +136,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
     parser.add_argument("--recompute", action="store_true", help="checkpoint the decoder layers too (offload on top)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
-    args = parser.parse_args()
+    args = parse_args(parser, hidden=64, layers=2, vocab=256, batch=1, seq_len=32)
     device_type = detect_device_type() if args.device == "auto" else args.device
     if device_type == "npu":
         import torch_npu  # noqa: F401  registers the npu device

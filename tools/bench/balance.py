@@ -1,6 +1,7 @@
 """Token-budget micro-batches and data-parallel balance: simulated at scale, then measured on gloo processes.
 
     uv run python tools/bench/balance.py [--steps 20] [--samples-per-rank 16] [--procs 2 4] [--real-samples 200]
+    uv run python tools/bench/balance.py --smoke        # the smallest run (CI): 2 steps, 2 processes, 16 samples
 
 1. Simulation (the cost model, `mmfsdp.data.balance`, no model): a synthetic SFT mix (docs/data.md,
    "The benchmark workload": 35 % text-only rows, image rows with 1–8 images of 256–4,096 patches, 5 % video
@@ -41,6 +42,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _smoke import parse_args  # noqa: E402
 
 from mmfsdp.data.balance import CostModel, SampleStats, is_filler, plan_step  # noqa: E402
 
@@ -118,7 +121,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--real-samples", type=int, default=192)
     parser.add_argument("--calibration-micro-batches", type=int, default=40)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=2, samples_per_rank=4, procs=[2], real_samples=16, calibration_micro_batches=8)
     result: dict[str, float | int | str] = {"samples_per_rank": args.samples_per_rank, "steps": args.steps}
     started = time.perf_counter()
     result.update(simulate(args.steps, args.samples_per_rank, CostModel()))

@@ -1,6 +1,7 @@
 """Calibrate the balance cost model (`mmfsdp.data.balance.CostModel`) against measured step times.
 
     uv run python tools/bench/balance_calibrate.py [--micro-batches 60] [--out cost.json]
+    uv run python tools/bench/balance_calibrate.py --smoke      # the smallest run (CI): 8 micro-batches
 
 A small vision-language stand-in (`StandIn`: a 2-layer ViT whose attention runs per image over that image's
 patches, a projector, a 2-layer causal decoder whose attention runs per sample, as packed varlen attention
@@ -23,6 +24,7 @@ import time
 
 import numpy as np
 import torch
+from _smoke import parse_args
 from torch import nn
 
 from mmfsdp.data.balance import CostModel
@@ -114,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, default=60)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parse_args(parser, micro_batches=8)
     model, r2 = calibrate(args.micro_batches)
     print(f"fit R² {r2:.3f}")
     if args.out:

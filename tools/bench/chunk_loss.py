@@ -25,6 +25,7 @@ estimate least disturbed by other load on a shared machine) and its median.
 
     uv run python tools/bench/chunk_loss.py                       # CPU, Magistral vocab, hidden 1024, 4096 tokens
     uv run python tools/bench/chunk_loss.py --device cuda --hidden 5120 --tokens 8192 --dtype bf16
+    uv run python tools/bench/chunk_loss.py --smoke                 # the smallest run (CI): vocab 4096, 256 tokens
 
 The last line printed is one JSON object with `peak_mem_ratio` and
 `time_ratio` (chunked / plain, fastest rounds). Target: peak_mem_ratio <= 1/8,
@@ -42,6 +43,8 @@ import subprocess
 import sys
 import time
 from typing import get_args
+
+from _smoke import parse_args
 
 from mmfsdp.parallel.config import DType
 
@@ -154,7 +157,7 @@ def _subprocess(mode: str, env: dict[str, str] | None = None) -> dict:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    args = parse_args(_parser(), vocab=4096, hidden=64, tokens=256, chunk_size=64, repeats=1)
     if args.mode is not None:
         result = _measure_time(args) if args.mode == "time" else _measure_memory(args, args.mode.removeprefix("memory-"))
         print(json.dumps(result))

@@ -13,6 +13,7 @@ filesystem. The last line is one JSON object with `hf_to_dcp_vs_cp` and
 `dcp_to_hf_vs_cp` (target >= 0.5 each).
 
     uv run python tools/bench/convert_throughput.py [--size_gb 1.0] [--workdir DIR]
+    uv run python tools/bench/convert_throughput.py --smoke     # the smallest run (CI): ~4 MB, hidden 256
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ import time
 from pathlib import Path
 
 import torch
+from _smoke import parse_args
 from safetensors.torch import save_file
 
 from mmfsdp.ckpt import dcp_to_hf, hf_to_dcp
 
+ADAPTER = "identity"
+"""The synthetic checkpoint's `model_type` has no family: its tensor names are kept as they are."""
 
-def make_hf_checkpoint(path: Path, size_bytes: int, num_shards: int) -> int:
+
+def make_hf_checkpoint(path: Path, size_bytes: int, num_shards: int, hidden: int = 2048) -> int:
     """Write layers of (fp32 attention, bf16 mlp, fp32 norm) tensors until `size_bytes`; return bytes written."""
     gen = torch.Generator().manual_seed(0)
-    hidden = 2048
     tensors: dict[str, torch.Tensor] = {}
     total, layer = 0, 0
     while total < size_bytes:
@@ -79,14 +83,15 @@ def main() -> None:
     parser.add_argument("--size_gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
     parser.add_argument("--shards", type=int, default=4, help="number of HF shards (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest is kept (default 3)")
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the layers' tensors (default 2048)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a new temporary directory)")
-    args = parser.parse_args()
+    args = parse_args(parser, size_gb=0.004, shards=2, repeats=1, hidden=256)
     torch.set_num_threads(1)
 
     root = Path(tempfile.mkdtemp(prefix="mm-convert-bench-", dir=args.workdir))
     try:
         hf, dcp_dir, out, copy = root / "hf", root / "dcp", root / "out", root / "copy"
-        total = make_hf_checkpoint(hf, int(args.size_gb * 1e9), args.shards)
+        total = make_hf_checkpoint(hf, int(args.size_gb * 1e9), args.shards, args.hidden)
         print(f"checkpoint: {total / 1e9:.2f} GB in {args.shards} shards at {hf}")
 
         def rm(*paths: Path):
@@ -96,10 +101,10 @@ def main() -> None:
             return lambda: subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
 
         cp_hf = best_of(args.repeats, cp(hf), rm(copy))
-        to_dcp = best_of(args.repeats, lambda: hf_to_dcp(hf, dcp_dir, progress=False), rm(dcp_dir))
-        hf_to_dcp(hf, dcp_dir, progress=False)
+        to_dcp = best_of(args.repeats, lambda: hf_to_dcp(hf, dcp_dir, adapter=ADAPTER, progress=False), rm(dcp_dir))
+        hf_to_dcp(hf, dcp_dir, adapter=ADAPTER, progress=False)
         cp_dcp = best_of(args.repeats, cp(dcp_dir / "release"), rm(copy))
-        to_hf = best_of(args.repeats, lambda: dcp_to_hf(dcp_dir, out, hf, progress=False), rm(out))
+        to_hf = best_of(args.repeats, lambda: dcp_to_hf(dcp_dir, out, hf, adapter=ADAPTER, progress=False), rm(out))
 
         gb = total / 1e9
         for name, seconds in (("cp -r HF", cp_hf), ("hf_to_dcp", to_dcp), ("cp -r DCP", cp_dcp), ("dcp_to_hf", to_hf)):

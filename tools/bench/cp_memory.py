@@ -2,6 +2,7 @@
 
     uv run python tools/bench/cp_memory.py                       # ring, 8k tokens
     uv run python tools/bench/cp_memory.py --mode hybrid --seq-len 32768 --layers 1
+    uv run python tools/bench/cp_memory.py --smoke                # the smallest run (CI): CP 1 and 2, 256 tokens
 
 Each CP size is a fresh set of gloo ranks on the CPU (`run_distributed`). Every
 rank builds the same small decoder stack (RMSNorm → attention through
@@ -31,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _smoke import parse_args
 
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, cp_loss_reduce, split_for_cp
 from mmfsdp.parallel.testing import run_distributed
@@ -141,7 +143,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--cp-sizes", default="1,2,4", help="comma-separated; must start with 1")
-    args = parser.parse_args()
+    args = parse_args(parser, seq_len=256, hidden=64, intermediate=128, layers=1, cp_sizes="1,2")
     cp_sizes = [int(x) for x in args.cp_sizes.split(",")]
     if cp_sizes[0] != 1:
         parser.error("--cp-sizes must start with 1 (the baseline)")

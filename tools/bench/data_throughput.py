@@ -1,6 +1,7 @@
 """Throughput of mmfsdp's data preprocessing against the bare HF image processor + tokenizer.
 
     uv run python tools/bench/data_throughput.py [--num-samples 16] [--image-size 1024] [--workers 2]
+    uv run python tools/bench/data_throughput.py --smoke    # the smallest run (CI): 2 small images, 1 short clip
 
 Generates JPEG images (smooth gradients plus noise, `--image-size` on the long side,
 4:3) and one-image conversations, and a Magistral-like processor: the real Tekken
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _smoke import parse_args
 from PIL import Image
 
 
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--video-size", type=int, default=640, help="width of the 16:9 clips in pixels (default 640)")
     parser.add_argument("--video-seconds", type=float, default=4.0, help="length of each clip (default 4.0)")
     parser.add_argument("--work-dir", default=None, help="where to write images and caches (default: a temporary directory)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, num_samples=2, image_size=64, rounds=1, workers=0, video_clips=1, video_size=64,
+                      video_seconds=0.5)
 
     from mmfsdp.config import build
     from mmfsdp.data import DataConfig, SampleEncoder, build_dataloader, build_dataset, build_processor

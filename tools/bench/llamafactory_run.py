@@ -4,6 +4,12 @@
     uv pip install --python /work/lf-venv/bin/python llamafactory==0.9.5 torch==2.14.0 torchvision==0.29.2 torchaudio
     /work/lf-venv/bin/python tools/bench/llamafactory_run.py --assets ASSETS --data DIR/train.jsonl --out RESULT.json \
         --work WORKDIR [--nproc 2 --micro-batch 8 --max-steps 20 --cutoff-len 256] [--no-gradient-checkpointing]
+    uv run python tools/bench/llamafactory_run.py --smoke       # CI, without LLaMA-Factory: everything up to the launch
+
+`--smoke` (the project's venv is enough) does everything short of starting LLaMA-Factory on the qwen3vl-tiny assets
+and two generated text-only rows (unless `--assets`/`--data` are given), in a temporary directory unless `--work`
+and `--out` are given: the random-init model saved, the dataset registered, the `run_exp` arguments and the
+`torch.distributed.run` command built; it prints them as one JSON line, `"llamafactory": "not run (smoke)"`.
 
 This file runs in LLaMA-Factory's venv, never in the project's: it imports nothing from mmfsdp (its lock pins a
 transformers that LLaMA-Factory 0.9.5 refuses, and the project never depends on LLaMA-Factory). `train_throughput.py
@@ -52,10 +58,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from _smoke import parse_args
+
 DATASET = "bench_rows"
+TINY_ASSETS = Path(__file__).resolve().parents[2] / "examples" / "qwen3vl-tiny" / "assets"
 
 
 def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -198,6 +208,16 @@ def worker(args: argparse.Namespace) -> None:
     run_exp(train_args(args), callbacks=[StepMeter()])
 
 
+def _smoke_rows(folder: Path) -> str:
+    """Two text-only rows in the project's jsonl format, for `--smoke`."""
+    path = folder / "train.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                          {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}], "images": []}
+            for n in (3, 5)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--assets", help="model directory: config.json, tokenizer, processor files")
@@ -210,21 +230,31 @@ def main() -> None:
     parser.add_argument("--cutoff-len", type=int, default=256)
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--worker-args", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, assets=str(TINY_ASSETS), micro_batch=1, max_steps=2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker_args:  # a rank under torch.distributed.run, whose own parser would take `--nproc` as its option
         worker(argparse.Namespace(**json.loads(Path(args.worker_args).read_text())))
         return
+    scratch = Path(tempfile.mkdtemp(prefix="llamafactory-smoke-")) if args.smoke else None
+    if scratch is not None:
+        args.data = args.data or _smoke_rows(scratch)
+        args.work, args.out = args.work or str(scratch / "work"), args.out or str(scratch / "result.json")
     missing = [name for name in ("assets", "data", "out", "work") if getattr(args, name) is None]
     if missing:
         parser.error("required: " + ", ".join(f"--{name}" for name in missing))
-    prepare(args)
+    model_dir, dataset_dir = prepare(args)
     Path(args.out).unlink(missing_ok=True)
     worker_args = Path(args.work) / "worker_args.json"
     worker_args.write_text(json.dumps(vars(args)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(Path(__file__).resolve()), "--worker-args", str(worker_args)]
+    if scratch is not None:
+        print(json.dumps({"llamafactory": "not run (smoke)", "command": cmd, "train_args": train_args(args),
+                          "model_files": sorted(p.name for p in model_dir.iterdir()),
+                          "dataset_info": json.loads((dataset_dir / "dataset_info.json").read_text())}))
+        shutil.rmtree(scratch)
+        return
     env = {**os.environ, "HF_DATASETS_CACHE": str(Path(args.work) / "hf_datasets")}
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0 or not Path(args.out).exists():

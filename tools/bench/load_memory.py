@@ -18,6 +18,7 @@ itself takes; `meta_over_eager_peak_rss` is the plain ratio of the largest peaks
 The last line is one JSON object (target for `meta_over_eager_rss`: <= 0.6).
 
     uv run python tools/bench/load_memory.py [--size_mb 400] [--workdir DIR]
+    uv run python tools/bench/load_memory.py --smoke        # the smallest run (CI): 2 layers, 32 MiB
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from _smoke import parse_args
 from safetensors.torch import save_file
 
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
 
 HIDDEN = 2048
+RANK_MODULES = ("mmfsdp.ckpt",)
+"""What every rank imports, once in the process the ranks fork from (`preload_for_ranks`)."""
 
 
 class LinearStack(torch.nn.Module):
@@ -114,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size_mb", type=float, default=400, help="model size in MiB (default 400)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a new temporary directory)")
-    args = parser.parse_args()
+    args = parse_args(parser, size_mb=1)
     num_layers = max(2, round(args.size_mb * 2**20 / ((HIDDEN * HIDDEN + HIDDEN) * 4)))
 
     root = Path(tempfile.mkdtemp(prefix="load-memory-bench-", dir=args.workdir))
@@ -122,6 +126,7 @@ def main() -> None:
         model_mb = write_checkpoint(root / "hf", num_layers)
         print(f"model: {num_layers} x Linear({HIDDEN}, {HIDDEN}) fp32 = {model_mb:.0f} MiB, 2 processes")
         results = {}
+        preload_for_ranks(*RANK_MODULES)
         for mode in ("meta", "eager"):
             results[mode] = run_distributed(load_on_rank, 2, mode, str(root / "hf"), num_layers, timeout=600)
             for rank, r in enumerate(results[mode]):

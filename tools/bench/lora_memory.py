@@ -2,6 +2,7 @@
 
     uv run python tools/bench/lora_memory.py                      # 2 CPU processes, a ~470 MB Mistral3 (fp32)
     uv run python tools/bench/lora_memory.py --rank 16 --hidden 1024 --layers 12
+    uv run python tools/bench/lora_memory.py --smoke                  # the smallest run (CI): hidden 64, 2 layers
 
 Each of `--nproc` gloo ranks builds the same random Mistral3 (`mmfsdp.model`'s family class: the tiny Pixtral
 tower and a Mistral decoder of `--layers` x `--hidden`, vocabulary `--vocab`, fp32), once as it is and once with
@@ -28,8 +29,12 @@ import argparse
 import json
 import time
 
-from mmfsdp.parallel.testing import run_distributed
+from _smoke import parse_args
 
+from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
+
+RANK_MODULES = ("transformers", "peft", "mmfsdp.model.all_families", "mmfsdp.model.lora", "mmfsdp.train.trainer")
+"""What every rank imports, once in the process the ranks fork from (`preload_for_ranks`)."""
 TARGETS = [
     f"model.language_model.layers.{{*}}.{part}"
     for part in (
@@ -122,7 +127,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8; alpha = 2 x rank)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank (default: 1)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
-    args = vars(parser.parse_args())
+    args = vars(parse_args(parser, hidden=64, layers=2, vocab=512, seq_len=32))
+    preload_for_ranks(*RANK_MODULES)
     ranks = run_distributed(_both, args["nproc"], args, timeout=3600)
     peaks = {name: max(r[name]["peak_mib"] for r in ranks) for name in ("full", "lora")}
     first = ranks[0]

@@ -23,6 +23,7 @@ expert parameters' storages hold over the unsharded bytes (worst rank).
     uv run python tools/bench/moe_dispatch.py                   # CPU: 64 experts, top-8, 4096 tokens, 256/128
     uv run python tools/bench/moe_dispatch.py --device cuda --dtype bf16 --experts 128 --tokens 16384 \
         --hidden 2048 --intermediate 768                        # Qwen3-VL-30B-A3B's layer on a GPU
+    uv run python tools/bench/moe_dispatch.py --smoke           # the smallest run (CI): 8 experts, 64 tokens
 
 Progress goes to stderr; the last line on stdout is one JSON object with
 `speedup_vs_hf` (target >= 2 on the CPU), `expert_param_bytes_per_rank_ratio`
@@ -39,12 +40,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from _smoke import parse_args
 
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.expert_parallel import experts_forward, grouped_mm_supported, shard_experts
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
 
 _DTYPES = {name: DTYPES[name] for name in ("fp32", "bf16")}
+RANK_MODULES = ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",)
+"""What every rank imports, once in the process the ranks fork from (`preload_for_ranks`)."""
 GPU_COMMAND = (
     "uv run python tools/bench/moe_dispatch.py --device cuda --dtype bf16 --experts 128 --top-k 8 "
     "--tokens 16384 --hidden 2048 --intermediate 768"
@@ -175,7 +179,7 @@ def _sharded_bytes_ratio(rank: int, world_size: int, args: argparse.Namespace) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = parse_args(_parser(), argv, experts=8, top_k=2, tokens=64, hidden=32, intermediate=16, repeats=1)
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = _Variants(args)
@@ -204,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     speedup = best_cpu["hf"] / ours_cpu if variants.device.type == "cpu" else best["hf"] / ours
 
     _log("sharding the experts on 4 gloo ranks (EP 2 and EP 4)")
+    preload_for_ranks(*RANK_MODULES)
     per_rank = run_distributed(_sharded_bytes_ratio, 4, args, timeout=600)
     bytes_ratio = {key: max(ratios[key] for ratios in per_rank) for key in ("ep2", "ep4")}
 

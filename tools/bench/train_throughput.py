@@ -3,6 +3,7 @@
     uv run python tools/bench/train_throughput.py                       # both sizes, a few minutes on 2 CPU cores
     uv run python tools/bench/train_throughput.py --sizes tiny --steps 60 --warmup 10
     uv run python tools/bench/train_throughput.py --best training.micro_batch_size=2   # extra overrides for (c)
+    uv run python tools/bench/train_throughput.py --smoke    # the smallest run (CI): tiny, 3 steps, no compile
 
 The same random-init Qwen3-VL, the same data and the same global batch (`--nproc` ranks × `--micro-batch` rows)
 run three ways, one after the other, each on `--nproc` gloo processes (fp32):
@@ -61,6 +62,8 @@ import sys
 import time
 from pathlib import Path
 
+from _smoke import parse_args
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
 APP = ROOT / "apps" / "train"
@@ -88,7 +91,7 @@ def large_assets(out: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def data_config(size: str, out: Path, assets: Path) -> dict:
+def data_config(size: str, out: Path, assets: Path, tiny_rows: int) -> dict:
     """The `data:` section of both systems for `size` (the app's keys; the plain loop reads the same rows)."""
     pre = {"model_name_or_path": str(assets), "template": "qwen3_vl_nothink", "image_plugin": "qwen2_vl",
            "cutoff_len": 256}
@@ -96,7 +99,7 @@ def data_config(size: str, out: Path, assets: Path) -> dict:
         return {"dataset_param": {
             "dataset_type": "synthetic_shapes", "preprocess_parameters": pre,
             "basic_parameters": {"dataset_dir": str(out / "data_tiny"), "cache_dir": str(out / "cache_tiny")},
-            "synthetic": {"num_train": 1024, "num_eval": 16},
+            "synthetic": {"num_train": tiny_rows, "num_eval": 16},
         }, "dataloader_param": {"collate_param": {"model_name": "qwen3vl"}}}
     from mmfsdp.data.synthetic import make_varlen_dataset
 
@@ -188,7 +191,8 @@ def _plain_rank(rank: int, world_size: int, port: int, config_path: str, args: d
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=1234,
                                                               drop_last=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args["micro_batch"], sampler=sampler,
-                                         collate_fn=_PadToLongest(processor.pad_token_id), num_workers=2,
+                                         collate_fn=_PadToLongest(processor.pad_token_id),
+                                         num_workers=args["plain_workers"],
                                          drop_last=True)
     entry = get_model_entry("qwen3_vl")
     shape = entry.costs.flop_shape(hf_config)
@@ -308,7 +312,7 @@ def measure_size(size: str, args, out: Path) -> dict:
     from mmfsdp.train.config import load_config
 
     assets = TINY_ASSETS if size == "tiny" else large_assets(out, args.large_hidden, args.large_layers)
-    data = data_config(size, out, assets)
+    data = data_config(size, out, assets, args.tiny_rows)
     config_path = write_config(out / f"{size}.yaml", assets, data, args, out / f"{size}_mmfsdp")
     cfg = load_config(config_path, [])
     prepare_dataset(cfg.data)
@@ -390,6 +394,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank and step (global batch: × nproc)")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped before the medians")
     parser.add_argument("--steps", type=int, default=15, help="steady-state steps measured (tiny)")
+    parser.add_argument("--plain-workers", type=int, default=2,
+                        help="DataLoader workers of the plain loop (default: 2)")
+    parser.add_argument("--tiny-rows", type=int, default=1024, help="training rows of the tiny size (default: 1024)")
     parser.add_argument("--large-steps", type=int, default=6, help="steady-state steps measured (large)")
     parser.add_argument("--large-warmup", type=int, default=2)
     parser.add_argument("--large-hidden", type=int, default=768)
@@ -409,7 +416,8 @@ def main() -> None:
                         help="python of a venv with llamafactory==0.9.5: also run LLaMA-Factory (tools/bench/"
                              "llamafactory_run.py), with and without its gradient checkpointing; default: not run")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
-    args = parser.parse_args()
+    args = parse_args(parser, sizes="tiny", micro_batch=2, warmup=1, steps=2, tiny_rows=32, repeats=1,
+                      best_preset="balance", plain_workers=0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -2,6 +2,7 @@
 
     uv run python tools/bench/vision_dp.py
     uv run python tools/bench/vision_dp.py --width 256 --depth 4 --repeats 3
+    uv run python tools/bench/vision_dp.py --smoke                  # the smallest run (CI): CP 1 and 2, width 64
 
 Each CP size is a fresh set of gloo ranks on the CPU (`run_distributed`), one CP group. Every rank builds
 the same Qwen3-VL (random weights; the vision tower `--width` wide and `--depth` deep, DeepStack mergers on
@@ -31,10 +32,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from mmfsdp.model import Qwen3VLForConditionalGenerationFSDP, get_model_entry
-from mmfsdp.model.training_forward import vision_features
+from _smoke import parse_args
+
+from mmfsdp.model import get_model_entry
 from mmfsdp.model.vision_dp import VisionDataParallel, assign_media, media_costs
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
+
+RANK_MODULES = ("transformers", "mmfsdp.model.training_forward", "mmfsdp.model.families.qwen3_vl.model")
+"""What every rank imports, once in the process the ranks fork from (`preload_for_ranks`)."""
 
 IMAGES = [(32, 32), (16, 16), (24, 32), (32, 16), (16, 24), (24, 24), (16, 16), (32, 24), (8, 16), (24, 16)]
 """Patch grids (h, w) of the batch: 128 to 1,024 patches per image, 5,056 in all (merged 2×2 into 1,264 tokens)."""
@@ -67,10 +72,13 @@ def _saved_bytes_hooks(params: set[int], seen: dict[int, int]):
 
 
 def _rank(rank: int, world_size: int, width: int, depth: int, repeats: int) -> dict:
+    # imported here: it pulls in transformers, which the parent never needs (the ranks have it preloaded)
+    from mmfsdp.model.training_forward import vision_features
+
     torch.set_num_threads(1)
     config = _config(width, depth)
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGenerationFSDP._from_config(config, attn_implementation="sdpa")
+    model = get_model_entry("qwen3_vl").model_class._from_config(config, attn_implementation="sdpa")
     base = model.model
     call = _batch(config)
     if world_size == 1:
@@ -102,11 +110,16 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="vision hidden size")
     parser.add_argument("--depth", type=int, default=4, help="vision blocks")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--cp-sizes", default="1,2,4", help="comma-separated; must start with 1 (default: 1,2,4)")
+    args = parse_args(parser, width=64, depth=2, repeats=1, cp_sizes="1,2")
+    cp_sizes = [int(x) for x in args.cp_sizes.split(",")]
+    if cp_sizes[0] != 1:
+        parser.error("--cp-sizes must start with 1 (the baseline)")
     patches = [h * w for h, w in IMAGES]
     costs = media_costs(patches, args.width)
+    preload_for_ranks(*RANK_MODULES)
     results, summary = {}, {"images": len(IMAGES), "patches": sum(patches), "width": args.width, "depth": args.depth}
-    for cp in (1, 2, 4):
+    for cp in cp_sizes:
         per_rank = run_distributed(_rank, cp, args.width, args.depth, args.repeats, timeout=900)
         results[cp] = per_rank
         shares = assign_media(costs, cp)

@@ -15,7 +15,8 @@ to the same directory). Texts are copied unchanged; rows the converter cannot ma
 (unknown speaker, no conversation) are counted and left out; everything else — a
 placeholder/image mismatch, a missing image — is left for the loader, which skips and
 counts such rows (or use `--check-images` to drop rows whose image file is absent).
-Output is a JSON list, or JSONL if the output name ends in `.jsonl`.
+Output is a JSON list, or JSONL if the output name ends in `.jsonl`. The last line printed is one JSON object:
+`rows` read, `written`, `dropped` (per reason) and `output`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(tmp, output)
     summary = ", ".join(f"{reason}: {n}" for reason, n in dropped.items())
     print(f"wrote {len(out)} of {len(rows)} rows to {output}" + (f" (dropped {summary})" if summary else ""))
+    print(json.dumps({"rows": len(rows), "written": len(out), "dropped": dict(dropped), "output": str(output)}))
     return 0
 
 
