@@ -52,3 +52,26 @@ def test_sections_report_their_numbers(summary):
         assert 0.75 <= summary["memory_plan"][seq]["measured_over_plan"] <= 1.25
     compiled = summary["compile"]
     assert compiled["within_tolerance"] and compiled["speedup"] > 0
+
+
+def _run(*args: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_failing_section_is_recorded_and_the_others_run():
+    # memory_plan compares with the large_model runs: without them it fails, and says so in its entry
+    summary = _run("--sections", "moe_experts,memory_plan")
+    assert summary["moe_experts"]["status"] == "ok"
+    assert summary["memory_plan"]["status"] == "error" and "large_model" in summary["memory_plan"]["error"]
+    for name in set(SECTIONS) - {"moe_experts", "memory_plan"}:
+        assert summary[name] == {"status": "skipped", "reason": "not in --sections"}
+
+
+def test_a_spent_budget_skips_the_remaining_sections():
+    summary = _run("--budget-s", "0")
+    for name in SECTIONS:
+        assert summary[name]["status"] == "skipped" and "budget" in summary[name]["reason"], summary[name]

@@ -3,6 +3,11 @@
     uv run python tools/bench/gpu_check.py                  # one CUDA device, ~5-8 min; --budget-s 450 by default
     uv run python tools/bench/gpu_check.py --cpu            # the same code paths at tiny sizes on the CPU (~1 min)
 
+On a lent machine that reaches no package index (its own python3 with torch and transformers, no uv cache),
+build and fetch the wheels here, carry them, install them there (docs/benchmarks.md, "GPU", has the commands):
+the six workspace packages (`uv build --wheel --all-packages`: installed, not on PYTHONPATH, since the model
+families are found through their entry points) and the data path's `datasets`, `dill` and `multiprocess`.
+
 Every run goes through the trainer itself (`mmfsdp.train.trainer.Trainer` in this process, on a one-rank process
 group with the device's backend: NCCL on CUDA, gloo on the CPU, as `mmfsdp.parallel.init_process_group` picks it)
 and reads its own metrics (`Trainer.history`, `<output_dir>/metrics.jsonl`: step time, tokens/s, TFLOP/s, MFU,
