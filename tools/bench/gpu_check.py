@@ -28,9 +28,10 @@ peak memory; every step logs, so every step is timed with the device synchronise
   `BF16_RTOL` = 2e-2 of fp32's. Why: bf16 keeps 8 mantissa bits (a relative rounding of 2^-9 ≈ 2e-3 per value);
   a loss is a mean over hundreds of tokens, so its own rounding is smaller, but the weights of the two runs drift
   apart step by step (bf16 activations and gradients, an fp32 AdamW update), so the gap grows with the steps;
-  `--cpu` (3 steps) measured at most 1.4e-3 (the MoE example, 2026-12-05), and 2e-2 leaves room for ~20 steps,
-  while a real bug (a wrong cast, a lost scale, a dropped mask) moves the loss by far more. Each example's losses
-  of both runs are in the JSON, so a larger drift shows where it starts.
+  on the CPU the GPU run's 20 steps of 8 rows (`--cpu --gpu-sizes`) measured at most 3.6e-3 (tiny Mistral3; 1.2e-3
+  qwen3vl-tiny, 3.0e-3 MoE; 2026-12-05), so 2e-2 leaves room for a GPU's other kernels, while a real bug (a wrong
+  cast, a lost scale, a dropped mask) moves the loss by far more. Each example's losses of both runs are in the
+  JSON, so a larger drift shows where it starts.
 - `large_model`: a random-init Qwen3-VL of ~1.6 B parameters (text: hidden 2048, 20 layers, MLP 6144, 16 heads /
   8 KV heads of 128, vocabulary 151,936, untied; the qwen3vl-tiny vision tower projecting to 2048; its
   `config.json` from transformers' `Qwen3VLConfig`, the qwen3vl-tiny tokenizer and processor beside it) trained
@@ -53,8 +54,10 @@ one JSON object: `mode`, `device`, versions, `elapsed_s`, and one key per sectio
 and numbers. Paste it into docs/benchmarks.md ("GPU").
 
 `--cpu` runs every section on the CPU at tiny sizes (MMFSDP_DEVICE=cpu): the large model shrinks to ~5 M
-parameters (hidden 256, 4 layers, vocabulary 4096) at 256 and 512 tokens, the MoE layer to 16 experts; it checks
-the code paths, not the numbers (CI runs it: tests/test_tools_gpu_check.py).
+parameters (hidden 256, 4 layers, vocabulary 4096) at 256 and 512 tokens, the MoE layer to 16 experts, 3-6 steps
+of 2 rows in fp32; it checks the code paths, not the numbers (CI runs it: tests/test_tools_gpu_check.py).
+`--cpu --gpu-sizes` keeps those two small but runs everything else as on the GPU (20 steps of 8 rows, bf16
+compute): the GPU run's configurations, checked without a GPU in 5-10 minutes.
 """
 
 from __future__ import annotations
@@ -120,15 +123,21 @@ def _median(values: list[float]) -> float | None:
 
 
 class Sizes:
-    """What one mode runs: the GPU sizes, or the CPU's tiny ones."""
+    """What one mode runs: the GPU sizes, or the CPU's tiny ones (`--gpu-sizes` on the CPU: the GPU's steps,
+    micro-batches and bf16 with the large model and the MoE layer still at the CPU's sizes)."""
 
     def __init__(self, cpu: bool, args: argparse.Namespace):
         self.cpu = cpu
-        self.parity_steps = args.steps or (3 if cpu else 20)
-        self.micro_batch = 2 if cpu else 8
-        self.compile_steps = args.steps or (4 if cpu else 20)
-        self.compile_warmup = 2 if cpu else 5
+        small = cpu and not args.gpu_sizes
+        self.parity_steps = args.steps or (3 if small else 20)
+        self.micro_batch = 2 if small else 8
+        self.compile_steps = args.steps or (4 if small else 20)
+        self.compile_warmup = 2 if small else 5
         self.compile_backend = args.compile_backend or ("aot_eager" if cpu else "inductor")
+        self.compute_dtype = "fp32" if small else "bf16"
+        self.num_train = self.micro_batch * max(self.parity_steps, self.compile_warmup + self.compile_steps, 2)
+        """Rows of every example's synthetic data: one set per example serves every section (data generated with
+        other settings is an error, never reused)."""
         self.large_seq = (256, 512) if cpu else (4096, 8192)
         self.large_warmup, self.large_steps = (2, 2) if cpu else (2, 4)
         self.large_text = (
@@ -139,10 +148,9 @@ class Sizes:
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, mrope=[24, 20, 20])
         )
         self.chunk_size = 128 if cpu else 1024
-        self.moe = (dict(experts=16, top_k=2, tokens=1024, hidden=128, intermediate=64, dtype="fp32", repeats=3)
-                    if cpu else
-                    dict(experts=128, top_k=8, tokens=16384, hidden=2048, intermediate=768, dtype="bf16", repeats=10))
-        self.compute_dtype = "fp32" if cpu else "bf16"
+        self.moe = (dict(experts=16, top_k=2, tokens=1024, hidden=128, intermediate=64, repeats=3)
+                    if cpu else dict(experts=128, top_k=8, tokens=16384, hidden=2048, intermediate=768, repeats=10))
+        self.moe["dtype"] = self.compute_dtype
 
 
 # ---------------------------------------------------------------------------------------------- trainer runs
@@ -151,9 +159,10 @@ class Sizes:
 class Runs:
     """Trainer runs of one process: configs from the examples with overrides, data prepared once per example."""
 
-    def __init__(self, work: Path, device_type: str):
+    def __init__(self, work: Path, device_type: str, num_train: int):
         self.work = work
         self.device_type = device_type
+        self.num_train = num_train
 
     def overrides(self, example: str, name: str, *, steps: int, micro_batch: int,
                   extra: dict | None = None) -> list[str]:
@@ -163,7 +172,7 @@ class Runs:
             "data.dataset_param.preprocess_parameters.model_name_or_path": assets,
             "data.dataset_param.basic_parameters.dataset_dir": self.work / "data" / example,
             "data.dataset_param.basic_parameters.cache_dir": self.work / "cache" / example,
-            "data.dataset_param.synthetic.num_train": max(steps * micro_batch, 16),
+            "data.dataset_param.synthetic.num_train": self.num_train,
             "data.dataset_param.synthetic.num_eval": 4,
             "training.micro_batch_size": micro_batch,
             "training.train_iters": steps,
@@ -563,7 +572,7 @@ class Context:
         cuda = device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.work = work
-        self.runs = Runs(work, device_type)
+        self.runs = Runs(work, device_type, sizes.num_train)
         self.started = time.perf_counter()
         self.memory: dict[str, Any] = {}
 
@@ -597,6 +606,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=0, help="steps of the parity and compile runs (0: the mode's)")
     parser.add_argument("--compile-backend", default="", help="torch.compile backend (default: inductor on CUDA, "
                         "aot_eager on the CPU)")
+    parser.add_argument("--gpu-sizes", action="store_true", help="with --cpu: the GPU run's steps, micro-batches "
+                        "and bf16 on the CPU (the large model and MoE layer at CPU sizes; ~5-10 min on 2 cores)")
     parser.add_argument("--work-dir", default="", help="where data and outputs go (default: a temporary directory)")
     parser.add_argument("--verbose", action="store_true", help="the trainer's INFO log on stderr")
     return parser
@@ -623,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             handler.setStream(sys.stderr)
     get_logger().setLevel(logging.INFO if args.verbose else logging.WARNING)
     device_type = detect_device_type()
-    result: dict[str, Any] = {"mode": "cpu" if args.cpu else "gpu", "device_type": device_type}
+    result: dict[str, Any] = {"mode": ("cpu_gpu_sizes" if args.gpu_sizes else "cpu") if args.cpu else "gpu",
+                              "device_type": device_type}
     if device_type not in ("cuda", "cpu"):
         raise SystemExit(f"gpu_check runs on CUDA or the CPU, not {device_type}")
     cpu = device_type == "cpu"
