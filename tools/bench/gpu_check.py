@@ -18,7 +18,8 @@ peak memory; every step logs, so every step is timed with the device synchronise
   dot_product_*` ops and, on CUDA, the attention kernels' names), padding-free (the packed varlen path, the
   default) and padded; then one step with SDPA restricted to the flash kernel (`torch.nn.attention.sdpa_kernel`)
   to say whether the fast kernel can run every attention call of a step. In the device's training dtype (bf16 on
-  CUDA: flash needs 16-bit inputs; fp32 on the CPU).
+  CUDA: flash needs 16-bit inputs; fp32 on the CPU). Also whether `attn_implementation: flash_attention_2` (the
+  flash-attn package) is available there, and if not why.
 - `moe_experts`: one MoE layer's experts (`mmfsdp.parallel.expert_parallel.experts_forward`, EP 1) forward +
   backward on the same routed tokens: the path `auto` takes (grouped GEMM or the loop fallback), the grouped and
   loop times (median of repeats after a warm-up) and their outputs and gradients compared.
@@ -323,6 +324,12 @@ def section_attention(ctx: "Context") -> dict[str, Any]:
         flash_only = {"status": "error", "error": _error_text(err)}
     out["flash_only_step"] = flash_only
     out["torch_flash_sdp_enabled"] = bool(torch.backends.cuda.flash_sdp_enabled())
+    try:  # the other fast path: `attn_implementation: flash_attention_2` (the flash-attn package), not run here
+        out["flash_attention_2"] = {"available": True,
+                                    "hf_attention_function": resolve_attention_backend("flash_attention_2",
+                                                                                       ctx.device_type).hf_name}
+    except Exception as err:
+        out["flash_attention_2"] = {"available": False, "reason": _error_text(err)}
     return out
 
 
