@@ -46,7 +46,8 @@ peak memory; every step logs, so every step is timed with the device synchronise
 - `compile`: the qwen3vl-tiny example eager vs `features.compile: true` (inductor: triton kernels on CUDA; on the
   CPU `aot_eager` by default, `--compile-backend` to change): per-step losses within the section's tolerance
   (`BF16_RTOL` on CUDA, where it runs in bf16; 1e-4 in fp32 on the CPU) and the ratio of the median step times
-  after the warm-up (eager / compiled: above 1 is a speed-up; the first compiled steps are the warm-up).
+  after the warm-up (eager / compiled: above 1 is a speed-up; the first compiled steps are the warm-up), and the
+  graphs dynamo compiled (`graphs_compiled`: a handful; many more would be recompilation for new lengths).
 
 Each section is guarded: an exception becomes `{"status": "error", "error": "..."}` in its entry and the next
 section runs. Once `--budget-s` seconds are spent the remaining sections are `{"status": "skipped", "reason":
@@ -540,6 +541,8 @@ def section_memory_plan(ctx: "Context") -> dict[str, Any]:
 
 
 def section_compile(ctx: "Context") -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     s = ctx.sizes
     steps = s.compile_warmup + s.compile_steps
     dtype = s.compute_dtype
@@ -551,9 +554,11 @@ def section_compile(ctx: "Context") -> dict[str, Any]:
         cfg = ctx.runs.config("qwen3vl_tiny", ctx.runs.overrides(
             "qwen3vl_tiny", f"compile_{name}", steps=steps, micro_batch=s.micro_batch,
             extra={"parallel.fsdp_plan.param_dtype": dtype, **extra}))
+        counters.clear()
         started = time.perf_counter()
         runs[name] = ctx.runs.train(cfg)
         runs[name]["wall_s"] = time.perf_counter() - started
+        runs[name]["graphs"] = int(counters["stats"]["unique_graphs"])
     times = {name: [r["step_time_s"] for r in run["records"][s.compile_warmup:]] for name, run in runs.items()}
     eager_ms, compiled_ms = (1000 * statistics.median(times[n]) for n in ("eager", "compiled"))
     return {
@@ -562,6 +567,7 @@ def section_compile(ctx: "Context") -> dict[str, Any]:
         "eager_step_ms": round(eager_ms, 3), "compiled_step_ms": round(compiled_ms, 3),
         "speedup": round(eager_ms / compiled_ms, 3),
         "first_compiled_step_s": round(runs["compiled"]["records"][0]["step_time_s"], 2),
+        "graphs_compiled": runs["compiled"]["graphs"],  # a few: more would mean recompiling for new lengths
         "wall_s": {name: round(run["wall_s"], 1) for name, run in runs.items()},
     }
 
