@@ -101,8 +101,10 @@ COVERED_ELSEWHERE = {
     "tools/gen_config_reference.py": (
         "apps/train/tests/test_train_check.py", "test_gen_config_reference_help_and_check",
     ),
+    "tools/bench/gpu_check.py": ("tests/test_tools_gpu_check.py", "test_every_section_runs_on_the_cpu"),
 }
-"""Scripts run by another test (file, test name): gen_config_reference's `--check` is its smallest mode."""
+"""Scripts run by another test (file, test name): gen_config_reference's `--check` is its smallest mode; gpu_check's
+is `--cpu`, whose sections that test checks one by one."""
 
 
 def _llava_inputs(tmp: Path) -> None:
