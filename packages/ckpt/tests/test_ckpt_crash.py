@@ -71,6 +71,7 @@ def _child(save_dir: Path, point: str, ready: Path) -> None:
     raise AssertionError("the save should have blocked")
 
 
+@pytest.mark.slow  # a fresh interpreter per crash point
 @pytest.mark.parametrize("point", POINTS)
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, point):
     save_dir, ready = tmp_path / "ckpt", tmp_path / "ready"

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -55,6 +56,7 @@ def _measure(mode: str, src: Path, out: Path, assets: Path) -> float:
     return result["peak_mb"] - result["baseline_mb"]
 
 
+@pytest.mark.slow  # fresh interpreters measure their own peak memory
 def test_conversion_peak_memory_stays_near_one_tensor_or_shard(tmp_path):
     gen = torch.Generator().manual_seed(0)
     tensors = {f"layers.{i}.weight": torch.randn(TENSOR_MB * MB // 4, generator=gen) for i in range(NUM_TENSORS)}

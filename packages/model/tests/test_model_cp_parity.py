@@ -204,6 +204,7 @@ def _cp_runs(rank, world_size, cases):
     return results
 
 
+@pytest.mark.slow  # 2 and 4 spawned ranks, several CP layouts each
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_training_equals_cp1(world_size):
     cases = _cases(world_size)
