@@ -21,6 +21,7 @@ APP = ROOT / "apps" / "train"
 EXAMPLES = ROOT / "examples"
 TINY = EXAMPLES / "tiny" / "config.yaml"
 """The default run's config: a tiny Mistral3 (its tokenizer and processor in `examples/tiny/assets`)."""
+TINY_ASSETS = EXAMPLES / "tiny" / "assets"
 QWEN = EXAMPLES / "qwen3vl-tiny" / "config.yaml"
 QWEN_ASSETS = EXAMPLES / "qwen3vl-tiny" / "assets"
 MOE = EXAMPLES / "qwen3vl-moe-tiny" / "config.yaml"
@@ -87,11 +88,10 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
-def console(out: Path) -> str:
-    """The app launcher's log file under `out/logs` (its console and every rank's), for a run started by `start`,
-    whose console is not kept."""
-    (log,) = sorted((out / "logs").glob("train_*.log"))
-    return log.read_text()
+def consoles(out: Path) -> list[str]:
+    """The app launcher's log files under `out/logs` (its console and every rank's), one per run in the order they
+    started: what a run started by `start`, whose console is not kept, printed."""
+    return [log.read_text() for log in sorted((out / "logs").glob("train_*.log"))]
 
 
 def losses(out: Path) -> dict[int, list[float]]:
