@@ -21,6 +21,7 @@ APP = ROOT / "apps" / "train"
 EXAMPLES = ROOT / "examples"
 TINY = EXAMPLES / "tiny" / "config.yaml"
 """The default run's config: a tiny Mistral3 (its tokenizer and processor in `examples/tiny/assets`)."""
+TINY_ASSETS = EXAMPLES / "tiny" / "assets"
 QWEN = EXAMPLES / "qwen3vl-tiny" / "config.yaml"
 QWEN_ASSETS = EXAMPLES / "qwen3vl-tiny" / "assets"
 MOE = EXAMPLES / "qwen3vl-moe-tiny" / "config.yaml"
@@ -47,6 +48,50 @@ def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _train_rank(rank: int, world_size: int, config: str, items: list[str]) -> None:
+    from mmfsdp.train.config import load_config
+    from mmfsdp.train.trainer import Trainer, start_rank
+
+    cfg = load_config(config, items)
+    trainer = Trainer(cfg, start_rank(cfg))
+    trainer.train()
+    trainer.close()
+
+
+def train_in_process(config: Path, items: dict, nproc: int = 2) -> Path:
+    """The run `command(config, items, nproc)` would train, without the app's launcher: the trainer its ranks run
+    (`Trainer(load_config(...), start_rank(cfg)).train()`), on `nproc` gloo ranks of `run_distributed`, which fork
+    from a process that has imported torch and transformers already (a second instead of the launcher's ~8 s).
+    For a reference whose losses a test compares with an app run's: same code and data, so the same losses bitwise.
+    Writes `training.output_dir` (metrics.jsonl, and checkpoints where `training.save` asks) and returns it."""
+    from mmfsdp.data import prepare_dataset
+    from mmfsdp.parallel.testing import run_distributed
+    from mmfsdp.train.config import load_config
+
+    prepare_dataset(load_config(config, overrides(items)).data)  # as the launcher does before it starts ranks
+    run_distributed(_train_rank, nproc, str(config), overrides(items), timeout=600)
+    return Path(items["training.output_dir"])
+
+
+def first_losses(out: Path) -> dict[int, float]:
+    """`losses(out)` of a run that logged each step once: step -> loss."""
+    by_step = losses(out)
+    assert all(len(values) == 1 for values in by_step.values()), by_step
+    return {step: values[0] for step, values in by_step.items()}
+
+
+def records(out: Path) -> list[dict]:
+    """The rows of `out/metrics.jsonl` (a partly written last line, of a killed run, left out)."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+def consoles(out: Path) -> list[str]:
+    """The app launcher's log files under `out/logs` (its console and every rank's), one per run in the order they
+    started: what a run started by `start`, whose console is not kept, printed."""
+    return [log.read_text() for log in sorted((out / "logs").glob("train_*.log"))]
 
 
 def losses(out: Path) -> dict[int, list[float]]:

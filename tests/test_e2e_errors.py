@@ -2,12 +2,11 @@
 
 Config-level mistakes go through the app's `main` in-process with `--check` (what `apps/train CONFIG --check`
 runs); a strict-mode bad row and a pickle in a checkpoint go through the real 2-process run, where the error
-is raised on every rank and must be printed once.
+is raised on every rank and must be printed once (the checkpoint itself is written by the trainer in-process).
 """
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
+import apprun
+from apprun import TINY
 from mmfsdp.ckpt import COMPLETE_FILENAME
-from mmfsdp.data import prepare_dataset
 from mmfsdp.train.cli import main
-from mmfsdp.train.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-APP = ROOT / "apps" / "train"
 BASIC = "data.dataset_param.basic_parameters"
 
 
@@ -77,13 +73,12 @@ def test_strict_bad_row_through_the_app_is_one_line(tmp_path):
             for image in ("a.png", "../outside.png", "a.png", "a.png")]
     dataset = data / "train.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [
-        "data.dataset_param.dataset_type=huggingface", f"{BASIC}.dataset={dataset}", f"{BASIC}.dataset_dir={data}",
-        f"{BASIC}.cache_dir={tmp_path / 'cache'}", f"{BASIC}.strict=true", "training.micro_batch_size=1",
-        "training.train_iters=1", f"training.output_dir={tmp_path / 'out'}",
-    ]
-    proc = subprocess.run([sys.executable, str(APP), str(TINY), *overrides, "--nproc-per-node", "2"],
-                          capture_output=True, text=True, timeout=220, cwd=ROOT)
+    items = {
+        "data.dataset_param.dataset_type": "huggingface", f"{BASIC}.dataset": dataset, f"{BASIC}.dataset_dir": data,
+        f"{BASIC}.cache_dir": tmp_path / "cache", f"{BASIC}.strict": "true", "training.micro_batch_size": 1,
+        "training.train_iters": 1, "training.output_dir": tmp_path / "out",
+    }
+    proc = subprocess.run(apprun.command(TINY, items), capture_output=True, text=True, timeout=220, cwd=apprun.ROOT)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Traceback" not in output, output[-4000:]
@@ -95,16 +90,13 @@ def test_strict_bad_row_through_the_app_is_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_pickle_in_rank_0_pt_is_one_line_printed_once(tmp_path):
-    overrides = [
-        f"{BASIC}.dataset_dir={tmp_path / 'data'}", f"{BASIC}.cache_dir={tmp_path / 'cache'}",
-        "data.dataset_param.synthetic.num_train=8", "data.dataset_param.synthetic.num_eval=2",
-        "training.micro_batch_size=2", "training.train_iters=1", "training.save_interval=1",
-        f"training.save={tmp_path / 'ckpt'}", f"training.output_dir={tmp_path / 'out'}",
-    ]
-    prepare_dataset(load_config(TINY, overrides).data)
-    command = [sys.executable, str(APP), str(TINY), *overrides, "--nproc-per-node", "2"]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert first.returncode == 0, first.stderr[-4000:]
+    items = {
+        f"{BASIC}.dataset_dir": tmp_path / "data", f"{BASIC}.cache_dir": tmp_path / "cache",
+        "data.dataset_param.synthetic.num_train": 8, "data.dataset_param.synthetic.num_eval": 2,
+        "training.micro_batch_size": 2, "training.train_iters": 1, "training.save_interval": 1,
+        "training.save": tmp_path / "ckpt", "training.output_dir": tmp_path / "out",
+    }
+    apprun.train_in_process(TINY, items)  # the trainer the app's ranks run writes the step-1 checkpoint
     (iteration,) = (tmp_path / "ckpt").glob("iter_*")
     rank_file = iteration / "rank_0.pt"
     torch.save({"loader": Path("/etc")}, rank_file)  # a Python object where tensors belong
@@ -113,8 +105,8 @@ def test_a_pickle_in_rank_0_pt_is_one_line_printed_once(tmp_path):
     listing["files"]["rank_0.pt"] = rank_file.stat().st_size  # the marker rewritten too: only the load can tell
     marker.write_text(json.dumps(listing))
 
-    second = subprocess.run([*command[:-2], "training.train_iters=2", *command[-2:]], capture_output=True,
-                            text=True, timeout=180, cwd=ROOT)
+    second = subprocess.run(apprun.command(TINY, {**items, "training.train_iters": 2}), capture_output=True,
+                            text=True, timeout=180, cwd=apprun.ROOT)
     output = second.stdout + second.stderr
     assert second.returncode != 0
     assert "Traceback" not in output and "weights_only" not in output, output[-4000:]

@@ -14,19 +14,17 @@ from pathlib import Path
 
 import pytest
 
+import apprun
+from apprun import ROOT, TINY
 from mmfsdp.ckpt import LOCK_FILENAME
 from mmfsdp.data import prepare_dataset
 from mmfsdp.train.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-APP = ROOT / "apps" / "train"
-
 pytestmark = pytest.mark.slow
 
 
-def _overrides(data: Path, out: Path, **extra) -> list[str]:
-    items = {
+def _items(data: Path, out: Path, **extra) -> dict:
+    return {
         "data.dataset_param.basic_parameters.dataset_dir": data / "data",
         "data.dataset_param.basic_parameters.cache_dir": data / "cache",
         "data.dataset_param.synthetic.num_train": 32,
@@ -39,11 +37,10 @@ def _overrides(data: Path, out: Path, **extra) -> list[str]:
         "training.output_dir": out,
         **extra,
     }
-    return [f"{k}={v}" for k, v in items.items()]
 
 
 def _command(data, out, **extra):
-    return [sys.executable, str(APP), str(TINY), *_overrides(data, out, **extra), "--nproc-per-node", "2"]
+    return apprun.command(TINY, _items(data, out, **extra))
 
 
 def _children(pid: int) -> list[int]:
@@ -86,14 +83,13 @@ def _rank_of(pid: int) -> int:
 
 def _start_and_wait_for_step(cmd, out: Path, step: int, stderr=subprocess.DEVNULL):
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-    metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline:
-        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l):
+        if any(r["step"] >= step for r in apprun.records(out)):
             return proc
         if proc.poll() is not None:
             pytest.fail("the run ended before the test could act")
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.kill()
     pytest.fail(f"no step {step} within 300 s")
 
@@ -101,7 +97,7 @@ def _start_and_wait_for_step(cmd, out: Path, step: int, stderr=subprocess.DEVNUL
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    prepare_dataset(load_config(TINY, _overrides(tmp, tmp / "unused")).data)
+    prepare_dataset(load_config(TINY, apprun.overrides(_items(tmp, tmp / "unused"))).data)
     return tmp
 
 

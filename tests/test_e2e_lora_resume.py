@@ -3,7 +3,7 @@
 The tiny resume run (`tiny_resume`: 2 processes, gradient accumulation 2, 4 steps per epoch, a checkpoint every
 3 steps) with LoRA on the attention projections, built on the meta device and filled from a `save_pretrained`
 tiny Mistral3 (`model.model_name_or_path`, `training.load` = `training.save`). The reference runs 6 steps
-uninterrupted; the second run is SIGKILLed (launcher and ranks) after its step-3 checkpoint and restarted with
+uninterrupted (the trainer the app's ranks run, in-process: `apprun.train_in_process`); the second run is SIGKILLed (launcher and ranks) after its step-3 checkpoint and restarted with
 the same command. The restart must load the base from the HF weights and the adapters, optimizer, scheduler,
 data position and RNG from the checkpoint, log only steps 4-6 (across the epoch boundary), and every loss must
 equal the reference's bitwise. The checkpoints hold no base weight.
@@ -32,12 +32,12 @@ def setup(tmp_path_factory):
     hf = data / "hf"
     torch.manual_seed(11)
     Mistral3ForConditionalGeneration(
-        Mistral3Config.from_pretrained(tiny_resume.ROOT / "examples" / "tiny" / "assets")
+        Mistral3Config.from_pretrained(apprun.TINY_ASSETS)
     ).save_pretrained(hf)
     return data, hf
 
 
-def _command(data, hf, out) -> list[str]:
+def _items(data, hf, out) -> dict:
     items = {
         **tiny_resume.items(data, out),
         "training.train_iters": STEPS,
@@ -49,19 +49,17 @@ def _command(data, hf, out) -> list[str]:
         "training.lora.rank": 8,
         "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj]",
     }
-    return apprun.command(tiny_resume.TINY, items)
+    return items
 
 
 def test_lora_meta_init_kill_and_restart_resumes_bitwise(setup, tmp_path):
     data, hf = setup
-    reference_out = tmp_path / "reference"
-    apprun.run(_command(data, hf, reference_out))
-    reference = {step: values[0] for step, values in apprun.losses(reference_out).items()}
+    reference = apprun.first_losses(apprun.train_in_process(apprun.TINY, _items(data, hf, tmp_path / "reference")))
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert reference[STEPS] < reference[1], "the LoRA run should learn"
 
     out = tmp_path / "killed"
-    cmd = _command(data, hf, out)
+    cmd = apprun.command(apprun.TINY, _items(data, hf, out))
     restart, _ = apprun.kill_and_restart(cmd, out, 3, STEPS)
     assert "on the frozen base from HF weights from model.model_name_or_path" in restart.stdout, restart.stdout[-2000:]
     for step, values in apprun.losses(out).items():

@@ -1,7 +1,8 @@
 """The Magistral-Small-2509 recipes end to end: the 30-step smoke run of `examples/magistral-2509/smoke.yaml`
 through the real app on 2 CPU processes (finite, decreasing losses, a checkpoint, then a resume that trains
 only steps 31..32), and both full-size recipes passing `--check` at their world sizes against the real
-Magistral config.json (written from the published dimensions; meta device, no weights).
+Magistral config.json (written from the published dimensions; meta device, no weights) through the app's `main`
+in-process (what `apps/train CONFIG --check` runs: no process starts).
 """
 
 import importlib.util
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "apps" / "train"
-RECIPES = ROOT / "examples" / "magistral-2509"
+import apprun
+from mmfsdp.train.cli import main
+
+ROOT = apprun.ROOT
+RECIPES = apprun.EXAMPLES / "magistral-2509"
 
 _spec = importlib.util.spec_from_file_location("magistral_config", ROOT / "tests" / "magistral_config.py")
 magistral_config = importlib.util.module_from_spec(_spec)
@@ -23,7 +26,8 @@ _spec.loader.exec_module(magistral_config)
 
 
 def _app(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(APP), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(apprun.APP), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _steps(out: Path) -> list[dict]:
@@ -58,11 +62,11 @@ def test_smoke_30_steps_then_resume(tmp_path):
 
 
 @pytest.mark.parametrize(("recipe", "nproc"), [("config_8card.yaml", 8), ("config_4card.yaml", 4), ("config_lora.yaml", 4)])
-def test_recipes_pass_check_with_the_real_config(tmp_path, recipe, nproc):
+def test_recipes_pass_check_with_the_real_config(tmp_path, capsys, recipe, nproc):
     model_dir = magistral_config.write_magistral_config(tmp_path / "Magistral-Small-2509")
     dataset = tmp_path / "mllm.json"
     dataset.write_text("[]\n")
-    result = _app(
+    code = main([
         str(RECIPES / recipe),
         f"model.model_name_or_path={model_dir}",
         f"data.dataset_param.preprocess_parameters.model_name_or_path={model_dir}",
@@ -78,5 +82,7 @@ def test_recipes_pass_check_with_the_real_config(tmp_path, recipe, nproc):
         f"training.save={tmp_path / 'save'}",
         f"training.output_dir={tmp_path / 'out'}",
         "--check", "--nproc-per-node", str(nproc),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-3000:] + captured.err[-3000:]
+    assert f"check passed: {nproc} processes" in captured.out, captured.out[-3000:]

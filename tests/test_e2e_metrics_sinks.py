@@ -4,7 +4,6 @@ offline W&B run with no network; MFU and TFLOP/s are in the log line and the rec
 earlier checkpoint than the last logged step shows each step once in TensorBoard and continues the same W&B run.
 """
 
-import json
 import shutil
 
 import numpy as np
@@ -17,7 +16,7 @@ from mmfsdp.train.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TINY = apprun.ROOT / "examples" / "tiny" / "config.yaml"
+TINY = apprun.TINY
 
 
 def _items(data, out):
@@ -41,10 +40,6 @@ def data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sinks")
     prepare_dataset(load_config(TINY, apprun.overrides(_items(tmp, tmp / "unused"))).data)
     return tmp
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _scalars(log_dir):
@@ -74,7 +69,7 @@ def test_tensorboard_and_wandb_offline_then_resume(data, tmp_path, monkeypatch):
     step_lines = [line for line in first.stdout.splitlines() if "| loss " in line]
     assert len(step_lines) == 3 and all("TFLOP/s | MFU " in line for line in step_lines), step_lines
     assert "mfu: peak " in first.stdout
-    records = _records(out)
+    records = apprun.records(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(0 < r["mfu"] and 0 < r["tflops"] for r in records)
 
@@ -96,7 +91,7 @@ def test_tensorboard_and_wandb_offline_then_resume(data, tmp_path, monkeypatch):
     write_tracker(out / "ckpt", 2)
     second = apprun.run(cmd, timeout=300)
     assert "at step 2" in second.stdout and "(resumed, offline)" in second.stdout
-    records = _records(out)
+    records = apprun.records(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     scalars, _ = _scalars(out / "tensorboard")
     assert scalars["loss"] == [(r["step"], _f32(r["loss"])) for r in records], "each step once, the resumed run's"

@@ -2,14 +2,13 @@
 
 `examples/qwen3vl-moe-tiny/config.yaml` as written (2 processes, `expert_parallel_size: 2`, router aux loss
 on), shortened to 6 steps with gradient accumulation 2 (4 steps per epoch). The reference runs the 6 steps
-uninterrupted. The second run saves every 3 steps and is SIGKILLed (launcher and ranks) as soon as its step-3
+uninterrupted (the trainer the app's ranks run, in-process: `apprun.train_in_process`). The second run saves every 3 steps and is SIGKILLed (launcher and ranks) as soon as its step-3
 checkpoint is published, then restarted with the same command: it must say it resumed at step 3, log only
 steps 4-6, and every logged LM loss, router aux loss and expert load of steps 1-6 must equal the reference
 bitwise (steps 4-6 cross the epoch boundary, so the data position and RNG come back too). Resharding an EP-2
 checkpoint to EP 1 is `tests/test_e2e_moe_router.py`.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,7 @@ from mmfsdp.ckpt import read_tracker
 from mmfsdp.data import prepare_dataset
 from mmfsdp.train.config import load_config
 
-ROOT = apprun.ROOT
-CONFIG = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
+CONFIG = apprun.MOE
 STEPS = 6
 KEYS = ("loss", "aux_loss", "expert_load_max", "expert_load_mean", "grad_norm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -43,18 +41,13 @@ def _items(tmp: Path, out: Path, **extra) -> dict:
     }
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_expert_parallel_kill_and_restart_is_exact(tmp_path):
     cfg = load_config(CONFIG, apprun.overrides(_items(tmp_path, tmp_path / "prepare")))
     assert cfg.parallel.expert_parallel_size == 2 and cfg.features.loss_cfg.router_aux_loss_coef > 0
     prepare_dataset(cfg.data)
 
-    reference_out = tmp_path / "reference"
-    apprun.run(apprun.command(CONFIG, _items(tmp_path, reference_out)))
-    reference = {r["step"]: tuple(r[k] for k in KEYS) for r in _records(reference_out)}
+    reference_out = apprun.train_in_process(CONFIG, _items(tmp_path, tmp_path / "reference"))
+    reference = {r["step"]: tuple(r[k] for k in KEYS) for r in apprun.records(reference_out)}
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     out = tmp_path / "killed"
@@ -64,7 +57,7 @@ def test_expert_parallel_kill_and_restart_is_exact(tmp_path):
         "training.load": out / "ckpt",
     }))
     apprun.kill_and_restart(cmd, out, 3, STEPS)
-    for record in _records(out):
+    for record in apprun.records(out):
         got = tuple(record[k] for k in KEYS)
         assert got == reference[record["step"]], f"step {record['step']}: {dict(zip(KEYS, got))} vs {reference[record['step']]}"
     assert read_tracker(out / "ckpt") == STEPS

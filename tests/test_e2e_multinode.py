@@ -1,13 +1,13 @@
 """Multi-node as the example finetune scripts run it, emulated on one machine: two `torchrun --nnodes 2 --node-rank
 0/1 --master-addr 127.0.0.1 --master-port P --nproc-per-node 2 apps/train CONFIG ...` train the tiny config with HSDP
-across the two "nodes" (replicate 2 x fully_shard 2) and log the losses of one 4-process run of the app; a SIGKILL of
+across the two "nodes" (replicate 2 x fully_shard 2) and log the losses of one 4-process run (the trainer the app's
+ranks run, in-process: `apprun.train_in_process`); a SIGKILL of
 one node's launcher ends every rank of both nodes within `parallel.heartbeat_timeout_s` plus a margin; the job then
 resumes on one node with 4 processes from the 2-node checkpoint and its first step follows the checkpoint.
-About 2.5 minutes on 2 CPU cores: three starts of 4 ranks, the torchrun ones exec'd (each imports torch and
-transformers and checks the config), the app's forked from its launcher.
+About 2 minutes on 2 CPU cores: two starts of 4 ranks through the launchers, the torchrun ones exec'd (each
+imports torch and transformers and checks the config), the app's forked from its launcher.
 """
 
-import json
 import os
 import signal
 import socket
@@ -24,12 +24,10 @@ from tiny_resume import TINY, prepared_data
 
 pytestmark = pytest.mark.slow
 
-ROOT = apprun.ROOT
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS = 6
 HEARTBEAT_S = 15
 MARGIN_S = 15
-RTOL = 1e-5
 
 
 def _items(data: Path, out: Path) -> dict:
@@ -61,7 +59,7 @@ def _node(node_rank: int, port: int, items: dict, log: Path) -> subprocess.Popen
     cmd = [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
            "--master-port", str(port), "--nproc-per-node", "2", str(apprun.APP), str(TINY), *apprun.overrides(items)]
     with log.open("w") as fh:
-        return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=fh, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=apprun.ROOT, start_new_session=True, stdout=fh, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -85,20 +83,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-
-
-def _close(step_loss: float, reference: float) -> bool:
-    return abs(step_loss - reference) <= RTOL * abs(reference)
-
-
 def test_two_nodes_equal_one_and_a_dead_node_ends_the_job_which_resumes_on_one_node(tmp_path_factory, tmp_path):
     data = prepared_data(tmp_path_factory)
     reference_out = tmp_path / "one_node"
-    apprun.run(apprun.command(TINY, {**_items(data, reference_out), "training.save_interval": 0}, nproc=4))
-    reference = {r["step"]: r["loss"] for r in _records(reference_out)}
+    reference = apprun.first_losses(
+        apprun.train_in_process(TINY, {**_items(data, reference_out), "training.save_interval": 0}, nproc=4))
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     out = tmp_path / "two_nodes"
@@ -107,14 +96,14 @@ def test_two_nodes_equal_one_and_a_dead_node_ends_the_job_which_resumes_on_one_n
     nodes = [_node(rank, port, _items(data, out), logs[rank]) for rank in (0, 1)]
     try:
         deadline = time.time() + 240
-        while not any(r["step"] >= 3 for r in _records(out)):  # after the step-2 checkpoint
+        while not any(r["step"] >= 3 for r in apprun.records(out)):  # after the step-2 checkpoint
             assert all(n.poll() is None for n in nodes), "a node ended early:\n" + logs[0].read_text()[-3000:]
             assert time.time() < deadline, "no step 3 within 240 s:\n" + logs[0].read_text()[-3000:]
             time.sleep(0.1)
         ranks = [_ranks(n.pid) for n in nodes]
         assert [len(r) for r in ranks] == [2, 2], ranks
-        for record in _records(out):
-            assert _close(record["loss"], reference[record["step"]]), (record, reference)
+        for record in apprun.records(out):
+            assert apprun.close(record["loss"], reference[record["step"]]), (record, reference)
 
         os.kill(nodes[1].pid, signal.SIGKILL)  # node 1's launcher, as a lost node would take it
         killed = time.time()
@@ -138,7 +127,7 @@ def test_two_nodes_equal_one_and_a_dead_node_ends_the_job_which_resumes_on_one_n
     assert f"at step {tracker}" in resumed.stdout, resumed.stdout[-2000:]
     first = next(line for line in resumed.stdout.splitlines() if f"/{STEPS} | loss " in line)
     assert f"step {tracker + 1}/{STEPS} | loss " in first, first
-    records = _records(out)
+    records = apprun.records(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "each step once"
     for record in records:
-        assert _close(record["loss"], reference[record["step"]]), (record, reference[record["step"]])
+        assert apprun.close(record["loss"], reference[record["step"]]), (record, reference[record["step"]])

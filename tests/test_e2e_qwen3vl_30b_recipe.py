@@ -3,7 +3,8 @@
 - The memory plan on the real architecture: `config.json` written from the published dimensions
   (`tests/qwen3vl_30b_config.py`; meta device, no weights), parameter counts derived here layer by layer,
   the planner's figures against the formulas of docs/memory.md, and `apps/train ... --check --nproc-per-node 16
-  --device-memory 64GiB` printing a plan that fits (the LoRA recipe's plan in-process).
+  --device-memory 64GiB` printing a plan that fits (the app's `main` in-process, as `--check` starts no process;
+  the LoRA recipe's plan from the planner).
 - The launch script runs: `bash examples/qwen3vl/finetune_qwen3vl_30B_v1.sh` with the CPU overrides its README
   documents (read from the README, paths moved to a temporary directory): exit 0, finite losses, the log in
   `LOG_DIR`.
@@ -19,17 +20,17 @@ import shlex
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import apprun
+from mmfsdp.train.cli import main
 from mmfsdp.train.config import load_config
 from mmfsdp.train.memory import memory_plan
 
-ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "apps" / "train"
-RECIPES = ROOT / "examples" / "qwen3vl"
+ROOT = apprun.ROOT
+RECIPES = apprun.EXAMPLES / "qwen3vl"
 FULL, LORA = RECIPES / "qwen3vl_30B_config_v1.yaml", RECIPES / "qwen3vl_30B_lora_config_v1.yaml"
 SCRIPT = RECIPES / "finetune_qwen3vl_30B_v1.sh"
 GiB = 2**30
@@ -131,14 +132,12 @@ def test_lora_recipe_trains_the_adapters_only(model_dir, tmp_path):
     assert plan.fits and plan.total < 9 * GiB
 
 
-def test_check_prints_a_plan_that_fits_16_ranks_of_64gb(model_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(APP), str(FULL), *_overrides(model_dir, tmp_path),
-         "--check", "--nproc-per-node", str(RANKS), "--device-memory", "64GiB"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
+def test_check_prints_a_plan_that_fits_16_ranks_of_64gb(model_dir, tmp_path, capsys):
+    code = main([str(FULL), *_overrides(model_dir, tmp_path), "--check", "--nproc-per-node", str(RANKS),
+                 "--device-memory", "64GiB"])
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert code == 0, out[-4000:]
     assert f"check passed: {RANKS} processes, model qwen3_vl_moe" in out, out[-4000:]
     total = float(re.search(r"^  total +([\d.]+) GiB", out, re.M).group(1))
     fits = re.search(r"^  fits: ([\d.]+) GiB of ([\d.]+) GiB device memory$", out, re.M)

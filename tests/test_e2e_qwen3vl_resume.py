@@ -6,7 +6,8 @@ per epoch). The second run builds the same model on the meta device, shards it a
 same HF directory; it is SIGKILLed (launcher and ranks) after its step-3 checkpoint and restarted
 with the same command. The restart must say it resumed at step 3, log only steps 4-6, and every
 loss of steps 1-6 must equal the reference bitwise: steps 1-3 prove meta init from HF, steps 4-6
-prove the resume (mid-epoch, across the epoch boundary) is exact.
+prove the resume (mid-epoch, across the epoch boundary) is exact. The reference is the trainer the app's ranks
+run, in-process (`apprun.train_in_process`).
 """
 
 from pathlib import Path
@@ -18,9 +19,7 @@ from mmfsdp.ckpt import read_tracker
 from mmfsdp.data import prepare_dataset
 from mmfsdp.train.config import load_config
 
-ROOT = apprun.ROOT
-CONFIG = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
-ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
+CONFIG, ASSETS = apprun.QWEN, apprun.QWEN_ASSETS
 STEPS = 6
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -61,9 +60,7 @@ def setup(tmp_path_factory):
 
 def test_qwen3vl_meta_init_from_hf_then_kill_and_restart_is_exact(setup, tmp_path):
     tmp, hf = setup
-    eager_out = tmp_path / "eager"
-    apprun.run(apprun.command(CONFIG, _items(tmp, eager_out, hf)))
-    reference = {step: values[0] for step, values in apprun.losses(eager_out).items()}
+    reference = apprun.first_losses(apprun.train_in_process(CONFIG, _items(tmp, tmp_path / "eager", hf)))
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     out = tmp_path / "meta"

@@ -2,56 +2,52 @@
 command continues with per-step losses bitwise identical to the uninterrupted run (fp32, CPU),
 mid-epoch and with gradient accumulation. Also: an interrupted run leaves the tracker on a complete
 checkpoint, and a changed world size resumes model and optimizer. (Meta-device init: test_e2e_resume_meta.py.)
+The uninterrupted run is the trainer the app's ranks run, in-process (`apprun.train_in_process`); its step-3
+checkpoint is also the one the 1-process run resumes.
 """
 
 import json
-import subprocess
-import time
+import shutil
 
 import pytest
 
 import apprun
 from mmfsdp.ckpt import read_tracker
-from tiny_resume import ROOT, STEPS, command as _command, prepared_data
+from mmfsdp.ckpt.layout import iteration_dirname, write_tracker
+from tiny_resume import STEPS, TINY, command, items, prepared_data
 
 pytestmark = pytest.mark.slow
 
-_losses = apprun.losses
-_kill_tree = apprun.kill_tree
-_run = apprun.run
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return prepared_data(tmp_path_factory)
 
 
-def test_sigkill_and_restart_continue_bitwise(data, tmp_path):
-    reference_out = tmp_path / "reference"
-    _run(_command(data, reference_out))
-    reference = _losses(reference_out)
-    assert sorted(reference) == list(range(1, STEPS + 1))
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted run (the app's trainer in-process: the app's losses bitwise), with its checkpoints."""
+    out = apprun.train_in_process(TINY, items(data, tmp_path_factory.mktemp("reference") / "run"))
+    losses = apprun.first_losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return out, losses
 
+
+def test_sigkill_and_restart_continue_bitwise(data, reference, tmp_path):
+    _, reference = reference
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_command(data, out), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if metrics.exists() and any(json.loads(l)["step"] >= 5 for l in metrics.read_text().splitlines()):
-            break
-        if proc.poll() is not None:
-            pytest.fail("the run ended before it could be killed")
-        time.sleep(0.2)
-    _kill_tree(proc.pid)
-    proc.wait()
+    apprun.kill_when(apprun.start(command(data, out)), lambda: any(r["step"] >= 5 for r in apprun.records(out)),
+                     "step 5")
     tracker = read_tracker(out / "ckpt")
     assert tracker in (3, 6), f"tracker points at {tracker!r}"
     # Mark the rows the killed run logged after its checkpoint: the restart must replace them, not keep them.
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    rows = apprun.records(out)
     assert max(r["step"] for r in rows) > tracker
     marked = [{**r, "killed_run": True} if r["step"] > tracker else r for r in rows]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in marked))
 
-    restart = _run(_command(data, out))
+    restart = apprun.run(command(data, out))
     assert f"at step {tracker}" in restart.stdout, [l for l in restart.stdout.splitlines() if "step" in l][:5]
     assert f"dropped {len(rows) - tracker} rows of metrics.jsonl after step {tracker}" in restart.stdout
     after = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -59,16 +55,17 @@ def test_sigkill_and_restart_continue_bitwise(data, tmp_path):
     assert after[:tracker] == rows[:tracker], "the rows up to the checkpoint are kept as they were"
     assert not any("killed_run" in r for r in after[tracker:]), "the rows after the checkpoint are the restart's"
     for record in after:
-        assert record["loss"] == reference[record["step"]][0], f"step {record['step']}: {record} vs {reference}"
+        assert record["loss"] == reference[record["step"]], f"step {record['step']}: {record} vs {reference}"
 
 
-def test_resume_on_a_different_world_size_loads_model_and_optimizer(data, tmp_path):
+def test_resume_on_a_different_world_size_loads_model_and_optimizer(data, reference, tmp_path):
+    """The 2-process reference's step-3 checkpoint (and its metrics.jsonl) resumed by the app on 1 process."""
+    reference_out, _ = reference
     out = tmp_path / "reshard"
-    cmd = _command(data, out)
-    first = [c if c != f"training.train_iters={STEPS}" else "training.train_iters=3" for c in cmd]
-    _run(first)
+    shutil.copytree(reference_out / "ckpt" / iteration_dirname(3), out / "ckpt" / iteration_dirname(3))
+    write_tracker(out / "ckpt", 3)
+    shutil.copy(reference_out / "metrics.jsonl", out / "metrics.jsonl")
     assert read_tracker(out / "ckpt") == 3
-    proc = _run(_command(data, out, nproc=1))
-    assert "resumed from" in proc.stdout
-    steps = _losses(out)
-    assert sorted(steps) == list(range(1, STEPS + 1))
+    proc = apprun.run(command(data, out, nproc=1))
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout, proc.stdout[-2000:]
+    assert apprun.logged_steps(out) == list(range(1, STEPS + 1)), "steps 1-3 kept, 4-8 the resumed run's"

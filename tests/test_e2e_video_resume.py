@@ -4,7 +4,8 @@ The data is the example's own mix (`make_motion_dataset`, 32 training rows: clip
 samples per step (micro-batch 2, accumulation 2), so an epoch is 4 steps. The run is SIGKILLed (launcher and
 ranks) after its step-3 checkpoint and restarted with the same command: the restart must say it resumed at step 3,
 not start at step 1, log steps 4-6 once, and every loss of steps 1-6 must equal the uninterrupted run's bitwise
-(mid-epoch, and across the epoch boundary where the shuffled order of video rows changes).
+(mid-epoch, and across the epoch boundary where the shuffled order of video rows changes). The uninterrupted run
+is the trainer the app's ranks run, in-process (`apprun.train_in_process`).
 """
 
 from pathlib import Path
@@ -15,8 +16,7 @@ import apprun
 from mmfsdp.ckpt import read_tracker
 from mmfsdp.data.synthetic import make_motion_dataset
 
-ROOT = apprun.ROOT
-CONFIG = ROOT / "examples" / "qwen3vl-video-tiny" / "config.yaml"
+CONFIG = apprun.EXAMPLES / "qwen3vl-video-tiny" / "config.yaml"
 STEPS = 6
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,9 +46,7 @@ def data(tmp_path_factory):
 
 
 def test_video_run_killed_and_restarted_is_exact(data, tmp_path):
-    reference_out = tmp_path / "reference"
-    apprun.run(apprun.command(CONFIG, _items(data, reference_out)))
-    reference = {step: values[0] for step, values in apprun.losses(reference_out).items()}
+    reference = apprun.first_losses(apprun.train_in_process(CONFIG, _items(data, tmp_path / "reference")))
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     out = tmp_path / "killed"

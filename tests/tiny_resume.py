@@ -11,8 +11,7 @@ import apprun
 from mmfsdp.data import prepare_dataset
 from mmfsdp.train.config import load_config
 
-ROOT = apprun.ROOT
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
+TINY = apprun.TINY
 STEPS = 8
 
 

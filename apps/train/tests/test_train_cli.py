@@ -23,3 +23,14 @@ def test_help_explains_every_flag(capsys):
 def test_device_memory_sizes(text, size):
     assert _parse_size(text) == size
     assert _parser().parse_intermixed_args(["--device-memory", text]).device_memory == size
+
+
+def test_entry_exits_with_mains_code_after_freezing_the_heap(monkeypatch):
+    from mmfsdp.train import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda: calls.append("main") or 3)
+    monkeypatch.setattr(cli.gc, "freeze", lambda: calls.append("freeze"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.entry()
+    assert exit_.value.code == 3 and calls == ["main", "freeze"]

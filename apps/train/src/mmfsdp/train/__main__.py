@@ -1,5 +1,5 @@
 """`python -m mmfsdp.train [CONFIG] [key.path=value ...]`."""
 
-from mmfsdp.train.cli import main
+from mmfsdp.train.cli import entry
 
-raise SystemExit(main())
+entry()
