@@ -1,7 +1,7 @@
 """Conversion works tensor by tensor / shard by shard: peak RSS grows by a few tensors, never the model.
 
 Each conversion runs in a fresh child process (this file as a script) that
-reports its RSS after imports and its peak RSS (VmHWM) after converting a 128 MB
+reports its RSS after imports and its peak RSS (VmHWM, reset after the imports) after converting a 128 MB
 checkpoint of 16 tensors of 8 MB.
 
 glibc serves allocations below its sliding mmap threshold (up to 32 MB) from a
@@ -39,6 +39,8 @@ def _rss_mb(field: str) -> float:
 def _child(mode: str, src: str, out: str, assets: str) -> None:
     from mmfsdp.ckpt import dcp_to_hf, hf_to_dcp  # imported before the baseline is taken
 
+    with open("/proc/self/clear_refs", "w") as f:  # the high-water mark from here on: the imports' peaks (compiling
+        f.write("5")                                 # sources where no .pyc exists) must not hide the conversion's
     baseline = _rss_mb("VmRSS")
     if mode == "hf_to_dcp":
         hf_to_dcp(src, out, progress=False)
@@ -80,7 +82,9 @@ def test_conversion_peak_memory_stays_near_one_tensor_or_shard(tmp_path):
     save_checkpoint(tmp_path / "train", 1, model=module)
     del module
     growth = _measure("dcp_to_hf", tmp_path / "train", tmp_path / "out2", hf)
-    assert growth < 2 * TENSOR_MB + 3 * TENSOR_MB, f"dcp_to_hf (packed) grew RSS by {growth:.0f} MB for a {model_mb} MB model"
+    # one output shard of 2 tensors loaded, its file being serialised (2 more), one tensor in flight; plus up to 1 MB
+    # of heap (allocations below the pinned 1 MB mmap threshold)
+    assert growth < 5 * TENSOR_MB + 1, f"dcp_to_hf (packed) grew RSS by {growth:.0f} MB for a {model_mb} MB model"
 
 
 if __name__ == "__main__":
