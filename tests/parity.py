@@ -84,7 +84,10 @@ def _shapes(num_train: int, num_eval: int) -> Callable[[Path], None]:
         from mmfsdp.data import prepare_dataset
         from mmfsdp.train.config import load_config
 
-        overrides = {**_shapes_overrides(str(out), num_train, num_eval), "data.dataset_param.basic_parameters.cache_dir": out / "raw"}
+        overrides = {
+            **_shapes_overrides(str(out), num_train, num_eval),
+            "data.dataset_param.basic_parameters.cache_dir": out.with_name(f"{out.name}-raw"),
+        }
         prepare_dataset(load_config(TINY, [f"{k}={v}" for k, v in overrides.items()]).data)
 
     return build
@@ -339,7 +342,9 @@ def resolve(case: Case, tmp: Path, shared: Path) -> dict:
     fill = {"dir": data_dir, "tmp": tmp, "shared": shared}
     overrides = [f"{key}={str(value).format(**fill)}" for key, value in items.items()]
     probes = [(inspect.getfile(probe), probe.__name__) for probe in case.probes]
-    return {"name": case.name, "config": str(case.config), "overrides": overrides, "probes": probes, "train": case.train}
+    return {
+        "name": case.name, "config": str(case.config), "overrides": overrides, "probes": probes, "train": case.train,
+    }
 
 
 def _key(case: Case, resolved: dict) -> str:

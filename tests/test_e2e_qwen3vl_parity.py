@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 STEPS = 4
 BASE = {
     **QWEN_SETTINGS,
-    "data.dataset_param.preprocess_parameters.cutoff_len": 96,  # a shapes sample has about 30 tokens: a packed row holds 3
+    # a shapes sample has about 30 tokens: a packed row holds 3
+    "data.dataset_param.preprocess_parameters.cutoff_len": 96,
     "training.micro_batch_size": 4,
     "training.train_iters": STEPS,
 }
@@ -58,8 +59,8 @@ CASES = {
         _case("ref_lora", 1, LORA),
         _case("fsdp2", 2, MBS2, "ref", DP2),
         _case("fsdp2_chunk", 2, {**MBS2, **CHUNK_LOSS}, "ref", DP2),
-        _case("ulysses2", 2, {"parallel.ulysses_parallel_size": 2}, "ref", {"world": 2, "dp": 1, "ring": 1, "ulysses": 2}),
-        _case("ring2", 2, {"parallel.ring_attention_size": 2}, "ref", {"world": 2, "dp": 1, "ring": 2, "ulysses": 1}),
+        _case("ulysses2", 2, {"parallel.ulysses_parallel_size": 2}, "ref", {**DP2, "dp": 1, "ulysses": 2}),
+        _case("ring2", 2, {"parallel.ring_attention_size": 2}, "ref", {**DP2, "dp": 1, "ring": 2}),
         _case("fsdp2_packed", 2, {**PACKED, "training.micro_batch_size": 1}, "ref_packed_mbs2", DP2),
         _case("fsdp2_lora", 2, {**MBS2, **LORA}, "ref_lora", DP2),
         _case("ulysses2_ring2", 4, {"parallel.ulysses_parallel_size": 2, "parallel.ring_attention_size": 2}, "ref",

@@ -50,7 +50,9 @@ class PaddedPlanDiffers(Probe):
 
 
 def _packed(micro_batch_size: int, **extra) -> dict:
-    return {"data.dataset_param.basic_parameters.packing": "true", "training.micro_batch_size": micro_batch_size, **extra}
+    return {
+        "data.dataset_param.basic_parameters.packing": "true", "training.micro_batch_size": micro_batch_size, **extra,
+    }
 
 
 def _case(name: str, world: int, dataset: str, overrides: dict, ref: str | None = None, layout: dict | None = None,
@@ -75,8 +77,8 @@ CASES = {
         ),
         _case("ring2", 2, "varlen", _packed(1, **RING2), "ref_packed", CP2),
         _case("ring2_chunk", 2, "varlen", _packed(1, **RING2, **CHUNK), "ref_packed", CP2),
-        _case("ulysses2", 2, "varlen", _packed(1, **ULYSSES2), "ref_packed", {"world": 2, "dp": 1, "ring": 1, "ulysses": 2}),
-        _case("dp2_ring2", 4, "varlen_img", _packed(1, **RING2), "ref_packed_mbs2", {"world": 4, "dp": 2, "ring": 2, "ulysses": 1}),
+        _case("ulysses2", 2, "varlen", _packed(1, **ULYSSES2), "ref_packed", {**CP2, "ring": 1, "ulysses": 2}),
+        _case("dp2_ring2", 4, "varlen_img", _packed(1, **RING2), "ref_packed_mbs2", {**CP2, "world": 4, "dp": 2}),
         *(
             _case(f"{loss}_dp2{suffix}", 2, "varlen_img", {
                 "features.loss_cfg.loss_type": loss, "training.micro_batch_size": mbs,
