@@ -151,7 +151,8 @@ def test_killed_and_restarted_run_continues_on_the_exact_next_sample(results, tm
     reference = _records(tmp / "out" / "balanced")
     assert sorted(reference) == list(range(1, STEPS + 1))
     out = tmp / "out" / "killed"
-    killed = Case("killed", 2, TINY, {**BALANCED, **CHECKPOINTS, "training.save": out / "ckpt", "training.load": out / "ckpt"})
+    resume = {"training.save": out / "ckpt", "training.load": out / "ckpt"}
+    killed = Case("killed", 2, TINY, {**BALANCED, **CHECKPOINTS, **resume})
     cmd = apprun.command(TINY, dict(item.split("=", 1) for item in resolve(killed, tmp, shared)["overrides"]))
     restart, before = apprun.kill_and_restart(cmd, out, 3, STEPS)
     first = next(line for line in restart.stdout.splitlines() if "step " in line and f"/{STEPS} |" in line)
