@@ -1,7 +1,8 @@
 """Token-budget micro-batches with data-parallel balance through the real trainer: parity and exact resume.
 
 fp32 on gloo, 5 steps, on variable-length data (rows of 1–2 images of different sizes, 16x16 ones of a single
-merged token included, and text-only rows, `tests/mixed_data.py`). On 2 processes every optimizer step takes
+merged token included, and text-only rows: `parity.py`'s `mixed`, the dataset of `test_e2e_text_only_parity.py`,
+whose 1-process fixed-batch run of tiny Mistral3 is this file's `ref` too). On 2 processes every optimizer step takes
 the same 4 samples as the 1-process run (`dp × micro_batch_size × gradient_accumulation_steps`), but
 `training.micro_batch_tokens` and `data.dataloader_param.balance` decide which rank runs which sample in how
 many micro-batches (the same number on both ranks, asserted per step). The loss and gradient norm of every
@@ -18,7 +19,7 @@ checkpoint is published and restarted with the same command; the restart must sa
 steps 4–5 once (its first logged step is 4), and every step's loss, gradient norm, token count and planned
 imbalance must equal the uninterrupted in-process run's bitwise (the same samples, in the same micro-batches).
 
-Each world size is spawned once and runs its trainers in turn.
+The cases are a table run by `tests/parity.py` (each world size spawned once).
 """
 
 import json
@@ -27,40 +28,38 @@ from pathlib import Path
 import pytest
 
 import apprun
-from mixed_data import make_mixed_dataset, text_only_share
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
+from apprun import MOE, MOE_ASSETS, QWEN, TINY
+from mixed_data import text_only_share
+from parity import QWEN_SETTINGS, STEPS, Case, Probe, assert_matches, dataset_dir, resolve, run_cases, session_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-QWEN = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
-QWEN_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
-MOE = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
-ASSETS = {QWEN: QWEN_ASSETS, MOE: ROOT / "examples" / "qwen3vl-moe-tiny" / "assets"}
-STEPS = 5
-TOL = 1e-5
 BUDGET = 240
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def _overrides(tmp: Path, name: str, config: Path, **extra) -> list[str]:
-    items = {
-        "data.dataset_param.dataset_type": "huggingface",
-        "data.dataset_param.basic_parameters.dataset": str(tmp / "mixed" / "train.jsonl"),
-        "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "mixed"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache" / config.parent.name),
-        "data.dataset_param.preprocess_parameters.cutoff_len": 160,
-        "data.dataloader_param.num_workers": 0,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 100,
-        "training.output_dir": str(tmp / "out" / name),
-        **({"model.model_name_or_path": str(ASSETS[config]),
-            "data.dataset_param.preprocess_parameters.model_name_or_path": str(ASSETS[config])}
-           if config in ASSETS else {}),
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in items.items()]
+class StepPlans(Probe):
+    """Per step of this rank: how many micro-batches it ran (and the plan's number), their rows, a fingerprint of
+    their tokens and how many ranks the plan is over; and the balance meter's scalars at the end."""
+
+    name = "plans"
+
+    def attach(self, trainer) -> None:
+        loader = trainer.loader
+        self.plans, take = [], loader.next_step
+
+        def next_step(num):
+            batches = take(num)
+            self.plans.append({
+                "count": len(batches), "rows": [int(mb["input_ids"].shape[0]) for mb in batches],
+                "ids": [int(mb["input_ids"].sum()) for mb in batches],
+                "micro_batches": loader.current_step_plan.num_micro_batches if loader.step_mode else None,
+                "plan_ranks": len(loader.current_step_plan.ranks) if loader.step_mode else None,
+            })
+            return batches
+
+        loader.next_step = next_step
+
+    def result(self, trainer) -> dict:
+        return {"steps": self.plans, "metrics": trainer.balance_meter.scalars()}
 
 
 BALANCED = {
@@ -72,92 +71,56 @@ BALANCED = {
 PER_SAMPLE = {"features.loss_cfg.loss_type": "per_sample"}
 PER_TOKEN = {"features.loss_cfg.loss_type": "per_token"}
 REF = {"training.micro_batch_size": 4}
-EP1 = {"parallel.expert_parallel_size": 1}
+MOE_SETTINGS = {
+    "model.model_name_or_path": str(MOE_ASSETS),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(MOE_ASSETS),
+    "parallel.expert_parallel_size": 1,
+}
 CHECKPOINTS = {"training.save_interval": 3, "training.log_interval": 1}
-
-# name: (world size, config, overrides, reference)
-RUNS = {
-    "ref": (1, TINY, REF, None),
-    "ref_per_sample": (1, TINY, {**REF, **PER_SAMPLE}, None),
-    "qwen_ref": (1, QWEN, {**REF, **PER_TOKEN}, None),
-    "moe_ref": (1, MOE, {**REF, **EP1}, None),
-    "balanced": (2, TINY, {**BALANCED, **CHECKPOINTS, "training.save": "{tmp}/ckpt/full"}, "ref"),
-    "balanced_packed": (2, TINY, {**BALANCED, "data.dataset_param.basic_parameters.packing": "true"}, "ref"),
-    "balanced_per_sample": (2, TINY, {**BALANCED, **PER_SAMPLE}, "ref_per_sample"),
-    "qwen_balanced": (2, QWEN, {**BALANCED, **PER_TOKEN}, "qwen_ref"),
-    "balanced_ulysses2": (
-        2, TINY, {**BALANCED, "training.gradient_accumulation_steps": 4, "parallel.ulysses_parallel_size": 2}, "ref"
-    ),
-    "moe_balanced_ep2": (2, MOE, {**BALANCED, "parallel.expert_parallel_size": 2}, "moe_ref"),
+CASES = {
+    case.name: case
+    for case in [
+        Case("ref", 1, TINY, REF),  # test_e2e_text_only_parity.py's `ref_mbs4`
+        Case("ref_per_sample", 1, TINY, {**REF, **PER_SAMPLE}),
+        Case("qwen_ref", 1, QWEN, {**QWEN_SETTINGS, **REF, **PER_TOKEN}),
+        Case("moe_ref", 1, MOE, {**MOE_SETTINGS, **REF}),
+        Case("balanced", 2, TINY, {**BALANCED, **CHECKPOINTS, "training.save": "{tmp}/ckpt/full"}, "ref",
+             probes=(StepPlans,)),
+        Case("balanced_packed", 2, TINY, {**BALANCED, "data.dataset_param.basic_parameters.packing": "true"}, "ref",
+             probes=(StepPlans,)),
+        Case("balanced_per_sample", 2, TINY, {**BALANCED, **PER_SAMPLE}, "ref_per_sample", probes=(StepPlans,)),
+        Case("qwen_balanced", 2, QWEN, {**QWEN_SETTINGS, **BALANCED, **PER_TOKEN}, "qwen_ref", probes=(StepPlans,)),
+        Case("balanced_ulysses2", 2, TINY, {
+            **BALANCED, "training.gradient_accumulation_steps": 4, "parallel.ulysses_parallel_size": 2,
+        }, "ref", probes=(StepPlans,)),
+        Case("moe_balanced_ep2", 2, MOE, {**MOE_SETTINGS, **BALANCED, "parallel.expert_parallel_size": 2}, "moe_ref",
+             probes=(StepPlans,)),
+    ]
 }
 CP_RUNS = ("balanced_ulysses2",)
 """Runs of one CP group: both ranks hold the same micro-batches."""
 
 
-def _train(rank, world_size, tmp, runs):
-    from mmfsdp.train.trainer import Trainer
-
-    results = {}
-    for name, config, overrides in runs:
-        trainer = Trainer(load_config(config, overrides), "cpu")
-        loader = trainer.loader
-        plans, take = [], loader.next_step
-
-        def next_step(num, take=take):
-            batches = take(num)
-            plans.append({"count": len(batches), "rows": [int(mb["input_ids"].shape[0]) for mb in batches],
-                          "ids": [int(mb["input_ids"].sum()) for mb in batches],
-                          "micro_batches": loader.current_step_plan.num_micro_batches if loader.step_mode else None,
-                          "plan_ranks": len(loader.current_step_plan.ranks) if loader.step_mode else None})
-            return batches
-
-        loader.next_step = next_step
-        trainer.train()
-        results[name] = {
-            "steps": [(r.loss, r.grad_norm) for r in trainer.history],
-            "plans": plans,
-            "metrics": trainer.balance_meter.scalars(),
-        }
-        trainer.close()
-    return results
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return session_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("balance")
-    make_mixed_dataset(tmp / "mixed", num_train=40, num_eval=4, seed=11)
-    return tmp
+    return tmp_path_factory.mktemp("balance")
 
 
 @pytest.fixture(scope="module")
-def results(tmp):
-    out = {}
-    for world_size in (1, 2):
-        runs = [
-            (name, str(config), [item.format(tmp=tmp) for item in _overrides(tmp, name, config, **extra)])
-            for name, (world, config, extra, _) in RUNS.items()
-            if world == world_size
-        ]
-        per_rank = run_distributed(_train, world_size, str(tmp), runs, timeout=900)
-        for name in per_rank[0]:
-            out[name] = {**per_rank[0][name], "per_rank": per_rank}
-    return out
+def results(tmp, shared):
+    return run_cases(list(CASES.values()), tmp, shared)
 
 
-def _close(value: float, reference: float) -> bool:
-    return abs(value - reference) <= TOL * abs(reference)
-
-
-@pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run[3] is not None])
-def test_budget_and_balance_match_one_process(results, tmp, name):
-    assert text_only_share(tmp / "mixed") >= 0.4
-    ref = RUNS[name][3]
-    got, expected = results[name], results[ref]
-    assert len(got["steps"]) == len(expected["steps"]) == STEPS
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got["steps"], expected["steps"]), 1):
-        assert _close(loss, ref_loss), f"{name}, step {step}: loss {loss} vs {ref_loss} ({ref})"
-        assert _close(norm, ref_norm), f"{name}, step {step}: grad norm {norm} vs {ref_norm} ({ref})"
-    per_rank = [r[name]["plans"] for r in got["per_rank"]]
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.reference is not None])
+def test_budget_and_balance_match_one_process(results, shared, name):
+    assert text_only_share(dataset_dir(shared, "mixed")) >= 0.4
+    assert_matches(results, CASES[name])
+    per_rank = [plans["steps"] for plans in results[name]["plans"]]
     # the same number of forward/backward passes on both ranks, step by step, and the plan's number
     assert [[p["count"] for p in plans] for plans in per_rank] == [[p["micro_batches"] for p in per_rank[0]]] * 2
     # the plan is over the DP ranks: under Ulysses 2 on 2 processes one DP rank, whose micro-batches both CP ranks run
@@ -170,7 +133,7 @@ def test_budget_and_balance_match_one_process(results, tmp, name):
     # the budget really splits the samples of a rank's step differently from step to step
     counts = [p["count"] for p in per_rank[0]]
     assert len(set(counts)) > 1 or set(counts) != {2}, counts
-    metrics = got["metrics"]
+    metrics = results[name]["plans"][0]["metrics"]
     assert metrics["rank_imbalance"] >= 1.0 and 0.0 <= metrics["padding_fraction"] < 1.0
     assert metrics["planned_imbalance"] >= 1.0
 
@@ -184,13 +147,13 @@ def _records(out: Path) -> dict[int, list[tuple]]:
     return by_step
 
 
-def test_killed_and_restarted_run_continues_on_the_exact_next_sample(results, tmp):
+def test_killed_and_restarted_run_continues_on_the_exact_next_sample(results, tmp, shared):
     reference = _records(tmp / "out" / "balanced")
     assert sorted(reference) == list(range(1, STEPS + 1))
-    name, out = "killed", tmp / "out" / "killed"
-    items = _overrides(tmp, name, TINY, **BALANCED, **CHECKPOINTS,
-                       **{"training.save": out / "ckpt", "training.load": out / "ckpt"})
-    cmd = apprun.command(TINY, dict(item.split("=", 1) for item in items))
+    out = tmp / "out" / "killed"
+    resume = {"training.save": out / "ckpt", "training.load": out / "ckpt"}
+    killed = Case("killed", 2, TINY, {**BALANCED, **CHECKPOINTS, **resume})
+    cmd = apprun.command(TINY, dict(item.split("=", 1) for item in resolve(killed, tmp, shared)["overrides"]))
     restart, before = apprun.kill_and_restart(cmd, out, 3, STEPS)
     first = next(line for line in restart.stdout.splitlines() if "step " in line and f"/{STEPS} |" in line)
     assert f"step 4/{STEPS}" in first, f"the restart's first logged step is not 4: {first}"

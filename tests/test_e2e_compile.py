@@ -15,116 +15,91 @@ not recompile for that (packed attention runs outside the graphs, `mmfsdp.model.
 The tests use torch.compile's `aot_eager` backend (traced and run through AOTAutograd, no code generation). Inductor
 works on this machine too (gcc 12: a 2-block MLP through `apply_compile` with inductor gave outputs within 5e-7 of
 eager over three sequence lengths, with 2 graphs), but its C++ compilation took 82 s under load, per layout.
-One spawn of 2 ranks runs every trainer in turn.
+One spawn of 2 ranks runs every case of the table in turn (`tests/parity.py`).
 """
-
-from pathlib import Path
 
 import pytest
 
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
+from apprun import QWEN
+from parity import QWEN_SETTINGS, Case, Probe, assert_matches, run_cases, session_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
-ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
-STEPS = 5
 MAX_GRAPHS = 16
 """Graphs a compiled run may compile in all: a decoder layer's forward and a variant or two for a new input; the
 Ulysses run's layers break at each all-to-all into several graphs (13 measured), compiled once all the same."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def _overrides(tmp: Path, name: str, **extra) -> list[str]:
-    items = {
-        "model.model_name_or_path": str(ASSETS),
-        "data.dataset_param.preprocess_parameters.model_name_or_path": str(ASSETS),
-        "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "data"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache"),
-        "data.dataset_param.synthetic.num_train": 32,
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 2,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 100,
-        "training.output_dir": str(tmp / "out" / name),
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in items.items()]
+class Graphs(Probe):
+    """Dynamo's graph count after every step (counted from a reset before the trainer is built), each micro-batch's
+    length, and the modules `features.compile` compiled."""
 
+    name = "graphs"
 
-COMPILE = {"features.compile": "true", "features.compile_plan.backend": "aot_eager"}
-LORA = {"training.lora.enable": "true", "training.lora.rank": 8,
-        "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj]", "training.lr": 1.0e-2}
-RUNS = {
-    "eager": {},
-    "compiled": COMPILE,
-    "compiled_recompute": {**COMPILE, "parallel.recompute": "true"},
-    "compiled_chunk": {**COMPILE, "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16},
-    "compiled_ulysses2": {**COMPILE, "parallel.ulysses_parallel_size": 2, "training.micro_batch_size": 4},
-    "eager_lora": LORA,
-    "compiled_lora": {**COMPILE, **LORA},
-}
-REFERENCE = {"compiled_lora": "eager_lora"}
-"""The eager run each compiled run is compared with (default: `eager`)."""
-COMPILED = [name for name in RUNS if name.startswith("compiled")]
+    def __init__(self, case: dict, rank: int):
+        super().__init__(case, rank)
+        import torch
+        from torch._dynamo.utils import counters
 
-
-def _train(rank, world_size, runs):
-    import torch
-    from torch._dynamo.utils import counters
-
-    from mmfsdp.parallel import is_compiled
-    from mmfsdp.train.trainer import Trainer
-
-    results = {}
-    for name, overrides in runs:
         torch._dynamo.reset()
         counters.clear()
-        trainer = Trainer(load_config(CONFIG, overrides), "cpu")
-        graphs, lengths = [], []
+        self.counters, self.graphs, self.lengths = counters, [], []
+
+    def attach(self, trainer) -> None:
         trainer.model.register_forward_pre_hook(
-            lambda module, args, kwargs: lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True
+            lambda module, args, kwargs: self.lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True
         )
         step = trainer.train_step
 
         def counted_step():
             result = step()
-            graphs.append(int(counters["stats"]["unique_graphs"]))
+            self.graphs.append(int(self.counters["stats"]["unique_graphs"]))
             return result
 
         trainer.train_step = counted_step
-        trainer.train()
-        results[name] = {
-            "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
-            "graphs": graphs,
-            "lengths": lengths,
-            "compiled": sorted(n for n, m in trainer.model.named_modules() if is_compiled(m)),
-        }
-    return results
+
+    def result(self, trainer) -> dict:
+        from mmfsdp.parallel import is_compiled
+
+        compiled = sorted(n for n, m in trainer.model.named_modules() if is_compiled(m))
+        return {"graphs": self.graphs, "lengths": self.lengths, "compiled": compiled}
+
+
+COMPILE = {"features.compile": "true", "features.compile_plan.backend": "aot_eager"}
+LORA = {"training.lora.enable": "true", "training.lora.rank": 8,
+        "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj]", "training.lr": 1.0e-2}
+
+
+def _case(name: str, overrides: dict, ref: str | None = None) -> Case:
+    return Case(name, 2, QWEN, {**QWEN_SETTINGS, "training.micro_batch_size": 2, **overrides}, ref, dataset="shapes",
+                probes=(Graphs,))
+
+
+CASES = {
+    case.name: case
+    for case in [
+        _case("eager", {}),
+        _case("compiled", COMPILE, "eager"),
+        _case("compiled_recompute", {**COMPILE, "parallel.recompute": "true"}, "eager"),
+        _case("compiled_chunk", {**COMPILE, "features.enable_chunk_loss": "true",
+                                 "features.chunkloss_plan.chunk_size": 16}, "eager"),
+        _case("compiled_ulysses2", {**COMPILE, "parallel.ulysses_parallel_size": 2, "training.micro_batch_size": 4},
+              "eager"),
+        _case("eager_lora", LORA),
+        _case("compiled_lora", {**COMPILE, **LORA}, "eager_lora"),
+    ]
+}
+COMPILED = [name for name in CASES if name.startswith("compiled")]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("compile")
-    prepare_dataset(load_config(CONFIG, _overrides(tmp, "prepare")).data)
-    runs = [(name, _overrides(tmp, name, **extra)) for name, extra in RUNS.items()]
-    return run_distributed(_train, 2, runs, timeout=1100)[0]
-
-
-def _close(value: float, reference: float) -> bool:
-    return abs(value - reference) <= 1e-5 * abs(reference)
+    out = run_cases(list(CASES.values()), tmp_path_factory.mktemp("compile"), session_dir(tmp_path_factory), 1100)
+    return {name: {**result, **result["graphs"][0]} for name, result in out.items()}
 
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_run_matches_eager(results, name):
-    got, expected = results[name]["steps"], results[REFERENCE.get(name, "eager")]["steps"]
-    assert len(got) == len(expected) == STEPS
-    for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(got, expected), 1):
-        assert tokens == ref_tokens, f"{name}, step {step}: {tokens} tokens vs {ref_tokens}"
-        assert _close(loss, ref_loss), f"{name}, step {step}: loss {loss} vs eager {ref_loss}"
-        assert _close(norm, ref_norm), f"{name}, step {step}: grad norm {norm} vs eager {ref_norm}"
+    assert_matches(results, CASES[name], reference_world=2)
 
 
 def test_compile_covers_the_decoder_layers_only_when_asked(results):
@@ -141,4 +116,4 @@ def test_variable_lengths_do_not_recompile(results, name):
         assert len(set(run["lengths"])) > 1, f"{name}: the micro-batches should differ in length: {run['lengths']}"
     graphs = run["graphs"]
     assert 0 < graphs[-1] <= MAX_GRAPHS, f"{name}: {graphs[-1]} graphs compiled (per step: {graphs})"
-    assert graphs[1] == graphs[-1], f"{name}: steps 3-{STEPS} compiled new graphs (per step: {graphs})"
+    assert graphs[1] == graphs[-1], f"{name}: steps 3-{len(graphs)} compiled new graphs (per step: {graphs})"

@@ -1,74 +1,35 @@
-"""FSDP2 parity through the real trainer: the tiny Mistral3 run, 10 steps, fp32 on gloo.
+"""FSDP2 parity through the real trainer: the tiny Mistral3 run, 5 steps, fp32 on gloo.
 
-2 processes must give the same per-step losses as 1 process with the same global
-batch, and gradient accumulation must match a doubled micro-batch (relative
-difference <= 1e-5).
+2 processes must give the same per-step losses, gradient norms and tokens as 1 process with the same global
+batch, and gradient accumulation must match a doubled micro-batch (relative difference <= 1e-5). The 1-process
+run is `test_e2e_cp.py`'s reference too (one run per session).
 """
-
-from pathlib import Path
 
 import pytest
 
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
+from apprun import TINY
+from parity import Case, assert_matches, assert_steps, learns, run_cases, session_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # runs of the trainer on spawned ranks
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-STEPS = 10
-
-
-def _overrides(tmp: Path, **extra) -> list[str]:
-    items = {
-        "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "data"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache"),
-        "data.dataset_param.synthetic.num_train": 64,
-        "data.dataset_param.synthetic.num_eval": 8,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 100,
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in items.items()]
-
-
-def _train(rank, world_size, overrides):
-    from mmfsdp.train.trainer import Trainer
-
-    cfg = load_config(TINY, overrides)
-    trainer = Trainer(cfg, "cpu")
-    trainer.train()
-    return [(r.loss, r.grad_norm) for r in trainer.history]
+CASES = [
+    Case("single", 1, TINY, {"training.micro_batch_size": 4}, dataset="shapes64"),
+    Case("double", 2, TINY, {"training.micro_batch_size": 2}, "single", dataset="shapes64", layout={"dp": 2}),
+    Case("accumulated", 2, TINY, {"training.micro_batch_size": 1, "training.gradient_accumulation_steps": 2},
+         "single", dataset="shapes64", layout={"dp": 2}),
+]
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
-    prepare_dataset(load_config(TINY, _overrides(tmp)).data)
-    return tmp
+def results(tmp_path_factory):
+    return run_cases(CASES, tmp_path_factory.mktemp("parity"), session_dir(tmp_path_factory))
 
 
-def _run(tmp, world_size, **extra):
-    extra.setdefault("training.output_dir", str(tmp / f"out_{world_size}_{len(extra)}"))
-    return run_distributed(_train, world_size, _overrides(tmp, **extra), timeout=600)[0]
+def test_two_processes_match_one_with_the_same_global_batch(results):
+    assert_matches(results, CASES[1])
+    assert learns(results["single"]), "the run should learn"
 
 
-def _assert_same(a, b):
-    assert len(a) == len(b) == STEPS
-    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(a, b), start=1):
-        assert abs(loss_a - loss_b) <= 1e-5 * abs(loss_b), f"step {step}: loss {loss_a} vs {loss_b}"
-        assert abs(norm_a - norm_b) <= 1e-5 * abs(norm_b), f"step {step}: grad norm {norm_a} vs {norm_b}"
-
-
-def test_two_processes_match_one_with_the_same_global_batch(data_dir):
-    single = _run(data_dir, 1, **{"training.micro_batch_size": 4})
-    double = _run(data_dir, 2, **{"training.micro_batch_size": 2})
-    _assert_same(double, single)
-    assert single[-1][0] < single[0][0], "the run should learn"
-
-
-def test_gradient_accumulation_matches_a_doubled_micro_batch(data_dir):
-    doubled = _run(data_dir, 2, **{"training.micro_batch_size": 2})
-    accumulated = _run(data_dir, 2, **{"training.micro_batch_size": 1, "training.gradient_accumulation_steps": 2})
-    _assert_same(accumulated, doubled)
+def test_gradient_accumulation_matches_a_doubled_micro_batch(results):
+    assert results["accumulated"]["layout"] == results["double"]["layout"]
+    assert_steps("accumulated", results["accumulated"]["steps"], results["double"]["steps"], what="(doubled)")
+    assert_matches(results, CASES[2])

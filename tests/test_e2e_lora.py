@@ -1,4 +1,4 @@
-"""LoRA through the real trainer: the tiny Mistral3 run from HF weights, 5 steps, fp32 on gloo.
+"""LoRA through the real trainer: the tiny Mistral3 run from HF weights, 4 steps, fp32 on gloo.
 
 The base is a `save_pretrained` tiny Mistral3 (original `language_model.model.*` naming); LoRA rank 8 on the
 attention projections of every layer, vision tower included (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
@@ -15,7 +15,8 @@ attention projections of every layer, vision tower included (`q_proj`, `k_proj`,
   `PeftModel.from_pretrained(HF base, dir)`, and through `dcp_to_merged_hf` loaded by `from_pretrained`, give
   the trained model's logits (relative 1e-5); the LoRA checkpoint is at most 1/10 the size of the full one.
 
-Each world size is spawned once (module fixture) and runs all of its trainers in turn.
+The cases are a table run by `tests/parity.py` (each world size spawned once); the HF directory is the
+session's seed-3 tiny Mistral3 (`parity.write_tiny_hf`).
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
+from apprun import TINY
+from parity import Case, Probe, assert_matches, full_tensor, learns, run_cases, session_dir, write_tiny_hf
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-ASSETS = ROOT / "examples" / "tiny" / "assets"
-STEPS = 5
+STEPS = 4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 LORA = {
@@ -41,62 +38,99 @@ LORA = {
     "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj]",
     "training.lr": 1.0e-2,
 }
+HF = "{shared}/hf_tiny_seed3"
 
 
-def _overrides(tmp: Path, name: str, **extra) -> list[str]:
-    items = {
-        "model.model_name_or_path": str(tmp / "hf"),
-        "model.random_init": "false",
-        "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "data"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache"),
-        "data.dataset_param.synthetic.num_train": 32,
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 4,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 100,
-        "training.output_dir": str(tmp / "out" / name),
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in items.items()]
+def _adapters(trainer) -> dict:
+    return {k: full_tensor(v) for k, v in trainer.model.state_dict().items() if "lora_" in k}
 
 
-# name: (world size, overrides); "ref" is the reference of every 2-process run
-RUNS = {
-    "full": (1, {"training.save": "{tmp}/ckpt/full"}),
-    # padded micro-batches: the exported PEFT / merged models take its batch as plain HF does
-    "ref": (1, {**LORA, "training.save": "{tmp}/ckpt/ref", "data.dataloader_param.padding_free": "false"}),
-    "from_peft": (1, {**LORA, "training.lora.pretrained_lora_path": "{tmp}/peft_ref"}),  # built, not trained
-    "fsdp2": (2, {**LORA, "training.micro_batch_size": 2}),
-    "fsdp2_meta_chunk_recompute": (
-        2,
-        {
-            **LORA,
-            "training.micro_batch_size": 2,
-            "training.init_model_with_meta_device": "true",
-            "training.load": "{tmp}/hf",
-            "training.load_format": "hf",
-            "model.model_name_or_path": str(ASSETS),
-            "features.enable_chunk_loss": "true",
-            "features.chunkloss_plan.chunk_size": 16,
+class BaseChanges(Probe):
+    """Base tensors of the trained model that differ from the HF files (collective: full tensors)."""
+
+    name = "base_changes"
+
+    def result(self, trainer) -> list[str]:
+        return _base_changes(trainer, Path(trainer.cfg.model.model_name_or_path))
+
+
+class TrainedModel(Probe):
+    """The trained adapters, the first micro-batch and the trained model's logits on it."""
+
+    name = "trained"
+
+    def attach(self, trainer) -> None:
+        from mmfsdp.model import model_inputs
+
+        state = trainer.loader.state_dict()
+        self.batch = model_inputs(next(trainer.loader))
+        trainer.loader.load_state_dict(state)
+
+    def result(self, trainer) -> dict:
+        import torch
+
+        with torch.no_grad():
+            logits = trainer.model.eval()(**self.batch).logits.detach().clone()
+        return {"adapters": _adapters(trainer), "batch": self.batch, "logits": logits}
+
+
+class FromPeft(Probe):
+    """Export `ref`'s checkpoint with `dcp_to_peft` into the directory the case loads, before its trainer is built;
+    record the adapters the trainer starts from."""
+
+    name = "adapters"
+
+    def __init__(self, case: dict, rank: int):
+        super().__init__(case, rank)
+        from mmfsdp.ckpt.lora import dcp_to_peft
+
+        items = dict(item.split("=", 1) for item in case["overrides"])
+        peft = Path(items["training.lora.pretrained_lora_path"])
+        dcp_to_peft(peft.parent / "ckpt" / "ref", peft)
+
+    def result(self, trainer) -> dict:
+        return _adapters(trainer)
+
+
+class AdapterDtypes(Probe):
+    name = "adapter_dtypes"
+
+    def result(self, trainer) -> list[str]:
+        return sorted({str(p.dtype) for n, p in trainer.model.named_parameters() if "lora_" in n})
+
+
+def _case(name: str, world: int, overrides: dict, ref: str | None = None, layout: tuple | None = None,
+          **kw) -> Case:
+    base = {"model.model_name_or_path": HF, "model.random_init": "false", "training.micro_batch_size": 4,
+            "training.train_iters": STEPS}
+    expected = None if layout is None else dict(zip(("dp", "ulysses", "ring"), layout))
+    return Case(name, world, TINY, {**base, **overrides}, ref, dataset="shapes", layout=expected, **kw)
+
+
+MBS2 = {"training.micro_batch_size": 2}
+CASES = {
+    case.name: case
+    for case in [
+        _case("full", 1, {"training.save": "{tmp}/ckpt/full"}),
+        # padded micro-batches: the exported PEFT / merged models take its batch as plain HF does
+        _case("ref", 1, {**LORA, "training.save": "{tmp}/ckpt/ref", "data.dataloader_param.padding_free": "false"},
+              probes=(BaseChanges, TrainedModel)),
+        _case("from_peft", 1, {**LORA, "training.lora.pretrained_lora_path": "{tmp}/peft_ref"}, probes=(FromPeft,),
+              train=False),
+        _case("fsdp2", 2, {**LORA, **MBS2}, "ref", (2, 1, 1), probes=(BaseChanges,)),
+        _case("fsdp2_meta_chunk_recompute", 2, {
+            **LORA, **MBS2, "training.init_model_with_meta_device": "true", "training.load": HF,
+            "training.load_format": "hf", "model.model_name_or_path": str(TINY.parent / "assets"),
+            "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16,
             "parallel.recompute": "true",
-        },
-    ),
-    "ulysses2": (2, {**LORA, "parallel.ulysses_parallel_size": 2}),
-    "ring2": (2, {**LORA, "parallel.ring_attention_size": 2}),
-    "hsdp": (
-        2,
-        {
-            **LORA,
-            "training.micro_batch_size": 2,
-            "parallel.data_parallel_replicate_size": 2,
-            "parallel.fully_shard_parallel_size": 1,
-        },
-    ),
-    "fsdp2_bf16": (
-        2,
-        {**LORA, "training.micro_batch_size": 2, "model.dtype": "bf16", "parallel.fsdp_plan.param_dtype": "bf16"},
-    ),
+        }, "ref", (2, 1, 1)),
+        _case("ulysses2", 2, {**LORA, "parallel.ulysses_parallel_size": 2}, "ref", (1, 2, 1)),
+        _case("ring2", 2, {**LORA, "parallel.ring_attention_size": 2}, "ref", (1, 1, 2)),
+        _case("hsdp", 2, {**LORA, **MBS2, "parallel.data_parallel_replicate_size": 2,
+                          "parallel.fully_shard_parallel_size": 1}, "ref", (2, 1, 1)),
+        _case("fsdp2_bf16", 2, {**LORA, **MBS2, "model.dtype": "bf16", "parallel.fsdp_plan.param_dtype": "bf16"},
+              probes=(AdapterDtypes,)),
+    ]
 }
 
 
@@ -121,122 +155,45 @@ def _base_changes(trainer, hf_dir: Path) -> list[str]:
     return changed
 
 
-def _train(rank, world_size, tmp, runs):
-    import torch
-
-    from mmfsdp.model import model_inputs
-    from mmfsdp.train.trainer import Trainer
-
-    def adapters(trainer):
-        from torch.distributed.tensor import DTensor
-
-        state = trainer.model.state_dict()
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items() if "lora_" in k}
-
-    results, trained = {}, None
-    for name, overrides in runs:
-        if name == "from_peft":
-            from mmfsdp.ckpt.lora import dcp_to_peft
-
-            dcp_to_peft(tmp / "ckpt" / "ref", tmp / "peft_ref")
-            trainer = Trainer(load_config(TINY, overrides), "cpu")
-            loaded = adapters(trainer)
-            results[name] = {"same_adapters": loaded.keys() == trained.keys()
-                             and all(torch.equal(loaded[k], trained[k]) for k in trained)}
-            trainer.close()
-            continue
-        trainer = Trainer(load_config(TINY, overrides), "cpu")
-        state = trainer.loader.state_dict()
-        batch = model_inputs(next(trainer.loader))
-        trainer.loader.load_state_dict(state)
-        trainer.train()
-        result = {
-            "steps": [(r.loss, r.grad_norm, r.num_tokens) for r in trainer.history],
-            "layout": (trainer.dims.dp_size, trainer.plan.ulysses, trainer.plan.ring),
-        }
-        if name in ("ref", "fsdp2"):
-            result["base_changes"] = _base_changes(trainer, tmp / "hf")
-        if name == "ref":
-            trained = adapters(trainer)
-            with torch.no_grad():
-                result["logits"] = trainer.model.eval()(**batch).logits.detach().clone()
-            result["batch"] = batch
-        if name == "fsdp2_bf16":
-            result["adapter_dtypes"] = sorted(
-                {str(p.dtype) for n, p in trainer.model.named_parameters() if "lora_" in n}
-            )
-        trainer.close()
-        results[name] = result
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    tmp = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(3)
-    Mistral3ForConditionalGeneration(Mistral3Config.from_pretrained(ASSETS)).save_pretrained(tmp / "hf")
-    prepare_dataset(load_config(TINY, _overrides(tmp, "prepare")).data)
-    out = {}
-    for world_size in (1, 2):
-        runs = [
-            (name, _overrides(tmp, name, **{k: str(v).format(tmp=tmp) for k, v in extra.items()}))
-            for name, (world, extra) in RUNS.items()
-            if world == world_size
-        ]
-        out.update(run_distributed(_train, world_size, tmp, runs, timeout=900)[0])
-    return tmp, out
-
-
-def _close(value: float, reference: float) -> bool:
-    return abs(value - reference) <= 1e-5 * abs(reference)
+    shared, tmp = session_dir(tmp_path_factory), tmp_path_factory.mktemp("lora")
+    write_tiny_hf(shared / "hf_tiny_seed3")
+    return tmp, shared, run_cases(list(CASES.values()), tmp, shared)
 
 
 def test_lora_first_step_with_zero_b_is_the_base_models_exactly(results):
-    _, out = results
+    _, _, out = results
     assert out["ref"]["steps"][0][0] == out["full"]["steps"][0][0]
     assert out["ref"]["steps"][0][2] == out["full"]["steps"][0][2]
 
 
-@pytest.mark.parametrize(
-    "name, layout",
-    [
-        ("fsdp2", (2, 1, 1)),
-        ("fsdp2_meta_chunk_recompute", (2, 1, 1)),
-        ("ulysses2", (1, 2, 1)),
-        ("ring2", (1, 1, 2)),
-        ("hsdp", (2, 1, 1)),
-    ],
-)
-def test_lora_layout_matches_one_process(results, name, layout):
-    _, out = results
-    assert out[name]["layout"] == layout and out["ref"]["layout"] == (1, 1, 1), "(data-parallel, Ulysses, Ring size)"
-    got, expected = out[name]["steps"], out["ref"]["steps"]
-    assert len(got) == len(expected) == STEPS
-    for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(got, expected), 1):
-        assert tokens == ref_tokens, f"{name}, step {step}: {tokens} tokens vs {ref_tokens}"
-        assert _close(loss, ref_loss), f"{name}, step {step}: loss {loss} vs {ref_loss}"
-        assert _close(norm, ref_norm), f"{name}, step {step}: grad norm {norm} vs {ref_norm}"
-    assert expected[-1][0] < expected[0][0], "the LoRA run should learn"
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_meta_chunk_recompute", "ulysses2", "ring2", "hsdp"])
+def test_lora_layout_matches_one_process(results, name):
+    _, _, out = results
+    assert out["ref"]["layout"]["dp"] == out["ref"]["layout"]["ulysses"] == out["ref"]["layout"]["ring"] == 1
+    assert_matches(out, CASES[name])
+    assert learns(out["ref"]), "the LoRA run should learn"
 
 
 def test_lora_pretrained_path_starts_from_the_exported_adapters(results):
-    _, out = results
-    assert out["from_peft"]["same_adapters"]
+    import torch
+
+    _, _, out = results
+    loaded, trained = out["from_peft"]["adapters"][0], out["ref"]["trained"][0]["adapters"]
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
 
 
 def test_lora_changes_only_the_adapters(results):
-    _, out = results
-    assert out["ref"]["base_changes"] == [] and out["fsdp2"]["base_changes"] == []
+    _, _, out = results
+    assert out["ref"]["base_changes"][0] == [] and out["fsdp2"]["base_changes"][0] == []
 
 
 def test_lora_bf16_base_with_fp32_adapters_trains(results):
-    _, out = results
+    _, _, out = results
     import math
 
-    assert out["fsdp2_bf16"]["adapter_dtypes"] == ["torch.float32"]
+    assert out["fsdp2_bf16"]["adapter_dtypes"][0] == ["torch.float32"]
     assert all(math.isfinite(loss) for loss, _, _ in out["fsdp2_bf16"]["steps"])
 
 
@@ -252,34 +209,20 @@ def test_lora_checkpoint_exports_give_the_trained_logits_and_are_small(results):
     from mmfsdp.ckpt.cli import main as mm_convert
     from mmfsdp.model.testing import rel_diff
 
-    tmp, out = results
+    tmp, shared, out = results
+    hf = shared / "hf_tiny_seed3"
     lora_ckpt, full_ckpt = tmp / "ckpt" / "ref" / f"iter_{STEPS:07d}", tmp / "ckpt" / "full" / f"iter_{STEPS:07d}"
     assert _dir_bytes(lora_ckpt) * 10 <= _dir_bytes(full_ckpt), (_dir_bytes(lora_ckpt), _dir_bytes(full_ckpt))
 
-    assert (
-        mm_convert(
-            ["LoraConverter", "dcp_to_peft", "--load_dir", str(tmp / "ckpt" / "ref"), "--save_dir", str(tmp / "peft")]
-        )
-        == 0
-    )
-    assert (
-        mm_convert(
-            [
-                "LoraConverter",
-                "dcp_to_merged_hf",
-                "--load_dir",
-                str(tmp / "ckpt" / "ref"),
-                "--save_dir",
-                str(tmp / "merged"),
-                "--model_assets_dir",
-                str(tmp / "hf"),
-            ]
-        )
-        == 0
-    )
-    batch, trained = out["ref"]["batch"], out["ref"]["logits"]
-    peft_model = PeftModel.from_pretrained(Mistral3ForConditionalGeneration.from_pretrained(tmp / "hf"), tmp / "peft")
+    ckpt = str(tmp / "ckpt" / "ref")
+    assert mm_convert(["LoraConverter", "dcp_to_peft", "--load_dir", ckpt, "--save_dir", str(tmp / "peft")]) == 0
+    assert mm_convert([
+        "LoraConverter", "dcp_to_merged_hf", "--load_dir", ckpt, "--save_dir", str(tmp / "merged"),
+        "--model_assets_dir", str(hf),
+    ]) == 0
+    trained = out["ref"]["trained"][0]
+    peft_model = PeftModel.from_pretrained(Mistral3ForConditionalGeneration.from_pretrained(hf), tmp / "peft")
     merged = Mistral3ForConditionalGeneration.from_pretrained(tmp / "merged")
     with torch.no_grad():
-        assert rel_diff(peft_model.eval()(**batch).logits, trained) <= 1e-5
-        assert rel_diff(merged.eval()(**batch).logits, trained) <= 1e-5
+        assert rel_diff(peft_model.eval()(**trained["batch"]).logits, trained["logits"]) <= 1e-5
+        assert rel_diff(merged.eval()(**trained["batch"]).logits, trained["logits"]) <= 1e-5

@@ -9,58 +9,49 @@ of image tokens in a micro-batch the rank trained on, what `--image-token-share`
 within 25 % of that peak, for the plain run, with recompute and with chunk loss.
 """
 
-from pathlib import Path
-
 import pytest
 
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
+from apprun import TINY
+from parity import Case, Probe, run_cases, session_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
-CASES = {
-    "plain": {},
-    "recompute": {"parallel.recompute": "true"},
-    "chunk loss": {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 256},
+BASE = {
+    "data.dataset_param.basic_parameters.packing": "true",
+    "data.dataset_param.preprocess_parameters.cutoff_len": 512,
+    "training.micro_batch_size": 4,
+    "training.train_iters": 2,
 }
 
 
-def _overrides(tmp: Path, **extra) -> list[str]:
-    items = {
-        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
-        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
-        "data.dataset_param.basic_parameters.packing": "true",
-        "data.dataset_param.synthetic.num_train": 256,
-        "data.dataset_param.synthetic.num_eval": 8,
-        "data.dataset_param.preprocess_parameters.cutoff_len": 512,
-        "training.micro_batch_size": 4,
-        "training.train_iters": 2,
-        "training.log_interval": 100,
-        "training.output_dir": tmp / "out",
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in items.items()]
+class PlannedAndMeasured(Probe):
+    """The plan's total for this run (given the largest image-token share of a micro-batch this rank trained on)
+    and the peak of tensor memory measured while it trained."""
 
+    name = "memory"
 
-def _measure(rank, world_size, cases):
-    from mmfsdp.parallel.tensor_memory import TensorMemory, state_tensors
-    from mmfsdp.train.memory import memory_plan
-    from mmfsdp.train.trainer import Trainer
+    def attach(self, trainer) -> None:
+        from mmfsdp.parallel.tensor_memory import TensorMemory, state_tensors
 
-    results = {}
-    for name, overrides in cases.items():
-        cfg = load_config(TINY, overrides)
-        trainer = Trainer(cfg, "cpu")
         trainer.loader = _ImageShare(trainer.loader, trainer.model.config.image_token_index)
-        with TensorMemory("cpu") as memory:
-            memory.hold(state_tensors(trainer.model, trainer.optimizer))
-            trainer.train()
+        self.memory = TensorMemory("cpu").__enter__()
+        self.memory.hold(state_tensors(trainer.model, trainer.optimizer))
+
+    def result(self, trainer) -> tuple[int, int]:
+        from mmfsdp.train.memory import memory_plan
+
+        self.memory.__exit__(None, None, None)
         share = trainer.loader.largest_share
         assert 0.2 < share < 0.8, share  # the shapes data: about half of each sample is its image
-        results[name] = (memory_plan(cfg, world_size, image_token_share=share).total, memory.peak)
-        trainer.close()
-    return results
+        return memory_plan(trainer.cfg, trainer.world_size, image_token_share=share).total, self.memory.peak
+
+
+CASES = [
+    Case(name, 2, TINY, {**BASE, **extra}, dataset="shapes256", probes=(PlannedAndMeasured,))
+    for name, extra in {
+        "plain": {},
+        "recompute": {"parallel.recompute": "true"},
+        "chunk_loss": {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 256},
+    }.items()
+]
 
 
 class _ImageShare:
@@ -80,20 +71,11 @@ class _ImageShare:
         return getattr(self.loader, name)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("memory")
-    prepare_dataset(load_config(TINY, _overrides(tmp)).data)
-    return tmp
-
-
 @pytest.mark.slow
-def test_the_planned_peak_is_within_25_percent_of_the_measured_peak(data_dir):
-    cases = {name: _overrides(data_dir, **{"training.output_dir": data_dir / name.replace(" ", "_"), **extra})
-             for name, extra in CASES.items()}
-    per_rank = run_distributed(_measure, 2, cases, timeout=600)
-    for rank, results in enumerate(per_rank):
-        for name, (planned, measured) in results.items():
+def test_the_planned_peak_is_within_25_percent_of_the_measured_peak(tmp_path_factory):
+    results = run_cases(CASES, tmp_path_factory.mktemp("memory"), session_dir(tmp_path_factory), 600)
+    for name, result in results.items():
+        for rank, (planned, measured) in enumerate(result["memory"]):
             print(f"rank {rank} {name}: planned {planned / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
             assert abs(planned - measured) <= 0.25 * measured, (
                 f"rank {rank}, {name}: planned {planned} bytes vs measured peak {measured} bytes")

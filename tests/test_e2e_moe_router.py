@@ -29,7 +29,7 @@ initial weights, given the first batch with `labels=` and `output_router_logits=
 `loss` the LM loss plus coef × aux loss, with the same gradient norm. A dense model with a non-zero
 coefficient, or with expert parallel, is refused by the check, naming the key.
 
-Each world size is spawned once and runs all of its trainers in turn.
+The cases are a table run by `tests/parity.py` (each world size spawned once).
 """
 
 import shutil
@@ -37,78 +37,143 @@ from pathlib import Path
 
 import pytest
 
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
+from apprun import MOE, MOE_ASSETS, TINY, close
+from parity import STEPS, Case, HFFirstStep, Probe, assert_matches, full_tensor, run_cases, session_dir
 from mmfsdp.train.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "qwen3vl-moe-tiny" / "config.yaml"
-ASSETS = ROOT / "examples" / "qwen3vl-moe-tiny" / "assets"
-STEPS = 5
 SAVE_AT = 3
 COEF = 0.5
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
+
+class Router(Probe):
+    """Per step: the router aux loss and the expert load (max, mean)."""
+
+    name = "router"
+
+    def result(self, trainer) -> list[tuple]:
+        return [
+            (r.stats.get("aux_loss"), {"max": r.stats.get("expert_load_max"), "mean": r.stats.get("expert_load_mean")})
+            for r in trainer.history
+        ]
+
+
+class ExpertReads(Probe):
+    """Which expert tensors the HF loader reads, and how many rows of each."""
+
+    name = "expert_reads"
+
+    def __init__(self, case: dict, rank: int):
+        super().__init__(case, rank)
+        from mmfsdp.ckpt.hf import SafetensorsDir
+
+        self.cls, self.reads = SafetensorsDir, []
+        self.read, self.read_slice = read, read_slice = SafetensorsDir.read, SafetensorsDir.read_slice
+
+        def note(key, tensor):
+            if ".mlp.experts." in key:
+                self.reads.append((key, tensor.shape[0]))
+            return tensor
+
+        SafetensorsDir.read = lambda files, key: note(key, read(files, key))
+        SafetensorsDir.read_slice = lambda files, key, index: note(key, read_slice(files, key, index))
+
+    def result(self, trainer) -> dict:
+        return {"rows": sorted({rows for _, rows in self.reads}), "tensors": len(self.reads)}
+
+    def detach(self) -> None:
+        self.cls.read, self.cls.read_slice = self.read, self.read_slice
+
+
+class FirstGrads(Probe):
+    """The gathered gradients of the expert and router parameters when the optimizer first steps (rank 0 of a run
+    from step 0)."""
+
+    name = "grads"
+
+    def attach(self, trainer) -> None:
+        self.grads, step = {}, trainer.optimizer.step
+
+        def first_step(*args, **kwargs):
+            if not self.grads:
+                for name, param in trainer.model.named_parameters():
+                    if (".mlp.experts." in name or ".mlp.gate." in name) and param.grad is not None:
+                        self.grads[name] = full_tensor(param.grad)
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = first_step
+        self.start = trainer.step
+
+    def result(self, trainer) -> dict:
+        return self.grads if self.rank == 0 and self.start == 0 else {}
+
+
+class ResumeFromEP2(Probe):
+    """Before the trainer is built: the `ep2` run's step-3 checkpoint (only) copied to where the case loads from."""
+
+    name = "resume"
+
+    def __init__(self, case: dict, rank: int):
+        super().__init__(case, rank)
+        import torch.distributed as dist
+
+        ckpt = Path(dict(item.split("=", 1) for item in case["overrides"])["training.load"])
+        if rank == 0:
+            shutil.copytree(ckpt.parent / "ep2" / f"iter_{SAVE_AT:07d}", ckpt / f"iter_{SAVE_AT:07d}")
+            (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+        dist.barrier()
+
+
+class HFFirstStepWithAux(HFFirstStep):
+    hf_config = {"router_aux_loss_coef": COEF}
+    hf_kwargs = {"output_router_logits": True}
+
+
 EP2 = {"parallel.expert_parallel_size": 2}
-# name: (world size, overrides); "ref" is the reference of every other run
-RUNS = {
-    # the reference pads its micro-batches (the batch plain HF takes); the others are padding-free (the default)
-    "ref": (1, {"training.micro_batch_size": 4, "data.dataloader_param.padding_free": "false"}),
-    "ref_ga2": (1, {"training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}),
-    "fsdp2": (2, {}),
-    "ep2": (2, {**EP2, "training.save_interval": SAVE_AT}),
-    "ep2_ga2_recompute_chunk": (2, {
-        **EP2, "training.micro_batch_size": 1, "training.gradient_accumulation_steps": 2,
-        "parallel.recompute": "true", "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16,
-    }),
-    "ep2_resumed": (2, {**EP2, "resume_from": "ep2"}),
-    "ep1_resumed": (2, {"resume_from": "ep2"}),
-    "ep2_fsdp2": (4, {**EP2, "training.micro_batch_size": 1, "training.init_model_with_meta_device": "true"}),
-    "ep2_ulysses2": (4, {**EP2, "parallel.ulysses_parallel_size": 2}),
-    "ep2_hsdp": (4, {
-        **EP2, "training.micro_batch_size": 1, "parallel.data_parallel_replicate_size": 2,
-        "training.init_model_with_meta_device": "true",
-    }),
-}
+PROBES = (Router, ExpertReads, FirstGrads)
 
 
-def _overrides(tmp: Path, name: str, **extra) -> list[str]:
-    items = {
-        "data.dataset_param.basic_parameters.dataset_dir": str(tmp / "data"),
-        "data.dataset_param.basic_parameters.cache_dir": str(tmp / "cache"),
-        "data.dataset_param.synthetic.num_train": 32,
-        "data.dataset_param.synthetic.num_eval": 4,
+def _case(name: str, world: int, overrides: dict, ref: str | None = None, layout: dict | None = None,
+          probes: tuple = PROBES) -> Case:
+    base = {
         "data.dataset_param.preprocess_parameters.cutoff_len": 96,
+        "data.dataset_param.preprocess_parameters.model_name_or_path": str(MOE_ASSETS),
         "features.loss_cfg.router_aux_loss_coef": COEF,
         "parallel.expert_parallel_size": 1,  # the example runs EP 2; each run sets its own
-        "model.model_name_or_path": str(tmp / "hf"),
+        "model.model_name_or_path": "{tmp}/hf",
         "model.random_init": "false",
         "training.micro_batch_size": 2,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 100,
-        "training.output_dir": str(tmp / "out" / name),
-        **extra,
     }
-    return [f"{k}={v}" for k, v in items.items()]
+    full = None if layout is None else {"world": world, **dict(zip(("dp", "ep", "ulysses", "replicate"), layout))}
+    return Case(name, world, MOE, {**base, **overrides}, ref, dataset="shapes", probes=probes, layout=full)
 
 
-def _hf_step(batch, weights) -> tuple[float, float]:
-    import torch
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-    from mmfsdp.model import model_inputs
-
-    with torch.random.fork_rng():
-        config = Qwen3VLMoeConfig.from_pretrained(ASSETS)
-        config.text_config.router_aux_loss_coef = COEF
-        model = Qwen3VLMoeForConditionalGeneration._from_config(config, attn_implementation="sdpa")
-    model.load_state_dict(weights, strict=True)
-    model.train()
-    loss = model(**model_inputs(batch), labels=batch["labels"], output_router_logits=True).loss
-    loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return float(loss), float(norm)
+CASES = {
+    case.name: case
+    for case in [
+        # the reference pads its micro-batches (the batch plain HF takes); the others are padding-free (the default)
+        _case("ref", 1, {"training.micro_batch_size": 4, "data.dataloader_param.padding_free": "false"},
+              probes=(*PROBES, HFFirstStepWithAux)),
+        _case("ref_ga2", 1, {"training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}),
+        _case("fsdp2", 2, {}, "ref", (2, 1, 1, 1)),
+        _case("ep2", 2, {**EP2, "training.save_interval": SAVE_AT, "training.save": "{tmp}/ckpt/ep2"}, "ref",
+              (2, 2, 1, 1)),
+        _case("ep2_ga2_recompute_chunk", 2, {
+            **EP2, "training.micro_batch_size": 1, "training.gradient_accumulation_steps": 2,
+            "parallel.recompute": "true", "features.enable_chunk_loss": "true",
+            "features.chunkloss_plan.chunk_size": 16,
+        }, "ref_ga2", (2, 2, 1, 1)),
+        _case("ep2_resumed", 2, {**EP2, "training.load": "{tmp}/ckpt/ep2_resumed"}, probes=(*PROBES, ResumeFromEP2)),
+        _case("ep1_resumed", 2, {"training.load": "{tmp}/ckpt/ep1_resumed"}, probes=(*PROBES, ResumeFromEP2)),
+        _case("ep2_fsdp2", 4, {**EP2, "training.micro_batch_size": 1, "training.init_model_with_meta_device": "true"},
+              "ref", (4, 2, 1, 1)),
+        _case("ep2_ulysses2", 4, {**EP2, "parallel.ulysses_parallel_size": 2}, "ref", (2, 2, 2, 1)),
+        _case("ep2_hsdp", 4, {
+            **EP2, "training.micro_batch_size": 1, "parallel.data_parallel_replicate_size": 2,
+            "training.init_model_with_meta_device": "true",
+        }, "ref", (4, 2, 1, 2)),
+    ]
+}
 
 
 def _write_hub_layout(directory: Path, state: dict) -> None:
@@ -126,97 +191,7 @@ def _write_hub_layout(directory: Path, state: dict) -> None:
         save_file({name: tensors[name] for name in part}, directory / filename)
         weight_map.update({name: filename for name in part})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    shutil.copy(ASSETS / "config.json", directory / "config.json")
-
-
-def _record_expert_reads(into: list) -> None:
-    """Record which expert tensors the HF loader reads, and how many rows of each."""
-    from mmfsdp.ckpt.hf import SafetensorsDir
-
-    read, read_slice = SafetensorsDir.read, SafetensorsDir.read_slice
-
-    def whole(self, key):
-        tensor = read(self, key)
-        if ".mlp.experts." in key:
-            into.append((key, tensor.shape[0]))
-        return tensor
-
-    def rows(self, key, index):
-        tensor = read_slice(self, key, index)
-        if ".mlp.experts." in key:
-            into.append((key, tensor.shape[0]))
-        return tensor
-
-    SafetensorsDir.read, SafetensorsDir.read_slice = whole, rows
-
-
-def _full(tensor):
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
-def _capture_first_grads(trainer, into: dict) -> None:
-    """Keep the gathered gradients of the expert and router parameters when the optimizer first steps."""
-    step = trainer.optimizer.step
-
-    def first_step(*args, **kwargs):
-        if not into:
-            for name, param in trainer.model.named_parameters():
-                if (".mlp.experts." in name or ".mlp.gate." in name) and param.grad is not None:
-                    into[name] = _full(param.grad)
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = first_step
-
-
-def _train(rank, world_size, tmp, runs):
-    from mmfsdp.train.trainer import Trainer
-
-    tmp = Path(tmp)
-    results = {}
-    for name, extra in runs:
-        extra = dict(extra)
-        source = extra.pop("resume_from", None)
-        if source is not None:  # resume from the source run's step-3 checkpoint only
-            ckpt = tmp / "ckpt" / name
-            if rank == 0:
-                shutil.copytree(tmp / "ckpt" / source / f"iter_{SAVE_AT:07d}", ckpt / f"iter_{SAVE_AT:07d}")
-                (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-            import torch.distributed as dist
-
-            dist.barrier()
-            extra["training.load"] = str(ckpt)
-        elif "training.save_interval" in extra:
-            extra["training.save"] = str(tmp / "ckpt" / name)
-        expert_reads: list = []
-        _record_expert_reads(expert_reads)
-        trainer = Trainer(load_config(CONFIG, _overrides(tmp, name, **extra)), "cpu")
-        first = None
-        if name == "ref":
-            state = trainer.loader.state_dict()
-            batch = next(trainer.loader)
-            trainer.loader.load_state_dict(state)
-            first = (batch, {k: _full(v) for k, v in trainer.model.state_dict().items()})
-        grads: dict = {}
-        _capture_first_grads(trainer, grads)
-        start = trainer.step
-        trainer.train()
-        plan = trainer.plan
-        results[name] = {
-            "layout": {"world": world_size, "dp": plan.dp, "ep": plan.ep, "ulysses": plan.ulysses,
-                       "replicate": plan.dp_replicate},
-            "start": start,
-            "steps": [(r.loss, r.stats.get("aux_loss"), r.grad_norm,
-                       {"max": r.stats.get("expert_load_max"), "mean": r.stats.get("expert_load_mean")})
-                      for r in trainer.history],
-            "grads": grads if rank == 0 and start == 0 else {},
-            "expert_rows_read": sorted({rows for _, rows in expert_reads}),
-            "expert_tensors_read": len(expert_reads),
-        }
-        if first is not None:
-            results[name]["hf_step1"] = _hf_step(*first)
-    return results
+    shutil.copy(MOE_ASSETS / "config.json", directory / "config.json")
 
 
 @pytest.fixture(scope="module")
@@ -226,57 +201,32 @@ def results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("moe")
     torch.manual_seed(7)
-    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig.from_pretrained(ASSETS))
+    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig.from_pretrained(MOE_ASSETS))
     _write_hub_layout(tmp / "hf", model.state_dict())
-    prepare_dataset(load_config(CONFIG, _overrides(tmp, "prepare")).data)
-    out = {}
-    for world_size in (1, 2, 4):
-        runs = [(name, extra) for name, (world, extra) in RUNS.items() if world == world_size]
-        out.update(run_distributed(_train, world_size, str(tmp), runs, timeout=1200)[0])
-    return out
+    return run_cases(list(CASES.values()), tmp, session_dir(tmp_path_factory), 1200)
 
 
-def _close(value: float, reference: float, rel: float = 1e-5) -> bool:
-    return abs(value - reference) <= rel * abs(reference)
-
-
-def _assert_steps_match(name: str, got: list, expected: list) -> None:
-    for step, (mine, theirs) in enumerate(zip(got, expected), 1):
-        (loss, aux, norm, load), (ref_loss, ref_aux, ref_norm, ref_load) = mine, theirs
+def _assert_router_matches(name: str, got: dict, expected: dict, first: int = 0) -> None:
+    """The aux loss (logged, within 1e-5) and the expert load (equal) of every step of `got` and `expected` from
+    step `first` + 1."""
+    for step, ((aux, load), (ref_aux, ref_load)) in enumerate(zip(got["router"][0], expected["router"][0][first:]), 1):
         assert aux is not None and ref_aux > 0, f"{name}, step {step}: no router aux loss logged"
-        assert _close(loss, ref_loss), f"{name}, step {step}: LM loss {loss} vs {ref_loss}"
-        assert _close(aux, ref_aux), f"{name}, step {step}: aux loss {aux} vs {ref_aux}"
-        assert _close(norm, ref_norm), f"{name}, step {step}: grad norm {norm} vs {ref_norm}"
+        assert close(aux, ref_aux), f"{name}, step {step}: aux loss {aux} vs {ref_aux}"
         assert load == ref_load, f"{name}, step {step}: expert load {load} vs {ref_load}"
 
 
-REFERENCE = {"ep2_ga2_recompute_chunk": "ref_ga2"}
-"""The 1-process run a layout is compared with, when not "ref"."""
-
-
-@pytest.mark.parametrize(
-    "name, layout",
-    [
-        ("fsdp2", {"world": 2, "dp": 2, "ep": 1, "ulysses": 1, "replicate": 1}),
-        ("ep2", {"world": 2, "dp": 2, "ep": 2, "ulysses": 1, "replicate": 1}),
-        ("ep2_ga2_recompute_chunk", {"world": 2, "dp": 2, "ep": 2, "ulysses": 1, "replicate": 1}),
-        ("ep2_fsdp2", {"world": 4, "dp": 4, "ep": 2, "ulysses": 1, "replicate": 1}),
-        ("ep2_ulysses2", {"world": 4, "dp": 2, "ep": 2, "ulysses": 2, "replicate": 1}),
-        ("ep2_hsdp", {"world": 4, "dp": 4, "ep": 2, "ulysses": 1, "replicate": 2}),
-    ],
-)
-def test_moe_layout_matches_one_process(results, name, layout):
-    got, expected = results[name], results[REFERENCE.get(name, "ref")]
-    assert got["layout"] == layout, f"{name} ran as {got['layout']}"
-    assert len(got["steps"]) == len(expected["steps"]) == STEPS
-    _assert_steps_match(name, got["steps"], expected["steps"])
+@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ep2_ga2_recompute_chunk", "ep2_fsdp2", "ep2_ulysses2", "ep2_hsdp"])
+def test_moe_layout_matches_one_process(results, name):
+    case = CASES[name]
+    assert_matches(results, case)
+    _assert_router_matches(name, results[name], results[case.reference])
 
 
 @pytest.mark.parametrize("name", ["ep2", "ep2_ga2_recompute_chunk", "ep2_fsdp2", "ep2_ulysses2", "ep2_hsdp"])
 def test_expert_and_router_gradients_of_step_one_match_one_process(results, name):
     import torch
 
-    got, expected = results[name]["grads"], results[REFERENCE.get(name, "ref")]["grads"]
+    got, expected = results[name]["grads"][0], results[CASES[name].reference]["grads"][0]
     assert any(".mlp.experts.gate_up_proj" in k for k in expected) and any(".mlp.gate.weight" in k for k in expected)
     assert sorted(got) == sorted(expected)
     for key, reference in expected.items():
@@ -289,36 +239,42 @@ def test_expert_and_router_gradients_of_step_one_match_one_process(results, name
 @pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_hsdp"])
 def test_meta_init_under_expert_parallel_reads_only_each_ranks_experts(results, name):
     # 2 layers x (gate_up_proj, down_proj); EP 2 x FSDP 2 holds 2 of the 8 experts per rank, EP 2 x HSDP 4
-    assert results[name]["expert_tensors_read"] == 4
-    assert results[name]["expert_rows_read"] == ([2] if name == "ep2_fsdp2" else [4])
+    reads = results[name]["expert_reads"][0]
+    assert reads["tensors"] == 4
+    assert reads["rows"] == ([2] if name == "ep2_fsdp2" else [4])
 
 
 @pytest.mark.parametrize("name", ["ep2_resumed", "ep1_resumed"])
 def test_resume_from_an_ep2_checkpoint_continues_the_run(results, name):
+    from parity import assert_steps
+
     got, uninterrupted = results[name], results["ep2"]
     assert got["start"] == SAVE_AT, f"{name} started at step {got['start']}, not at the checkpoint"
     assert len(got["steps"]) == STEPS - SAVE_AT
-    _assert_steps_match(name, got["steps"], uninterrupted["steps"][SAVE_AT:])
+    assert_steps(name, got["steps"], uninterrupted["steps"][SAVE_AT:], what="(uninterrupted)")
+    _assert_router_matches(name, got, uninterrupted, SAVE_AT)
 
 
 def test_accumulation_reference_has_the_same_lm_loss(results):
     """Accumulating two micro-batches changes only the aux loss (HF's, per micro-batch), not the LM loss."""
-    for (loss, aux, _, _), (ref_loss, ref_aux, _, _) in zip(results["ref_ga2"]["steps"][:1], results["ref"]["steps"][:1]):
-        assert _close(loss, ref_loss) and aux != ref_aux
+    (loss, _, _), (ref_loss, _, _) = results["ref_ga2"]["steps"][0], results["ref"]["steps"][0]
+    (aux, _), (ref_aux, _) = results["ref_ga2"]["router"][0][0], results["ref"]["router"][0][0]
+    assert close(loss, ref_loss) and aux != ref_aux
 
 
 def test_first_step_lm_plus_aux_loss_matches_plain_hf(results):
-    loss, aux, norm, load = results["ref"]["steps"][0]
-    hf_loss, hf_norm = results["ref"]["hf_step1"]
-    assert _close(loss + COEF * aux, hf_loss), f"step 1: {loss} + {COEF} x {aux} vs HF {hf_loss}"
-    assert _close(norm, hf_norm), f"step 1: grad norm {norm} vs HF {hf_norm}"
+    loss, norm, _ = results["ref"]["steps"][0]
+    aux, load = results["ref"]["router"][0][0]
+    hf_loss, hf_norm = results["ref"]["hf_step1"][0]
+    assert close(loss + COEF * aux, hf_loss), f"step 1: {loss} + {COEF} x {aux} vs HF {hf_loss}"
+    assert close(norm, hf_norm), f"step 1: grad norm {norm} vs HF {hf_norm}"
     assert load["max"] >= load["mean"] > 0
 
 
 def test_router_aux_loss_on_a_dense_model_is_a_config_error():
     from mmfsdp.train.check import model_check
 
-    cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", ["features.loss_cfg.router_aux_loss_coef=0.01"])
+    cfg = load_config(TINY, ["features.loss_cfg.router_aux_loss_coef=0.01"])
     errors = [e for e in model_check(cfg) if "router_aux_loss_coef" in str(e)]
     assert len(errors) == 1 and "features.loss_cfg.router_aux_loss_coef" in str(errors[0]), errors
     assert "dense" in str(errors[0])

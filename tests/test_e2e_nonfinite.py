@@ -1,48 +1,44 @@
 """A loss that is NaN/inf stops the run with the step number and the last finite loss."""
 
-from pathlib import Path
-
-from mmfsdp.data import prepare_dataset
-from mmfsdp.parallel.testing import run_distributed
-from mmfsdp.train.config import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny" / "config.yaml"
+from apprun import TINY
+from parity import Case, Probe, run_cases, session_dir
 
 
-def _overrides(tmp: Path) -> list[str]:
-    items = {
-        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
-        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
-        "data.dataset_param.synthetic.num_train": 16,
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 4,
-        "training.train_iters": 6,
-        "training.lr": 1.0e30,  # one AdamW step moves every weight by ~lr: the next loss overflows
-        "training.lr_min": 0.0,
-        "training.lr_decay_style": "constant",
-        "training.lr_warmup_ratio": 0.0,
-        "training.output_dir": tmp / "out",
-    }
-    return [f"{k}={v}" for k, v in items.items()]
+class TrainingStops(Probe):
+    """The `TrainingError` that stopped `trainer.train()` (its message, or None) and the step it stopped at."""
+
+    name = "stopped"
+
+    def attach(self, trainer) -> None:
+        from mmfsdp.train.trainer import TrainingError
+
+        train, self.message = trainer.train, None
+
+        def guarded():
+            try:
+                train()
+            except TrainingError as err:
+                self.message = str(err)
+
+        trainer.train = guarded
+
+    def result(self, trainer) -> dict:
+        return {"message": self.message, "step": trainer.step}
 
 
-def _train_until_error(rank, world_size, overrides):
-    from mmfsdp.train.trainer import Trainer, TrainingError
-
-    trainer = Trainer(load_config(TINY, overrides), "cpu")
-    try:
-        trainer.train()
-    except TrainingError as err:
-        return {"message": str(err), "step": trainer.step, "losses": [r.loss for r in trainer.history]}
-    return {"message": None, "step": trainer.step, "losses": [r.loss for r in trainer.history]}
+CASE = Case("overflow", 1, TINY, {
+    "training.micro_batch_size": 4,
+    "training.train_iters": 6,
+    "training.lr": 1.0e30,  # one AdamW step moves every weight by ~lr: the next loss overflows
+    "training.lr_min": 0.0,
+    "training.lr_decay_style": "constant",
+}, dataset="shapes", probes=(TrainingStops,))
 
 
-def test_non_finite_loss_stops_with_step_and_last_finite_loss(tmp_path):
-    overrides = _overrides(tmp_path)
-    prepare_dataset(load_config(TINY, overrides).data)
-    result = run_distributed(_train_until_error, 1, overrides, timeout=300)[0]
-    assert result["message"] is not None, "the run should have stopped"
-    failed_at = result["step"] + 1
-    assert f"is not finite at step {failed_at}" in result["message"]
-    assert f"last finite loss {result['losses'][-1]:.6f} at step {result['step']}" in result["message"]
+def test_non_finite_loss_stops_with_step_and_last_finite_loss(tmp_path, tmp_path_factory):
+    result = run_cases([CASE], tmp_path, session_dir(tmp_path_factory), 300)["overflow"]
+    stopped = result["stopped"][0]
+    assert stopped["message"] is not None, "the run should have stopped"
+    failed_at = stopped["step"] + 1
+    assert f"is not finite at step {failed_at}" in stopped["message"]
+    assert f"last finite loss {result['steps'][-1][0]:.6f} at step {stopped['step']}" in stopped["message"]
