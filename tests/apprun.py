@@ -33,6 +33,28 @@ def close(value: float, reference: float, rel: float = 1e-5) -> bool:
     return abs(value - reference) <= rel * abs(reference)
 
 
+def synthetic_items(tmp: Path, *, num_train: int = 32, num_eval: int = 4) -> dict:
+    """An example's synthetic shapes data under `tmp` (`tmp/data`, its tokenised cache `tmp/cache`)."""
+    return {
+        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
+        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
+        "data.dataset_param.synthetic.num_train": num_train,
+        "data.dataset_param.synthetic.num_eval": num_eval,
+    }
+
+
+def run_items(out: Path, *, steps: int, micro_batch_size: int = 2, accumulation: int = 1, **extra) -> dict:
+    """A short run into `out` that logs every step: its length, micro-batches and output directory."""
+    return {
+        "training.micro_batch_size": micro_batch_size,
+        "training.gradient_accumulation_steps": accumulation,
+        "training.train_iters": steps,
+        "training.log_interval": 1,
+        "training.output_dir": out,
+        **extra,
+    }
+
+
 def overrides(items: dict) -> list[str]:
     """`key=value` command-line overrides from a dict."""
     return [f"{k}={v}" for k, v in items.items()]

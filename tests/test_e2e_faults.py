@@ -25,16 +25,10 @@ pytestmark = pytest.mark.slow
 
 def _items(data: Path, out: Path, **extra) -> dict:
     return {
-        "data.dataset_param.basic_parameters.dataset_dir": data / "data",
-        "data.dataset_param.basic_parameters.cache_dir": data / "cache",
-        "data.dataset_param.synthetic.num_train": 32,
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 2,
-        "training.train_iters": 10000,  # still running when the test acts
-        "training.log_interval": 1,
+        **apprun.synthetic_items(data),
+        **apprun.run_items(out, steps=10000),  # still running when the test acts
         "training.save": out / "ckpt",
         "training.save_interval": 0,
-        "training.output_dir": out,
         **extra,
     }
 

@@ -21,16 +21,10 @@ TINY = apprun.TINY
 
 def _items(data, out):
     return {
-        "data.dataset_param.basic_parameters.dataset_dir": data / "data",
-        "data.dataset_param.basic_parameters.cache_dir": data / "cache",
-        "data.dataset_param.synthetic.num_train": 32,
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 2,
-        "training.train_iters": 3,
-        "training.log_interval": 1,
+        **apprun.synthetic_items(data),
+        **apprun.run_items(out, steps=3),
         "training.save_interval": 2,
         "training.save": out / "ckpt",
-        "training.output_dir": out,
         "tools.report_to": "all",
     }
 

@@ -27,16 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 def _items(tmp: Path, out: Path, **extra) -> dict:
     return {
         "data.dataset_param.preprocess_parameters.cutoff_len": 96,
-        "data.dataset_param.basic_parameters.dataset_dir": tmp / "data",
-        "data.dataset_param.basic_parameters.cache_dir": tmp / "cache",
-        "data.dataset_param.synthetic.num_train": 32,  # 8 samples per step -> 4 steps per epoch
-        "data.dataset_param.synthetic.num_eval": 4,
-        "training.micro_batch_size": 2,
-        "training.gradient_accumulation_steps": 2,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 1,
-        "training.output_dir": out,
+        **apprun.synthetic_items(tmp),  # 8 samples per step -> 4 steps per epoch
+        **apprun.run_items(out, steps=STEPS, accumulation=2, **{"training.lr_warmup_ratio": 0.0}),
         **extra,
     }
 

@@ -27,12 +27,7 @@ def _items(data: Path, out: Path, **extra) -> dict:
         "data.dataset_param.basic_parameters.eval_dataset": "null",
         "data.dataset_param.basic_parameters.dataset_dir": data,
         "data.dataset_param.basic_parameters.cache_dir": data.parent / "cache",
-        "training.micro_batch_size": 2,
-        "training.gradient_accumulation_steps": 2,
-        "training.train_iters": STEPS,
-        "training.lr_warmup_ratio": 0.0,
-        "training.log_interval": 1,
-        "training.output_dir": out,
+        **apprun.run_items(out, steps=STEPS, accumulation=2, **{"training.lr_warmup_ratio": 0.0}),
         **extra,
     }
 
