@@ -39,23 +39,31 @@ class ModulePatterns(Protocol):
     def decoder_name(self) -> str: ...
 
 
+def _configured_or_default(
+    key: str, configured: list[str] | None, default: tuple[str, ...]
+) -> tuple[str, tuple[str, ...]]:
+    """(config key, patterns): the configured list when set, else the family's default (its key says so)."""
+    if configured is not None:
+        return key, tuple(configured)
+    return f"{key} (model default)", tuple(default)
+
+
 def expert_parallel_patterns(entry: ModulePatterns, parallel_cfg: ParallelConfig) -> tuple[str, tuple[str, ...]]:
     """(config key, patterns) of the experts modules expert parallel shards: `parallel.ep_plan.apply_modules`,
     or the family's `expert_modules`."""
-    key = "parallel.ep_plan.apply_modules"
-    if parallel_cfg.ep_plan.apply_modules is not None:
-        return key, tuple(parallel_cfg.ep_plan.apply_modules)
-    return f"{key} (model default)", tuple(entry.expert_modules)
+    return _configured_or_default("parallel.ep_plan.apply_modules", parallel_cfg.ep_plan.apply_modules,
+                                  entry.expert_modules)
 
 
 def compile_patterns(entry: ModulePatterns, features_cfg: FeaturesConfig) -> tuple[str, list[str]]:
     """(config key, patterns) of the blocks `features.compile` compiles: `features.compile_plan.apply_modules`, or
     the family's recompute patterns under its decoder (`decoder_name`): the decoder layers."""
-    key = "features.compile_plan.apply_modules"
-    if features_cfg.compile_plan.apply_modules is not None:
-        return key, list(features_cfg.compile_plan.apply_modules)
     prefix = entry.decoder_name + "."
-    return f"{key} (model default)", [p for p in entry.recompute_modules if p.startswith(prefix)]
+    key, patterns = _configured_or_default(
+        "features.compile_plan.apply_modules", features_cfg.compile_plan.apply_modules,
+        tuple(p for p in entry.recompute_modules if p.startswith(prefix)),
+    )
+    return key, list(patterns)
 
 
 def fsdp_groups(entry: ModulePatterns, parallel_cfg: ParallelConfig, parallel_dims: ParallelDims) -> list[FSDPGroup]:
@@ -63,10 +71,9 @@ def fsdp_groups(entry: ModulePatterns, parallel_cfg: ParallelConfig, parallel_di
     mesh."""
     from mmfsdp.parallel.fsdp import FSDPGroup
 
-    key = "parallel.fsdp_plan.apply_modules"
-    if parallel_cfg.fsdp_plan.apply_modules is not None:
-        return [FSDPGroup(tuple(parallel_cfg.fsdp_plan.apply_modules), parallel_dims.fsdp_mesh, key)]
-    return [FSDPGroup(tuple(entry.fsdp_modules), parallel_dims.fsdp_mesh, f"{key} (model default)")]
+    key, patterns = _configured_or_default("parallel.fsdp_plan.apply_modules", parallel_cfg.fsdp_plan.apply_modules,
+                                           entry.fsdp_modules)
+    return [FSDPGroup(patterns, parallel_dims.fsdp_mesh, key)]
 
 
 def parallelize(
