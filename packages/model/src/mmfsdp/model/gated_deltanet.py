@@ -1,0 +1,502 @@
+"""Gated DeltaNet (the linear-attention layer of hybrid decoders), exact under packing and context parallel.
+
+`gated_deltanet_forward(module, hidden_states, cu_seq_lens=None, cp=None)` runs a
+module shaped like transformers' `*GatedDeltaNet` (`in_proj_qkv`, `in_proj_z`,
+`in_proj_b`, `in_proj_a`, `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`, the head
+counts and dims) and equals that module run on every sample alone. HF's torch
+fallback ignores `cu_seq_lens`: its convolution and its recurrent state run from
+one packed sample into the next. Here every sample boundary resets both.
+
+The layer, per token t of a sample (HF's maths; S is a `dk × dv` state per value head):
+
+    x = in_proj_qkv(h);  x' = act(causal depthwise conv(x) + bias)  → q, k (per key head), v (per value head)
+    q, k ← l2norm(q), l2norm(k);  q ← q / √dk;  β = σ(in_proj_b(h));  g = −exp(A_log)·softplus(in_proj_a(h) + dt_bias)
+    S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ;   o_t = S_tᵀ q_t
+    out = out_proj(norm(o, z = in_proj_z(h)))
+
+Pieces (each usable alone, on plain tensors):
+
+- `packed_causal_conv1d`: the depthwise causal convolution over segments of a
+  packed sequence; each segment is preceded by `kernel − 1` halo inputs (zeros
+  at a sample start, the previous part's last inputs under context parallel).
+  One `F.conv1d` over the sequence with the halos spliced in.
+- `chunk_gated_delta_rule_packed`: the chunked gated delta rule (chunk 64, the UT
+  transform of HF / fla) over segments with a per-segment initial state and final
+  state. Every segment is chunked from its own start; the intra-chunk algebra is
+  one batched computation over all chunks of all segments, the scan over chunks
+  is batched over the segments (sorted by chunk count, the batch shrinks as
+  segments end), so the loop runs `max chunks per segment` steps — no more than
+  HF's fallback on the longest sample alone. With `fla` importable and CUDA
+  tensors, the whole-sample case goes to `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
+  with `cu_seqlens` (`kernel="auto"`; `"torch"` forces the code here).
+
+Context parallel (`cp`: an object with `layout` (`CPLayout`), `ring_group`, `ulysses_group`,
+i.e. `mmfsdp.model.context_parallel.CPContext`):
+
+- Ring (sequence): the layout cuts every sample into 2·R equal chunks, ring rank r
+  holds chunks r and 2R−1−r. The recurrence is affine in the entering state:
+  over one chunk, S_end = A·S_0 + R (A: `dk × dk` per head) and o_t = o⁰_t + S_0ᵀ q̃_t
+  with q̃_t = A_tᵀ q_t. Each rank computes its chunks at once, with the values
+  widened by `dk` zero columns and the entering state `[0 | I]`: the same kernel then
+  returns o⁰ and q̃ as its output columns and `[R | A]` as its final state. The
+  ranks all-gather `[R | A]` of every chunk (autograd-aware), every rank folds the
+  chain S_in(c+1) = A_c·S_in(c) + R_c for each sample (from the sample's initial
+  state) and adds S_in(c)ᵀ q̃_t to the outputs of its chunk c. The convolution halo:
+  the ranks all-gather the last `kernel − 1` pre-convolution inputs of each chunk;
+  a chunk takes those of the chunks before it in its sample (zeros at chunk 0).
+  Cost per layer and rank, N samples in the row: communication 2N·H·dk·(dk+dv) +
+  2N·(kernel−1)·conv_dim elements gathered from each rank (backward: an all-reduce
+  of R times that); extra flops: the kernel's value width grows from dv to dv+dk
+  (≈ 2× the state-side matmuls when dk = dv), the fold is 2R small `dk×dk @ dk×(dv+dk)`
+  products per sample and head, the correction one `T×dk @ dk×dv` per head. Exact:
+  no approximation, only re-association of sums.
+- Ulysses (heads): after the projections, one all-to-all moves every rank's
+  tokens of q/k (by key head), v/z/β/g-inputs (by value head) to the rank owning
+  those heads — key heads u·Hk/U…, with their Hv/Hk value heads each — so each rank
+  runs the whole (ring-local) sequence for its heads; the output (after the gated
+  norm, which is per head) goes back with the inverse all-to-all before `out_proj`.
+  Needs `num_k_heads % U == 0`.
+- Hybrid: Ulysses inside, the ring above on the ring-local sequence of the local heads.
+
+Shape legend: B batch, T tokens, D hidden, Hk key heads, Hv value heads, dk/dv head dims, C conv channels,
+K conv kernel, N samples/segments.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from mmfsdp.parallel.cp.gather import all_gather_with_grad
+from mmfsdp.parallel.cp.ulysses import heads_to_seq, seq_to_heads
+
+__all__ = [
+    "chunk_gated_delta_rule_packed",
+    "gated_deltanet_forward",
+    "packed_causal_conv1d",
+]
+
+CHUNK = 64
+_L2_EPS = 1e-6
+
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - any import failure means: no fla kernel
+        return None
+    return chunk_gated_delta_rule
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convolution
+
+
+def packed_causal_conv1d(
+    x_TC: torch.Tensor,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    activation: str | None,
+    seg_starts: Sequence[int],
+    seg_lens: Sequence[int],
+    halo_NKC: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv of `x_TC` over contiguous segments covering `[0, T)`.
+
+    Segment n sees, before its first token, `halo_NKC[n]` (`K − 1` inputs, oldest first;
+    zeros when None), never the tokens of the segment before it. Returns `[T, C]`.
+    """
+    T, C = x_TC.shape
+    K = weight_CK.size(-1)
+    n_seg = len(seg_starts)
+    if halo_NKC is None:
+        halo_NKC = x_TC.new_zeros(n_seg, K - 1, C)
+    # source rows: the tokens, then the halos; ext = for each segment, its halo then its tokens
+    src = torch.cat([x_TC, halo_NKC.reshape(-1, C).to(x_TC.dtype)])
+    starts = torch.tensor(list(seg_starts), dtype=torch.long)
+    lens = torch.tensor(list(seg_lens), dtype=torch.long)
+    seg_of_ext = torch.repeat_interleave(torch.arange(n_seg), lens + K - 1)
+    ext_starts = torch.cumsum(lens + K - 1, 0) - (lens + K - 1)
+    pos = torch.arange(int(seg_of_ext.numel())) - ext_starts[seg_of_ext] - (K - 1)  # < 0: halo row
+    is_tok = pos >= 0
+    index = torch.where(is_tok, starts[seg_of_ext] + pos, T + seg_of_ext * (K - 1) + pos + (K - 1))
+    ext = src.index_select(0, index.to(x_TC.device))  # [E, C]
+    out = F.conv1d(ext.t().unsqueeze(0).to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)[0]
+    # output j covers ext rows j .. j+K-1, i.e. the token at ext row j+K-1
+    keep = torch.nonzero(is_tok).squeeze(1) - (K - 1)
+    out = out.index_select(1, keep.to(out.device)).t()
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x_TC.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chunked gated delta rule
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
+
+
+def _chunk_plan(seg_lens: Sequence[int], chunk: int):
+    """Step-major order of all chunks: step j holds chunk j of the segments with more than j chunks (longest first)."""
+    n_chunks = [max(1, math.ceil(n / chunk)) for n in seg_lens]
+    order = sorted(range(len(seg_lens)), key=lambda s: (-n_chunks[s], s))
+    counts = [sum(1 for n in n_chunks if n > j) for j in range(max(n_chunks, default=0))]
+    chunk_seg = [order[i] for j, n in enumerate(counts) for i in range(n)]
+    chunk_j = [j for j, n in enumerate(counts) for _ in range(n)]
+    return order, counts, chunk_seg, chunk_j
+
+
+def chunk_gated_delta_rule_packed(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    seg_starts: Sequence[int],
+    seg_lens: Sequence[int],
+    initial_state_NHKV: torch.Tensor | None = None,
+    *,
+    use_qk_l2norm: bool = True,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over contiguous segments of one packed sequence, each from its own initial state.
+
+    `q/k`: `[T, Hk, dk]`, `v`: `[T, Hv, dv]` (value head h reads key head h // (Hv/Hk)), `g`, `beta`: `[T, Hv]`.
+    Returns the outputs `[T, Hv, dv]` (fp32) and every segment's final state `[N, Hv, dk, dv]` (fp32).
+    """
+    T, Hk, dk = q_THK.shape
+    Hv, dv = v_THV.shape[1:]
+    if Hv != Hk:
+        q_THK = q_THK.repeat_interleave(Hv // Hk, dim=1)
+        k_THK = k_THK.repeat_interleave(Hv // Hk, dim=1)
+    q, k, v, g, beta = (x.float() for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * dk**-0.5
+    device = q.device
+    n_seg = len(seg_starts)
+    order, counts, chunk_seg, chunk_j = _chunk_plan(seg_lens, chunk)
+    n_chunks = len(chunk_seg)
+
+    # token index of every (chunk, position) slot; T (a zero row) for the padding after a segment's end
+    cs = torch.tensor(chunk_seg, dtype=torch.long)
+    cj = torch.tensor(chunk_j, dtype=torch.long)
+    ar = torch.arange(chunk)
+    starts = torch.tensor(list(seg_starts), dtype=torch.long)
+    lens = torch.tensor(list(seg_lens), dtype=torch.long)
+    within = cj[:, None] * chunk + ar[None, :]
+    valid = within < lens[cs][:, None]
+    index = torch.where(valid, starts[cs][:, None] + within, T).reshape(-1).to(device)
+
+    def grid(x):  # [T, H, ...] → [n_chunks, H, chunk, ...]
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        out = padded.index_select(0, index).reshape(n_chunks, chunk, *x.shape[1:])
+        return out.transpose(1, 2)
+
+    q, k, v, g, beta = grid(q), grid(k), grid(v), grid(g), grid(beta)
+    # intra-chunk (all chunks at once)
+    cum = g.cumsum(-1)  # [n, H, c]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    # scan over chunk steps, batched over the segments still running
+    if initial_state_NHKV is None:
+        state = q.new_zeros(n_seg, Hv, dk, dv)
+    else:
+        state = initial_state_NHKV.float().index_select(0, torch.tensor(order, device=device))
+    outs, finals = [], []
+    offset = 0
+    for j, n in enumerate(counts):
+        sl = slice(offset, offset + n)
+        offset += n
+        state = state[:n]
+        v_new = u[sl] - w[sl] @ state
+        outs.append(q_dec[sl] @ state + intra[sl] @ v_new)
+        state = state * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
+        n_next = counts[j + 1] if j + 1 < len(counts) else 0
+        finals.append(state[n_next:])
+    out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
+    slot = torch.nonzero(valid.reshape(-1)).squeeze(1)
+    inverse = torch.empty(T, dtype=torch.long)
+    inverse[index.cpu()[slot]] = slot
+    out = out.index_select(0, inverse.to(device))
+    # finals[j] holds the segments order[n_{j+1}:n_j] (those that end at step j)
+    seg_of_final = [s for j, n in enumerate(counts) for s in order[(counts[j + 1] if j + 1 < len(counts) else 0) : n]]
+    where = torch.empty(n_seg, dtype=torch.long)
+    where[torch.tensor(seg_of_final, dtype=torch.long)] = torch.arange(n_seg)
+    return out, torch.cat(finals).index_select(0, where.to(device))
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, cu, initial_state):
+    """fla's chunk kernel over whole samples (CUDA): same contract as `chunk_gated_delta_rule_packed`."""
+    fla_chunk = _fla_chunk()
+    Hk, Hv = q.size(1), v.size(1)
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+    cu_t = torch.tensor(list(cu), dtype=torch.long, device=q.device)
+    out, final = fla_chunk(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.float().unsqueeze(0),
+        beta.unsqueeze(0),
+        initial_state=initial_state,
+        output_final_state=True,
+        cu_seqlens=cu_t,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[0].float(), final.float()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the layer
+
+
+def _segments_from_bounds(bounds: Sequence[int]) -> tuple[list[int], list[int]]:
+    return list(bounds[:-1]), [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+
+
+def _check_bounds(cu_seq_lens, B: int, T: int) -> tuple[int, ...]:
+    if cu_seq_lens is None:
+        return tuple(range(0, B * T + 1, T))
+    bounds = tuple(int(x) for x in (cu_seq_lens.tolist() if torch.is_tensor(cu_seq_lens) else cu_seq_lens))
+    if B != 1:
+        raise ValueError(f"a packed batch (cu_seq_lens given) must be one row, got batch size {B}")
+    if bounds[0] != 0 or bounds[-1] != T or any(e <= s for s, e in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seq_lens must rise strictly from 0 to the sequence length {T}, got {list(bounds)}")
+    return bounds
+
+
+class _Heads:
+    """The module's dimensions and (possibly head-sliced) per-channel parameters."""
+
+    def __init__(self, module: Any):
+        self.Hk, self.Hv = int(module.num_k_heads), int(module.num_v_heads)
+        self.dk, self.dv = int(module.head_k_dim), int(module.head_v_dim)
+        self.K = int(module.conv_kernel_size)
+        self.activation = module.activation
+        self.conv_w = module.conv1d.weight.squeeze(1)  # [C, K]
+        self.conv_b = module.conv1d.bias
+        self.A_log, self.dt_bias = module.A_log, module.dt_bias
+
+    def local(self, U: int, u: int) -> "_Heads":
+        """This Ulysses rank's heads: key heads u·Hk/U…, value heads u·Hv/U… (conv channels in the same order)."""
+        new = object.__new__(_Heads)
+        new.__dict__.update(self.__dict__)
+        hk, hv = self.Hk // U, self.Hv // U
+        key_dim = self.Hk * self.dk
+        q_ch = torch.arange(u * hk * self.dk, (u + 1) * hk * self.dk)
+        v_ch = 2 * key_dim + torch.arange(u * hv * self.dv, (u + 1) * hv * self.dv)
+        ch = torch.cat([q_ch, q_ch + key_dim, v_ch]).to(self.conv_w.device)
+        new.conv_w = self.conv_w.index_select(0, ch)
+        new.conv_b = None if self.conv_b is None else self.conv_b.index_select(0, ch)
+        new.A_log, new.dt_bias = self.A_log[u * hv : (u + 1) * hv], self.dt_bias[u * hv : (u + 1) * hv]
+        new.Hk, new.Hv = hk, hv
+        return new
+
+
+def _ring_segments(layout, rows: int):
+    """Ring-local segments of `rows` rows: (sample id, chain position, start, length), local order."""
+    R, r = layout.ring_size, layout.ring_rank
+    bounds = layout.cu_seq_lens
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    local_len = sum(lengths) // R
+    segs = []
+    for b in range(rows):
+        start = b * local_len
+        for i, n in enumerate(lengths):
+            piece = n // (2 * R)
+            for c in (r, 2 * R - 1 - r):
+                segs.append((b * len(lengths) + i, c, start, piece))
+                start += piece
+    return segs, rows * len(lengths)
+
+
+def _ring_halos(x_TC, segs, K, group, R):
+    """Each segment's K−1 preceding pre-conv inputs: from the chunks before it in its sample (any rank)."""
+    T, C = x_TC.shape
+    if K == 1:
+        return x_TC.new_zeros(len(segs), 0, C)
+    tails = []
+    for _, _, start, n in segs:
+        take = min(n, K - 1)
+        tail = x_TC[start + n - take : start + n]
+        tails.append(F.pad(tail, (0, 0, K - 1 - take, 0)))
+    gathered = all_gather_with_grad(torch.stack(tails), group)  # [R, n_seg, K-1, C]
+    halos = []
+    for local_idx, (_, c, _, n) in enumerate(segs):
+        pieces, have = [], 0
+        pair = local_idx - (local_idx % 2)  # this sample's two local segments start at an even index
+        for prev in range(c - 1, -1, -1):
+            if have >= K - 1:
+                break
+            owner, slot = min(prev, 2 * R - 1 - prev), 0 if prev < R else 1
+            take = min(n, K - 1)
+            pieces.insert(0, gathered[owner, pair + slot, K - 1 - take :])
+            have += take
+        halo = torch.cat(pieces) if pieces else x_TC.new_zeros(0, C)
+        halo = halo[max(0, halo.size(0) - (K - 1)) :]
+        halos.append(F.pad(halo, (0, 0, K - 1 - halo.size(0), 0)))
+    return torch.stack(halos)
+
+
+def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R):
+    """The gated delta rule over the ring's 2R chunks per sample; returns this rank's outputs `[T, Hv, dv]`."""
+    T, Hv, dv = v.shape
+    dk = q.size(-1)
+    n_seg = len(segs)
+    v_aug = torch.cat([v.float(), v.new_zeros(T, Hv, dk, dtype=torch.float32)], -1)
+    eye = torch.eye(dk, device=v.device, dtype=torch.float32)
+    init = torch.cat([v.new_zeros(n_seg, Hv, dk, dv, dtype=torch.float32), eye.expand(n_seg, Hv, dk, dk)], -1)
+    starts, lens = [s[2] for s in segs], [s[3] for s in segs]
+    out_aug, final = chunk_gated_delta_rule_packed(q, k, v_aug, g, beta, starts, lens, init)
+    gathered = all_gather_with_grad(final, group)  # [R, n_seg, Hv, dk, dv + dk]: [R_c | A_c] of every chunk
+    # fold every sample's chain of 2R chunks (samples batched)
+    state = v.new_zeros(n_samples, Hv, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+    sample_rows = torch.arange(n_samples, device=v.device) * 2
+    entering = []
+    for c in range(2 * R):
+        entering.append(state)
+        owner, slot = min(c, 2 * R - 1 - c), 0 if c < R else 1
+        RA = gathered[owner].index_select(0, sample_rows + slot)
+        state = RA[..., dk:] @ state + RA[..., :dv]
+    outs = []
+    for sample, c, start, n in segs:
+        o0, qt = out_aug[start : start + n, :, :dv], out_aug[start : start + n, :, dv:]
+        outs.append(o0 + torch.einsum("thk,hkv->thv", qt, entering[c][sample]))
+    return torch.cat(outs)
+
+
+def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group, rows, initial_state, kernel):
+    """conv → delta rule → gated norm over one flattened (ring-local) sequence of the local heads."""
+    key_dim, value_dim = heads.Hk * heads.dk, heads.Hv * heads.dv
+    T = mixed_TC.size(0)
+    ring = layout is not None and layout.ring_size > 1
+    if ring:
+        segs, n_samples = _ring_segments(layout, rows)
+        starts, lens = [s[2] for s in segs], [s[3] for s in segs]
+        halos = _ring_halos(mixed_TC, segs, heads.K, ring_group, layout.ring_size)
+    else:
+        starts, lens = _segments_from_bounds(bounds)
+        halos = None
+    conv = packed_causal_conv1d(mixed_TC, heads.conv_w, heads.conv_b, heads.activation, starts, lens, halos)
+    q, k, v = torch.split(conv, [key_dim, key_dim, value_dim], dim=-1)
+    q, k = q.reshape(T, heads.Hk, heads.dk), k.reshape(T, heads.Hk, heads.dk)
+    v = v.reshape(T, heads.Hv, heads.dv)
+    beta = b_TH.sigmoid()
+    g = -heads.A_log.float().exp() * F.softplus(a_TH.float() + heads.dt_bias)
+    if ring:
+        core = _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, ring_group, layout.ring_size)
+    elif kernel != "torch" and q.is_cuda and _fla_chunk() is not None:
+        core, _ = _fla_gated_delta_rule(q, k, v, g, beta, bounds, initial_state)
+    else:
+        core, _ = chunk_gated_delta_rule_packed(q, k, v, g, beta, starts, lens, initial_state)
+    core = core.to(mixed_TC.dtype)
+    return core, z_THV
+
+
+def gated_deltanet_forward(
+    module: Any,
+    hidden_states: torch.Tensor,
+    cu_seq_lens: torch.Tensor | Sequence[int] | None = None,
+    cp: Any = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """The Gated DeltaNet layer `module` on `hidden_states` `[B, T, D]`, every sample exactly on its own.
+
+    Without `cp`: `cu_seq_lens` (one packed row, `B == 1`) or None (every row one sample).
+    With `cp` (`layout`, `ring_group`, `ulysses_group`; `hidden_states` is this rank's shard
+    as cut by `split_for_cp` with `cp.layout`): the layout's samples, Ring / Ulysses / Hybrid;
+    `cu_seq_lens` is then ignored (the layout holds it).
+    `initial_state`: `[N, Hv, dk, dv]`, one state per sample (rows, or packed samples), or None (zeros).
+    `kernel`: "auto" (fla on CUDA when importable, outside ring CP) or "torch".
+    Returns `[B, T, D]` in the input dtype.
+    """
+    if kernel not in ("auto", "torch"):
+        raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
+    B, T, _ = hidden_states.shape
+    heads = _Heads(module)
+    layout = None if cp is None else cp.layout
+    ring_group = None if cp is None else cp.ring_group
+    ulysses_group = None if cp is None else cp.ulysses_group
+    U = 1 if layout is None else layout.ulysses_size
+    if layout is not None and layout.packed and B != 1:
+        raise ValueError(f"a packed batch under context parallel must be one row, got batch size {B}")
+
+    mixed = module.in_proj_qkv(hidden_states)
+    z = module.in_proj_z(hidden_states)
+    b = module.in_proj_b(hidden_states)
+    a = module.in_proj_a(hidden_states)
+    if U > 1:
+        if heads.Hk % U:
+            raise ValueError(
+                f"Ulysses context parallel of size {U} splits the Gated DeltaNet by key head: "
+                f"linear_num_key_heads ({heads.Hk}) must be divisible by it"
+            )
+        u = layout.ulysses_rank
+        local = heads.local(U, u)
+        mixed, z, b, a = _ulysses_in(heads, mixed, z, b, a, U, ulysses_group)
+        if initial_state is not None:
+            initial_state = initial_state[:, u * local.Hv : (u + 1) * local.Hv]
+        heads = local
+    Bq, Tq = mixed.shape[:2]
+    if layout is None:
+        bounds = _check_bounds(cu_seq_lens, B, T)
+    else:
+        local_bounds = layout.local_cu_seq_lens() or (0, Tq)
+        bounds = tuple(b_ * Tq + x for b_ in range(Bq) for x in local_bounds[:-1]) + (Bq * Tq,)
+    core, z = _core(
+        heads,
+        mixed.reshape(Bq * Tq, -1),
+        z.reshape(Bq * Tq, heads.Hv, heads.dv),
+        b.reshape(Bq * Tq, heads.Hv),
+        a.reshape(Bq * Tq, heads.Hv),
+        bounds,
+        layout,
+        ring_group,
+        Bq,
+        initial_state,
+        kernel,
+    )
+    normed = module.norm(core.reshape(-1, heads.dv), z.reshape(-1, heads.dv)).reshape(Bq, Tq, -1)
+    if U > 1:
+        normed = _ulysses_out(normed, U, ulysses_group)
+    return module.out_proj(normed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ulysses
+
+
+def _ulysses_in(heads: _Heads, mixed, z, b, a, U: int, group):
+    """Sequence-split `[B, T/U, ·]` projections → head-split `[B, T, ·]` of this rank's heads (one all-to-all)."""
+    B, Tl = mixed.shape[:2]
+    key_dim = heads.Hk * heads.dk
+    q, k, v = torch.split(mixed, [key_dim, key_dim, heads.Hv * heads.dv], dim=-1)
+    parts = [q, k, v, z, b, a]
+    widths = [p.size(-1) // U for p in parts]
+    packed = torch.cat([p.reshape(B, Tl, U, -1) for p in parts], -1)  # [B, T/U, U, per-rank channels]
+    local = seq_to_heads(packed, group).squeeze(2)  # [B, T, per-rank channels]
+    q, k, v, z, b, a = torch.split(local, widths, dim=-1)
+    return torch.cat([q, k, v], -1), z, b, a
+
+
+def _ulysses_out(x_BTF: torch.Tensor, U: int, group) -> torch.Tensor:
+    B, T, F_ = x_BTF.shape
+    return heads_to_seq(x_BTF.unsqueeze(2), group).reshape(B, T // U, U * F_)
