@@ -64,8 +64,10 @@ K conv kernel, N samples/segments.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -267,7 +269,7 @@ def _fla_gated_delta_rule(q, k, v, g, beta, cu, initial_state):
 
 
 def _segments_from_bounds(bounds: Sequence[int]) -> tuple[list[int], list[int]]:
-    return list(bounds[:-1]), [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    return list(bounds[:-1]), [e - s for s, e in itertools.pairwise(bounds)]
 
 
 def _check_bounds(cu_seq_lens, B: int, T: int) -> tuple[int, ...]:
@@ -276,7 +278,7 @@ def _check_bounds(cu_seq_lens, B: int, T: int) -> tuple[int, ...]:
     bounds = tuple(int(x) for x in (cu_seq_lens.tolist() if torch.is_tensor(cu_seq_lens) else cu_seq_lens))
     if B != 1:
         raise ValueError(f"a packed batch (cu_seq_lens given) must be one row, got batch size {B}")
-    if bounds[0] != 0 or bounds[-1] != T or any(e <= s for s, e in zip(bounds[:-1], bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != T or any(e <= s for s, e in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seq_lens must rise strictly from 0 to the sequence length {T}, got {list(bounds)}")
     return bounds
 
@@ -293,7 +295,7 @@ class _Heads:
         self.conv_b = module.conv1d.bias
         self.A_log, self.dt_bias = module.A_log, module.dt_bias
 
-    def local(self, U: int, u: int) -> "_Heads":
+    def local(self, U: int, u: int) -> _Heads:
         """This Ulysses rank's heads: key heads u·Hk/U…, value heads u·Hv/U… (conv channels in the same order)."""
         new = object.__new__(_Heads)
         new.__dict__.update(self.__dict__)
@@ -313,7 +315,7 @@ def _ring_segments(layout, rows: int):
     """Ring-local segments of `rows` rows: (sample id, chain position, start, length), local order."""
     R, r = layout.ring_size, layout.ring_rank
     bounds = layout.cu_seq_lens
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    lengths = [e - s for s, e in itertools.pairwise(bounds)]
     local_len = sum(lengths) // R
     segs = []
     for b in range(rows):
@@ -328,7 +330,7 @@ def _ring_segments(layout, rows: int):
 
 def _ring_halos(x_TC, segs, K, group, R):
     """Each segment's K−1 preceding pre-conv inputs: from the chunks before it in its sample (any rank)."""
-    T, C = x_TC.shape
+    C = x_TC.size(1)
     if K == 1:
         return x_TC.new_zeros(len(segs), 0, C)
     tails = []
@@ -373,7 +375,7 @@ def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R)
         entering.append(state)
         owner, slot = min(c, 2 * R - 1 - c), 0 if c < R else 1
         RA = gathered[owner].index_select(0, sample_rows + slot)
-        state = RA[..., dk:] @ state + RA[..., :dv]
+        state = RA[..., dv:] @ state + RA[..., :dv]
     outs = []
     for sample, c, start, n in segs:
         o0, qt = out_aug[start : start + n, :, :dv], out_aug[start : start + n, :, dv:]
