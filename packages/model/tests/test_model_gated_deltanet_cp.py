@@ -105,8 +105,11 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
         for what, err in errors.items()
         if not err <= TOLERANCE
     ]
-    worst = max(err for per_case in results for errors in per_case.values() for err in errors.values())
-    print(f"worst relative error {worst:.2e}")
+    ranked = sorted(
+        ((err, case, what) for per_case in results for case, errors in per_case.items() for what, err in errors.items()),
+        reverse=True,
+    )
+    print("worst relative errors:", ", ".join(f"{case} {what} {err:.1e}" for err, case, what in ranked[:4]))
     assert not bad, "\n".join(bad)
 
 

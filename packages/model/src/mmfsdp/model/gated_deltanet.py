@@ -130,7 +130,7 @@ def packed_causal_conv1d(
     out = F.conv1d(ext.t().unsqueeze(0).to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)[0]
     # output j covers ext rows j .. j+K-1, i.e. the token at ext row j+K-1
     keep = torch.nonzero(is_tok).squeeze(1) - (K - 1)
-    out = out.index_select(1, keep.to(out.device)).t()
+    out = out.index_select(1, keep.to(out.device)).t().contiguous()
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(x_TC.dtype)
@@ -142,6 +142,21 @@ def packed_causal_conv1d(
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
+
+
+class _Regroup(torch.autograd.Function):
+    """`x[index]` with `index` in `[0, len(x)]` (the end: a zero row), where `inverse` maps back: every row of `x`
+    appears exactly once in the result (`result[inverse] == x`). Forward and backward are both gathers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index, inverse)
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        index, inverse = ctx.saved_tensors
+        return _Regroup.apply(grad, inverse, index), None, None
 
 
 def _chunk_plan(seg_lens: Sequence[int], chunk: int):
@@ -196,9 +211,13 @@ def chunk_gated_delta_rule_packed(
     valid = within < lens[cs][:, None]
     index = torch.where(valid, starts[cs][:, None] + within, T).reshape(-1).to(device)
 
+    slot = torch.nonzero(valid.reshape(-1)).squeeze(1)
+    inverse = torch.empty(T, dtype=torch.long)
+    inverse[index.cpu()[slot]] = slot
+    inverse = inverse.to(device)
+
     def grid(x):  # [T, H, ...] → [n_chunks, H, chunk, ...]
-        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        out = padded.index_select(0, index).reshape(n_chunks, chunk, *x.shape[1:])
+        out = _Regroup.apply(x, index, inverse).reshape(n_chunks, chunk, *x.shape[1:])
         return out.transpose(1, 2)
 
     q, k, v, g, beta = grid(q), grid(k), grid(v), grid(g), grid(beta)
@@ -232,10 +251,7 @@ def chunk_gated_delta_rule_packed(
         n_next = counts[j + 1] if j + 1 < len(counts) else 0
         finals.append(state[n_next:])
     out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
-    slot = torch.nonzero(valid.reshape(-1)).squeeze(1)
-    inverse = torch.empty(T, dtype=torch.long)
-    inverse[index.cpu()[slot]] = slot
-    out = out.index_select(0, inverse.to(device))
+    out = _Regroup.apply(out, inverse, index)
     # finals[j] holds the segments order[n_{j+1}:n_j] (those that end at step j)
     seg_of_final = [s for j, n in enumerate(counts) for s in order[(counts[j + 1] if j + 1 < len(counts) else 0) : n]]
     where = torch.empty(n_seg, dtype=torch.long)
