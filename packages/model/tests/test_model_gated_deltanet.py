@@ -61,10 +61,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def grads(module, hidden, loss) -> dict[str, torch.Tensor]:
+def grads(module, hidden, loss, state=None) -> dict[str, torch.Tensor]:
     names = ["input"] + [n for n, _ in module.named_parameters()]
-    values = torch.autograd.grad(loss, [hidden, *module.parameters()])
-    return dict(zip(names, values))
+    inputs = [hidden, *module.parameters()]
+    if state is not None:
+        names.append("initial state")
+        inputs.append(state)
+    values = torch.autograd.grad(loss, inputs)
+    return dict(zip(names, values, strict=True))
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float = TOLERANCE) -> None:
@@ -140,6 +144,16 @@ def test_conv_halo_replaces_the_previous_inputs():
     halo = x[9:12].unsqueeze(0)
     tail = packed_causal_conv1d(x[12:], weight, None, "silu", [0], [8], halo)
     assert_close("conv", tail, whole[12:])
+
+
+def test_ulysses_needs_whole_key_heads_per_rank():
+    from mmfsdp.model.context_parallel import CPContext
+    from mmfsdp.parallel.cp import CPLayout
+
+    module = tiny_gdn(key_heads=2)
+    layout = CPLayout.create(16, ulysses_size=4, ulysses_rank=0)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) must be divisible"):
+        gated_deltanet_forward(module, torch.randn(1, 4, 32), cp=CPContext(layout, None, None))
 
 
 def test_bad_cu_seq_lens_is_a_clear_error():

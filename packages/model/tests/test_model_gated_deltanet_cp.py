@@ -20,9 +20,10 @@ from mmfsdp.parallel.testing import run_distributed
 
 TOLERANCE = 1e-5
 
-# name: (ring, ulysses, key heads, batch, lengths (one entry: dense rows))
+# name: (ring, ulysses, key heads, batch, lengths (one entry: dense rows)[, initial state per sample])
 CASES_2 = {
     "ring2-packed": (2, 1, 2, 1, [4, 132, 8, 20]),
+    "ring2-packed-initial-state": (2, 1, 2, 1, [4, 132, 8], True),
     "ring2-long": (2, 1, 2, 1, [260]),
     "ring2-dense": (2, 1, 2, 2, [68]),
     "ulysses2-packed": (1, 2, 2, 1, [2, 130, 6, 20]),
@@ -34,6 +35,7 @@ CASES_4 = {
     "ulysses4-packed": (1, 4, 4, 1, [4, 132, 8]),
     "hybrid2x2-packed": (2, 2, 2, 1, [8, 136, 24]),
     "hybrid2x2-dense": (2, 2, 2, 2, [72]),
+    "hybrid2x2-packed-initial-state": (2, 2, 2, 1, [8, 136], True),
 }
 
 
@@ -52,7 +54,11 @@ def _groups(ring: int, ulysses: int):
     return (ring_group if ring > 1 else None), (ulysses_group if ulysses > 1 else None)
 
 
-def _case(rank: int, ring: int, ulysses: int, key_heads: int, batch: int, lengths: list[int]) -> dict[str, float]:
+def _case(
+    rank: int, ring: int, ulysses: int, key_heads: int, batch: int, lengths: list[int], with_state: bool = False
+) -> dict[str, float]:
+    """Errors of one case; with `with_state` the reference is the unsplit packed layer (HF's layer takes no
+    initial state without a cache) and the initial state's gradient is compared too."""
     from mmfsdp.model.context_parallel import CPContext
     from mmfsdp.model.gated_deltanet import gated_deltanet_forward
     from mmfsdp.parallel.cp import CPLayout, split_for_cp
@@ -66,19 +72,28 @@ def _case(rank: int, ring: int, ulysses: int, key_heads: int, batch: int, length
     seq = sum(lengths)
     full = torch.randn(batch, seq, 32, requires_grad=True)
     cotangent = torch.randn(batch, seq, 32)
-    if packed:
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if packed else None
+    state = None
+    if with_state:
+        samples = len(lengths) if packed else batch
+        state = torch.randn(samples, module.num_v_heads, module.head_k_dim, module.head_v_dim, requires_grad=True)
+        want = gated_deltanet_forward(module, full, cu, initial_state=state, kernel="torch")
+        want_grads = grads(module, full, (want * cotangent).sum(), state)
+    elif packed:
         want = hf_per_sample(module, full, lengths)
+        want_grads = grads(module, full, (want * cotangent).sum())
     else:
         want = torch.cat([module(full[b : b + 1]) for b in range(batch)])
-    want_grads = grads(module, full, (want * cotangent).sum())
+        want_grads = grads(module, full, (want * cotangent).sum())
 
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if packed else None
     layout = CPLayout.create(
         seq, cu, ring_size=ring, ring_rank=rank // ulysses, ulysses_size=ulysses, ulysses_rank=rank % ulysses
     )
     local = split_for_cp(full.detach(), layout).requires_grad_(True)
-    out = gated_deltanet_forward(module, local, cp=CPContext(layout, ring_group, ulysses_group))
-    got_grads = grads(module, local, (out * split_for_cp(cotangent, layout)).sum())
+    out = gated_deltanet_forward(
+        module, local, cp=CPContext(layout, ring_group, ulysses_group), initial_state=state, kernel="torch"
+    )
+    got_grads = grads(module, local, (out * split_for_cp(cotangent, layout)).sum(), state)
     errors = {"output": rel(out, split_for_cp(want.detach(), layout))}
     errors["grad input"] = rel(got_grads["input"], split_for_cp(want_grads["input"], layout))
     for name, value in got_grads.items():
