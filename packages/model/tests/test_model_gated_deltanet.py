@@ -18,6 +18,7 @@ from mmfsdp.model.gated_deltanet import (
     chunk_gated_delta_rule_packed,
     gated_deltanet_forward,
     packed_causal_conv1d,
+    use_packed_forward,
 )
 
 TOLERANCE = 1e-6
@@ -144,6 +145,19 @@ def test_conv_halo_replaces_the_previous_inputs():
     halo = x[9:12].unsqueeze(0)
     tail = packed_causal_conv1d(x[12:], weight, None, "silu", [0], [8], halo)
     assert_close("conv", tail, whole[12:])
+
+
+def test_use_packed_forward_takes_hf_call_keywords():
+    """The module called as HF's decoder layer calls it, with the packed keywords, is exact per sample."""
+    module = tiny_gdn()
+    lengths = [3, 70, 20]
+    hidden = torch.randn(1, sum(lengths), 32)
+    with torch.no_grad():
+        want = hf_per_sample(module, hidden, lengths)
+        use_packed_forward(module)
+        cu = torch.tensor([0, 3, 73, 93], dtype=torch.int32)
+        got = module(hidden_states=hidden, cache=None, attention_mask=None, cu_seq_lens_q=cu, max_length_q=70)
+    assert_close("output", got, want)
 
 
 def test_ulysses_needs_whole_key_heads_per_rank():

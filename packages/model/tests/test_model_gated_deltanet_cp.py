@@ -121,7 +121,12 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
         if not err <= TOLERANCE
     ]
     ranked = sorted(
-        ((err, case, what) for per_case in results for case, errors in per_case.items() for what, err in errors.items()),
+        (
+            (err, case, what)
+            for per_case in results
+            for case, errors in per_case.items()
+            for what, err in errors.items()
+        ),
         reverse=True,
     )
     print("worst relative errors:", ", ".join(f"{case} {what} {err:.1e}" for err, case, what in ranked[:4]))

@@ -80,6 +80,7 @@ __all__ = [
     "chunk_gated_delta_rule_packed",
     "gated_deltanet_forward",
     "packed_causal_conv1d",
+    "use_packed_forward",
 ]
 
 CHUNK = 64
@@ -496,6 +497,25 @@ def gated_deltanet_forward(
     if U > 1:
         normed = _ulysses_out(normed, U, ulysses_group)
     return module.out_proj(normed)
+
+
+def use_packed_forward(module: Any) -> None:
+    """Make `module(hidden_states, cache=None, attention_mask=None, **kwargs)` (HF's call from its decoder layer)
+    run `gated_deltanet_forward`: the packed boundaries from `cu_seq_lens_q`, the `CPContext` from the decoder's
+    CP keyword. A call with a cache (generation, decoding) runs the module's original forward; a 2-D
+    padding mask zeroes the padded inputs as HF does."""
+    from mmfsdp.model.context_parallel import CP_CONTEXT_KEY
+
+    original = module.forward
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        if cache is not None or kwargs.get("cache_params") is not None:
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        return gated_deltanet_forward(module, hidden_states, kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY))
+
+    module.forward = forward
 
 
 # ---------------------------------------------------------------------------------------------------------------
