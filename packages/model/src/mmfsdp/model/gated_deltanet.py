@@ -141,6 +141,11 @@ def packed_causal_conv1d(
 # chunked gated delta rule
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs (as HF and fla), fp64 for fp64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
@@ -186,14 +191,16 @@ def chunk_gated_delta_rule_packed(
     """The gated delta rule over contiguous segments of one packed sequence, each from its own initial state.
 
     `q/k`: `[T, Hk, dk]`, `v`: `[T, Hv, dv]` (value head h reads key head h // (Hv/Hk)), `g`, `beta`: `[T, Hv]`.
-    Returns the outputs `[T, Hv, dv]` (fp32) and every segment's final state `[N, Hv, dk, dv]` (fp32).
+    Returns the outputs `[T, Hv, dv]` and every segment's final state `[N, Hv, dk, dv]`, in fp32 (fp64 for fp64
+    inputs).
     """
     T, Hk, dk = q_THK.shape
     Hv, dv = v_THV.shape[1:]
     if Hv != Hk:
         q_THK = q_THK.repeat_interleave(Hv // Hk, dim=1)
         k_THK = k_THK.repeat_interleave(Hv // Hk, dim=1)
-    q, k, v, g, beta = (x.float() for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
+    dtype = _compute_dtype(v_THV)
+    q, k, v, g, beta = (x.to(dtype) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * dk**-0.5
@@ -239,7 +246,7 @@ def chunk_gated_delta_rule_packed(
     if initial_state_NHKV is None:
         state = q.new_zeros(n_seg, Hv, dk, dv)
     else:
-        state = initial_state_NHKV.float().index_select(0, torch.tensor(order, device=device))
+        state = initial_state_NHKV.to(dtype).index_select(0, torch.tensor(order, device=device))
     outs, finals = [], []
     offset = 0
     for j, n in enumerate(counts):
@@ -378,14 +385,15 @@ def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R)
     T, Hv, dv = v.shape
     dk = q.size(-1)
     n_seg = len(segs)
-    v_aug = torch.cat([v.float(), v.new_zeros(T, Hv, dk, dtype=torch.float32)], -1)
-    eye = torch.eye(dk, device=v.device, dtype=torch.float32)
-    init = torch.cat([v.new_zeros(n_seg, Hv, dk, dv, dtype=torch.float32), eye.expand(n_seg, Hv, dk, dk)], -1)
+    dtype = _compute_dtype(v)
+    v_aug = torch.cat([v.to(dtype), v.new_zeros(T, Hv, dk, dtype=dtype)], -1)
+    eye = torch.eye(dk, device=v.device, dtype=dtype)
+    init = torch.cat([v.new_zeros(n_seg, Hv, dk, dv, dtype=dtype), eye.expand(n_seg, Hv, dk, dk)], -1)
     starts, lens = [s[2] for s in segs], [s[3] for s in segs]
     out_aug, final = chunk_gated_delta_rule_packed(q, k, v_aug, g, beta, starts, lens, init)
     gathered = all_gather_with_grad(final, group)  # [R, n_seg, Hv, dk, dv + dk]: [R_c | A_c] of every chunk
     # fold every sample's chain of 2R chunks (samples batched)
-    state = v.new_zeros(n_samples, Hv, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+    state = v.new_zeros(n_samples, Hv, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     sample_rows = torch.arange(n_samples, device=v.device) * 2
     entering = []
     for c in range(2 * R):
@@ -417,7 +425,8 @@ def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group
     q, k = q.reshape(T, heads.Hk, heads.dk), k.reshape(T, heads.Hk, heads.dk)
     v = v.reshape(T, heads.Hv, heads.dv)
     beta = b_TH.sigmoid()
-    g = -heads.A_log.float().exp() * F.softplus(a_TH.float() + heads.dt_bias)
+    dtype = _compute_dtype(a_TH)
+    g = -heads.A_log.to(dtype).exp() * F.softplus(a_TH.to(dtype) + heads.dt_bias)
     if ring:
         core = _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, ring_group, layout.ring_size)
     elif kernel != "torch" and q.is_cuda and _fla_chunk() is not None:
