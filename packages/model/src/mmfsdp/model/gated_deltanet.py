@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -187,12 +187,18 @@ def chunk_gated_delta_rule_packed(
     *,
     use_qk_l2norm: bool = True,
     chunk: int = CHUNK,
+    entering: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over contiguous segments of one packed sequence, each from its own initial state.
 
     `q/k`: `[T, Hk, dk]`, `v`: `[T, Hv, dv]` (value head h reads key head h // (Hv/Hk)), `g`, `beta`: `[T, Hv]`.
     Returns the outputs `[T, Hv, dv]` and every segment's final state `[N, Hv, dk, dv]`, in fp32 (fp64 for fp64
     inputs).
+
+    `entering` (ring CP): called with the final states, returns every segment's true entering state
+    `[N, Hv, dk, dv']`; then `v` carries `dv'` value columns and `dk` more whose outputs are `A_tᵀ q_t`
+    (values zero, initial state `[0 | I]`), and the outputs returned are the first `dv'` columns plus
+    `S_inᵀ A_tᵀ q_t` (chunk by chunk, batched like the scan).
     """
     T, Hk, dk = q_THK.shape
     Hv, dv = v_THV.shape[1:]
@@ -258,13 +264,18 @@ def chunk_gated_delta_rule_packed(
         state = state * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
         n_next = counts[j + 1] if j + 1 < len(counts) else 0
         finals.append(state[n_next:])
-    out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
-    out = _Regroup.apply(out, inverse, index)
     # finals[j] holds the segments order[n_{j+1}:n_j] (those that end at step j)
     seg_of_final = [s for j, n in enumerate(counts) for s in order[(counts[j + 1] if j + 1 < len(counts) else 0) : n]]
     where = torch.empty(n_seg, dtype=torch.long)
     where[torch.tensor(seg_of_final, dtype=torch.long)] = torch.arange(n_seg)
-    return out, torch.cat(finals).index_select(0, where.to(device))
+    finals = torch.cat(finals).index_select(0, where.to(device))
+    if entering is not None:
+        dv = dv - dk
+        state_in = entering(finals).index_select(0, torch.tensor(order, device=device))  # sorted like the scan
+        for j, n in enumerate(counts):
+            outs[j] = outs[j][..., :dv] + outs[j][..., dv:] @ state_in[:n]
+    out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
+    return _Regroup.apply(out, inverse, index), finals
 
 
 def _fla_gated_delta_rule(q, k, v, g, beta, cu, initial_state):
@@ -353,31 +364,37 @@ def _ring_segments(layout, rows: int):
 
 
 def _ring_halos(x_TC, segs, K, group, R):
-    """Each segment's K−1 preceding pre-conv inputs: from the chunks before it in its sample (any rank)."""
+    """Each segment's K−1 preceding pre-conv inputs: from the chunks before it in its sample (any rank).
+
+    Every rank contributes the last `min(ℓ, K−1)` inputs of each of its chunks (left-padded to K−1); halo row m
+    of chunk c (chunk length ℓ) is the sample's token `c·ℓ − (K−1) + m`: zero before the sample, else row
+    `K−1 − (ℓ − pos)` of the tail of chunk `c' = token // ℓ` (pos = token % ℓ), held by rank min(c', 2R−1−c').
+    """
     C = x_TC.size(1)
     if K == 1:
         return x_TC.new_zeros(len(segs), 0, C)
-    tails = []
-    for _, _, start, n in segs:
-        take = min(n, K - 1)
-        tail = x_TC[start + n - take : start + n]
-        tails.append(F.pad(tail, (0, 0, K - 1 - take, 0)))
-    gathered = all_gather_with_grad(torch.stack(tails), group)  # [R, n_seg, K-1, C]
-    halos = []
-    for local_idx, (_, c, _, n) in enumerate(segs):
-        pieces, have = [], 0
-        pair = local_idx - (local_idx % 2)  # this sample's two local segments start at an even index
-        for prev in range(c - 1, -1, -1):
-            if have >= K - 1:
-                break
-            owner, slot = min(prev, 2 * R - 1 - prev), 0 if prev < R else 1
-            take = min(n, K - 1)
-            pieces.insert(0, gathered[owner, pair + slot, K - 1 - take :])
-            have += take
-        halo = torch.cat(pieces) if pieces else x_TC.new_zeros(0, C)
-        halo = halo[max(0, halo.size(0) - (K - 1)) :]
-        halos.append(F.pad(halo, (0, 0, K - 1 - halo.size(0), 0)))
-    return torch.stack(halos)
+    n_seg = len(segs)
+    starts = torch.tensor([s[2] for s in segs])
+    lens = torch.tensor([s[3] for s in segs])
+    chain = torch.tensor([s[1] for s in segs])
+    rows = torch.arange(K - 1)
+    # this rank's tails
+    tail_tok = starts[:, None] + lens[:, None] - (K - 1) + rows[None, :]
+    tail_ok = tail_tok >= starts[:, None]
+    padded = torch.cat([x_TC, x_TC.new_zeros(1, C)])
+    tails = padded.index_select(0, torch.where(tail_ok, tail_tok, x_TC.size(0)).reshape(-1).to(x_TC.device))
+    gathered = all_gather_with_grad(tails.reshape(n_seg, K - 1, C), group).reshape(-1, C)  # [R·n_seg·(K−1), C]
+    # where every halo row comes from
+    token = chain[:, None] * lens[:, None] - (K - 1) + rows[None, :]
+    prev = torch.div(token.clamp_min(0), lens[:, None], rounding_mode="floor")
+    pos = token.clamp_min(0) - prev * lens[:, None]
+    owner = torch.minimum(prev, 2 * R - 1 - prev)
+    pair = (torch.arange(n_seg) - torch.arange(n_seg) % 2)[:, None]  # a sample's two local segments: 2s, 2s+1
+    seg_on_owner = pair + (prev >= R).long()
+    source = (owner * n_seg + seg_on_owner) * (K - 1) + (K - 1) - (lens[:, None] - pos)
+    source = torch.where(token >= 0, source, gathered.size(0)).reshape(-1)
+    halos = torch.cat([gathered, gathered.new_zeros(1, C)]).index_select(0, source.to(x_TC.device))
+    return halos.reshape(n_seg, K - 1, C)
 
 
 def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R):
@@ -389,23 +406,26 @@ def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R)
     v_aug = torch.cat([v.to(dtype), v.new_zeros(T, Hv, dk, dtype=dtype)], -1)
     eye = torch.eye(dk, device=v.device, dtype=dtype)
     init = torch.cat([v.new_zeros(n_seg, Hv, dk, dv, dtype=dtype), eye.expand(n_seg, Hv, dk, dk)], -1)
+    # local segment 2s + slot is (sample s, chain position r if slot == 0 else 2R-1-r), on every rank
+    seg_chain = torch.tensor([c for _, c, _, _ in segs], device=v.device)
+    seg_sample = torch.tensor([s for s, _, _, _ in segs], device=v.device)
+
+    def entering(final):  # [n_seg, Hv, dk, dv + dk]: [R_c | A_c] of this rank's chunks
+        gathered = all_gather_with_grad(final, group)  # every rank's
+        state = v.new_zeros(n_samples, Hv, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+        sample_rows = torch.arange(n_samples, device=v.device) * 2
+        chain = []
+        for c in range(2 * R):  # fold every sample's chain (samples batched)
+            chain.append(state)
+            owner, slot = min(c, 2 * R - 1 - c), 0 if c < R else 1
+            RA = gathered[owner].index_select(0, sample_rows + slot)
+            state = RA[..., dv:] @ state + RA[..., :dv]
+        chain = torch.stack(chain)  # [2R, n_samples, Hv, dk, dv]
+        return chain[seg_chain, seg_sample]
+
     starts, lens = [s[2] for s in segs], [s[3] for s in segs]
-    out_aug, final = chunk_gated_delta_rule_packed(q, k, v_aug, g, beta, starts, lens, init)
-    gathered = all_gather_with_grad(final, group)  # [R, n_seg, Hv, dk, dv + dk]: [R_c | A_c] of every chunk
-    # fold every sample's chain of 2R chunks (samples batched)
-    state = v.new_zeros(n_samples, Hv, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
-    sample_rows = torch.arange(n_samples, device=v.device) * 2
-    entering = []
-    for c in range(2 * R):
-        entering.append(state)
-        owner, slot = min(c, 2 * R - 1 - c), 0 if c < R else 1
-        RA = gathered[owner].index_select(0, sample_rows + slot)
-        state = RA[..., dv:] @ state + RA[..., :dv]
-    outs = []
-    for sample, c, start, n in segs:
-        o0, qt = out_aug[start : start + n, :, :dv], out_aug[start : start + n, :, dv:]
-        outs.append(o0 + torch.einsum("thk,hkv->thv", qt, entering[c][sample]))
-    return torch.cat(outs)
+    out, _ = chunk_gated_delta_rule_packed(q, k, v_aug, g, beta, starts, lens, init, entering=entering)
+    return out
 
 
 def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group, rows, initial_state, kernel):
