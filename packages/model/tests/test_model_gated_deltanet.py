@@ -174,3 +174,27 @@ def test_bad_cu_seq_lens_is_a_clear_error():
     module = tiny_gdn()
     with pytest.raises(ValueError, match="cu_seq_lens"):
         gated_deltanet_forward(module, torch.randn(1, 10, 32), cu_seq_lens=[0, 4, 9])
+
+
+def test_moe_twin_module_is_exact_too():
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    config = Qwen3_5MoeTextConfig(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    module = Qwen3_5MoeGatedDeltaNet(config, layer_idx=0).float()
+    lengths = [5, 80, 1]
+    hidden = torch.randn(1, sum(lengths), 32)
+    with torch.no_grad():
+        got = gated_deltanet_forward(module, hidden, cu_seq_lens=[0, 5, 85, 86])
+        want = hf_per_sample(module, hidden, lengths)
+    assert_close("output", got, want)
