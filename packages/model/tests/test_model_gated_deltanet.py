@@ -9,6 +9,8 @@ the same bound).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -197,4 +199,32 @@ def test_moe_twin_module_is_exact_too():
     with torch.no_grad():
         got = gated_deltanet_forward(module, hidden, cu_seq_lens=[0, 5, 85, 86])
         want = hf_per_sample(module, hidden, lengths)
+    assert_close("output", got, want)
+
+
+def test_fla_call_plumbing(monkeypatch):
+    """The fla path's arguments (one row, `cu_seqlens`, per-sample initial state), checked on the CPU with a
+    stand-in that has fla's signature; fla's kernel itself runs only on CUDA and is not tested here."""
+    import mmfsdp.model.gated_deltanet as gdn
+
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        assert q.dim() == 4 and q.size(0) == 1 and kw == {"use_qk_l2norm_in_kernel": True}
+        assert q.size(2) == v.size(2) and cu_seqlens.dtype == torch.long
+        bounds = cu_seqlens.tolist()
+        starts, lens = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
+        out, final = chunk_gated_delta_rule_packed(q[0], k[0], v[0], g[0], beta[0], starts, lens, initial_state)
+        calls.append(bounds)
+        return out.unsqueeze(0), final
+
+    module = tiny_gdn()
+    lengths = [3, 70, 20]
+    hidden = torch.randn(1, sum(lengths), 32)
+    with torch.no_grad():
+        want = hf_per_sample(module, hidden, lengths)
+        monkeypatch.setattr(gdn, "_fla_chunk", lambda: fake_fla)
+        monkeypatch.setattr(gdn, "_fla_applies", lambda q, kernel: kernel != "torch")
+        got = gated_deltanet_forward(module, hidden, cu_seq_lens=[0, 3, 73, 93])
+    assert calls == [[0, 3, 73, 93]]
     assert_close("output", got, want)

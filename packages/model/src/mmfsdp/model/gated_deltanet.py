@@ -278,6 +278,10 @@ def chunk_gated_delta_rule_packed(
     return _Regroup.apply(out, inverse, index), finals
 
 
+def _fla_applies(q: torch.Tensor, kernel: str) -> bool:
+    return kernel != "torch" and q.is_cuda and _fla_chunk() is not None
+
+
 def _fla_gated_delta_rule(q, k, v, g, beta, cu, initial_state):
     """fla's chunk kernel over whole samples (CUDA): same contract as `chunk_gated_delta_rule_packed`."""
     fla_chunk = _fla_chunk()
@@ -291,7 +295,7 @@ def _fla_gated_delta_rule(q, k, v, g, beta, cu, initial_state):
         v.unsqueeze(0),
         g.float().unsqueeze(0),
         beta.unsqueeze(0),
-        initial_state=initial_state,
+        initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=True,
         cu_seqlens=cu_t,
         use_qk_l2norm_in_kernel=True,
@@ -449,7 +453,7 @@ def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group
     g = -heads.A_log.to(dtype).exp() * F.softplus(a_TH.to(dtype) + heads.dt_bias)
     if ring:
         core = _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, ring_group, layout.ring_size)
-    elif kernel != "torch" and q.is_cuda and _fla_chunk() is not None:
+    elif _fla_applies(q, kernel):
         core, _ = _fla_gated_delta_rule(q, k, v, g, beta, bounds, initial_state)
     else:
         core, _ = chunk_gated_delta_rule_packed(q, k, v, g, beta, starts, lens, initial_state)
