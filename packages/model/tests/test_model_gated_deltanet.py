@@ -228,3 +228,9 @@ def test_fla_call_plumbing(monkeypatch):
         got = gated_deltanet_forward(module, hidden, cu_seq_lens=[0, 3, 73, 93])
     assert calls == [[0, 3, 73, 93]]
     assert_close("output", got, want)
+
+
+def test_initial_state_shape_is_checked():
+    module = tiny_gdn()
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(2, 4, 8, 12\)"):
+        gated_deltanet_forward(module, torch.randn(1, 10, 32), [0, 4, 10], initial_state=torch.zeros(3, 4, 8, 12))

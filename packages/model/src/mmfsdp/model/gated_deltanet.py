@@ -432,8 +432,8 @@ def _ring_delta_rule(q, k, v, g, beta, segs, n_samples, initial_state, group, R)
     return out
 
 
-def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group, rows, initial_state, kernel):
-    """conv → delta rule → gated norm over one flattened (ring-local) sequence of the local heads."""
+def _core(heads: _Heads, mixed_TC, b_TH, a_TH, bounds, layout, ring_group, rows, initial_state, kernel):
+    """conv → delta rule over one flattened (ring-local) sequence of the local heads; `[T, Hv, dv]`."""
     key_dim, value_dim = heads.Hk * heads.dk, heads.Hv * heads.dv
     T = mixed_TC.size(0)
     ring = layout is not None and layout.ring_size > 1
@@ -457,8 +457,7 @@ def _core(heads: _Heads, mixed_TC, z_THV, b_TH, a_TH, bounds, layout, ring_group
         core, _ = _fla_gated_delta_rule(q, k, v, g, beta, bounds, initial_state)
     else:
         core, _ = chunk_gated_delta_rule_packed(q, k, v, g, beta, starts, lens, initial_state)
-    core = core.to(mixed_TC.dtype)
-    return core, z_THV
+    return core.to(mixed_TC.dtype)
 
 
 def gated_deltanet_forward(
@@ -491,6 +490,14 @@ def gated_deltanet_forward(
     if layout is not None and layout.packed and B != 1:
         raise ValueError(f"a packed batch under context parallel must be one row, got batch size {B}")
 
+    if initial_state is not None:
+        samples = B * (len(layout.cu_seq_lens) - 1) if layout is not None else len(_check_bounds(cu_seq_lens, B, T)) - 1
+        want = (samples, heads.Hv, heads.dk, heads.dv)
+        if tuple(initial_state.shape) != want:
+            raise ValueError(
+                f"initial_state must have shape {want} (samples, value heads, dk, dv), got {tuple(initial_state.shape)}"
+            )
+
     mixed = module.in_proj_qkv(hidden_states)
     z = module.in_proj_z(hidden_states)
     b = module.in_proj_b(hidden_states)
@@ -513,10 +520,9 @@ def gated_deltanet_forward(
     else:
         local_bounds = layout.local_cu_seq_lens() or (0, Tq)
         bounds = tuple(b_ * Tq + x for b_ in range(Bq) for x in local_bounds[:-1]) + (Bq * Tq,)
-    core, z = _core(
+    core = _core(
         heads,
         mixed.reshape(Bq * Tq, -1),
-        z.reshape(Bq * Tq, heads.Hv, heads.dv),
         b.reshape(Bq * Tq, heads.Hv),
         a.reshape(Bq * Tq, heads.Hv),
         bounds,
