@@ -4,12 +4,13 @@ Declared under model id `qwen3_5_moe` in the `mmfsdp.state_dict_adapters` entry-
 The names are Qwen3.5's (`model.language_model.*`, `model.visual.*`, `lm_head.*`); the routed experts come in
 two layouts:
 
-| file                                                        | `state_dict()`                                  |
-| ----------------------------------------------------------- | ----------------------------------------------- |
-| hub: `experts.N.{gate,up}_proj.weight` `[I, H]`              | `experts.gate_up_proj` `[E, 2I, H]` = cat(stack(gate), stack(up), dim 1) |
-| hub: `experts.N.down_proj.weight` `[H, I]`                   | `experts.down_proj` `[E, H, I]` = stack(down)   |
-| transformers 5 `save_pretrained`: `[E, 2I, H]`, `[E, H, I]`  | the same                                        |
+| file                                                       | `state_dict()`                                 |
+| ---------------------------------------------------------- | ---------------------------------------------- |
+| hub: `experts.N.{gate,up}_proj.weight` `[I, H]`             | `experts.gate_up_proj` `[E, 2I, H]` (stacked) |
+| hub: `experts.N.down_proj.weight` `[H, I]`                  | `experts.down_proj` `[E, H, I]` (stacked)     |
+| transformers 5 `save_pretrained`: `[E, 2I, H]`, `[E, H, I]` | the same                                       |
 
+Each expert's `[2I, H]` of `gate_up_proj` is its gate rows, then its up rows: cat(stack(gate), stack(up), dim 1).
 The hub's per-expert layout is what transformers 5 itself converts on load (its conversion mapping of
 `qwen3_5_moe_text` merges `mlp.experts.*.{gate,up,down}_proj.weight`); `to_hf` writes it back, so inference
 engines that read the released checkpoints read ours. The shared expert (`mlp.shared_expert.*`), its gate
