@@ -172,3 +172,70 @@ def test_moe_adapter_reads_and_writes_the_hub_per_expert_layout():
     assert back.keys() == state.keys()
     for key, plan in back.items():
         assert torch.equal(plan.build(hub.__getitem__), state[key]), key
+
+
+def test_moe_loss_plus_router_aux_loss_equals_hf():
+    """Our LM loss + coef × `load_balancing_loss(outputs.router_load)` equals HF's `loss` with
+    `output_router_logits=True` (padding masked), and the aux loss HF's `aux_loss`."""
+    from mmfsdp.model.router import load_balancing_loss
+
+    entry = get_model_entry("qwen3_5_moe")
+    config = entry.testkit.tiny_config()
+    ours, reference = model_pair(config)
+    batch = entry.testkit.test_batch(config, images=True, seed=2)
+    targets = shift_labels(batch["labels"])
+    (weights,) = compute_loss_weights([targets])
+    with torch.no_grad():
+        hf = reference(**batch, output_router_logits=True)
+        outputs = ours(**model_inputs(batch), shift_labels=targets, loss_weights=weights)
+    load = outputs.router_load
+    text = config.text_config
+    assert load.tokens_per_expert.shape == (text.num_hidden_layers, text.num_experts)
+    assert float(load.num_tokens) == float(batch["attention_mask"].sum())
+    aux = load_balancing_loss(load)
+    assert rel_diff(aux, hf.aux_loss) <= 1e-5
+    assert rel_diff(outputs.loss + text.router_aux_loss_coef * aux, hf.loss) <= 1e-5
+
+
+def _ep_steps(rank: int, world_size: int) -> list[tuple[float, float]]:
+    """(loss, grad norm) of 2 AdamW steps of `qwen3_5_moe`'s tiny model on 2 micro-batches (the first with images,
+    the second text-only): 1 process runs both, 2 processes one each with expert parallel 2."""
+    import torch.distributed as dist
+
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims, clip_grad_norm
+
+    parallel_cfg = ParallelConfig(expert_parallel_size=world_size)
+    dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
+    entry = get_model_entry("qwen3_5_moe")
+    config = entry.testkit.tiny_config()
+    torch.manual_seed(0)
+    model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    entry.parallelize(model, parallel_cfg, dims)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    per_rank, history = 2 // world_size, []
+    for step in range(2):
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        batches = [entry.testkit.test_batch(config, images=i == 0, seed=10 * step + i) for i in mine]
+        targets = [shift_labels(b["labels"]) for b in batches]
+        weights = compute_loss_weights(targets, group=dims.dp_group, num_micro_batches=per_rank)
+        total = torch.zeros(())
+        for i, (batch, target, weight) in enumerate(zip(batches, targets, weights, strict=True)):
+            model.set_requires_gradient_sync(i == per_rank - 1)
+            loss = model(**model_inputs(batch), shift_labels=target, loss_weights=weight).loss
+            (loss * world_size).backward()
+            total += loss.detach()
+        norm = clip_grad_norm(list(model.parameters()), 1.0)
+        dist.all_reduce(total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append((total.item(), float(norm)))
+    return history
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_two_processes_equal_one():
+    from mmfsdp.parallel.testing import run_distributed
+
+    one, two = (run_distributed(_ep_steps, size)[0] for size in (1, 2))
+    for (loss_1, norm_1), (loss_2, norm_2) in zip(one, two, strict=True):
+        assert abs(loss_2 - loss_1) <= 1e-5 * abs(loss_1) and abs(norm_2 - norm_1) <= 1e-5 * norm_1, (one, two)
