@@ -6,7 +6,7 @@ The directory holds what a Qwen3.5 checkpoint holds, minus the weights (the run 
   (`examples/qwen3vl-tiny/make_assets.py`: a byte-level BPE with Qwen's regex and added tokens, trained on the
   shapes data; Qwen3.5 checkpoints ship Qwen3-VL's processor), with the official Qwen3.5 chat template
   (`packages/data/tests/data/qwen3_5_chat_template.jinja`) in place of Qwen3-VL's;
-- `config.json`: a Qwen3.5 of ~1M parameters from `Qwen3_5TestKit.tiny_config` (Gated DeltaNet, Gated DeltaNet,
+- `config.json`: a Qwen3.5 of ~0.86M parameters from `Qwen3_5TestKit.tiny_config` (Gated DeltaNet, Gated DeltaNet,
   full attention), its vocabulary and image / video / vision-start / vision-end ids those of the tokenizer.
 
 The files are committed; this script documents how they were made and regenerates them byte for byte.

@@ -91,7 +91,8 @@ class Qwen3_5MoeTestKit(Qwen3_5TestKit):
     config_class = Qwen3_5MoeConfig
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3_5MoeConfig:
-        """`Qwen3_5TestKit.tiny_config` with MoE layers: 8 experts, top-2, expert size 32, a shared expert of 48."""
+        """`Qwen3_5TestKit.tiny_config` with MoE layers (~0.35M parameters): 8 experts, top-2, expert size 32, a shared
+        expert of 48."""
         text = dict(
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
