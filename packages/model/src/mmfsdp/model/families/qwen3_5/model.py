@@ -12,7 +12,7 @@ the vision placeholder of text-only micro-batches) into the HF class. What is Qw
 - `full_attention` layers: gated grouped-query attention (`q_proj` gives the queries and their output gate).
 
 Packing and context parallel: off. Both need every state along the sequence to restart at a sample boundary
-(docs/families.md; `/work/shared/CONVENTIONS.md`, "Layers with state along the sequence"), and HF's torch
+(docs/families.md, "Qwen3.5"), and HF's torch
 fallback of the Gated DeltaNet (the chunked delta rule and the causal convolution) ignores `cu_seq_lens`: a packed
 row would run one recurrence over all its samples. So the entry declares neither `packing` nor
 `context_parallel`, `--check` refuses `packing: true`, `padding_free: true` and CP sizes > 1, a null
