@@ -10,8 +10,8 @@ from mmfsdp.data.templates import template_names
 
 
 def test_families_are_declared_as_entry_points():
-    assert {point.name for point in entry_points(group="mmfsdp.data_families")} >= {"mistral", "qwen3_vl"}
-    assert template_names() == ["mistral", "qwen3_vl", "qwen3_vl_nothink"]
+    assert {point.name for point in entry_points(group="mmfsdp.data_families")} >= {"mistral", "qwen3_5", "qwen3_vl"}
+    assert template_names() == ["mistral", "qwen3_5", "qwen3_vl", "qwen3_vl_nothink"]
     assert plugin_names() == ["pixtral", "qwen3_vl"] and collator_names() == ["pixtral", "qwen3_vl"]
 
 

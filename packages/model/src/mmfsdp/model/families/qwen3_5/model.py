@@ -1,0 +1,254 @@
+"""Qwen3.5 dense (HF `Qwen3_5ForConditionalGeneration`, e.g. Qwen3.5-9B) as model id `qwen3_5`.
+
+The vision tower is Qwen3-VL's without DeepStack, the positions are Qwen3-VL's M-RoPE (`get_rope_index`), so the
+model class mixes `Qwen3VLTrainingMixin` (`mmfsdp.model.families.qwen3_vl.model`: M-RoPE for the whole sample,
+the vision placeholder of text-only micro-batches) into the HF class. What is Qwen3.5's own is the decoder: its
+`text_config.layer_types` mixes
+
+- `linear_attention` layers (three in four in the released models): Gated DeltaNet, `linear_attn` with the
+  projections `in_proj_qkv` (`H → 2·K + V`), `in_proj_z` (`H → V`, the output gate), `in_proj_b` / `in_proj_a`
+  (`H → value heads`, the write strength and the decay), a causal depth-wise `conv1d` over q, k, v and
+  `out_proj` (`V → H`); a recurrence along the positions, with state;
+- `full_attention` layers: gated grouped-query attention (`q_proj` gives the queries and their output gate).
+
+Packing and context parallel: off. Both need every state along the sequence to restart at a sample boundary
+(docs/families.md, "Qwen3.5"), and HF's torch
+fallback of the Gated DeltaNet (the chunked delta rule and the causal convolution) ignores `cu_seq_lens`: a packed
+row would run one recurrence over all its samples. So the entry declares neither `packing` nor
+`context_parallel`, `--check` refuses `packing: true`, `padding_free: true` and CP sizes > 1, a null
+`padding_free` resolves to padded micro-batches (`fill_family_data_defaults` follows `capabilities.packing`), and
+the training forward refuses `cu_seq_lens` outright. Padded rows are exact: HF zeroes the padding's inputs to the
+linear layers and the padding is at the end of each row, after every real token.
+
+Shape legend: B batch, S tokens, H hidden size, K / V all key / value heads' size of a linear layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLTestKit, Qwen3VLTrainingMixin, mm_token_types
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+from mmfsdp.model.flops import FlopShape, TowerFlops
+from mmfsdp.model.hf_family import HFFamilyEntry
+from mmfsdp.model.spec import Capabilities, DataNames, register_model
+
+__all__ = [
+    "Qwen3_5Costs",
+    "Qwen3_5Entry",
+    "Qwen3_5ForConditionalGenerationFSDP",
+    "Qwen3_5TestKit",
+    "Qwen3_5TrainingMixin",
+    "DELTA_RULE_CHUNK",
+    "hybrid_decoder",
+    "linear_attention_params",
+]
+
+NO_PACKING = (
+    "Qwen3.5's Gated DeltaNet layers run HF's torch fallback, which ignores sample boundaries (cu_seq_lens): "
+    "packed rows would leak state from one sample into the next. Use padded micro-batches "
+    "(data.dataloader_param.padding_free: false, data.dataset_param.basic_parameters.packing: false)"
+)
+"""Why a packed batch is refused; the pre-start check says the same per key."""
+
+
+class Qwen3_5TrainingMixin(Qwen3VLTrainingMixin):
+    """Qwen3-VL's training hooks (M-RoPE, the vision placeholder) that refuse packed rows (module docstring)."""
+
+    def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
+        if cu_seq_lens is not None:
+            raise ValueError(NO_PACKING)
+        return super().prepare_inputs(kwargs, cu_seq_lens)
+
+
+class Qwen3_5ForConditionalGenerationFSDP(Qwen3_5TrainingMixin, Qwen3_5ForConditionalGeneration):
+    """HF `Qwen3_5ForConditionalGeneration` plus the training forward, chunk loss and M-RoPE; padded rows only."""
+
+    def __init__(self, config: Qwen3_5Config):
+        super().__init__(config)
+        self.init_training_forward()
+
+
+DELTA_RULE_CHUNK = 64
+"""Positions per chunk of the chunked delta rule (HF's torch fallback and the FLA kernels alike)."""
+
+
+def linear_attention_params(text_config: PretrainedConfig) -> int:
+    """Multiply-adds per token of one Gated DeltaNet layer: its projections (qkv, z, b, a and out) and the chunked
+    delta rule's products, per value head `2·C·dk + C·dv + 3·dk·dv` (C = `DELTA_RULE_CHUNK`: within a chunk
+    `k_beta·kᵀ` and `q·kᵀ` over C keys and the attention-weighted values; three state-sized products, reading the
+    state twice and writing it once). The latter is exact for rows that fill whole chunks (the kernels pad the
+    last chunk and compute it whole)."""
+    hidden = text_config.hidden_size
+    key_dim, value_dim = text_config.linear_key_head_dim, text_config.linear_value_head_dim
+    value_heads = text_config.linear_num_value_heads
+    key = text_config.linear_num_key_heads * key_dim
+    value = value_heads * value_dim
+    projections = hidden * (2 * key + value) + 2 * hidden * value + 2 * hidden * value_heads
+    chunk = DELTA_RULE_CHUNK
+    delta_rule = value_heads * (2 * chunk * key_dim + chunk * value_dim + 3 * key_dim * value_dim)
+    return projections + delta_rule
+
+
+def hybrid_decoder(text_config: PretrainedConfig, mlp_params: int) -> TowerFlops:
+    """Qwen3.5's decoder for FLOP counting: per token the projections of every layer (gated attention: q and its
+    gate, k, v, o; Gated DeltaNet: projections and the delta rule, `linear_attention_params`), `mlp_params` and
+    `lm_head`; the attention term (`QKᵀ`, `AV` over the causal pairs) for the full-attention layers only."""
+    hidden = text_config.hidden_size
+    head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+    q_dim = text_config.num_attention_heads * head_dim
+    kv_dim = text_config.num_key_value_heads * head_dim
+    num_full = sum(kind == "full_attention" for kind in text_config.layer_types)
+    num_linear = text_config.num_hidden_layers - num_full
+    full = hidden * 2 * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    return TowerFlops(
+        num_layers=num_full,
+        params_per_token=num_full * full + num_linear * linear_attention_params(text_config) + mlp_params,
+        attention_dim=q_dim,
+        causal=True,
+        params_outside=hidden * text_config.vocab_size,
+    )
+
+
+class Qwen3_5Costs(Qwen3VLCosts):
+    """The hybrid decoder (`hybrid_decoder`) and Qwen3-VL's vision tower without DeepStack mergers."""
+
+    def flop_shape(self, config: PretrainedConfig) -> FlopShape:
+        text_config = config.text_config
+        return FlopShape(
+            decoder=hybrid_decoder(text_config, self.decoder_mlp_params(text_config)), vision=self.vision_flops(config)
+        )
+
+    def vision_flops(self, config: PretrainedConfig) -> TowerFlops:
+        """Qwen3-VL's blocks, patch convolution and merger (`Qwen3VLCosts.vision_flops`), no DeepStack merger."""
+        vision = config.vision_config
+        hidden, layers = vision.hidden_size, self.vision_num_layers(config)
+        merge = vision.spatial_merge_size**2
+        return TowerFlops(
+            num_layers=layers,
+            params_per_token=layers * (4 * hidden * hidden + 2 * hidden * vision.intermediate_size),
+            attention_dim=hidden,
+            causal=False,
+            params_outside=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * hidden,
+            params_per_merged_token=(merge * hidden) ** 2 + merge * hidden * vision.out_hidden_size,
+            merge=merge,
+        )
+
+    def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:
+        """The mean over the layer mix: a full-attention layer as the default (q and its gate count twice); a
+        Gated DeltaNet layer keeps its input and norm, the qkv projection before and after the convolution, z,
+        the core output and its gated norm (2·(2K + V) + 3V), and the MLP's values."""
+        hidden = text_config.hidden_size
+        head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+        kv = text_config.num_key_value_heads * head_dim
+        key = text_config.linear_num_key_heads * text_config.linear_key_head_dim
+        value = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+        mlp = self.mlp_values_per_token(text_config)
+        full = 10 + 3 * kv / hidden + mlp
+        linear = 6 + (2 * (2 * key + value) + 3 * value) / hidden + mlp
+        num_full = sum(kind == "full_attention" for kind in text_config.layer_types)
+        return (num_full * full + (text_config.num_hidden_layers - num_full) * linear) / text_config.num_hidden_layers
+
+    def mlp_values_per_token(self, text_config: PretrainedConfig) -> float:
+        """Values the MLP of one layer keeps per token, in units of `hidden_size`: gate, up, silu(gate), their
+        product and one more of `intermediate_size`."""
+        return 5 * text_config.intermediate_size / text_config.hidden_size
+
+
+class Qwen3_5TestKit(Qwen3VLTestKit):
+    """Tiny Qwen3.5 configs; the batches are Qwen3-VL's (`Qwen3VLTestKit.test_batch`, padded rows)."""
+
+    config_class = Qwen3_5Config
+
+    def test_batch(self, config: Qwen3_5Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """`Qwen3VLTestKit.test_batch`'s rows (two images of different sizes in the first, one in the second,
+        none in the last) at 64, 50 and 41 tokens, right-padded to 64: one whole chunk of the delta rule
+        (`DELTA_RULE_CHUNK`), where its FLOP count per token is exact."""
+        grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
+        rows = [
+            [qwen3_vl_sample(config, length, row_grids, seed=seed * 3 + b)]
+            for b, (length, row_grids) in enumerate(zip((64, 50, 41), grids))
+        ]
+        batch = qwen3_vl_batch(rows, seq_len=64)
+        batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
+        return batch
+
+    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3_5Config:
+        """~0.25M parameters, fp32, untied `lm_head`: 3 decoder layers (Gated DeltaNet, Gated DeltaNet, full
+        attention: the released models' mix in small), partial rotary M-RoPE as the released configs have it,
+        a 2-block vision tower. `text_config` / `vision_config` overrides are merged into the tiny defaults;
+        the video, vision-start and vision-end tokens follow the image token id."""
+        text = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=vocab_size,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+        )
+        text.update(overrides.pop("text_config", {}))
+        vision.update(overrides.pop("vision_config", {}))
+        settings = dict(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=image_token_id,
+            video_token_id=image_token_id + 1,
+            vision_start_token_id=image_token_id + 2,
+            vision_end_token_id=image_token_id + 3,
+            tie_word_embeddings=False,
+        )
+        settings.update(overrides)
+        return self.config_class(**settings)
+
+
+@register_model("qwen3_5")
+class Qwen3_5Entry(HFFamilyEntry):
+    """Qwen3-VL-like vision tower (no DeepStack) + Qwen3.5's hybrid decoder (Gated DeltaNet and gated attention)."""
+
+    config_class = Qwen3_5Config
+    model_class = Qwen3_5ForConditionalGenerationFSDP
+    fsdp_modules = (
+        "model.visual.blocks.{*}",
+        "model.visual.merger",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.{*}",
+        "lm_head",
+    )
+    recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
+    vision_modules = ("model.visual",)
+    capabilities = Capabilities(video=True)
+    """No packing, no context parallel (module docstring); video as Qwen3-VL."""
+    data = DataNames(templates=("qwen3_5",), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    costs = Qwen3_5Costs()
+    testkit = Qwen3_5TestKit()
