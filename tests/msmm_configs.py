@@ -307,8 +307,43 @@ tools:
       end_step: 11
 """
 
-CONFIGS = {"qwen3vl_30b": QWEN3VL_30B, "qwen3vl_30b_lora": QWEN3VL_30B_LORA, "magistral": MAGISTRAL}
-MODELS = {"qwen3vl_30b": "qwen3vl-moe-tiny", "qwen3vl_30b_lora": "qwen3vl-moe-tiny", "magistral": "tiny"}
+MINDSPEED_COMMIT = "57069cd55a8ab16d5affe379a2e2c5f0a4d962b9"
+"""MindSpeed-MM's own Qwen3.5 FSDP2 configs are kept byte for byte in `tests/mindspeed_mm/`: its
+`examples/qwen3_5/qwen3_5_27B_config.yaml` and `qwen3_5_35B_config.yaml` at this commit of
+github.com/Ascend/MindSpeed-MM (2026-08-08). Only their placeholder paths are replaced (`_MINDSPEED_PATHS`)."""
+_MINDSPEED_PATHS = [  # their placeholder → ours; the longer paths first
+    ("./ckpt/hf_path/Qwen35-xxB", "@MODEL@"),
+    ("./data/COCO2017", "@DATA@"),
+    ("./data/mllm_format_llava_instruct_data_val.json", "@DATA@/eval.jsonl"),
+    ("./data/mllm_format_llava_instruct_data.json", "@DATA@/train.jsonl"),
+    ("./cache_dir/", "@CACHE@/"),
+    ("./save_path", "@CACHE@/save"),
+]
+
+
+def _mindspeed(file: str) -> str:
+    text = (ROOT / "tests" / "mindspeed_mm" / file).read_text()
+    for theirs, ours in _MINDSPEED_PATHS:
+        text = text.replace(theirs, ours)
+    return text
+
+
+CONFIGS = {
+    "qwen3vl_30b": QWEN3VL_30B,
+    "qwen3vl_30b_lora": QWEN3VL_30B_LORA,
+    "magistral": MAGISTRAL,
+    "qwen3_5_27b": _mindspeed("qwen3_5_27B_config.yaml"),
+    "qwen3_5_35b": _mindspeed("qwen3_5_35B_config.yaml"),
+}
+MODELS = {
+    "qwen3vl_30b": "qwen3vl-moe-tiny",
+    "qwen3vl_30b_lora": "qwen3vl-moe-tiny",
+    "magistral": "tiny",
+    "qwen3_5_27b": "qwen3_5-tiny",
+    "qwen3_5_35b": "qwen3_5_moe-tiny",
+}
+"""Each config's tiny model: an example's assets, or `qwen3_5_moe-tiny`, the qwen3_5-tiny example's with a MoE
+decoder (`_qwen3_5_moe_config`)."""
 
 EP_PLAN_KEY = "parallel.ep_plan"
 """Defined by the expert-parallel branch; until it is merged the 30B layouts run without it (`drop_pending`)."""
@@ -358,18 +393,49 @@ def prepare(tmp: Path) -> dict[str, Path]:
     make_shapes_dataset(tmp / "data", num_train=32, num_eval=8, image_size=64, seed=0)
     paths = {"data": tmp / "data", "cache": tmp / "cache"}
     for name in sorted(set(MODELS.values())):
-        paths[name] = _weights(ROOT / "examples" / name / "assets", tmp / "models" / name)
+        paths[name] = _weights(name, tmp / "models" / name)
     return paths
 
 
-def _weights(assets: Path, out: Path) -> Path:
+def _qwen3_5_moe_config(dense: Path):
+    """The tiny Qwen3.5 example's config with a MoE decoder (4 experts, top 2, a shared expert): the same
+    tokenizer, vision tower and layer types."""
+    import json
+
+    from transformers import Qwen3_5MoeConfig
+
+    config = json.loads((dense / "config.json").read_text())
+    text = {k: v for k, v in config.pop("text_config").items() if k not in ("model_type", "intermediate_size")}
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    vision = {k: v for k, v in config.pop("vision_config").items() if k != "model_type"}
+    top = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
+
+
+def _weights(name: str, out: Path) -> Path:
     import torch
-    from transformers import AutoConfig, Mistral3ForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+    from transformers import (
+        AutoConfig,
+        Mistral3ForConditionalGeneration,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     if (out / "config.json").is_file():
         return out
-    classes = {"qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration, "mistral3": Mistral3ForConditionalGeneration}
-    config = AutoConfig.from_pretrained(assets)
+    classes = {
+        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+        "mistral3": Mistral3ForConditionalGeneration,
+        "qwen3_5": Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
+    }
+    if name == "qwen3_5_moe-tiny":
+        assets = ROOT / "examples" / "qwen3_5-tiny" / "assets"
+        config = _qwen3_5_moe_config(assets)
+    else:
+        assets = ROOT / "examples" / name / "assets"
+        config = AutoConfig.from_pretrained(assets)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = classes[config.model_type]._from_config(config)

@@ -172,13 +172,14 @@ def runs(tmp_path_factory):
     paths = msmm_configs.prepare(tmp)
     host = [*msmm_configs.CPU_OVERRIDES, f"training.train_iters={STEPS}"]
     planned: list[tuple[str, Path, list[str]]] = []
-    names = ["qwen3vl_30b", "magistral"] + ([] if msmm_configs.lora_pending() else ["qwen3vl_30b_lora"])
+    names = ["qwen3vl_30b", "magistral", "qwen3_5_27b", "qwen3_5_35b"]
+    names += [] if msmm_configs.lora_pending() else ["qwen3vl_30b_lora"]
     for name in names:
         config = msmm_configs.write_config(name, paths, tmp / "configs")
         overrides = [*host, f"training.output_dir={tmp / 'out' / name}"]
         prepare_dataset(load_config(config, overrides).data)
         planned.append((name, config, overrides))
-        if name != "qwen3vl_30b_lora":
+        if name in ("qwen3vl_30b", "magistral"):  # the spelling tests; the Qwen3.5 layouts only train
             planned.append((f"{name}_ours", *_ours(config, overrides, tmp / "out" / f"{name}_ours")))
     features = _features_config(paths, tmp / "out" / "features")
     prepare_dataset(load_config(features).data)
@@ -189,7 +190,7 @@ def runs(tmp_path_factory):
     return {"results": results, "tmp": tmp, "features": features, "paths": paths}
 
 
-@pytest.mark.parametrize("name", ["qwen3vl_30b", "qwen3vl_30b_lora", "magistral"])
+@pytest.mark.parametrize("name", ["qwen3vl_30b", "qwen3vl_30b_lora", "magistral", "qwen3_5_27b", "qwen3_5_35b"])
 def test_layout_trains_three_steps_on_two_processes(runs, name):
     if name == "qwen3vl_30b_lora" and msmm_configs.lora_pending():
         pytest.skip(f"pending {msmm_configs.LORA_KEY} (the LoRA branch): the LoRA variant trains once it is merged")

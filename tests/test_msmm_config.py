@@ -45,7 +45,7 @@ def _nested(dotted: str, value) -> dict:
 # --------------------------------------------------------------------------- the layouts as written
 
 
-@pytest.mark.parametrize("name", ["qwen3vl_30b", "qwen3vl_30b_lora", "magistral"])
+@pytest.mark.parametrize("name", ["qwen3vl_30b", "qwen3vl_30b_lora", "magistral", "qwen3_5_27b", "qwen3_5_35b"])
 def test_layout_passes_check_with_only_the_documented_warning(name, paths, tmp_path, capsys):
     if name == "qwen3vl_30b_lora" and msmm_configs.lora_pending():
         pytest.skip(f"pending {msmm_configs.LORA_KEY} (the LoRA branch): the LoRA variant runs once it is merged")

@@ -256,16 +256,15 @@ def _build_meta(cfg: Config, model_cfg, errors: list[ConfigError]):
 def _model_patterns(cfg: Config, entry, model) -> list[ConfigError]:
     """Match every module pattern of the config against the meta-built `model`."""
     from mmfsdp.model import resolve_lora_targets
-    from mmfsdp.model.parallelize import expert_parallel_patterns
+    from mmfsdp.model.parallelize import expert_parallel_patterns, fsdp_patterns
     from mmfsdp.parallel.expert_parallel import check_experts_module
 
     errors: list[ConfigError] = []
-    fsdp = cfg.parallel.fsdp_plan.apply_modules
     recompute = cfg.parallel.recompute_plan.apply_modules
+    fsdp_key, fsdp = fsdp_patterns(entry, cfg.parallel)
     lists = [
         ("model.freeze", cfg.model.freeze),
-        ("parallel.fsdp_plan.apply_modules", fsdp) if fsdp is not None
-        else ("parallel.fsdp_plan.apply_modules (model default)", list(entry.fsdp_modules)),
+        (fsdp_key, list(fsdp)),
         ("features.activation_offload_plan.apply_modules", cfg.features.activation_offload_plan.apply_modules or []),
     ]
     if cfg.parallel.ep_plan.apply_modules is not None or cfg.parallel.expert_parallel_size > 1:

@@ -27,6 +27,16 @@ from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
 
 
+def detect_load_format(load: str | None) -> Literal["dcp", "hf"]:
+    """`load_format: auto` (MindSpeed-MM's): an HF directory holds config.json and safetensors weights; anything
+    else (a DCP checkpoint, its tracker file, a path that does not exist yet) is read as DCP, whose checks then say
+    what is missing."""
+    path = Path(load) if load else None
+    if path is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf"
+    return "dcp"
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
     lr: float = 1.0e-5
@@ -65,8 +75,8 @@ class TrainingConfig:
     """Build the model on the meta device, shard it, then materialise and fill it from the resume checkpoint or the initial weights (`load`, or `model.model_name_or_path`)."""
     load: str | None = None
     """Initial weights (an HF directory with `load_format: hf`, or a DCP `release`) or a checkpoint to resume from; a checkpoint in `save` takes precedence (docs/checkpoints.md)."""
-    load_format: Literal["dcp", "hf"] = "dcp"
-    """Format of `load`: a DCP checkpoint directory, or HF safetensors loaded straight into the sharded model."""
+    load_format: Literal["dcp", "hf", "auto"] = "dcp"
+    """Format of `load`: a DCP checkpoint directory, or HF safetensors loaded straight into the sharded model; auto = hf when the directory holds config.json and safetensors, else dcp (decided when the config is read)."""
     save: str | None = None
     """Directory for DCP checkpoints (`iter_0000100/` and the tracker file); a run resumes from the checkpoint found here."""
     save_interval: int = 0
@@ -141,6 +151,8 @@ class TrainingConfig:
             raise ConfigError("save_total_limit", f"must be >= 1 or null, got {self.save_total_limit}")
         if self.val_interval < 0:
             raise ConfigError("val_interval", f"must be >= 0 (0 turns validation off), got {self.val_interval}")
+        if self.load_format == "auto":
+            self.load_format = detect_load_format(self.load)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmfsdp.config import ConfigError
+from mmfsdp.model.parallelize import fsdp_patterns
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
 
@@ -273,7 +274,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     if cfg.parallel.fsdp_plan.cpu_offload:
         host += parameters + gradients + moments
         parameters = gradients = moments = 0
-    patterns = cfg.parallel.fsdp_plan.apply_modules or list(entry.fsdp_modules)
+    patterns = list(fsdp_patterns(entry, cfg.parallel)[1]) or list(entry.fsdp_modules)
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     copies = 2 * _largest_unit(model, patterns) * compute
     activations = _activations(cfg, model, entry, mesh, image_token_share)

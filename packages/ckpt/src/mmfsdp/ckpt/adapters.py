@@ -47,6 +47,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from mmfsdp.ckpt._log import info_rank0
 from mmfsdp.ckpt.errors import CheckpointError, preview
 
 __all__ = [
@@ -117,6 +118,11 @@ class StateDictAdapter:
     def name(self) -> str:
         """For messages: the model id, or the class name of an unregistered adapter."""
         return self.model_id or type(self).__name__
+
+    skipped_hf_prefixes: tuple[tuple[str, str], ...] = ()
+    """(file key prefix, why) of tensors the published files hold and the model has no place for (e.g. a
+    multi-token-prediction head the model class does not build): left out when reading, with a log line; every other file key must be
+    used. Written HF directories do not hold them."""
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
         """Model key -> how to make it, for the file tensors `hf_shapes` (key -> shape); use every key once."""
@@ -221,7 +227,13 @@ def _meta(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
 def plan_from_hf(
     adapter: StateDictAdapter, hf_specs: Mapping[str, tuple[Shape, torch.dtype]]
 ) -> dict[str, PlannedFromHF]:
-    """Model key -> checked plan for the file tensors `hf_specs` (key -> (shape, dtype)), using each key once."""
+    """Model key -> checked plan for the file tensors `hf_specs` (key -> (shape, dtype)), using each key once
+    (less the adapter's `skipped_hf_prefixes`)."""
+    for prefix, why in adapter.skipped_hf_prefixes:
+        skipped = [key for key in hf_specs if key.startswith(prefix)]
+        if skipped:
+            info_rank0(f"state-dict adapter {adapter.name}: {len(skipped)} file tensor(s) {prefix}* not read: {why}")
+            hf_specs = {key: spec for key, spec in hf_specs.items() if not key.startswith(prefix)}
     plans = adapter.from_hf({key: shape for key, (shape, _) in hf_specs.items()})
     user: dict[str, str] = {}
     unknown = []

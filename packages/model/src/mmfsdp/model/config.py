@@ -74,6 +74,21 @@ class ModelConfig:
         **{key: Alias(f"features.{key}") for key in ("loss_cfg", "enable_chunk_loss", "chunkloss_plan", "activation_offload_plan")},
         **{key: Alias(f"parallel.{key}") for key in ("recompute", "recompute_plan")},
         "encoder_data_balance": Alias("data.dataloader_param.balance"),  # VeOmni's name, in its model section
+        # MindSpeed-MM's Qwen3.5 kernel switches: the numbers are the same whichever kernel runs
+        **{
+            key: Ignored(
+                "Gated DeltaNet runs through mmfsdp's packing-exact operator: fla's kernels on CUDA where installed, "
+                "torch elsewhere (docs/parallelism.md)"
+            )
+            for key in ("gdn_implementation", "causal_conv1d_implementation")
+        },
+        **{
+            key: Ignored("recompute re-runs every module of recompute_plan whole; no kernel's output is kept aside")
+            for key in ("skip_gdn_recompute", "skip_flash_attn_recompute")
+        },
+        "use_grouped_expert_matmul": Ignored(
+            "the experts use grouped GEMM wherever the device runs it (probed once), else a loop over the experts"
+        ),
     }
 
     def __post_init__(self) -> None:
@@ -152,6 +167,8 @@ class FeaturesConfig:
     """Loss normalisation settings."""
     activation_offload_plan: ActivationOffloadPlanConfig = field(default_factory=ActivationOffloadPlanConfig)
     """Which modules keep their saved activations in host memory during forward."""
+    enable_activation_offload: bool | None = None
+    """MindSpeed-MM's switch for the plan above: false turns activation offload off whatever the plan lists, true needs a plan that lists modules; null = offload whenever the plan lists modules."""
     compile: bool = False
     """torch.compile each decoder layer (per block, before FSDP2; composes with recompute, chunk loss, LoRA, context parallel); the first step compiles."""
     compile_plan: CompilePlanConfig = field(default_factory=CompilePlanConfig)
@@ -162,4 +179,21 @@ class FeaturesConfig:
         "enable_dynamic_chunk_loss": Ignored("chunk loss uses the fixed chunkloss_plan.chunk_size", allowed=(False,)),
         # torchtitan's `compile.enable`, HF TrainingArguments' (LLaMA-Factory's) `torch_compile`
         **{key: Alias("features.compile") for key in ("torch_compile", "use_torch_compile", "enable_compile")},
+        "enable_ep_balance": Ignored("duplicating busy experts on other ranks is not implemented", allowed=(False,)),
+        "ep_balance_plan": Ignored("read only with enable_ep_balance"),
+        "enable_chunk_mbs": Ignored(
+            "a micro-batch is not split inside the layers (the same numbers); --check's memory plan counts the whole "
+            "micro-batch: lower micro_batch_size or use recompute / activation offload if it does not fit"
+        ),
+        "chunkmbs_plan": Ignored("read only with enable_chunk_mbs"),
     }
+
+    def __post_init__(self) -> None:
+        if self.enable_activation_offload is False:
+            self.activation_offload_plan.apply_modules = []
+        elif self.enable_activation_offload and not self.activation_offload_plan.apply_modules:
+            raise ConfigError(
+                "enable_activation_offload",
+                "is true but activation_offload_plan.apply_modules lists no module: list the modules to offload, "
+                "e.g. model.language_model.layers.{*}",
+            )

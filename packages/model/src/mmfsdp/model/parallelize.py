@@ -21,11 +21,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
+from mmfsdp.config import get_logger, warn_once
+
 if TYPE_CHECKING:
     from mmfsdp.model.config import FeaturesConfig
     from mmfsdp.parallel import FSDPGroup, ParallelConfig, ParallelDims
 
 __all__ = ["ModulePatterns", "compile_patterns", "expert_parallel_patterns", "fsdp_groups", "parallelize"]
+
+
+_log = get_logger(__name__)
 
 
 class ModulePatterns(Protocol):
@@ -40,18 +45,23 @@ class ModulePatterns(Protocol):
 
 
 def _configured_or_default(
-    key: str, configured: list[str] | None, default: tuple[str, ...]
+    entry: ModulePatterns, key: str, configured: list[str] | None, default: tuple[str, ...]
 ) -> tuple[str, tuple[str, ...]]:
-    """(config key, patterns): the configured list when set, else the family's default (its key says so)."""
-    if configured is not None:
-        return key, tuple(configured)
-    return f"{key} (model default)", tuple(default)
+    """(config key, patterns): the configured list when set (less the family's `absent_modules`, with a warning),
+    else the family's default (its key says so)."""
+    if configured is None:
+        return f"{key} (model default)", tuple(default)
+    absent = dict(getattr(entry, "absent_modules", ()))
+    for pattern in configured:
+        if pattern in absent:
+            warn_once(f"{key}: {pattern!r} skipped: {absent[pattern]}", _log)
+    return key, tuple(p for p in configured if p not in absent)
 
 
 def expert_parallel_patterns(entry: ModulePatterns, parallel_cfg: ParallelConfig) -> tuple[str, tuple[str, ...]]:
     """(config key, patterns) of the experts modules expert parallel shards: `parallel.ep_plan.apply_modules`,
     or the family's `expert_modules`."""
-    return _configured_or_default("parallel.ep_plan.apply_modules", parallel_cfg.ep_plan.apply_modules,
+    return _configured_or_default(entry, "parallel.ep_plan.apply_modules", parallel_cfg.ep_plan.apply_modules,
                                   entry.expert_modules)
 
 
@@ -60,10 +70,17 @@ def compile_patterns(entry: ModulePatterns, features_cfg: FeaturesConfig) -> tup
     the family's recompute patterns under its decoder (`decoder_name`): the decoder layers."""
     prefix = entry.decoder_name + "."
     key, patterns = _configured_or_default(
-        "features.compile_plan.apply_modules", features_cfg.compile_plan.apply_modules,
+        entry, "features.compile_plan.apply_modules", features_cfg.compile_plan.apply_modules,
         tuple(p for p in entry.recompute_modules if p.startswith(prefix)),
     )
     return key, list(patterns)
+
+
+def fsdp_patterns(entry: ModulePatterns, parallel_cfg: ParallelConfig) -> tuple[str, tuple[str, ...]]:
+    """(config key, patterns) FSDP2 wraps: `parallel.fsdp_plan.apply_modules`, or the family's `fsdp_modules`."""
+    return _configured_or_default(
+        entry, "parallel.fsdp_plan.apply_modules", parallel_cfg.fsdp_plan.apply_modules, entry.fsdp_modules
+    )
 
 
 def fsdp_groups(entry: ModulePatterns, parallel_cfg: ParallelConfig, parallel_dims: ParallelDims) -> list[FSDPGroup]:
@@ -71,8 +88,7 @@ def fsdp_groups(entry: ModulePatterns, parallel_cfg: ParallelConfig, parallel_di
     mesh."""
     from mmfsdp.parallel.fsdp import FSDPGroup
 
-    key, patterns = _configured_or_default("parallel.fsdp_plan.apply_modules", parallel_cfg.fsdp_plan.apply_modules,
-                                           entry.fsdp_modules)
+    key, patterns = fsdp_patterns(entry, parallel_cfg)
     return [FSDPGroup(patterns, parallel_dims.fsdp_mesh, key)]
 
 

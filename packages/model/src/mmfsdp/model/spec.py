@@ -155,6 +155,10 @@ class ModelEntry:
     empty for a dense model. Their training forward also returns `outputs.router_load` (`mmfsdp.model.router`)."""
     router_modules: tuple[str, ...] = ()
     """MoE families: the routers (replicated over expert parallel)."""
+    absent_modules: tuple[tuple[str, str], ...] = ()
+    """(module name, why) of modules that the family's published training configs name but its model does not
+    build (Qwen3.5's multi-token-prediction head `mtp`): a configured plan pattern equal to one is skipped with a
+    warning instead of failing as a pattern that matches nothing."""
     capabilities: Capabilities = Capabilities()
     """What the family supports (context parallel, packing, expert layout, video); off unless declared."""
     data: DataNames = DataNames()

@@ -40,6 +40,12 @@ class FSDPPlanConfig:
     min_group_params: int = 4_000_000
     """Fewer parameters than this per FSDP2 group: consecutive entries of one module list (decoder layers, vision blocks) are sharded together until a group holds this many, and a smaller matched module outside a list, or a whole list smaller than this, joins the root's group (one all-gather and reduce-scatter for many small layers: the same numbers, less time per collective); 0 = one group per matched module."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "hook_modules": Ignored(
+            "prefetching follows the order of the FSDP2 groups (num_to_forward_prefetch / num_to_backward_prefetch)"
+        ),
+    }
+
     def __post_init__(self) -> None:
         for key in ("num_to_forward_prefetch", "num_to_backward_prefetch", "min_group_params"):
             value = getattr(self, key)
@@ -66,6 +72,10 @@ class EPPlanConfig:
 
     apply_modules: list[str] | None = None
     """Module name patterns of the MoE expert modules (fused `gate_up_proj` / `down_proj`), e.g. `model.language_model.layers.{*}.mlp.experts`; null = the model's default list."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "dispatcher": Ignored("expert parallel sends tokens to their experts with all-to-all", allowed=("alltoall",)),
+    }
 
 
 @dataclass(kw_only=True, slots=True)

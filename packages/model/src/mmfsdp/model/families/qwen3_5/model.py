@@ -249,6 +249,8 @@ class Qwen3_5Entry(HFFamilyEntry):
     vision_modules = ("model.visual",)
     capabilities = Capabilities(video=True)
     """No packing, no context parallel (module docstring); video as Qwen3-VL."""
-    data = DataNames(templates=("qwen3_5",), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    # qwen3_vl_nothink: what MindSpeed-MM's Qwen3.5 configs train with (with enable_thinking: false)
+    data = DataNames(templates=("qwen3_5", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    absent_modules = (("mtp", "the multi-token-prediction head is not part of HF's Qwen3.5 model class"),)
     costs = Qwen3_5Costs()
     testkit = Qwen3_5TestKit()

@@ -15,7 +15,7 @@ The hub's per-expert layout is what transformers 5 itself converts on load (its 
 `qwen3_5_moe_text` merges `mlp.experts.*.{gate,up,down}_proj.weight`); `to_hf` writes it back, so inference
 engines that read the released checkpoints read ours. The shared expert (`mlp.shared_expert.*`), its gate
 (`mlp.shared_expert_gate`) and the router (`mlp.gate`) keep their names. The hub's multi-token-prediction tensors
-(`mtp.*`) have no place in the HF model class; drop them before loading (the load refuses unused file keys).
+(`mtp.*`) have no place in the HF model class: they are not read (`skipped_hf_prefixes`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Qwen3_5MoeAdapter(StateDictAdapter):
 
     model_id = "qwen3_5_moe"
     hf_model_types = ("qwen3_5_moe",)
+    skipped_hf_prefixes = (("mtp.", "the multi-token-prediction head; HF's Qwen3.5 model class has no such module"),)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
         plans: dict[str, FromHF] = {}
