@@ -6,8 +6,9 @@ local experts (grouped GEMM where a one-time probe allows it, else a loop) and s
 summed with their routing weights on the token's own rank. `shard_experts` / `apply_expert_parallel` keep
 each rank's `E / ep` slice of HF's fused expert parameters as a DTensor `Shard(0)` over the `ep` mesh and
 route the module's forward through `experts_forward`, which scales the local experts' gradient by `1 / ep`
-so FSDP2's mean over `efsdp` gives the right sum. The steps, the mesh and the gradient argument:
-docs/parallelism.md, "Expert parallel: dispatch" and "Expert parallel: in the trainer".
+so FSDP2's mean over `efsdp` gives the right sum; in a compiled layer `experts_forward` runs eagerly (its shapes
+come from the routing). The steps, the mesh and the gradient argument: docs/parallelism.md, "Expert parallel:
+dispatch", "Expert parallel: in the trainer" and "torch.compile with the parallelisms".
 
 Legend: T tokens on this rank, K experts per token (top-k), S = T·K (token, slot) pairs, H hidden size,
 I expert intermediate size, E experts in the model, L = E / ep experts held by one rank, P ranks in the EP
@@ -180,7 +181,7 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
     """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once.
     `compiled`: whether it also does inside `torch.compile`, whose fake tensors run the op's meta kernel, which
-    can refuse what the eager kernel runs (on torch 2.9-2.10 it takes bf16, and fp16 where cuBLASLt groups, only:
+    can refuse what the eager kernel runs (on torch 2.14 it takes bf16, and fp16 where cuBLASLt groups, only:
     fp32 runs eagerly on the CPU but does not trace).
 
     The probe runs on a helper thread: grad mode and saved-tensor hooks are per thread, so a first call
