@@ -282,14 +282,15 @@ def local_experts(
         )
     x_NH = x_NH.to(gate_up_proj.dtype)
     compiling = torch.compiler.is_compiling()
-    supported = _grouped_mm_usable(x_NH.device, x_NH.dtype, compiling)
     if implementation == "auto":
-        grouped = supported and _grouped_mm_fits(x_NH, gate_up_proj, down_proj, compiling=compiling)
+        grouped = _grouped_mm_usable(x_NH.device, x_NH.dtype, compiling) and _grouped_mm_fits(
+            x_NH, gate_up_proj, down_proj, compiling=compiling
+        )
         implementation = "grouped" if grouped else "loop"
+    elif implementation == "grouped" and not _grouped_mm_usable(x_NH.device, x_NH.dtype, compiling):
+        under = " under torch.compile" if compiling else ""
+        raise RuntimeError(f"grouped GEMM is not available for {x_NH.dtype} on {x_NH.device}{under}")
     if implementation == "grouped":
-        if not supported:
-            under = " under torch.compile" if compiling else ""
-            raise RuntimeError(f"grouped GEMM is not available for {x_NH.dtype} on {x_NH.device}{under}")
         return _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
     if implementation == "loop":
         return _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
