@@ -10,8 +10,14 @@ Order in `parallelize`: compile, then activation checkpointing, activation offlo
   (they are `torch._dynamo.disable`d anyway); the all-gather and reduce-scatter are unchanged.
 - Recompute (`apply_activation_checkpointing`): the checkpoint wraps the compiled forward, so backward recomputes by
   calling the same compiled function; the saved activations are dropped as without compile.
+- HSDP: as FSDP2; the replicas' all-reduce is FSDP2's, outside the blocks.
 - Context parallel: Ulysses / Ring attention run inside the block through the attention interface; their
   collectives are not traced (a graph break around each), so they run as in eager mode.
+- Expert parallel (and MoE at EP 1): the experts module's forward (`experts_forward`) is `torch.compiler.disable`d,
+  a graph break in each MoE layer: its dispatch (tokens per expert, all-to-all splits, the experts' row counts) is
+  data-dependent, and a traced one would recompile for every new routing. The router before it and the residual
+  after it are compiled. Where the expert GEMMs are traced (`local_experts` compiled directly), the grouped GEMM
+  capability is asked for compile (`grouped_mm_supported(..., compiled=True)`): fp32 takes the loop there.
 - LoRA: the adapters are injected before, so they are part of the compiled block.
 - Chunk loss: `lm_head` is not a block and stays eager.
 

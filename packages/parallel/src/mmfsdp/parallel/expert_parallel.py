@@ -6,8 +6,9 @@ local experts (grouped GEMM where a one-time probe allows it, else a loop) and s
 summed with their routing weights on the token's own rank. `shard_experts` / `apply_expert_parallel` keep
 each rank's `E / ep` slice of HF's fused expert parameters as a DTensor `Shard(0)` over the `ep` mesh and
 route the module's forward through `experts_forward`, which scales the local experts' gradient by `1 / ep`
-so FSDP2's mean over `efsdp` gives the right sum. The steps, the mesh and the gradient argument:
-docs/parallelism.md, "Expert parallel: dispatch" and "Expert parallel: in the trainer".
+so FSDP2's mean over `efsdp` gives the right sum; in a compiled layer `experts_forward` runs eagerly (its shapes
+come from the routing). The steps, the mesh and the gradient argument: docs/parallelism.md, "Expert parallel:
+dispatch", "Expert parallel: in the trainer" and "torch.compile with the parallelisms".
 
 Legend: T tokens on this rank, K experts per token (top-k), S = T·K (token, slot) pairs, H hidden size,
 I expert intermediate size, E experts in the model, L = E / ep experts held by one rank, P ranks in the EP
@@ -177,8 +178,11 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
 
 
 @functools.cache
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
     """Whether grouped GEMM runs (forward and backward) and is right on `device` for `dtype`; probed once.
+    `compiled`: whether it also does inside `torch.compile`, whose fake tensors run the op's meta kernel, which
+    can refuse what the eager kernel runs (on torch 2.14 it takes bf16, and fp16 where cuBLASLt groups, only:
+    fp32 runs eagerly on the CPU but does not trace).
 
     The probe runs on a helper thread: grad mode and saved-tensor hooks are per thread, so a first call
     under `no_grad` (an evaluation) cannot cache "unsupported", and a first call inside an activation-
@@ -186,8 +190,31 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     which finds the answer cached, would save fewer)."""
     if _GROUPED_MM is None or device.type == "meta":
         return False
+    if compiled and not _grouped_mm_traces(dtype):
+        return False
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(_probe_grouped_mm, device, dtype).result()
+
+
+def _grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Whether the meta kernel of grouped GEMM (what torch.compile traces with) takes `dtype`, forward and
+    backward."""
+    try:
+        x = torch.empty(8, 16, device="meta", dtype=dtype, requires_grad=True)
+        weight = torch.empty(3, 16, 16, device="meta", dtype=dtype, requires_grad=True)
+        offsets = torch.empty(3, device="meta", dtype=torch.int32)
+        out = _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+        out.backward(torch.empty_like(out))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _grouped_mm_usable(device: torch.device, dtype: torch.dtype, compiled: bool) -> bool:
+    """`grouped_mm_supported`, which torch.compile calls once while tracing and keeps as a constant (it does not
+    trace the probe)."""
+    return grouped_mm_supported(device, dtype, compiled)
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -209,10 +236,14 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(right and (weight.grad[1] == 0).all())
 
 
-def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
-    """The grouped GEMM kernels want 16-byte aligned rows and data."""
+def _grouped_mm_fits(*tensors: torch.Tensor, compiling: bool = False) -> bool:
+    """The grouped GEMM kernels want 16-byte aligned rows and data (a tensor being traced has no address: under
+    `torch.compile` only the strides and the row size are checked)."""
     return all(
-        t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors
+        t.stride(-1) == 1
+        and (t.shape[-1] * t.element_size()) % 16 == 0
+        and (compiling or t.data_ptr() % 16 == 0)
+        for t in tensors
     )
 
 
@@ -250,12 +281,16 @@ def local_experts(
             f"and {x_NH.shape[0]} rows"
         )
     x_NH = x_NH.to(gate_up_proj.dtype)
+    compiling = torch.compiler.is_compiling()
     if implementation == "auto":
-        grouped = grouped_mm_supported(x_NH.device, x_NH.dtype) and _grouped_mm_fits(x_NH, gate_up_proj, down_proj)
+        grouped = _grouped_mm_usable(x_NH.device, x_NH.dtype, compiling) and _grouped_mm_fits(
+            x_NH, gate_up_proj, down_proj, compiling=compiling
+        )
         implementation = "grouped" if grouped else "loop"
+    elif implementation == "grouped" and not _grouped_mm_usable(x_NH.device, x_NH.dtype, compiling):
+        under = " under torch.compile" if compiling else ""
+        raise RuntimeError(f"grouped GEMM is not available for {x_NH.dtype} on {x_NH.device}{under}")
     if implementation == "grouped":
-        if not grouped_mm_supported(x_NH.device, x_NH.dtype):
-            raise RuntimeError(f"grouped GEMM is not available for {x_NH.dtype} on {x_NH.device}")
         return _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
     if implementation == "loop":
         return _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
@@ -374,6 +409,7 @@ def apply_expert_parallel(
     return names
 
 
+@torch.compiler.disable
 def experts_forward(
     module: nn.Module,
     hidden_TH: torch.Tensor,
@@ -389,6 +425,10 @@ def experts_forward(
     unsharded module runs with EP 1. `grad_scale` multiplies the gradient of the
     local expert weights (`apply_expert_parallel`: 1 / ep under FSDP2, see the
     module docstring).
+
+    Under `torch.compile` (a compiled decoder layer) it runs eagerly, a graph break: the rows each expert gets,
+    the all-to-all splits and so every shape past the router come from the routing, and a traced dispatch would
+    specialise on those counts and recompile as they change, step after step.
     """
     num_experts = getattr(module, "num_experts", module.gate_up_proj.shape[0])
     counts_E = tokens_per_expert(topk_idx_TK.detach(), num_experts)
