@@ -25,9 +25,10 @@ and `large` (the same vision tower, a `--large-hidden` × `--large-layers` decod
 matmuls dominate the step, on variable-length rows of `make_varlen_dataset`: 0–2 images of six sizes, 1–3 turns,
 30 % text-only).
 
-Each system runs `--repeats` times (default 2), interleaved with the others, and its fastest repeat is reported
-(all repeats' tokens/s are in the JSON): on a shared machine the load changes between runs, and the fastest repeat
-is the one it disturbed least.
+Each system runs `--repeats` times (default 3), interleaved with the others (plain, mmfsdp, best, plain, ...), and
+each number of a run is the MEDIAN of its repeats, with the slowest and fastest repeat beside it (`tokens_per_s_min`,
+`tokens_per_s_max`) and every repeat's numbers under `repeats`: on a shared machine the load changes between runs,
+and the median is the number a user can expect rather than the luckiest one.
 
 Each run's step time is taken per step (the loader's `next` to the optimizer step, both systems alike; the app's is
 `step_time_s` of `metrics.jsonl`), the first `--warmup` steps dropped; tokens/s is the median over the remaining steps
@@ -36,7 +37,10 @@ of (real tokens of the global batch) / (step time). FLOP/s are the model FLOPs o
 measured by `mmfsdp.parallel.peak.measure_gemm_tflops` (1024² fp32, one thread per process) on all ranks at the same
 time (mean of the ranks, best of 3 and of the repeats), the same peak for every run. The last line is one JSON object:
 each run's numbers and the ratios `tiny_over_plain`, `large_over_plain`, `large_best_over_plain` (and
-`tiny_best_over_plain`).
+`tiny_best_over_plain`), each the median tokens/s of mmfsdp's run over the plain loop's; `ratio_ranges` gives each
+ratio's `min`, `max` and `repeats`, the ratios of the repeats run back to back (repeat i of both systems). `targets`
+holds the issue's targets on the medians (`tiny_over_plain` ≥ 1.0, `large_over_plain` ≥ 1.3,
+`large_best_over_plain` ≥ 1.5) and `targets_met` whether each measured ratio meets its target (null: not measured).
 
 `--llamafactory PYTHON` (the python of a separate venv with `llamafactory==0.9.5`, never the project's: see
 `tools/bench/llamafactory_run.py` and docs/benchmarks.md) adds, after the three runs of each size, LLaMA-Factory on
@@ -69,6 +73,8 @@ TINY_ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
 APP = ROOT / "apps" / "train"
 LLAMAFACTORY_RUN = ROOT / "tools" / "bench" / "llamafactory_run.py"
 LLAMAFACTORY_VARIANTS = {"llamafactory": [], "llamafactory_nogc": ["--no-gradient-checkpointing"]}
+TARGETS = {"tiny_over_plain": 1.0, "large_over_plain": 1.3, "large_best_over_plain": 1.5}
+"""The targets of the ratios, on the median of the repeats (issue 35)."""
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -307,6 +313,22 @@ def summarise(run: dict, warmup: int, peak_tflops: float, nproc: int) -> dict:
     }
 
 
+def median_of_repeats(summaries: list[dict]) -> dict:
+    """One run's numbers over its repeats: the median of each, the slowest and fastest repeat's tokens/s, and every
+    repeat's numbers (`repeats`, in the order they ran)."""
+    tokens = [s["tokens_per_s"] for s in summaries]
+    return {**{key: statistics.median(s[key] for s in summaries) for key in summaries[0]},
+            "tokens_per_s_min": min(tokens), "tokens_per_s_max": max(tokens), "repeats": summaries}
+
+
+def ratio(ours: dict, theirs: dict) -> dict:
+    """`ours` over `theirs` in tokens/s: on the medians (`median`), and per repeat (repeat i of both ran back to
+    back: `repeats`, their `min` and `max`)."""
+    paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours["repeats"], theirs["repeats"])]
+    return {"median": ours["tokens_per_s"] / theirs["tokens_per_s"], "min": min(paired), "max": max(paired),
+            "repeats": paired}
+
+
 def measure_size(size: str, args, out: Path) -> dict:
     from mmfsdp.data import build_dataset, build_processor, prepare_dataset
     from mmfsdp.train.config import load_config
@@ -334,7 +356,7 @@ def measure_size(size: str, args, out: Path) -> dict:
     best = [*presets[args.best_preset], *args.best]
 
     # Each system runs `--repeats` times, the systems interleaved (plain, mmfsdp, best, [LLaMA-Factory], plain,
-    # ...), so that a change of load on the machine meets all of them; each system's result is its fastest repeat.
+    # ...), so that a change of load on the machine meets all of them; each system's result is its repeats' median.
     lf_variants = list(LLAMAFACTORY_VARIANTS) if args.llamafactory else []
     repeats: dict[str, list[dict]] = {name: [] for name in ("plain", "mmfsdp", "mmfsdp_best", *lf_variants)}
     errors: dict[str, str] = {}
@@ -358,15 +380,13 @@ def measure_size(size: str, args, out: Path) -> dict:
         if not done:
             summary[name] = {"error": errors.get(name, "no run")}
             continue
-        summaries = [summarise(run, args.warmup, peak, args.nproc) for run in done]
-        fastest = max(range(len(done)), key=lambda i: summaries[i]["tokens_per_s"])
-        runs[name] = done[fastest]
-        summary[name] = {**summaries[fastest], "tokens_per_s_repeats": [x["tokens_per_s"] for x in summaries]}
+        runs[name] = done[0]
+        summary[name] = median_of_repeats([summarise(run, args.warmup, peak, args.nproc) for run in done])
     summary["num_params"] = runs["plain"]["num_params"]
     summary["mean_sample_tokens"] = mean_len
     summary["best_overrides"] = best
     summary["peak_tflops"] = peak
-    summary["compile_log"] = runs["mmfsdp_best"]["log"]
+    summary["compile_log"] = runs["mmfsdp_best"]["log"]  # the first repeat's
     first_ids = [int(t) for t in dataset.record(0)["input_ids"]]
     for variant in lf_variants:
         if variant not in runs:
@@ -401,8 +421,9 @@ def main() -> None:
     parser.add_argument("--large-warmup", type=int, default=2)
     parser.add_argument("--large-hidden", type=int, default=768)
     parser.add_argument("--large-layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each system, interleaved; each system's fastest repeat is reported")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each system, interleaved (default: 3); each number is the median of the repeats, "
+                             "with the min and max beside it")
     parser.add_argument("--best-preset", choices=("balance", "compile", "packing"), default="compile",
                         help="the best run's settings: compile (each decoder layer compiled with inductor, "
                              "parameters kept gathered from forward to backward), balance (each step's samples "
@@ -422,7 +443,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    results: dict = {"nproc": args.nproc, "global_batch_rows": args.nproc * args.micro_batch}
+    results: dict = {"nproc": args.nproc, "global_batch_rows": args.nproc * args.micro_batch, "repeats": args.repeats,
+                     "targets": TARGETS, "ratio_ranges": {}}
     for size in args.sizes.split(","):
         size_args = argparse.Namespace(**vars(args))
         if size == "large":
@@ -430,34 +452,43 @@ def main() -> None:
         results[size] = measure_size(size, size_args, out)
         r = results[size]
         for name in ("plain", "mmfsdp", "mmfsdp_best"):
-            run = r[name]
-            print(f"{size:5s} {name:12s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
-                  f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}",
-                  flush=True)
-        plain = r["plain"]["tokens_per_s"]
-        results[f"{size}_over_plain"] = r["mmfsdp"]["tokens_per_s"] / plain
-        results[f"{size}_best_over_plain"] = r["mmfsdp_best"]["tokens_per_s"] / plain
+            print_run(size, name, r[name])
+        for key, ours in ((f"{size}_over_plain", "mmfsdp"), (f"{size}_best_over_plain", "mmfsdp_best")):
+            ranges = ratio(r[ours], r["plain"])
+            results[key] = ranges.pop("median")
+            results["ratio_ranges"][key] = ranges
         for name in ("plain", "mmfsdp", "mmfsdp_best"):
             results[f"gemm_peak_fraction_{size}_{name}"] = r[name]["gemm_peak_fraction"]
         if args.llamafactory is None:
             results["llamafactory"] = "not run"
             continue
-        for name, ratio, ours in (("llamafactory", "over", "mmfsdp"), ("llamafactory", "best_over", "mmfsdp_best"),
+        for name, kind, ours in (("llamafactory", "over", "mmfsdp"), ("llamafactory", "best_over", "mmfsdp_best"),
                                   ("llamafactory_nogc", "over", "mmfsdp")):
-            key = f"{size}_{ratio}_{name}"
+            key = f"{size}_{kind}_{name}"
             run = r[name]
-            results[key] = None if "error" in run else r[ours]["tokens_per_s"] / run["tokens_per_s"]
+            if "error" in run:
+                results[key] = None
+                continue
+            ranges = ratio(r[ours], run)
+            results[key] = ranges.pop("median")
+            results["ratio_ranges"][key] = ranges
         for name in LLAMAFACTORY_VARIANTS:
             run = r[name]
             if "error" in run:
                 print(f"{size:5s} {name:17s} failed: {run['error'][-500:]}", flush=True)
                 continue
-            print(f"{size:5s} {name:17s} {run['tokens_per_s']:9.0f} tokens/s  {run['step_ms']:8.1f} ms/step  "
-                  f"{run['tokens_per_step']:6.0f} tokens/step  GEMM-peak fraction {run['gemm_peak_fraction']:.3f}  "
-                  f"first row same ids: {run['first_sample_same_ids']}, rows of other length: "
-                  f"{run['rows']['other_length']} of {run['rows']['llamafactory']}", flush=True)
+            print_run(size, name, run, f"  first row same ids: {run['first_sample_same_ids']}, rows of other length: "
+                                       f"{run['rows']['other_length']} of {run['rows']['llamafactory']}")
             results[f"gemm_peak_fraction_{size}_{name}"] = run["gemm_peak_fraction"]
+    results["targets_met"] = {key: None if key not in results else results[key] >= target
+                              for key, target in TARGETS.items()}
     print(json.dumps(results))
+
+
+def print_run(size: str, name: str, run: dict, extra: str = "") -> None:
+    print(f"{size:5s} {name:17s} {run['tokens_per_s']:9.0f} tokens/s (median; {run['tokens_per_s_min']:.0f}–"
+          f"{run['tokens_per_s_max']:.0f})  {run['step_ms']:8.1f} ms/step  {run['tokens_per_step']:6.0f} tokens/step  "
+          f"GEMM-peak fraction {run['gemm_peak_fraction']:.3f}{extra}", flush=True)
 
 
 if __name__ == "__main__":

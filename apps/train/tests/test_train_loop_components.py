@@ -47,6 +47,29 @@ def test_train_settle_gives_the_python_numbers_of_the_device_values():
     assert first_non_finite(bad) == 1
 
 
+
+def test_train_settle_waits_for_the_reductions_before_reading():
+    """The loss and the counts are summed by collectives started without waiting: `settle` waits for each
+    handle first, and reads what the reduction wrote."""
+    loss, counts = torch.tensor(1.0), torch.tensor([4, 40, 4])
+
+    class _Work:
+        def __init__(self, tensor: torch.Tensor):
+            self.tensor, self.waited = tensor, False
+
+        def wait(self) -> bool:
+            self.tensor.mul_(2)  # what a sum over two ranks of the same values gives
+            self.waited = True
+            return True
+
+    works = [_Work(loss), _Work(counts)]
+    result = StepResult.on_device(3, 1e-3, loss=loss, grad_norm=torch.tensor(0.5), counts=counts, stats={},
+                                  reductions=works)
+    assert not any(work.waited for work in works)
+    settle([result])
+    assert all(work.waited for work in works)
+    assert result.loss == 2.0 and result.num_tokens == 8 and result.flops == ForwardFlops(80, 8)
+
 class _Writer:
     def __init__(self):
         self.records = []

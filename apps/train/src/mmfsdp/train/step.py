@@ -2,7 +2,10 @@
 
 A step's loss, gradient norm, token and FLOP counts and its family statistics (`mmfsdp.model.StepTerms`)
 are device tensors when the step ends; reading one would make the host wait for the device every step.
-`settle` turns every pending result into Python numbers with one transfer per kind (floats, integer
+The loss and the counts are summed over the ranks by collectives started without waiting (`reductions`,
+the handles of `all_reduce(..., async_op=True)`): they run while the optimizer steps and the next step
+begins, and nothing waits for them until the numbers are read. `settle` waits for those reductions and turns
+every pending result into Python numbers with one transfer per kind (floats, integer
 counts), which the metrics component does on logging steps and before every checkpoint
 (`mmfsdp.train.metrics.Metrics`); `first_non_finite` then finds the first step whose loss or gradient
 norm is NaN/inf, so a non-finite step is still caught, at most `log_interval` steps late and never after
@@ -51,7 +54,8 @@ class StepResult:
     """The family's statistics of the step (`StepTerms.stats`, e.g. a MoE's `aux_loss`, `expert_load_max`)."""
     pending: dict[str, Any] | None = None
     """Until settled: `loss`, `grad_norm` (0-d), `counts` (int64 `[tokens, FLOPs in layers, other FLOPs]`) and
-    `stats` (name -> 0-d) as device tensors."""
+    `stats` (name -> 0-d) as device tensors, and `reductions`: the handles of the collectives still writing into
+    them (waited for before they are read)."""
 
     @property
     def settled(self) -> bool:
@@ -59,15 +63,21 @@ class StepResult:
 
     @classmethod
     def on_device(cls, step: int, lr: float, *, loss: torch.Tensor, grad_norm: torch.Tensor, counts: torch.Tensor,
-                  stats: dict[str, torch.Tensor]) -> StepResult:
-        return cls(step, lr, pending={"loss": loss, "grad_norm": grad_norm, "counts": counts, "stats": stats})
+                  stats: dict[str, torch.Tensor], reductions: Sequence[Any] = ()) -> StepResult:
+        """`reductions`: the work handles of asynchronous collectives that write into `loss` or `counts`."""
+        return cls(step, lr, pending={"loss": loss, "grad_norm": grad_norm, "counts": counts, "stats": stats,
+                                      "reductions": list(reductions)})
 
 
 def settle(results: Sequence[StepResult]) -> None:
-    """Read the device values of every unsettled result: one host transfer for the floats, one for the counts."""
+    """Read the device values of every unsettled result (after its reductions): one host transfer for the floats,
+    one for the counts."""
     todo = [r for r in results if not r.settled]
     if not todo:
         return
+    for result in todo:
+        for work in result.pending["reductions"]:
+            work.wait()
     device = todo[0].pending["loss"].device
     floats = [
         value.detach().reshape(()).to(device, torch.float64)

@@ -23,7 +23,9 @@ with the normalisers reduced over the data-parallel group (`mmfsdp.model.compute
 loss is the global-batch loss whatever the split into ranks and micro-batches; docs/parallelism.md explains the
 `loss × world_size` backward and how context parallel shares the loss. The step's loss, gradient norm and counts
 stay on the device (`mmfsdp.train.step`), as does the loss weights' normaliser (`default`, `per_token`): the host
-reads them only on logging steps and before a save.
+reads them only on logging steps and before a save. The loss and the counts are summed over the ranks by
+collectives that no one waits for until then (the normaliser's sum, which the forward needs, and the gradient
+norm's, which clipping needs, are the step's only other small collectives).
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ class Trainer:
         self.start = plan_start(t, cfg.model)
         log.info(self.start.describe())
         self.model = self._build_model()
+        self.trained_params = Trainable.parameters(self.model)
+        """The trained parameters (FSDP2's sharded ones, fixed once the model is built): the gradient norm's."""
         self.optimizer = build_optimizer(self.model, t, device_type)
         self.scheduler = Scheduler(
             self.optimizer, lr=t.lr, lr_min=t.lr_min, total_steps=t.train_iters,
@@ -317,17 +321,20 @@ class Trainer:
             num_tokens += int(mb["attention_mask"].sum())
             flops = flops + self.flop_meter.count(mb)
         self.balance_meter.observe(micro_batches, time.perf_counter() - passes_started, self.loader.current_step_plan)
-        grad_norm = clip_grad_norm(self.trainable.parameters(self.model), t.clip_grad)
-        dist.all_reduce(local_loss)
-        # tokens and FLOPs of the data-parallel group in one all-reduce (a CP group holds one batch, counted once)
+        grad_norm = clip_grad_norm(self.trained_params, t.clip_grad)
+        # The loss and the tokens and FLOPs of the data-parallel group (a CP group holds one batch, counted once)
+        # are summed in the background: only a logging step or a save waits for them (`settle`). Two collectives,
+        # not one: the loss is fp32 and the counts int64 (FLOPs pass 2^53, which a float64 would round).
         counts = torch.tensor([num_tokens, flops.layers, flops.other], dtype=torch.int64, device=self.device)
-        dist.all_reduce(counts, group=self.dims.dp_group)
+        reductions = [dist.all_reduce(local_loss, async_op=True),
+                      dist.all_reduce(counts, group=self.dims.dp_group, async_op=True)]
         stats = terms.stats()
         lr = self.scheduler.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepResult.on_device(step, lr, loss=local_loss, grad_norm=grad_norm, counts=counts, stats=stats)
+        return StepResult.on_device(step, lr, loss=local_loss, grad_norm=grad_norm, counts=counts, stats=stats,
+                                    reductions=reductions)
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -30,7 +30,7 @@ class FSDPPlanConfig:
     reduce_dtype: DType | None = "fp32"
     """Dtype gradients are reduce-scattered in; null = the compute dtype."""
     reshard_after_forward: bool = True
-    """Free the gathered parameters after forward and gather again in backward (less memory, more communication)."""
+    """Free the gathered parameters after forward and gather again in backward (less memory, more communication); the root's group and the last group in model order always keep theirs (backward needs them first)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states on the CPU."""
     num_to_forward_prefetch: int = 0

@@ -13,9 +13,16 @@ Flow of `apply_fsdp(model, plan, mesh, default_modules)`:
 entry's `parallelize` may, say, shard the vision tower on another mesh than the
 decoder) — and the root on `root_mesh`; `apply_fsdp` is its one-group case.
 3. Every call gets the same `MixedPrecisionPolicy(param_dtype, reduce_dtype)`,
-   offload policy, `reshard_after_forward` and the ignored parameters. (FSDP2
-   keeps the root's parameters gathered after forward regardless, since
-   backward needs them first.)
+   offload policy, `reshard_after_forward` and the ignored parameters, except
+   that two groups keep their gathered parameters from forward to backward
+   whatever `reshard_after_forward` says, because backward needs them first:
+   the root (FSDP2's own choice when it is not told, but an explicit `True`
+   would free and re-gather it: one more all-gather per step, for a whole tiny
+   model grouped into the root that was half its all-gathers) and the last
+   group in model order (its backward starts right after the loss, so FSDP2
+   would gather it again at once; torchtitan keeps it too). Their memory is one
+   group's parameters, held across the short span from the end of forward to
+   their backward; the values are the same.
    Small modules are grouped first (`group_small_modules`, `fsdp_plan.min_group_params`): consecutive
    entries of a module list share one group, and a small module outside a list joins the root's group.
 4. With `num_to_forward_prefetch` / `num_to_backward_prefetch` > 0, each matched
@@ -130,10 +137,12 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
     matched.sort(key=lambda item: order[item[0]])
     num_params = {name: sum(p.numel() for p in model.get_submodule(name).parameters()) for name, _ in matched}
     sharded = group_small_modules(matched, num_params, plan.min_group_params, root_mesh)
+    last = sharded[-1][0] if sharded else None
     for names, mesh in sorted(sharded, key=lambda item: item[0][0].count("."), reverse=True):
         modules = [model.get_submodule(name) for name in names]
-        fully_shard(modules[0] if len(modules) == 1 else modules, **options(mesh))
-    fully_shard(model, **options(root_mesh))
+        kept = {"reshard_after_forward": False} if names is last else {}
+        fully_shard(modules[0] if len(modules) == 1 else modules, **{**options(mesh), **kept})
+    fully_shard(model, **{**options(root_mesh), "reshard_after_forward": False})
     firsts = [model.get_submodule(names[0]) for names, _ in sharded]  # a group's prefetch handle: its first module
     _set_prefetch(firsts, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
     get_logger(__name__).info(
