@@ -16,7 +16,8 @@ from mmfsdp.data.synthetic import make_motion_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_TRAIN, NUM_EVAL, SEED = 6144, 256, 0
-FRAME_SIZE, NUM_FRAMES, FPS, SHAPE_SHARE, BACKGROUND, CLIP_COLOURS, TRAVEL_PX = 32, 2, 2, 0.375, None, ("red",), (5, 7)
+FRAME_SIZE, NUM_FRAMES, FPS, SHAPE_SHARE, BACKGROUND, CLIP_COLOURS, TRAVEL_PX = 32, 2, 2, 0.5, None, ("red",), (6, 8)
+IMAGE_SHARE, TEXT_ONLY_SHARE = 0.1, 0.1
 """1-second clips of 2 frames of 32 × 32: one temporal patch of two frames whose 2 × 2 patches of 16 px merge
 (merge 2) into ONE video token, so the patch embedding (a Conv3d over both frames) and that token see the whole
 motion. A red shape (side 12 px) on a flat random grey moves 5-7 px between the two frames from a random start: one
@@ -29,7 +30,7 @@ def main(out: Path, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL) -> dic
     return make_motion_dataset(
         out, num_train=num_train, num_eval=num_eval, seed=SEED, frame_size=FRAME_SIZE, num_frames=NUM_FRAMES, fps=FPS,
         shape_share=SHAPE_SHARE, noise=0, background=BACKGROUND,
-        clip_colours=CLIP_COLOURS, travel_px=TRAVEL_PX, image_share=0.2, text_only_share=0.1,
+        clip_colours=CLIP_COLOURS, travel_px=TRAVEL_PX, image_share=IMAGE_SHARE, text_only_share=TEXT_ONLY_SHARE,
     )
 
 
