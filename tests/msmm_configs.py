@@ -13,7 +13,7 @@ Imported as `msmm_configs` by test_msmm_config.py (no processes) and test_e2e_ms
   (`recompute` under `parallel:`, loss and chunk loss under `model:`), with top-level anchor keys; the PR's
   file is not in the repository, so the layout follows its description. The model is `examples/tiny`'s Mistral3.
 
-Placeholders `@MODEL@`, `@DATA@` and `@CACHE@` are filled by `write_config`. `prepare(tmp)` writes the data
+Placeholders `@MODEL@`, `@DATA@`, `@CACHE@` and `@SAVE@` are filled by `write_config`. `prepare(tmp)` writes the data
 (shapes, `train.jsonl` / `eval.jsonl`) and the model directories with random safetensors weights, since
 the configs build on the meta device and load weights (`init_model_with_meta_device: true`).
 """
@@ -317,7 +317,7 @@ _MINDSPEED_PATHS = [  # their placeholder → ours; the longer paths first
     ("./data/mllm_format_llava_instruct_data_val.json", "@DATA@/eval.jsonl"),
     ("./data/mllm_format_llava_instruct_data.json", "@DATA@/train.jsonl"),
     ("./cache_dir/", "@CACHE@/"),
-    ("./save_path", "@CACHE@/save"),
+    ("./save_path", "@SAVE@"),
 ]
 
 
@@ -449,7 +449,12 @@ def _weights(name: str, out: Path) -> Path:
 def write_config(name: str, paths: dict[str, Path], out: Path) -> Path:
     """The config `name` with its placeholders filled, written to `out/<name>.yaml`."""
     text = CONFIGS[name]
-    for token, value in (("@MODEL@", paths[MODELS[name]]), ("@DATA@", paths["data"]), ("@CACHE@", paths["cache"])):
+    for token, value in (
+        ("@MODEL@", paths[MODELS[name]]),
+        ("@DATA@", paths["data"]),
+        ("@CACHE@", paths["cache"]),
+        ("@SAVE@", out / f"{name}_save"),  # each config its own: a checkpoint found there would be resumed
+    ):
         text = text.replace(token, str(value))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.yaml"

@@ -2,8 +2,9 @@
 
 One 2-process spawn (gloo) runs, 3 steps each, in turn:
 
-- the Qwen3-VL-30B v1 layout (tiny MoE), the Magistral layout (tiny Mistral3) and, once `training.lora` is
-  known, the LoRA variant — as written (`msmm_configs`), with only the CPU host's overrides;
+- the Qwen3-VL-30B v1 layout (tiny MoE), the Magistral layout (tiny Mistral3), MindSpeed-MM's own Qwen3.5-27B and
+  Qwen3.5-35B-A3B configs (byte for byte, tiny Qwen3.5 and Qwen3.5 MoE; `msmm_configs.MINDSPEED_COMMIT`) and, once
+  `training.lora` is known, the LoRA variant — as written (`msmm_configs`), with only the CPU host's overrides;
 - each of them again from its resolved `config.yaml` (our spelling): identical per-step losses and gradient
   norms prove the aliases (`basic_parameters.cutoff_len`, `features.recompute`, `model.loss_cfg`,
   `per_token_loss`, ...) mean what our keys mean;
