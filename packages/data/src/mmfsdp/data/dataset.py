@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,7 +45,7 @@ import torch
 
 from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
 
-from mmfsdp.data.balance import SampleStats, sample_stats
+from mmfsdp.data.balance import SampleStats, grid_blocks
 from mmfsdp.data.build import build_plugin
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
@@ -450,7 +451,56 @@ def _features() -> Any:
     )
 
 
+def _raw_batches(raw: Any) -> Iterator[list[str]]:
+    """The raw rows' JSON texts, one Arrow record batch at a time, read as a stream (not memory-mapped: the pages of
+    a mapped file would stay in the process's RSS until the whole pass ends)."""
+    import pyarrow as pa
+
+    for cache_file in raw.cache_files:
+        with pa.OSFile(cache_file["filename"]) as f:
+            for batch in pa.ipc.open_stream(f):
+                yield batch.column("row").to_pylist()
+
+
+_worker_encoder: SampleEncoder | None = None
+"""The encoder of a `num_proc` worker process (forked with it: nothing is pickled but the rows)."""
+
+
+def _set_worker_encoder(encoder: SampleEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _encode_in_worker(rows: list[str]) -> dict[str, list[Any]]:
+    assert _worker_encoder is not None
+    return _worker_encoder.encode_batch({"row": rows})
+
+
+def _encoded_batches(raw: Any, encoder: SampleEncoder, num_proc: int) -> Iterator[dict[str, list[Any]]]:
+    """`encoder.encode_batch` of every raw batch, in file order; with `num_proc` > 1 in that many forked processes,
+    at most two batches per process in flight, so memory stays bounded however many rows the file has."""
+    if num_proc <= 1:
+        for rows in _raw_batches(raw):
+            yield encoder.encode_batch({"row": rows})
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(num_proc, _set_worker_encoder, (encoder,)) as pool:
+        in_flight: deque[Any] = deque()
+        for rows in _raw_batches(raw):
+            in_flight.append(pool.apply_async(_encode_in_worker, (rows,)))
+            if len(in_flight) >= 2 * num_proc:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+
+
 def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> Any:
+    """The tokenized table of `path`: read from the cache, else built by one streaming pass over the raw rows (batch
+    by batch: raw rows in, token columns out to the Arrow file) and published by a rename."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.utils.tqdm import tqdm
     from filelock import FileLock
 
     basic = data_cfg.dataset_param.basic_parameters
@@ -460,19 +510,17 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_file = out_dir / f"{path.stem}-{fp}.arrow"
     with FileLock(str(cache_file) + ".lock"):
-        raw = _raw_rows(path, data_cfg)
-        return raw.map(
-            encoder.encode_batch,
-            batched=True,
-            batch_size=64,
-            remove_columns=["row"],
-            features=_features(),
-            num_proc=basic.num_proc if basic.num_proc and basic.num_proc > 1 and len(raw) > 1 else None,
-            cache_file_name=str(cache_file),
-            load_from_cache_file=not basic.overwrite_cache,
-            new_fingerprint=fp,
-            desc=f"tokenizing {path.name}",
-        )
+        if basic.overwrite_cache or not cache_file.is_file():
+            raw = _raw_rows(path, data_cfg)
+            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+            with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
+                with ArrowWriter(features=_features(), path=str(tmp)) as writer:
+                    for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
+                        writer.write_batch(out)
+                        progress.update(len(out["length"]))
+                    writer.finalize()
+            os.replace(tmp, cache_file)
+        return datasets.Dataset.from_file(str(cache_file))
 
 
 # ---------------------------------------------------------------- the dataset
@@ -492,13 +540,27 @@ class _StrictDecodeError(DataError):
         super().__init__(message)
 
 
-def _column(table: Any, name: str) -> list[Any]:
-    """One column of a (map-output, so unindexed) HF dataset as a Python list, read straight from Arrow."""
-    return table.data.column(name).to_pylist()
+def _good_rows(table: Any) -> np.ndarray:
+    """Whether each row of a tokenized table is usable (no `bad_reason`), as a numpy bool array."""
+    return pc.equal(table.data.column("bad_reason"), "").to_numpy(zero_copy_only=False)
+
+
+def _bad_counts(table: Any) -> Counter[str]:
+    """Rows skipped per reason, counted by Arrow (no Python object per row)."""
+    counts = pc.value_counts(table.data.column("bad_reason")).to_pylist()
+    return Counter({c["values"]: c["counts"] for c in counts if c["values"]})
+
+
+def _int_column(table: Any, name: str) -> np.ndarray:
+    return table.data.column(name).to_numpy().astype(np.int64, copy=False)
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors."""
+    """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors.
+
+    Everything kept per sample is a numpy array (where it is, its token count); the tokens, paths and grids stay in
+    the memory-mapped Arrow tables until a sample is read, so building it takes memory that does not grow with rows.
+    """
 
     def __init__(self, tables: list[Any], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
         self.encoder = encoder
@@ -506,18 +568,18 @@ class SFTDataset(torch.utils.data.Dataset):
         self.strict = strict
         columns = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
         self._tables = [t.select_columns(columns) for t in tables]
+        self._good = [_good_rows(t) for t in tables]
         refs, lengths = [], []
         counts: Counter[str] = Counter()
         self.num_rows = 0
         absolute_rows = 0
-        for source_idx, table in enumerate(tables):
-            reasons = _column(table, "bad_reason")
-            self.num_rows += len(reasons)
-            good = np.flatnonzero(np.asarray([not r for r in reasons], dtype=bool))
-            counts.update(r for r in reasons if r)
+        for source_idx, (table, good_mask) in enumerate(zip(tables, self._good)):
+            self.num_rows += len(good_mask)
+            good = np.flatnonzero(good_mask)
+            counts.update(_bad_counts(table))
             refs.append(np.stack([np.full(len(good), source_idx), good], axis=1))
-            lengths.append(np.asarray(_column(table, "length"), dtype=np.int64)[good])
-            absolute_rows += int(np.count_nonzero(np.asarray(_column(table, "absolute_images"), dtype=np.int64)[good]))
+            lengths.append(_int_column(table, "length")[good])
+            absolute_rows += int(np.count_nonzero(_int_column(table, "absolute_images")[good]))
         self._refs = np.concatenate(refs) if refs else np.zeros((0, 2), dtype=np.int64)
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         """Token count of every sample (what packing and batching plan with)."""
@@ -531,15 +593,28 @@ class SFTDataset(torch.utils.data.Dataset):
     def processor(self) -> MMProcessor:
         return self.encoder.processor
 
+    def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+        """(image grids, video grids) of every sample in order, from the stored grids (no pixels read), read one
+        Arrow batch at a time: a pass over all samples keeps nothing per sample."""
+        for table, good in zip(self._tables, self._good):
+            start = 0
+            for batch in table.data.table.select(["image_grids", "video_grids"]).to_batches(max_chunksize=4096):
+                images, videos = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+                for row in np.flatnonzero(good[start : start + batch.num_rows]).tolist():
+                    yield images[row], videos[row]
+                start += batch.num_rows
+
     def sample_stats(self) -> SampleStats:
         """Tokens and vision patches of every sample, from the stored grids (no pixels read): what the
         token budget and the balance plan with (`mmfsdp.data.balance`)."""
-        columns = [(_column(t, "image_grids"), _column(t, "video_grids")) for t in self._tables]
-        grids = []
-        for source, row in self._refs.tolist():
-            images, videos = columns[source]
-            grids.append(list(images[row]) + [g[:3] for g in videos[row]])
-        return sample_stats(self.lengths, grids)
+        patches = np.zeros(len(self), dtype=np.int64)
+        patch_sq = np.zeros(len(self), dtype=np.int64)
+        for index, (images, videos) in enumerate(self.media_grids()):
+            for grid in (*images, *(g[:3] for g in videos)):
+                block, count = grid_blocks(grid)
+                patches[index] += block * count
+                patch_sq[index] += block * block * count
+        return SampleStats(self.lengths.astype(np.int64), patches, patch_sq)
 
     def media_kinds(self) -> frozenset[str]:
         """The kinds of media (`"image"`, `"video"`) at least one usable sample holds, from the stored paths (no
@@ -593,9 +668,8 @@ class SFTDataset(torch.utils.data.Dataset):
 def _first_bad_row(files: list[Path], tables: list[Any], reason: str | None) -> tuple[str, int, str] | None:
     """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
     for path, table in zip(files, tables):
-        reasons = _column(table, "bad_reason")
-        if reason in reasons:
-            row = reasons.index(reason)
+        row = pc.index(table.data.column("bad_reason"), reason or "").as_py() if reason else -1
+        if row >= 0:
             return str(path), row, table[row]["bad_detail"]
     return None
 
@@ -610,10 +684,10 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     strict = data_cfg.dataset_param.basic_parameters.strict
     if strict:
         for path, table in zip(files, tables):
-            reasons = _column(table, "bad_reason")
-            first = next((i for i, r in enumerate(reasons) if r), None)
-            if first is not None:
-                raise DataError(f"{path} row {first}: {reasons[first]}: {table[first]['bad_detail']} (strict: true stops at the first bad row; set it false to skip and count bad rows)")
+            bad = np.flatnonzero(~_good_rows(table))
+            if bad.size:
+                first = int(bad[0])
+                raise DataError(f"{path} row {first}: {table[first]['bad_reason']}: {table[first]['bad_detail']} (strict: true stops at the first bad row; set it false to skip and count bad rows)")
     dataset = SFTDataset(tables, files, encoder, strict=strict)
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
