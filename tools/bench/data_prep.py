@@ -1,4 +1,4 @@
-"""Peak memory and rows/s of dataset preparation (`mm-data stats`' path) at two sizes: the memory must not grow with rows.
+"""Peak memory and rows/s of dataset preparation (`mm-data stats`' path) at two sizes: memory must not grow with rows.
 
     uv run python tools/bench/data_prep.py [--rows 100000 1000000] [--work-dir DIR]
     uv run python tools/bench/data_prep.py --smoke     # the smallest run (CI): 2,000 and 20,000 rows
@@ -13,7 +13,8 @@ image, a line that is not JSON) that are skipped and counted. Then, per size, a 
    since start is used and said so in `peak_reset`);
 3. runs what `mm-data stats` runs: `prepare_dataset` (raw rows), `build_dataset` (tokenizing pass, the good rows'
    index), `vision_token_stats`, and what training reads before its first step: `sample_stats`, `media_kinds`;
-4. reports `peak_rss_mib` (`VmHWM` − baseline) and rows/s of step 3 (file rows, bad ones included, per second).
+4. reports `peak_rss_mib` (`VmHWM` − baseline) and rows/s of step 3 (file rows, bad ones included, per second of
+   wall time, and per CPU second: `rows_per_cpu_s` is the steadier one on a loaded machine).
 
 `rss_ratio_1m_over_100k` is the peak increase of the larger size over the smaller one (whatever `--rows` gives;
 target <= 1.2: memory that does not grow with the rows). The last line is one JSON object.
@@ -134,13 +135,13 @@ def child(work: Path, data_file: Path, warm_file: Path, num_rows: int) -> dict:
         reset = True
     except OSError:
         reset = False
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = _prepare(data_cfg, processor)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert result["num_rows"] == num_rows, (result, num_rows)
     return {**result, "baseline_rss_mib": round(baseline, 1), "peak_rss_mib": round(_status_mib("VmHWM") - baseline, 1),
             "end_rss_file_mib": round(_status_mib("RssFile"), 1), "peak_reset": reset, "seconds": round(seconds, 2),
-            "rows_per_s": round(num_rows / seconds, 1)}
+            "rows_per_s": round(num_rows / seconds, 1), "rows_per_cpu_s": round(num_rows / cpu_seconds, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         "rows": [small, large],
         "peak_rss_mib": [runs[small]["peak_rss_mib"], runs[large]["peak_rss_mib"]],
         "rows_per_s": [runs[small]["rows_per_s"], runs[large]["rows_per_s"]],
+        "rows_per_cpu_s": [runs[small]["rows_per_cpu_s"], runs[large]["rows_per_cpu_s"]],
+        "load_avg": Path("/proc/loadavg").read_text().split()[:3],
         "rss_ratio_1m_over_100k": round(runs[large]["peak_rss_mib"] / max(runs[small]["peak_rss_mib"], 1.0), 3),
         "runs": {str(n): runs[n] for n in (small, large)},
     }))

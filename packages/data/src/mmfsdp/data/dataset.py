@@ -2,8 +2,8 @@
 
 The flow for one file:
 
-1. *Raw rows* — the file is read as bytes and split into rows (JSONL lines, or the
-   items of a JSON list, found by a bracket scan outside strings). Each row is checked
+1. *Raw rows* — the file is streamed and split into rows (JSONL lines, or the items of
+   a JSON list, found by a bracket scan outside strings a few MiB at a time). Each row is checked
    before and after `json.loads` — UTF-8, nesting depth (`_MAX_JSON_DEPTH`, scanned
    before parsing), Python's int-str digit limit, lone surrogates — and stored with HF
    `datasets` (`Dataset.from_generator`, under `cache_dir`) as one JSON string per row;
@@ -37,7 +37,7 @@ import re
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 import pyarrow.compute as pc
@@ -79,6 +79,8 @@ _EMPTY_SAMPLE = {
 }
 """The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_READ_BYTES = 1 << 22
+"""How much of a JSON list file is read at a time (rows are split off each read, so memory stays bounded)."""
 
 
 # ---------------------------------------------------------------- dataset types
@@ -206,13 +208,16 @@ def _cache_dir(data_cfg: DataConfig) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "mmfsdp" / "data"
 
 
-def _structure(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets of the brackets and commas of `data` that are outside JSON strings, and the nesting depth after each."""
+def _structure(data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    """Offsets of the brackets and commas of `data` that are outside JSON strings, the nesting depth after each, and
+    the offset of the first quote that opens no complete string (`len(data)` if none): a string cut off there."""
     blank = np.frombuffer(_JSON_STRING.sub(lambda m: b"_" * len(m.group()), data), dtype=np.uint8)
     opens = (blank == ord("[")) | (blank == ord("{"))
     closes = (blank == ord("]")) | (blank == ord("}"))
     offsets = np.flatnonzero(opens | closes | (blank == ord(",")))
-    return offsets, np.cumsum(opens[offsets].astype(np.int32) - closes[offsets].astype(np.int32))
+    quotes = np.flatnonzero(blank == ord('"'))
+    unclosed = int(quotes[0]) if len(quotes) else len(data)
+    return offsets, np.cumsum(opens[offsets].astype(np.int32) - closes[offsets].astype(np.int32)), unclosed
 
 
 def _max_depth(data: bytes) -> int:
@@ -246,21 +251,49 @@ def _row_json(data: bytes, where: str) -> str:
     return out
 
 
-def _json_list_items(data: bytes, path: str) -> Iterator[tuple[bytes, str]]:
-    """(bytes, "item i") of each item of the JSON list in `data`, split at the list's own commas."""
-    offsets, depth = _structure(data)
-    body = data.strip()
-    if not body.startswith(b"["):
-        raise DataError(f"{path} must hold a JSON list of rows (or be a .jsonl file with one row per line)")
-    if len(offsets) == 0 or depth[-1] != 0 or data[offsets[-1]] != ord("]") or (depth[:-1] <= 0).any() or not body.endswith(b"]"):
+def _json_list_items(f: BinaryIO, path: str) -> Iterator[tuple[bytes, str]]:
+    """(bytes, "item i") of each item of the JSON list in the open file `f`, split at the list's own commas.
+
+    Streams: reads `_READ_BYTES` at a time and keeps only the bytes of items not yet split off. Each scan starts
+    right after the list's `[` or one of its commas, so outside any string at depth 1; before the end of the file
+    only the part up to the first string the read cut through is split (its commas and brackets may be text)."""
+    pending, started, index, read_size = b"", False, 0, _READ_BYTES
+    while True:
+        chunk = f.read(read_size)
+        at_end = not chunk
+        pending += chunk
+        if not started:
+            pending = pending.lstrip()
+            if not pending and not at_end:
+                continue
+            if not pending.startswith(b"["):
+                raise DataError(f"{path} must hold a JSON list of rows (or be a .jsonl file with one row per line)")
+            pending, started = pending[1:], True
+        offsets, depth, unclosed = _structure(pending)
+        if not at_end:
+            depth, offsets = depth[offsets < unclosed], offsets[offsets < unclosed]
+        depth = depth + 1
+        codes = np.frombuffer(pending, dtype=np.uint8)[offsets]
+        ends = offsets[(depth == 0) | ((depth == 1) & (codes == ord(",")))]
+        start = 0
+        for end in ends.tolist():
+            item = pending[start:end]
+            if pending[end] == ord(","):
+                yield item, f"item {index}"
+                index, start = index + 1, end + 1
+                continue
+            trailing = pending[end + 1 :].strip() or any(b.strip() for b in iter(lambda: f.read(_READ_BYTES), b""))
+            if pending[end] != ord("]") or trailing:
+                break  # the list closes with another bracket, or something follows it
+            if index or item.strip():  # `[]` holds no item; `[1,]` ends with an empty one
+                yield item, f"item {index}"
+            return
+        else:
+            if not at_end:
+                pending = pending[start:]
+                read_size = _READ_BYTES if start else 2 * read_size  # a long item: read more before scanning again
+                continue
         raise DataError(f"{path} is not valid JSON (its brackets do not balance into one list); fix the file or convert it to JSONL (one row per line)")
-    bounds = offsets[(depth == 0) | ((depth == 1) & (np.frombuffer(data, dtype=np.uint8)[offsets] == ord(",")))]
-    bounds = np.concatenate([offsets[:1], bounds])
-    spans = [data[a + 1 : b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
-    if len(spans) == 1 and not spans[0].strip():
-        return  # []
-    for i, span in enumerate(spans):
-        yield span, f"item {i}"
 
 
 def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None) -> Iterator[dict[str, str]]:
@@ -272,8 +305,10 @@ def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None
             yield from _rows_json(rows, max_samples)
         return
     with open(path, "rb") as f:
-        data = f.read()
-    yield from _rows_json(_json_list_items(data, path), max_samples)
+        items = _json_list_items(f, path)
+        yield from _rows_json(items, max_samples)
+        for _ in items:  # past max_samples: the rest of the list is still checked to be one list
+            pass
 
 
 def _rows_json(rows: Iterator[tuple[bytes, str]], max_samples: int | None) -> Iterator[dict[str, str]]:
