@@ -548,13 +548,16 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
         if basic.overwrite_cache or not cache_file.is_file():
             raw = _raw_rows(path, data_cfg)
             tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-            with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
-                with ArrowWriter(features=_features(), path=str(tmp)) as writer:
-                    for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
-                        writer.write_batch(out)
-                        progress.update(len(out["length"]))
-                    writer.finalize()
-            os.replace(tmp, cache_file)
+            try:
+                with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
+                    with ArrowWriter(features=_features(), path=str(tmp)) as writer:
+                        for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
+                            writer.write_batch(out)
+                            progress.update(len(out["length"]))
+                        writer.finalize()
+                os.replace(tmp, cache_file)
+            finally:
+                tmp.unlink(missing_ok=True)
         return datasets.Dataset.from_file(str(cache_file))
 
 
