@@ -725,7 +725,10 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
             bad = np.flatnonzero(~_good_rows(table))
             if bad.size:
                 first = int(bad[0])
-                raise DataError(f"{path} row {first}: {table[first]['bad_reason']}: {table[first]['bad_detail']} (strict: true stops at the first bad row; set it false to skip and count bad rows)")
+                raise DataError(
+                    f"{path} row {first}: {table[first]['bad_reason']}: {table[first]['bad_detail']} (strict: true "
+                    "stops at the first bad row; set it false to skip and count bad rows)"
+                )
     dataset = SFTDataset(tables, files, encoder, strict=strict)
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
