@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import heapq
 import json
 import logging
 import sys
@@ -160,32 +161,39 @@ def vision_token_stats(dataset: Any, top: int) -> dict[str, Any]:
     over `dataset`, from its stored grids and lengths; percentiles by nearest rank, and the `top` samples of the most
     vision tokens (ties: the earlier sample first) with their source file and row.
 
-    One pass over `dataset.media_grids()` into numpy arrays: the memory it takes does not grow with the samples
-    beyond a few integers each."""
+    One pass over `dataset.media_grids()`: per sample it keeps two int32 counts (vision and video tokens, for the
+    percentiles) and `dataset.lengths`; the `top` samples are kept in a heap during the pass."""
     plugin = dataset.encoder.plugin
     image_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.image_tokens(grid)))
     video_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.video_tokens(grid)))
     num = len(dataset)
-    image_tokens, video_tokens = np.zeros(num, dtype=np.int64), np.zeros(num, dtype=np.int64)
-    num_images, num_videos = np.zeros(num, dtype=np.int64), np.zeros(num, dtype=np.int64)
+    vision, video_tokens = np.zeros(num, dtype=np.int32), np.zeros(num, dtype=np.int32)
+    with_images = with_videos = 0
+    best: list[tuple[tuple[int, int], int, int, int, int]] = []  # ((vision, -index), image, video, #images, #videos)
     for index, (image_grids, video_grids) in enumerate(dataset.media_grids()):
-        image_tokens[index] = sum(image_block(tuple(g)) for g in image_grids)
-        video_tokens[index] = sum(video_block(tuple(g)) for g in video_grids)
-        num_images[index], num_videos[index] = len(image_grids), len(video_grids)
-    vision = image_tokens + video_tokens
-    tokens = np.asarray(dataset.lengths, dtype=np.int64)
+        image = sum(image_block(tuple(g)) for g in image_grids)
+        video = sum(video_block(tuple(g)) for g in video_grids)
+        vision[index], video_tokens[index] = image + video, video
+        with_images, with_videos = with_images + bool(image_grids), with_videos + bool(video_grids)
+        entry = ((image + video, -index), image, video, len(image_grids), len(video_grids))
+        if len(best) < top:
+            heapq.heappush(best, entry)
+        elif top and entry[0] > best[0][0]:
+            heapq.heapreplace(best, entry)
+    tokens = dataset.lengths
     worst = []
-    for index in np.lexsort((np.arange(num), -vision))[:top].tolist():
+    for (vision_count, neg_index), image, video, images, videos in sorted(best, reverse=True):
+        index = -neg_index
         source, row = dataset.location(index)
         worst.append({
-            "index": index, "source": source, "row": row, "vision_tokens": int(vision[index]),
-            "image_tokens": int(image_tokens[index]), "video_tokens": int(video_tokens[index]),
-            "num_tokens": int(tokens[index]), "images": int(num_images[index]), "videos": int(num_videos[index]),
+            "index": index, "source": source, "row": row, "vision_tokens": vision_count,
+            "image_tokens": image, "video_tokens": video,
+            "num_tokens": int(tokens[index]), "images": images, "videos": videos,
         })
     return {
         "num_samples": num,
-        "with_images": int(np.count_nonzero(num_images)),
-        "with_videos": int(np.count_nonzero(num_videos)),
+        "with_images": with_images,
+        "with_videos": with_videos,
         "vision_tokens": _summary(vision),
         "video_tokens": _summary(video_tokens),
         "num_tokens": _summary(tokens),

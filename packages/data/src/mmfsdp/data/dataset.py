@@ -30,6 +30,7 @@ groups exist; `build_dataset` does steps 2–3.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -486,15 +487,21 @@ def _features() -> Any:
     )
 
 
-def _raw_batches(raw: Any) -> Iterator[list[str]]:
-    """The raw rows' JSON texts, one Arrow record batch at a time, read as a stream (not memory-mapped: the pages of
-    a mapped file would stay in the process's RSS until the whole pass ends)."""
+def _stream_batches(filename: str) -> Iterator[Any]:
+    """The Arrow record batches of the cache file `filename`, read as a stream (`pa.OSFile`, not memory-mapped: the
+    pages of a mapped file that a scan touches would stay in the process's RSS until the mapping goes). Each batch is
+    freed once the caller moves on, so a scan over all rows takes memory that does not grow with them."""
     import pyarrow as pa
 
+    with pa.OSFile(filename) as f:
+        yield from pa.ipc.open_stream(f)
+
+
+def _raw_batches(raw: Any) -> Iterator[list[str]]:
+    """The raw rows' JSON texts, one Arrow record batch at a time, read as a stream."""
     for cache_file in raw.cache_files:
-        with pa.OSFile(cache_file["filename"]) as f:
-            for batch in pa.ipc.open_stream(f):
-                yield batch.column("row").to_pylist()
+        for batch in _stream_batches(cache_file["filename"]):
+            yield batch.column("row").to_pylist()
 
 
 _worker_encoder: SampleEncoder | None = None
@@ -530,10 +537,9 @@ def _encoded_batches(raw: Any, encoder: SampleEncoder, num_proc: int) -> Iterato
             yield in_flight.popleft().get()
 
 
-def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> Any:
-    """The tokenized table of `path`: read from the cache, else built by one streaming pass over the raw rows (batch
-    by batch: raw rows in, token columns out to the Arrow file) and published by a rename."""
-    import datasets
+def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> str:
+    """The tokenized Arrow file of `path`: found in the cache, else built by one streaming pass over the raw rows
+    (batch by batch: raw rows in, token columns out to the Arrow file) and published by a rename."""
     from datasets.arrow_writer import ArrowWriter
     from datasets.utils.tqdm import tqdm
     from filelock import FileLock
@@ -558,7 +564,7 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
                 os.replace(tmp, cache_file)
             finally:
                 tmp.unlink(missing_ok=True)
-        return datasets.Dataset.from_file(str(cache_file))
+        return str(cache_file)
 
 
 # ---------------------------------------------------------------- the dataset
@@ -578,69 +584,98 @@ class _StrictDecodeError(DataError):
         super().__init__(message)
 
 
-def _good_rows(table: Any) -> np.ndarray:
-    """Whether each row of a tokenized table is usable (no `bad_reason`), as a numpy bool array."""
-    return pc.equal(table.data.column("bad_reason"), "").to_numpy(zero_copy_only=False)
+_MAX_ROW = np.iinfo(np.int32).max
+_TABLE_COLUMNS = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
 
 
-def _bad_counts(table: Any) -> Counter[str]:
-    """Rows skipped per reason, counted by Arrow (no Python object per row)."""
-    counts = pc.value_counts(table.data.column("bad_reason")).to_pylist()
-    return Counter({c["values"]: c["counts"] for c in counts if c["values"]})
+def _mapped_table(cache_file: str) -> Any:
+    """The tokenized table of `cache_file`, memory-mapped (HF datasets): what reading one sample's record uses."""
+    import datasets
 
-
-def _int_column(table: Any, name: str) -> np.ndarray:
-    return table.data.column(name).to_numpy().astype(np.int64, copy=False)
+    return datasets.Dataset.from_file(cache_file)
 
 
 class SFTDataset(torch.utils.data.Dataset):
     """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors.
 
-    Everything kept per sample is a numpy array (where it is, its token count); the tokens, paths and grids stay in
-    the memory-mapped Arrow tables until a sample is read, so building it takes memory that does not grow with rows.
+    What it keeps per sample is one int32 array of (row in its file, token count): 8 bytes, the index and the lengths
+    that batching and packing plan with. The tokens, paths and grids stay in the Arrow cache files: scans over all
+    samples (this constructor, `media_grids`, `sample_stats`) read them as a stream batch by batch, and a sample's
+    record is read from the memory-mapped file, which is opened on the first record read (in training: in the
+    DataLoader workers), so building the dataset and its statistics takes memory that does not grow with the rows.
     """
 
-    def __init__(self, tables: list[Any], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
+    def __init__(self, cache_files: list[str], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
         self.encoder = encoder
         self.sources = [str(s) for s in sources]
         self.strict = strict
-        columns = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
-        self._tables = [t.select_columns(columns) for t in tables]
-        self._good = [_good_rows(t) for t in tables]
-        refs, lengths = [], []
+        self._cache_files = list(cache_files)
+        self._mapped: list[Any] | None = None
+        samples = np.zeros((0, 2), dtype=np.int32)
+        size, starts = 0, [0]
         counts: Counter[str] = Counter()
+        kinds: set[str] = set()
         self.num_rows = 0
-        absolute_rows = 0
-        for source_idx, (table, good_mask) in enumerate(zip(tables, self._good)):
-            self.num_rows += len(good_mask)
-            good = np.flatnonzero(good_mask)
-            counts.update(_bad_counts(table))
-            refs.append(np.stack([np.full(len(good), source_idx), good], axis=1))
-            lengths.append(_int_column(table, "length")[good])
-            absolute_rows += int(np.count_nonzero(_int_column(table, "absolute_images")[good]))
-        self._refs = np.concatenate(refs) if refs else np.zeros((0, 2), dtype=np.int64)
-        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-        """Token count of every sample (what packing and batching plan with)."""
-        self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
-        """Rows skipped while preprocessing, by reason."""
-        self.absolute_image_rows = absolute_rows
+        self.absolute_image_rows = 0
         """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass
         `dataset_dir`)."""
+        self.first_bad_row: tuple[int, int, str, str] | None = None
+        """(source index, row, reason, detail) of the first row skipped, in file order (what `strict` reports)."""
+        columns = ["bad_reason", "bad_detail", "length", "absolute_images", "images", "videos"]
+        for source, cache_file in enumerate(self._cache_files):
+            first_row = 0
+            for batch in _stream_batches(cache_file):
+                if first_row + batch.num_rows > _MAX_ROW:
+                    raise DataError(f"{self.sources[source]} has over {_MAX_ROW} rows; split it into several files")
+                reasons, details, lengths, absolute, images, videos = (batch.column(c) for c in columns)
+                good_mask = pc.equal(reasons, "")
+                good = np.flatnonzero(good_mask.to_numpy(zero_copy_only=False))
+                if good.size < batch.num_rows:
+                    counts.update({c["values"]: c["counts"] for c in pc.value_counts(reasons).to_pylist()})
+                    if self.first_bad_row is None:
+                        bad = int(np.flatnonzero(~good_mask.to_numpy(zero_copy_only=False))[0])
+                        self.first_bad_row = (source, first_row + bad, reasons[bad].as_py(), details[bad].as_py())
+                end = size + good.size
+                if end > len(samples):  # grows in place (realloc) by doubling; trimmed to size at the end
+                    samples.resize((max(end, 2 * len(samples), 1024), 2), refcheck=False)
+                samples[size:end, 0] = good + first_row
+                samples[size:end, 1] = lengths.to_numpy()[good]
+                self.absolute_image_rows += int(np.count_nonzero(absolute.to_numpy()[good]))
+                for kind, paths in (("image", images), ("video", videos)):
+                    if kind not in kinds and pc.max(pc.list_value_length(paths.filter(good_mask))).as_py():
+                        kinds.add(kind)
+                size, first_row = end, first_row + batch.num_rows
+            self.num_rows += first_row
+            starts.append(size)
+        samples.resize((size, 2), refcheck=False)
+        self._samples = samples
+        self._starts = starts
+        self._media_kinds = frozenset(kinds)
+        self.lengths = samples[:, 1]
+        """Token count of every sample (what packing and batching plan with; int32, a view of the index)."""
+        self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
+        """Rows skipped while preprocessing, by reason."""
 
     @property
     def processor(self) -> MMProcessor:
         return self.encoder.processor
 
+    @property
+    def _tables(self) -> list[Any]:
+        if self._mapped is None:
+            self._mapped = [_mapped_table(f).select_columns(_TABLE_COLUMNS) for f in self._cache_files]
+        return self._mapped
+
     def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
-        """(image grids, video grids) of every sample in order, from the stored grids (no pixels read), read one
-        Arrow batch at a time: a pass over all samples keeps nothing per sample."""
-        for table, good in zip(self._tables, self._good):
-            start = 0
-            for batch in table.data.table.select(["image_grids", "video_grids"]).to_batches(max_chunksize=4096):
-                images, videos = batch.column(0).to_pylist(), batch.column(1).to_pylist()
-                for row in np.flatnonzero(good[start : start + batch.num_rows]).tolist():
-                    yield images[row], videos[row]
-                start += batch.num_rows
+        """(image grids, video grids) of every sample in order, from the stored grids (no pixels read), read as a
+        stream one Arrow batch at a time: a pass over all samples keeps nothing per sample."""
+        for cache_file in self._cache_files:
+            for batch in _stream_batches(cache_file):
+                good = pc.equal(batch.column("bad_reason"), "")
+                images = batch.column("image_grids").filter(good).to_pylist()
+                videos = batch.column("video_grids").filter(good).to_pylist()
+                del batch, good
+                yield from zip(images, videos)
 
     def sample_stats(self) -> SampleStats:
         """Tokens and vision patches of every sample, from the stored grids (no pixels read): what the
@@ -648,38 +683,37 @@ class SFTDataset(torch.utils.data.Dataset):
         patches = np.zeros(len(self), dtype=np.int64)
         patch_sq = np.zeros(len(self), dtype=np.int64)
         for index, (images, videos) in enumerate(self.media_grids()):
-            for grid in (*images, *(g[:3] for g in videos)):
-                block, count = grid_blocks(grid)
-                patches[index] += block * count
-                patch_sq[index] += block * block * count
+            if images or videos:
+                blocks = [grid_blocks(grid) for grid in (*images, *(g[:3] for g in videos))]
+                patches[index] = sum(block * count for block, count in blocks)
+                patch_sq[index] = sum(block * block * count for block, count in blocks)
         return SampleStats(self.lengths.astype(np.int64), patches, patch_sq)
 
     def media_kinds(self) -> frozenset[str]:
         """The kinds of media (`"image"`, `"video"`) at least one usable sample holds, from the stored paths (no
-        pixels read). The model runs a vision placeholder pass only for these kinds
-        (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
-        kinds = set()
-        for kind, column in (("image", "images"), ("video", "videos")):
-            for source, table in enumerate(self._tables):
-                rows = self._refs[self._refs[:, 0] == source, 1]
-                counts = pc.list_value_length(table.data.column(column)).fill_null(0).to_numpy()
-                if rows.size and counts[rows].any():
-                    kinds.add(kind)
-                    break
-        return frozenset(kinds)
+        pixels read; found while the dataset was built). The model runs a vision placeholder pass only for these
+        kinds (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
+        return self._media_kinds
 
     def __len__(self) -> int:
-        return len(self._refs)
+        return len(self._samples)
+
+    def _source_row(self, index: int) -> tuple[int, int]:
+        index = int(index)
+        row = int(self._samples[index, 0])  # IndexError past either end
+        if index < 0:
+            index += len(self)
+        return bisect.bisect_right(self._starts, index) - 1, row
 
     def location(self, index: int) -> tuple[str, int]:
         """(file, row index in that file) of sample `index`."""
-        source, row = self._refs[index]
-        return self.sources[int(source)], int(row)
+        source, row = self._source_row(index)
+        return self.sources[source], row
 
     def record(self, index: int) -> dict[str, Any]:
         """The stored tokenized row of sample `index` (lists; no pixels)."""
-        source, row = self._refs[index]
-        return self._tables[int(source)][int(row)]
+        source, row = self._source_row(index)
+        return self._tables[source][row]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         record = self.record(index)
@@ -703,9 +737,10 @@ class SFTDataset(torch.utils.data.Dataset):
         return item
 
 
-def _first_bad_row(files: list[Path], tables: list[Any], reason: str | None) -> tuple[str, int, str] | None:
+def _first_bad_row(files: list[Path], cache_files: list[str], reason: str | None) -> tuple[str, int, str] | None:
     """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
-    for path, table in zip(files, tables):
+    for path, cache_file in zip(files, cache_files):
+        table = _mapped_table(cache_file)
         row = pc.index(table.data.column("bad_reason"), reason or "").as_py() if reason else -1
         if row >= 0:
             return str(path), row, table[row]["bad_detail"]
@@ -718,22 +753,19 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     files = dataset_files(data_cfg, split)
     encoder = SampleEncoder(data_cfg, processor)
     encoder_fp = encoder.fingerprint()
-    tables = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
+    cache_files = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
     strict = data_cfg.dataset_param.basic_parameters.strict
-    if strict:
-        for path, table in zip(files, tables):
-            bad = np.flatnonzero(~_good_rows(table))
-            if bad.size:
-                first = int(bad[0])
-                raise DataError(
-                    f"{path} row {first}: {table[first]['bad_reason']}: {table[first]['bad_detail']} (strict: true "
-                    "stops at the first bad row; set it false to skip and count bad rows)"
-                )
-    dataset = SFTDataset(tables, files, encoder, strict=strict)
+    dataset = SFTDataset(cache_files, files, encoder, strict=strict)
+    if strict and dataset.first_bad_row is not None:
+        source, row, reason, detail = dataset.first_bad_row
+        raise DataError(
+            f"{files[source]} row {row}: {reason}: {detail} (strict: true "
+            "stops at the first bad row; set it false to skip and count bad rows)"
+        )
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
         counts = dataset.bad_row_counts
-        example = _first_bad_row(files, tables, top_reason(counts))
+        example = _first_bad_row(files, cache_files, top_reason(counts))
         raise DataError(all_rows_bad_message(dataset.num_rows, names, counts, example))
     skipped = dataset.num_rows - len(dataset)
     log.info(
