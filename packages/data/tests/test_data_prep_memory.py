@@ -3,16 +3,19 @@
 The whole path that `mm-data stats` and the trainer's set-up run — raw rows (JSONL and a JSON list), the tokenizing
 pass, the good rows' index, `sample_stats`, `media_kinds`, `vision_token_stats` — runs twice on 2,000 and twice on
 8,000 synthetic rows (text-only, one and two images, bad rows) under `tracemalloc`. Python's allocations and
-numpy's are traced (Arrow's buffers are not; they are one batch at a time, and `tools/bench/data_prep.py`
-measures the process's RSS).
+numpy's are traced (Arrow's buffers are not; they are one batch at a time, read as a stream, and
+`tools/bench/data_prep.py` measures the process's RSS).
 
 Each size's peak is the lower of its two runs: now and then one run also holds a one-off reallocation of Python's
 table of interned strings (~7 MiB in a process with torch imported; pathlib interns each path's parts, so the
 per-row paths churn it and it is rebuilt every few ten thousand rows), which two runs of a size seldom both hold.
 
-The bound: the larger size's traced peak may exceed the smaller one's by at most `BYTES_PER_ROW` = 200 bytes per
-extra row (the numpy arrays kept per sample — lengths, indices, counts — take about 60). Before the pass streamed,
-`mm-data stats` kept each row's tokens and paths as Python objects: about 3 KB per row.
+The bound: the larger size's traced peak may exceed the smaller one's by at most `BYTES_PER_ROW` = 32 bytes per
+extra row: what is inherently kept per sample — the dataset's int32 (row, length) index, 8 bytes (16 while it grows
+by doubling), and `sample_stats`' three int64 arrays, 24 — fits in it; `mm-data stats`' two int32 counts and a
+sorted copy for the percentiles, 12, exist only while it runs. Measured (2026-12-05): 2 (JSON list) and -7 (JSONL)
+bytes per row (the peak is the tokenizing pass's batch buffers, flat in the rows). Before the pass streamed,
+`mm-data stats` kept each row's tokens and paths as Python objects: about 3 KB per row; the previous bound was 200.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from mmfsdp.data.cli import vision_token_stats
 SIZES = (2_000, 8_000)
 """Both large enough that both runs hold the same batch-sized buffers at their peak (at 1,000 rows they are still
 smaller: the traced peak is flat from about 2,000 rows on)."""
-BYTES_PER_ROW = 200
+BYTES_PER_ROW = 32
 
 
 def _rows(num: int) -> list[str]:

@@ -9,7 +9,7 @@ The flow for one file:
    `datasets` (`Dataset.from_generator`, under `cache_dir`) as one JSON string per row;
    a row that fails is stored as a marker carrying its bad-row reason, so no row of any
    shape aborts the run. `max_samples` keeps the first N rows.
-2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
+2. *Tokenized rows* — one streaming pass (batch by batch; `num_proc` forked processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
    header for its grid (an opaque tuple of ints from the plugin) and each video's headers
    for its sampled frames and grid, expand placeholders into the plugin's image and video
