@@ -47,6 +47,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         {"size_gb": NUMBER, "hf_to_dcp_vs_cp": NUMBER, "dcp_to_hf_vs_cp": NUMBER},
     ),
     "tools/bench/cp_memory.py": (("--smoke",), {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER}),
+    "tools/bench/data_prep.py": (
+        ("--smoke", "--work-dir", "{tmp}"),
+        {"rows": list, "peak_rss_mib": list, "rows_per_s": list, "rss_ratio_1m_over_100k": NUMBER, "runs": dict},
+    ),
     "tools/bench/data_throughput.py": (
         ("--smoke", "--work-dir", "{tmp}"),
         {"ratio": NUMBER, "ours_samples_per_s": NUMBER, "baseline_samples_per_s": NUMBER,

@@ -10,10 +10,14 @@ and may stand before or after the options.
 from __future__ import annotations
 
 import argparse
+import functools
+import heapq
 import json
 import logging
 import sys
 from typing import Any
+
+import numpy as np
 
 from mmfsdp.config import ConfigError, build, get_logger, load_translated
 
@@ -142,41 +146,57 @@ def _dataset(args: argparse.Namespace):
     return build_dataset(data_cfg, processor, args.split)
 
 
+def _summary(values: np.ndarray) -> dict[str, float]:
+    """min, mean, p50, p90, p99 (nearest rank) and max of `values`; {} when there are none."""
+    if not len(values):
+        return {}
+    ordered = np.sort(values)
+    rank = lambda q: int(ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))])  # noqa: E731
+    return {"min": int(ordered[0]), "mean": round(int(ordered.sum()) / len(ordered), 2), "p50": rank(50),
+            "p90": rank(90), "p99": rank(99), "max": int(ordered[-1])}
+
+
 def vision_token_stats(dataset: Any, top: int) -> dict[str, Any]:
     """Vision tokens (the blocks of every image and video grid, as the plugin writes them) and all tokens per sample
-    over `dataset`, read from its records; percentiles by nearest rank, and the `top` samples of the most vision
-    tokens (ties: the earlier sample first) with their source file and row."""
+    over `dataset`, from its stored grids and lengths; percentiles by nearest rank, and the `top` samples of the most
+    vision tokens (ties: the earlier sample first) with their source file and row.
+
+    One pass over `dataset.media_grids()`: per sample it keeps two int32 counts (vision and video tokens, for the
+    percentiles) and `dataset.lengths`; the `top` samples are kept in a heap during the pass."""
     plugin = dataset.encoder.plugin
-    per_sample = []
-    for index in range(len(dataset)):
-        record = dataset.record(index)
-        images = sum(len(plugin.image_tokens(tuple(g))) for g in record["image_grids"])
-        videos = sum(len(plugin.video_tokens(tuple(g))) for g in record["video_grids"])
-        per_sample.append((images + videos, len(record["input_ids"]), index, images, videos, record))
-
-    def summary(values: list[int]) -> dict[str, float]:
-        ordered = sorted(values)
-        if not ordered:
-            return {}
-        rank = lambda q: ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))]  # noqa: E731
-        return {"min": ordered[0], "mean": round(sum(ordered) / len(ordered), 2), "p50": rank(50), "p90": rank(90),
-                "p99": rank(99), "max": ordered[-1]}
-
+    image_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.image_tokens(grid)))
+    video_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.video_tokens(grid)))
+    num = len(dataset)
+    vision, video_tokens = np.zeros(num, dtype=np.int32), np.zeros(num, dtype=np.int32)
+    with_images = with_videos = 0
+    best: list[tuple[tuple[int, int], int, int, int, int]] = []  # ((vision, -index), image, video, #images, #videos)
+    for index, (image_grids, video_grids) in enumerate(dataset.media_grids()):
+        image = sum(image_block(tuple(g)) for g in image_grids)
+        video = sum(video_block(tuple(g)) for g in video_grids)
+        vision[index], video_tokens[index] = image + video, video
+        with_images, with_videos = with_images + bool(image_grids), with_videos + bool(video_grids)
+        entry = ((image + video, -index), image, video, len(image_grids), len(video_grids))
+        if len(best) < top:
+            heapq.heappush(best, entry)
+        elif top and entry[0] > best[0][0]:
+            heapq.heapreplace(best, entry)
+    tokens = dataset.lengths
     worst = []
-    for vision, tokens, index, images, videos, record in sorted(per_sample, key=lambda s: (-s[0], s[2]))[:top]:
+    for (vision_count, neg_index), image, video, images, videos in sorted(best, reverse=True):
+        index = -neg_index
         source, row = dataset.location(index)
         worst.append({
-            "index": index, "source": source, "row": row, "vision_tokens": vision, "image_tokens": images,
-            "video_tokens": videos, "num_tokens": tokens, "images": len(record["images"]),
-            "videos": len(record["videos"]),
+            "index": index, "source": source, "row": row, "vision_tokens": vision_count,
+            "image_tokens": image, "video_tokens": video,
+            "num_tokens": int(tokens[index]), "images": images, "videos": videos,
         })
     return {
-        "num_samples": len(per_sample),
-        "with_images": sum(1 for s in per_sample if s[5]["images"]),
-        "with_videos": sum(1 for s in per_sample if s[5]["videos"]),
-        "vision_tokens": summary([s[0] for s in per_sample]),
-        "video_tokens": summary([s[4] for s in per_sample]),
-        "num_tokens": summary([s[1] for s in per_sample]),
+        "num_samples": num,
+        "with_images": with_images,
+        "with_videos": with_videos,
+        "vision_tokens": _summary(vision),
+        "video_tokens": _summary(video_tokens),
+        "num_tokens": _summary(tokens),
         "worst": worst,
     }
 

@@ -184,7 +184,8 @@ class BasicParametersConfig:
     strict: bool = False
     """Stop at the first bad row with an error naming the file, row and reason, instead of skipping and counting it."""
     num_proc: int | None = None
-    """Processes for the one-time tokenization pass (HF datasets `num_proc`); null = one."""
+    """Processes for the one-time tokenization pass (forked worker processes, each tokenizing whole raw batches;
+    at most two batches per process in flight); null = one."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"{_PRE}.{key}") for key in ("cutoff_len", "template", "train_on_prompt", "mask_history", "enable_thinking")},

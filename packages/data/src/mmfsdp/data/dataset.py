@@ -2,14 +2,14 @@
 
 The flow for one file:
 
-1. *Raw rows* — the file is read as bytes and split into rows (JSONL lines, or the
-   items of a JSON list, found by a bracket scan outside strings). Each row is checked
+1. *Raw rows* — the file is streamed and split into rows (JSONL lines, or the items of
+   a JSON list, found by a bracket scan outside strings a few MiB at a time). Each row is checked
    before and after `json.loads` — UTF-8, nesting depth (`_MAX_JSON_DEPTH`, scanned
    before parsing), Python's int-str digit limit, lone surrogates — and stored with HF
    `datasets` (`Dataset.from_generator`, under `cache_dir`) as one JSON string per row;
    a row that fails is stored as a marker carrying its bad-row reason, so no row of any
    shape aborts the run. `max_samples` keeps the first N rows.
-2. *Tokenized rows* — one `datasets.map` pass (`num_proc` processes) runs
+2. *Tokenized rows* — one streaming pass (batch by batch; `num_proc` forked processes) runs
    `SampleEncoder.encode_row` on every row: parse the conversation, read each image's
    header for its grid (an opaque tuple of ints from the plugin) and each video's headers
    for its sampled frames and grid, expand placeholders into the plugin's image and video
@@ -30,13 +30,15 @@ groups exist; `build_dataset` does steps 2–3.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import os
 import re
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 import pyarrow.compute as pc
@@ -44,7 +46,7 @@ import torch
 
 from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_dict
 
-from mmfsdp.data.balance import SampleStats, sample_stats
+from mmfsdp.data.balance import SampleStats, grid_blocks
 from mmfsdp.data.build import build_plugin
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.conversation import parse_row
@@ -78,6 +80,8 @@ _EMPTY_SAMPLE = {
 }
 """The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_READ_BYTES = 1 << 22
+"""How much of a JSON list file is read at a time (rows are split off each read, so memory stays bounded)."""
 
 
 # ---------------------------------------------------------------- dataset types
@@ -205,13 +209,16 @@ def _cache_dir(data_cfg: DataConfig) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "mmfsdp" / "data"
 
 
-def _structure(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets of the brackets and commas of `data` that are outside JSON strings, and the nesting depth after each."""
+def _structure(data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    """Offsets of the brackets and commas of `data` that are outside JSON strings, the nesting depth after each, and
+    the offset of the first quote that opens no complete string (`len(data)` if none): a string cut off there."""
     blank = np.frombuffer(_JSON_STRING.sub(lambda m: b"_" * len(m.group()), data), dtype=np.uint8)
     opens = (blank == ord("[")) | (blank == ord("{"))
     closes = (blank == ord("]")) | (blank == ord("}"))
     offsets = np.flatnonzero(opens | closes | (blank == ord(",")))
-    return offsets, np.cumsum(opens[offsets].astype(np.int32) - closes[offsets].astype(np.int32))
+    quotes = np.flatnonzero(blank == ord('"'))
+    unclosed = int(quotes[0]) if len(quotes) else len(data)
+    return offsets, np.cumsum(opens[offsets].astype(np.int32) - closes[offsets].astype(np.int32)), unclosed
 
 
 def _max_depth(data: bytes) -> int:
@@ -245,21 +252,49 @@ def _row_json(data: bytes, where: str) -> str:
     return out
 
 
-def _json_list_items(data: bytes, path: str) -> Iterator[tuple[bytes, str]]:
-    """(bytes, "item i") of each item of the JSON list in `data`, split at the list's own commas."""
-    offsets, depth = _structure(data)
-    body = data.strip()
-    if not body.startswith(b"["):
-        raise DataError(f"{path} must hold a JSON list of rows (or be a .jsonl file with one row per line)")
-    if len(offsets) == 0 or depth[-1] != 0 or data[offsets[-1]] != ord("]") or (depth[:-1] <= 0).any() or not body.endswith(b"]"):
+def _json_list_items(f: BinaryIO, path: str) -> Iterator[tuple[bytes, str]]:
+    """(bytes, "item i") of each item of the JSON list in the open file `f`, split at the list's own commas.
+
+    Streams: reads `_READ_BYTES` at a time and keeps only the bytes of items not yet split off. Each scan starts
+    right after the list's `[` or one of its commas, so outside any string at depth 1; before the end of the file
+    only the part up to the first string the read cut through is split (its commas and brackets may be text)."""
+    pending, started, index, read_size = b"", False, 0, _READ_BYTES
+    while True:
+        chunk = f.read(read_size)
+        at_end = not chunk
+        pending += chunk
+        if not started:
+            pending = pending.lstrip()
+            if not pending and not at_end:
+                continue
+            if not pending.startswith(b"["):
+                raise DataError(f"{path} must hold a JSON list of rows (or be a .jsonl file with one row per line)")
+            pending, started = pending[1:], True
+        offsets, depth, unclosed = _structure(pending)
+        if not at_end:
+            depth, offsets = depth[offsets < unclosed], offsets[offsets < unclosed]
+        depth = depth + 1
+        codes = np.frombuffer(pending, dtype=np.uint8)[offsets]
+        ends = offsets[(depth == 0) | ((depth == 1) & (codes == ord(",")))]
+        start = 0
+        for end in ends.tolist():
+            item = pending[start:end]
+            if pending[end] == ord(","):
+                yield item, f"item {index}"
+                index, start = index + 1, end + 1
+                continue
+            trailing = pending[end + 1 :].strip() or any(b.strip() for b in iter(lambda: f.read(_READ_BYTES), b""))
+            if pending[end] != ord("]") or trailing:
+                break  # the list closes with another bracket, or something follows it
+            if index or item.strip():  # `[]` holds no item; `[1,]` ends with an empty one
+                yield item, f"item {index}"
+            return
+        else:
+            if not at_end:
+                pending = pending[start:]
+                read_size = _READ_BYTES if start else 2 * read_size  # a long item: read more before scanning again
+                continue
         raise DataError(f"{path} is not valid JSON (its brackets do not balance into one list); fix the file or convert it to JSONL (one row per line)")
-    bounds = offsets[(depth == 0) | ((depth == 1) & (np.frombuffer(data, dtype=np.uint8)[offsets] == ord(",")))]
-    bounds = np.concatenate([offsets[:1], bounds])
-    spans = [data[a + 1 : b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
-    if len(spans) == 1 and not spans[0].strip():
-        return  # []
-    for i, span in enumerate(spans):
-        yield span, f"item {i}"
 
 
 def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None) -> Iterator[dict[str, str]]:
@@ -271,8 +306,10 @@ def _iter_json_rows(path: str, size: int, mtime_ns: int, max_samples: int | None
             yield from _rows_json(rows, max_samples)
         return
     with open(path, "rb") as f:
-        data = f.read()
-    yield from _rows_json(_json_list_items(data, path), max_samples)
+        items = _json_list_items(f, path)
+        yield from _rows_json(items, max_samples)
+        for _ in items:  # past max_samples: the rest of the list is still checked to be one list
+            pass
 
 
 def _rows_json(rows: Iterator[tuple[bytes, str]], max_samples: int | None) -> Iterator[dict[str, str]]:
@@ -450,7 +487,61 @@ def _features() -> Any:
     )
 
 
-def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> Any:
+def _stream_batches(filename: str) -> Iterator[Any]:
+    """The Arrow record batches of the cache file `filename`, read as a stream (`pa.OSFile`, not memory-mapped: the
+    pages of a mapped file that a scan touches would stay in the process's RSS until the mapping goes). Each batch is
+    freed once the caller moves on, so a scan over all rows takes memory that does not grow with them."""
+    import pyarrow as pa
+
+    with pa.OSFile(filename) as f:
+        yield from pa.ipc.open_stream(f)
+
+
+def _raw_batches(raw: Any) -> Iterator[list[str]]:
+    """The raw rows' JSON texts, one Arrow record batch at a time, read as a stream."""
+    for cache_file in raw.cache_files:
+        for batch in _stream_batches(cache_file["filename"]):
+            yield batch.column("row").to_pylist()
+
+
+_worker_encoder: SampleEncoder | None = None
+"""The encoder of a `num_proc` worker process (forked with it: nothing is pickled but the rows)."""
+
+
+def _set_worker_encoder(encoder: SampleEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _encode_in_worker(rows: list[str]) -> dict[str, list[Any]]:
+    assert _worker_encoder is not None
+    return _worker_encoder.encode_batch({"row": rows})
+
+
+def _encoded_batches(raw: Any, encoder: SampleEncoder, num_proc: int) -> Iterator[dict[str, list[Any]]]:
+    """`encoder.encode_batch` of every raw batch, in file order; with `num_proc` > 1 in that many forked processes,
+    at most two batches per process in flight, so memory stays bounded however many rows the file has."""
+    if num_proc <= 1:
+        for rows in _raw_batches(raw):
+            yield encoder.encode_batch({"row": rows})
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(num_proc, _set_worker_encoder, (encoder,)) as pool:
+        in_flight: deque[Any] = deque()
+        for rows in _raw_batches(raw):
+            in_flight.append(pool.apply_async(_encode_in_worker, (rows,)))
+            if len(in_flight) >= 2 * num_proc:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+
+
+def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, encoder_fp: str) -> str:
+    """The tokenized Arrow file of `path`: found in the cache, else built by one streaming pass over the raw rows
+    (batch by batch: raw rows in, token columns out to the Arrow file) and published by a rename."""
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.utils.tqdm import tqdm
     from filelock import FileLock
 
     basic = data_cfg.dataset_param.basic_parameters
@@ -460,19 +551,20 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_file = out_dir / f"{path.stem}-{fp}.arrow"
     with FileLock(str(cache_file) + ".lock"):
-        raw = _raw_rows(path, data_cfg)
-        return raw.map(
-            encoder.encode_batch,
-            batched=True,
-            batch_size=64,
-            remove_columns=["row"],
-            features=_features(),
-            num_proc=basic.num_proc if basic.num_proc and basic.num_proc > 1 and len(raw) > 1 else None,
-            cache_file_name=str(cache_file),
-            load_from_cache_file=not basic.overwrite_cache,
-            new_fingerprint=fp,
-            desc=f"tokenizing {path.name}",
-        )
+        if basic.overwrite_cache or not cache_file.is_file():
+            raw = _raw_rows(path, data_cfg)
+            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+            try:
+                with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
+                    with ArrowWriter(features=_features(), path=str(tmp)) as writer:
+                        for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
+                            writer.write_batch(out)
+                            progress.update(len(out["length"]))
+                        writer.finalize()
+                os.replace(tmp, cache_file)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return str(cache_file)
 
 
 # ---------------------------------------------------------------- the dataset
@@ -492,81 +584,136 @@ class _StrictDecodeError(DataError):
         super().__init__(message)
 
 
-def _column(table: Any, name: str) -> list[Any]:
-    """One column of a (map-output, so unindexed) HF dataset as a Python list, read straight from Arrow."""
-    return table.data.column(name).to_pylist()
+_MAX_ROW = np.iinfo(np.int32).max
+_TABLE_COLUMNS = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
+
+
+def _mapped_table(cache_file: str) -> Any:
+    """The tokenized table of `cache_file`, memory-mapped (HF datasets): what reading one sample's record uses."""
+    import datasets
+
+    return datasets.Dataset.from_file(cache_file)
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors."""
+    """The usable samples of one split; `dataset[i]` decodes sample i's images and returns its tensors.
 
-    def __init__(self, tables: list[Any], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
+    What it keeps per sample is one int32 array of (row in its file, token count): 8 bytes, the index and the lengths
+    that batching and packing plan with. The tokens, paths and grids stay in the Arrow cache files: scans over all
+    samples (this constructor, `media_grids`, `sample_stats`) read them as a stream batch by batch, and a sample's
+    record is read from the memory-mapped file, which is opened on the first record read (in training: in the
+    DataLoader workers), so building the dataset and its statistics takes memory that does not grow with the rows.
+    """
+
+    def __init__(self, cache_files: list[str], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
         self.encoder = encoder
         self.sources = [str(s) for s in sources]
         self.strict = strict
-        columns = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
-        self._tables = [t.select_columns(columns) for t in tables]
-        refs, lengths = [], []
+        self._cache_files = list(cache_files)
+        self._mapped: list[Any] | None = None
+        samples = np.zeros((0, 2), dtype=np.int32)
+        size, starts = 0, [0]
         counts: Counter[str] = Counter()
+        kinds: set[str] = set()
         self.num_rows = 0
-        absolute_rows = 0
-        for source_idx, table in enumerate(tables):
-            reasons = _column(table, "bad_reason")
-            self.num_rows += len(reasons)
-            good = np.flatnonzero(np.asarray([not r for r in reasons], dtype=bool))
-            counts.update(r for r in reasons if r)
-            refs.append(np.stack([np.full(len(good), source_idx), good], axis=1))
-            lengths.append(np.asarray(_column(table, "length"), dtype=np.int64)[good])
-            absolute_rows += int(np.count_nonzero(np.asarray(_column(table, "absolute_images"), dtype=np.int64)[good]))
-        self._refs = np.concatenate(refs) if refs else np.zeros((0, 2), dtype=np.int64)
-        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-        """Token count of every sample (what packing and batching plan with)."""
-        self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
-        """Rows skipped while preprocessing, by reason."""
-        self.absolute_image_rows = absolute_rows
+        self.absolute_image_rows = 0
         """Usable samples with at least one absolute image or video path (allowed, but reported: they bypass
         `dataset_dir`)."""
+        self.first_bad_row: tuple[int, int, str, str] | None = None
+        """(source index, row, reason, detail) of the first row skipped, in file order (what `strict` reports)."""
+        columns = ["bad_reason", "bad_detail", "length", "absolute_images", "images", "videos"]
+        for source, cache_file in enumerate(self._cache_files):
+            first_row = 0
+            for batch in _stream_batches(cache_file):
+                if first_row + batch.num_rows > _MAX_ROW:
+                    raise DataError(f"{self.sources[source]} has over {_MAX_ROW} rows; split it into several files")
+                reasons, details, lengths, absolute, images, videos = (batch.column(c) for c in columns)
+                good_mask = pc.equal(reasons, "")
+                good = np.flatnonzero(good_mask.to_numpy(zero_copy_only=False))
+                if good.size < batch.num_rows:
+                    counts.update({c["values"]: c["counts"] for c in pc.value_counts(reasons).to_pylist()})
+                    if self.first_bad_row is None:
+                        bad = int(np.flatnonzero(~good_mask.to_numpy(zero_copy_only=False))[0])
+                        self.first_bad_row = (source, first_row + bad, reasons[bad].as_py(), details[bad].as_py())
+                end = size + good.size
+                if end > len(samples):  # grows in place (realloc) by doubling; trimmed to size at the end
+                    samples.resize((max(end, 2 * len(samples), 1024), 2), refcheck=False)
+                samples[size:end, 0] = good + first_row
+                samples[size:end, 1] = lengths.to_numpy()[good]
+                self.absolute_image_rows += int(np.count_nonzero(absolute.to_numpy()[good]))
+                for kind, paths in (("image", images), ("video", videos)):
+                    if kind not in kinds and pc.max(pc.list_value_length(paths.filter(good_mask))).as_py():
+                        kinds.add(kind)
+                size, first_row = end, first_row + batch.num_rows
+            self.num_rows += first_row
+            starts.append(size)
+        samples.resize((size, 2), refcheck=False)
+        self._samples = samples
+        self._starts = starts
+        self._media_kinds = frozenset(kinds)
+        self.lengths = samples[:, 1]
+        """Token count of every sample (what packing and batching plan with; int32, a view of the index)."""
+        self.bad_row_counts = {r: counts[r] for r in BAD_REASONS if counts[r]}
+        """Rows skipped while preprocessing, by reason."""
 
     @property
     def processor(self) -> MMProcessor:
         return self.encoder.processor
 
+    @property
+    def _tables(self) -> list[Any]:
+        if self._mapped is None:
+            self._mapped = [_mapped_table(f).select_columns(_TABLE_COLUMNS) for f in self._cache_files]
+        return self._mapped
+
+    def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+        """(image grids, video grids) of every sample in order, from the stored grids (no pixels read), read as a
+        stream one Arrow batch at a time: a pass over all samples keeps nothing per sample."""
+        for cache_file in self._cache_files:
+            for batch in _stream_batches(cache_file):
+                good = pc.equal(batch.column("bad_reason"), "")
+                images = batch.column("image_grids").filter(good).to_pylist()
+                videos = batch.column("video_grids").filter(good).to_pylist()
+                del batch, good
+                yield from zip(images, videos)
+
     def sample_stats(self) -> SampleStats:
         """Tokens and vision patches of every sample, from the stored grids (no pixels read): what the
         token budget and the balance plan with (`mmfsdp.data.balance`)."""
-        columns = [(_column(t, "image_grids"), _column(t, "video_grids")) for t in self._tables]
-        grids = []
-        for source, row in self._refs.tolist():
-            images, videos = columns[source]
-            grids.append(list(images[row]) + [g[:3] for g in videos[row]])
-        return sample_stats(self.lengths, grids)
+        patches = np.zeros(len(self), dtype=np.int64)
+        patch_sq = np.zeros(len(self), dtype=np.int64)
+        for index, (images, videos) in enumerate(self.media_grids()):
+            if images or videos:
+                blocks = [grid_blocks(grid) for grid in (*images, *(g[:3] for g in videos))]
+                patches[index] = sum(block * count for block, count in blocks)
+                patch_sq[index] = sum(block * block * count for block, count in blocks)
+        return SampleStats(self.lengths.astype(np.int64), patches, patch_sq)
 
     def media_kinds(self) -> frozenset[str]:
         """The kinds of media (`"image"`, `"video"`) at least one usable sample holds, from the stored paths (no
-        pixels read). The model runs a vision placeholder pass only for these kinds
-        (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
-        kinds = set()
-        for kind, column in (("image", "images"), ("video", "videos")):
-            for source, table in enumerate(self._tables):
-                rows = self._refs[self._refs[:, 0] == source, 1]
-                counts = pc.list_value_length(table.data.column(column)).fill_null(0).to_numpy()
-                if rows.size and counts[rows].any():
-                    kinds.add(kind)
-                    break
-        return frozenset(kinds)
+        pixels read; found while the dataset was built). The model runs a vision placeholder pass only for these
+        kinds (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
+        return self._media_kinds
 
     def __len__(self) -> int:
-        return len(self._refs)
+        return len(self._samples)
+
+    def _source_row(self, index: int) -> tuple[int, int]:
+        index = int(index)
+        row = int(self._samples[index, 0])  # IndexError past either end
+        if index < 0:
+            index += len(self)
+        return bisect.bisect_right(self._starts, index) - 1, row
 
     def location(self, index: int) -> tuple[str, int]:
         """(file, row index in that file) of sample `index`."""
-        source, row = self._refs[index]
-        return self.sources[int(source)], int(row)
+        source, row = self._source_row(index)
+        return self.sources[source], row
 
     def record(self, index: int) -> dict[str, Any]:
         """The stored tokenized row of sample `index` (lists; no pixels)."""
-        source, row = self._refs[index]
-        return self._tables[int(source)][int(row)]
+        source, row = self._source_row(index)
+        return self._tables[source][row]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         record = self.record(index)
@@ -590,12 +737,12 @@ class SFTDataset(torch.utils.data.Dataset):
         return item
 
 
-def _first_bad_row(files: list[Path], tables: list[Any], reason: str | None) -> tuple[str, int, str] | None:
+def _first_bad_row(files: list[Path], cache_files: list[str], reason: str | None) -> tuple[str, int, str] | None:
     """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
-    for path, table in zip(files, tables):
-        reasons = _column(table, "bad_reason")
-        if reason in reasons:
-            row = reasons.index(reason)
+    for path, cache_file in zip(files, cache_files):
+        table = _mapped_table(cache_file)
+        row = pc.index(table.data.column("bad_reason"), reason or "").as_py() if reason else -1
+        if row >= 0:
             return str(path), row, table[row]["bad_detail"]
     return None
 
@@ -606,19 +753,19 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     files = dataset_files(data_cfg, split)
     encoder = SampleEncoder(data_cfg, processor)
     encoder_fp = encoder.fingerprint()
-    tables = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
+    cache_files = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
     strict = data_cfg.dataset_param.basic_parameters.strict
-    if strict:
-        for path, table in zip(files, tables):
-            reasons = _column(table, "bad_reason")
-            first = next((i for i, r in enumerate(reasons) if r), None)
-            if first is not None:
-                raise DataError(f"{path} row {first}: {reasons[first]}: {table[first]['bad_detail']} (strict: true stops at the first bad row; set it false to skip and count bad rows)")
-    dataset = SFTDataset(tables, files, encoder, strict=strict)
+    dataset = SFTDataset(cache_files, files, encoder, strict=strict)
+    if strict and dataset.first_bad_row is not None:
+        source, row, reason, detail = dataset.first_bad_row
+        raise DataError(
+            f"{files[source]} row {row}: {reason}: {detail} (strict: true "
+            "stops at the first bad row; set it false to skip and count bad rows)"
+        )
     names = ", ".join(p.name for p in files)
     if len(dataset) == 0:
         counts = dataset.bad_row_counts
-        example = _first_bad_row(files, tables, top_reason(counts))
+        example = _first_bad_row(files, cache_files, top_reason(counts))
         raise DataError(all_rows_bad_message(dataset.num_rows, names, counts, example))
     skipped = dataset.num_rows - len(dataset)
     log.info(
