@@ -314,3 +314,52 @@ def test_moe_expert_parallel_two_processes_equal_one():
     one, two = (run_distributed(_ep_steps, size)[0] for size in (1, 2))
     for (loss_1, norm_1), (loss_2, norm_2) in zip(one, two, strict=True):
         assert abs(loss_2 - loss_1) <= 1e-5 * abs(loss_1) and abs(norm_2 - norm_1) <= 1e-5 * norm_1, (one, two)
+
+
+PRESETS = ["preset:gated_deltanet", "preset:attention", "preset:vision_attention"]
+
+
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_lora_presets_cover_gated_deltanet_attention_and_vision(model_id):
+    from mmfsdp.model import resolve_lora_targets
+
+    entry = get_model_entry(model_id)
+    config = entry.testkit.tiny_config()
+    with torch.device("meta"):
+        model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    names = set(resolve_lora_targets(model, PRESETS, entry))
+    layers = config.text_config.layer_types
+    expected = set()
+    for i, kind in enumerate(layers):
+        if kind == "linear_attention":
+            parts = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+            expected |= {f"model.language_model.layers.{i}.linear_attn.{part}" for part in parts}
+        else:
+            expected |= {f"model.language_model.layers.{i}.self_attn.{p}_proj" for p in "qkvo"}
+    for block in range(config.vision_config.depth):
+        expected |= {f"model.visual.blocks.{block}.attn.{part}" for part in ("qkv", "proj")}
+    assert names == expected
+
+
+def test_lora_preset_matching_no_module_is_an_error():
+    from mmfsdp.model import resolve_lora_targets
+
+    entry = get_model_entry("qwen3_5")
+    config = entry.testkit.tiny_config(text_config={"layer_types": ["full_attention"] * 3})
+    with torch.device("meta"):
+        model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    key = "training.lora.target_modules"
+    with pytest.raises(ConfigError, match=rf"^{key}\[1\] \(preset:gated_deltanet\): 'in_proj_qkv' is the name of no"):
+        resolve_lora_targets(model, ["q_proj", "preset:gated_deltanet"], entry)
+    with pytest.raises(ConfigError, match=rf"^{key}\[0\]: 'preset:deltanet' names no LoRA preset"):
+        resolve_lora_targets(model, ["preset:deltanet"], entry)
+
+
+def test_check_refuses_a_lora_preset_that_matches_nothing(tmp_path):
+    from mmfsdp.train.check import model_check
+
+    entry = get_model_entry("qwen3_5")
+    entry.testkit.tiny_config(text_config={"layer_types": ["full_attention"] * 3}).save_pretrained(tmp_path)
+    cfg = _config("qwen3_5", tmp_path, "training.lora.enable=true", "training.lora.target_modules=[preset:gated_deltanet]")
+    errors = [e for e in model_check(cfg) if e.key.startswith("training.lora.target_modules[0]")]
+    assert len(errors) == 1 and "'in_proj_qkv' is the name of no module" in str(errors[0]), errors
