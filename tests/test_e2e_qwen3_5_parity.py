@@ -46,8 +46,7 @@ PACKED = {
 LORA = {
     "training.lora.enable": "true",
     "training.lora.init_lora_weights": "false",  # B random too: the adapters change the loss from step 1
-    "training.lora.target_modules": "[in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,q_proj,k_proj,v_proj,"
-    "o_proj,model.visual.blocks.{*}.attn.qkv,model.visual.blocks.{*}.attn.proj]",
+    "training.lora.target_modules": "[preset:gated_deltanet,preset:attention,preset:vision_attention]",
 }
 U2, R2 = {"parallel.ulysses_parallel_size": 2}, {"parallel.ring_attention_size": 2}
 
