@@ -79,7 +79,8 @@ CASES = [
           {"dp": 2, "ep": 2}, (AuxLoss,)),
     _case("lora_fsdp2", 2, {**DENSE, **LORA, "training.micro_batch_size": 2}, "lora_single", {"dp": 2}),
     _case("ulysses2_ring2", 4, {**DENSE, **U2, **R2}, "single", {"dp": 1, "ulysses": 2, "ring": 2}),
-    _case("moe_ep2_ulysses2", 4, {**MOE, **U2, "parallel.expert_parallel_size": 2}, "moe_single",
+    _case("moe_ep2_ulysses2", 4, {**MOE, **U2, "parallel.expert_parallel_size": 2, "training.micro_batch_size": 2},
+          "moe_single",
           {"dp": 2, "ep": 2, "ulysses": 2}, (AuxLoss,)),
 ]
 
