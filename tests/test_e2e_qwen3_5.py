@@ -360,6 +360,7 @@ def test_check_refuses_a_lora_preset_that_matches_nothing(tmp_path):
 
     entry = get_model_entry("qwen3_5")
     entry.testkit.tiny_config(text_config={"layer_types": ["full_attention"] * 3}).save_pretrained(tmp_path)
-    cfg = _config("qwen3_5", tmp_path, "training.lora.enable=true", "training.lora.target_modules=[preset:gated_deltanet]")
+    targets = "training.lora.target_modules=[preset:gated_deltanet]"
+    cfg = _config("qwen3_5", tmp_path, "training.lora.enable=true", targets)
     errors = [e for e in model_check(cfg) if e.key.startswith("training.lora.target_modules[0]")]
     assert len(errors) == 1 and "'in_proj_qkv' is the name of no module" in str(errors[0]), errors
