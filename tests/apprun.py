@@ -26,6 +26,8 @@ QWEN = EXAMPLES / "qwen3vl-tiny" / "config.yaml"
 QWEN_ASSETS = EXAMPLES / "qwen3vl-tiny" / "assets"
 MOE = EXAMPLES / "qwen3vl-moe-tiny" / "config.yaml"
 MOE_ASSETS = EXAMPLES / "qwen3vl-moe-tiny" / "assets"
+QWEN3_5 = EXAMPLES / "qwen3_5-tiny" / "config.yaml"
+QWEN3_5_ASSETS = EXAMPLES / "qwen3_5-tiny" / "assets"
 
 
 def close(value: float, reference: float, rel: float = 1e-5) -> bool:

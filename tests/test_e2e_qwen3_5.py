@@ -1,8 +1,11 @@
-"""Qwen3.5 (`qwen3_5`, `qwen3_5_moe`): padded rows only, and what the family contract does not cover.
+"""Qwen3.5 (`qwen3_5`, `qwen3_5_moe`): packed rows and context parallel, and what the family contract does not cover.
 
-- The Gated DeltaNet layers (HF's torch fallback) ignore sample boundaries, so the families declare no packing and
-  no context parallel: default data settings resolve to padded micro-batches, `--check` refuses packing,
-  padding-free micro-batches and CP in one line per key, and the training forward refuses `cu_seq_lens`.
+- The Gated DeltaNet layers run the packing- and CP-exact operator (`mmfsdp.model.gated_deltanet`), so the families
+  declare packing and context parallel: default data settings resolve to padding-free micro-batches, `--check`
+  accepts packing and CP, and a packed batch's loss equals the padded one's. A model whose Gated DeltaNet keeps
+  HF's forward (`packed_linear_attention = False`) refuses `cu_seq_lens` and context parallel, and an entry
+  without the capabilities is refused by `--check` in one line per key. The multi-process parity runs are in
+  `tests/test_e2e_qwen3_5_parity.py`.
 - A video batch's step-1 loss equals HF's `labels=` loss (the families declare `video`).
 - The MoE adapter reads and writes the hub's per-expert layout (the contract test round-trips the fused one that
   `save_pretrained` writes).
@@ -16,6 +19,7 @@ import torch
 from mmfsdp.config import ConfigError
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types
+from mmfsdp.model.spec import Capabilities
 from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
@@ -54,38 +58,60 @@ def _config(model_id: str, path: Path, *overrides: str):
     return load_config(file, list(overrides))
 
 
-def test_default_data_settings_resolve_to_padded_rows(saved_config):
+def test_default_data_settings_resolve_to_padding_free_rows(saved_config):
     from mmfsdp.train.check import model_check
 
     model_id, path = saved_config
     cfg = _config(model_id, path)
     loader = cfg.data.dataloader_param
-    assert loader.padding_free is False and not cfg.data.dataset_param.basic_parameters.packing
+    assert loader.padding_free is True and not cfg.data.dataset_param.basic_parameters.packing
     assert cfg.data.dataset_param.preprocess_parameters.template == "qwen3_5"
     assert loader.collate_param.model_name == "qwen3_vl"
     assert not model_check(cfg)
 
 
-@pytest.mark.parametrize(
-    "override, key",
-    [
-        ("data.dataloader_param.padding_free=true", "data.dataloader_param.padding_free"),
-        ("data.dataset_param.basic_parameters.packing=true", "data.dataset_param.basic_parameters.packing"),
-    ],
-)
-def test_check_refuses_packed_rows(saved_config, override, key):
+PACKED = [
+    ("data.dataloader_param.padding_free=true", "data.dataloader_param.padding_free"),
+    ("data.dataset_param.basic_parameters.packing=true", "data.dataset_param.basic_parameters.packing"),
+]
+
+
+@pytest.mark.parametrize("override, key", PACKED)
+def test_check_accepts_packed_rows(saved_config, override, key):
     from mmfsdp.train.check import model_check
 
     model_id, path = saved_config
+    assert not [e for e in model_check(_config(model_id, path, override)) if e.key == key]
+
+
+@pytest.mark.parametrize("override, key", PACKED)
+def test_check_refuses_packed_rows_without_the_capability(saved_config, override, key, monkeypatch):
+    """The refusal for a Gated DeltaNet that cannot honour boundaries: an entry declaring no packing."""
+    from mmfsdp.train.check import model_check
+
+    model_id, path = saved_config
+    monkeypatch.setattr(type(get_model_entry(model_id)), "capabilities", Capabilities(video=True))
     errors = [e for e in model_check(_config(model_id, path, override)) if e.key == key]
     assert len(errors) == 1 and f"model_id {model_id!r} does not support packed rows" in str(errors[0])
 
 
-@pytest.mark.parametrize("key", ["parallel.ulysses_parallel_size", "parallel.ring_attention_size"])
-def test_check_refuses_context_parallel(saved_config, key):
+CP_KEYS = ["parallel.ulysses_parallel_size", "parallel.ring_attention_size"]
+
+
+@pytest.mark.parametrize("key", CP_KEYS)
+def test_check_accepts_context_parallel(saved_config, key):
     from mmfsdp.train.config import check_world
 
     model_id, path = saved_config
+    check_world(_config(model_id, path, f"{key}=2"), 2)
+
+
+@pytest.mark.parametrize("key", CP_KEYS)
+def test_check_refuses_context_parallel_without_the_capability(saved_config, key, monkeypatch):
+    from mmfsdp.train.config import check_world
+
+    model_id, path = saved_config
+    monkeypatch.setattr(type(get_model_entry(model_id)), "capabilities", Capabilities(video=True))
     with pytest.raises(ConfigError, match=rf"^{key}: 2 needs context parallel, which model_id '{model_id}' "):
         check_world(_config(model_id, path, f"{key}=2"), 2)
 
@@ -134,11 +160,58 @@ def test_video_step1_loss_equals_hf_labels_loss(model_id):
     assert torch.isfinite(expected) and rel_diff(loss, expected) <= 1e-5, (loss.item(), expected.item())
 
 
+def _packed(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    """The padded rows' inputs laid end to end in one row, their `cu_seq_lens` and longest length."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    keep = batch["attention_mask"].bool()
+    inputs = model_inputs(batch)
+    packed = {key: value for key, value in inputs.items() if key not in ("attention_mask", "input_ids", "labels")}
+    packed["input_ids"] = batch["input_ids"][keep][None]
+    packed["mm_token_type_ids"] = batch["mm_token_type_ids"][keep][None]
+    cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return packed, cu_seq_lens, int(max(lengths))
+
+
 @pytest.mark.parametrize("model_id", FAMILIES)
-def test_training_forward_refuses_packed_rows(model_id):
+def test_packed_rows_loss_and_grads_equal_padded(model_id):
+    """Three samples (two with images) in one packed row: loss and gradient equal the padded batch's (HF's fallback).
+
+    The gradient is compared as one vector (max difference over max magnitude): a few parameters (`dt_bias`) get
+    gradients ~1e-6 of the largest, sums with cancellation, where the two fp32 algorithms differ in the last bits
+    (in fp64 the packed operator and HF's fallback, which computes the delta rule in fp32, agree to 2e-7)."""
     entry = get_model_entry(model_id)
     config = entry.testkit.tiny_config()
-    ours, _ = model_pair(config)
+    torch.manual_seed(0)
+    ours = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    batch = entry.testkit.test_batch(config, images=True, seed=1)
+    targets = shift_labels(batch["labels"])
+    (weights,) = compute_loss_weights([targets])
+    keep = batch["attention_mask"].bool()
+    padded = ours(**model_inputs(batch), shift_labels=targets, loss_weights=weights).loss
+    padded.backward()
+    expected = {name: p.grad.clone() for name, p in ours.named_parameters() if p.grad is not None}
+    ours.zero_grad(set_to_none=True)
+    inputs, cu_seq_lens, max_length = _packed(batch)
+    loss = ours(
+        **inputs,
+        cu_seq_lens=cu_seq_lens,
+        max_length=max_length,
+        shift_labels=targets[keep][None],
+        loss_weights=weights[keep][None],
+    ).loss
+    loss.backward()
+    assert rel_diff(loss, padded) <= 1e-5, (loss.item(), padded.item())
+    params = dict(ours.named_parameters())
+    got = torch.cat([params[name].grad.flatten() for name in expected])
+    assert rel_diff(got, torch.cat([grad.flatten() for grad in expected.values()])) <= 1e-5
+
+
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_unrouted_gated_deltanet_refuses_packed_rows_and_context_parallel(model_id):
+    entry = get_model_entry(model_id)
+    unrouted = type("Unrouted", (entry.model_class,), {"packed_linear_attention": False})
+    config = entry.testkit.tiny_config()
+    model = unrouted._from_config(config, attn_implementation="mmfsdp_sdpa")
     batch = entry.testkit.test_batch(config, images=False)
     inputs = {key: value for key, value in model_inputs(batch).items() if key != "attention_mask"}
     rows, seq_len = batch["input_ids"].shape
@@ -146,7 +219,9 @@ def test_training_forward_refuses_packed_rows(model_id):
     targets = shift_labels(batch["labels"])
     (weights,) = compute_loss_weights([targets])
     with pytest.raises(ValueError, match="ignores sample boundaries"):
-        ours(**inputs, cu_seq_lens=cu_seq_lens, max_length=seq_len, shift_labels=targets, loss_weights=weights)
+        model(**inputs, cu_seq_lens=cu_seq_lens, max_length=seq_len, shift_labels=targets, loss_weights=weights)
+    with pytest.raises(ValueError, match="ignores sample boundaries"):
+        model.enable_context_parallel(None)
 
 
 def test_moe_adapter_reads_and_writes_the_hub_per_expert_layout():
@@ -239,3 +314,53 @@ def test_moe_expert_parallel_two_processes_equal_one():
     one, two = (run_distributed(_ep_steps, size)[0] for size in (1, 2))
     for (loss_1, norm_1), (loss_2, norm_2) in zip(one, two, strict=True):
         assert abs(loss_2 - loss_1) <= 1e-5 * abs(loss_1) and abs(norm_2 - norm_1) <= 1e-5 * norm_1, (one, two)
+
+
+PRESETS = ["preset:gated_deltanet", "preset:attention", "preset:vision_attention"]
+
+
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_lora_presets_cover_gated_deltanet_attention_and_vision(model_id):
+    from mmfsdp.model import resolve_lora_targets
+
+    entry = get_model_entry(model_id)
+    config = entry.testkit.tiny_config()
+    with torch.device("meta"):
+        model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    names = set(resolve_lora_targets(model, PRESETS, entry))
+    layers = config.text_config.layer_types
+    expected = set()
+    for i, kind in enumerate(layers):
+        if kind == "linear_attention":
+            parts = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+            expected |= {f"model.language_model.layers.{i}.linear_attn.{part}" for part in parts}
+        else:
+            expected |= {f"model.language_model.layers.{i}.self_attn.{p}_proj" for p in "qkvo"}
+    for block in range(config.vision_config.depth):
+        expected |= {f"model.visual.blocks.{block}.attn.{part}" for part in ("qkv", "proj")}
+    assert names == expected
+
+
+def test_lora_preset_matching_no_module_is_an_error():
+    from mmfsdp.model import resolve_lora_targets
+
+    entry = get_model_entry("qwen3_5")
+    config = entry.testkit.tiny_config(text_config={"layer_types": ["full_attention"] * 3})
+    with torch.device("meta"):
+        model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    key = "training.lora.target_modules"
+    with pytest.raises(ConfigError, match=rf"^{key}\[1\] \(preset:gated_deltanet\): 'in_proj_qkv' is the name of no"):
+        resolve_lora_targets(model, ["q_proj", "preset:gated_deltanet"], entry)
+    with pytest.raises(ConfigError, match=rf"^{key}\[0\]: 'preset:deltanet' names no LoRA preset"):
+        resolve_lora_targets(model, ["preset:deltanet"], entry)
+
+
+def test_check_refuses_a_lora_preset_that_matches_nothing(tmp_path):
+    from mmfsdp.train.check import model_check
+
+    entry = get_model_entry("qwen3_5")
+    entry.testkit.tiny_config(text_config={"layer_types": ["full_attention"] * 3}).save_pretrained(tmp_path)
+    targets = "training.lora.target_modules=[preset:gated_deltanet]"
+    cfg = _config("qwen3_5", tmp_path, "training.lora.enable=true", targets)
+    errors = [e for e in model_check(cfg) if e.key.startswith("training.lora.target_modules[0]")]
+    assert len(errors) == 1 and "'in_proj_qkv' is the name of no module" in str(errors[0]), errors

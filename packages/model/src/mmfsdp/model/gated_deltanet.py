@@ -541,8 +541,10 @@ def gated_deltanet_forward(
 def use_packed_forward(module: Any) -> None:
     """Make `module(hidden_states, cache=None, attention_mask=None, **kwargs)` (HF's call from its decoder layer)
     run `gated_deltanet_forward`: the packed boundaries from `cu_seq_lens_q`, the `CPContext` from the decoder's
-    CP keyword. A call with a cache (generation, decoding) runs the module's original forward; a 2-D
-    padding mask zeroes the padded inputs as HF does."""
+    CP keyword (`CP_CONTEXT_KEY`, the one the CP attention reads: the decoder layers pass their keywords to
+    the token mixer). A call with a cache (generation, decoding) runs the module's original forward; a 2-D
+    padding mask zeroes the padded inputs as HF does. Packed rows (`cu_seq_lens_q` over all `B·T` tokens, as the
+    collator writes them; samples never cross rows) run as one row of `B·T` tokens."""
     from mmfsdp.model.context_parallel import CP_CONTEXT_KEY
 
     original = module.forward
@@ -552,7 +554,12 @@ def use_packed_forward(module: Any) -> None:
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None and attention_mask.dim() == 2:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        return gated_deltanet_forward(module, hidden_states, kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY))
+        cu_seq_lens, cp = kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY)
+        if cu_seq_lens is None or cp is not None:
+            return gated_deltanet_forward(module, hidden_states, cu_seq_lens, cp)
+        B, T, D = hidden_states.shape
+        out = gated_deltanet_forward(module, hidden_states.reshape(1, B * T, D), cu_seq_lens)
+        return out.reshape(B, T, -1)
 
     module.forward = forward
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from mmfsdp.model.spec import ModelEntry
 
 __all__ = [
+    "LORA_PRESETS",
     "LoraConfig",
     "apply_lora",
     "resolve_lora_targets",
@@ -71,7 +72,7 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (PEFT's lora_dropout)."""
     target_modules: list[str] = field(default_factory=list)
-    """nn.Linear modules to adapt: module patterns ({*} and {a-b} allowed, e.g. model.language_model.layers.{*}.self_attn.q_proj) or leaf names (q_proj: every module of that name)."""
+    """nn.Linear modules to adapt: module patterns ({*} and {a-b} allowed, e.g. model.language_model.layers.{*}.self_attn.q_proj), leaf names (q_proj: every module of that name) or presets (preset:attention, preset:gated_deltanet, preset:vision_attention: `mmfsdp.model.lora.LORA_PRESETS`)."""
     init_lora_weights: bool | Literal["gaussian"] = True
     """true: A Kaiming-uniform, B zero (the first step is the base model's); gaussian: A normal with std 1/rank, B zero; false: A and B both random (tests)."""
     pretrained_lora_path: str | None = None
@@ -94,6 +95,32 @@ class LoraConfig:
             raise ConfigError("pretrained_lora_path", "is empty; give a PEFT adapter directory or leave it null")
 
 
+LORA_PRESETS: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "gated_deltanet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    "vision_attention": ("model.visual.blocks.{*}.attn.qkv", "model.visual.blocks.{*}.attn.proj"),
+}
+"""Named target lists (`target_modules: [preset:gated_deltanet, ...]`): the decoder's attention projections, the
+Gated DeltaNet projections (Qwen3.5's `linear_attn`), the Qwen3-VL-style vision tower's attention. Each of a
+preset's names must match a module of the model, as a target written out must."""
+PRESET_PREFIX = "preset:"
+
+
+def _expand_presets(targets: list[str], key: str) -> list[tuple[str, str]]:
+    """`(target, key item)` of every target, presets replaced by their names (all under the preset's item)."""
+    out = []
+    for i, target in enumerate(targets):
+        item = f"{key}[{i}]"
+        if not target.startswith(PRESET_PREFIX):
+            out.append((target, item))
+            continue
+        name = target[len(PRESET_PREFIX) :]
+        if name not in LORA_PRESETS:
+            raise ConfigError(item, f"{target!r} names no LoRA preset; presets: {', '.join(sorted(LORA_PRESETS))}")
+        out.extend((member, f"{item} ({target})") for member in LORA_PRESETS[name])
+    return out
+
+
 def _is_leaf_name(target: str) -> bool:
     return "." not in target and "{" not in target
 
@@ -104,15 +131,15 @@ def resolve_lora_targets(
     """The full names of the modules `targets` name, in model order, each once.
 
     A target with a dot or braces is a module pattern (`mmfsdp.parallel.match_module_names`); a plain name
-    (`q_proj`) matches every module whose last name part it is, as in PEFT. A target matching nothing, a matched
+    (`q_proj`) matches every module whose last name part it is, as in PEFT; `preset:<name>` stands for the names
+    of `LORA_PRESETS[name]`, each of which must match. A target matching nothing, a matched
     module that is not an `nn.Linear`, or the model's `lm_head` is a `ConfigError` under `key[i]`.
     """
     from mmfsdp.parallel.patterns import match_module_names
 
     names = [name for name, _ in model.named_modules() if name]
     chosen: set[str] = set()
-    for i, target in enumerate(targets):
-        item = f"{key}[{i}]"
+    for target, item in _expand_presets(targets, key):
         if _is_leaf_name(target):
             found = [name for name in names if name.rsplit(".", 1)[-1] == target]
             if not found:

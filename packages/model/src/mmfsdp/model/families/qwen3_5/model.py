@@ -11,28 +11,34 @@ the vision placeholder of text-only micro-batches) into the HF class. What is Qw
   `out_proj` (`V → H`); a recurrence along the positions, with state;
 - `full_attention` layers: gated grouped-query attention (`q_proj` gives the queries and their output gate).
 
-Packing and context parallel: off. Both need every state along the sequence to restart at a sample boundary
-(docs/families.md, "Qwen3.5"), and HF's torch
-fallback of the Gated DeltaNet (the chunked delta rule and the causal convolution) ignores `cu_seq_lens`: a packed
-row would run one recurrence over all its samples. So the entry declares neither `packing` nor
-`context_parallel`, `--check` refuses `packing: true`, `padding_free: true` and CP sizes > 1, a null
-`padding_free` resolves to padded micro-batches (`fill_family_data_defaults` follows `capabilities.packing`), and
-the training forward refuses `cu_seq_lens` outright. Padded rows are exact: HF zeroes the padding's inputs to the
-linear layers and the padding is at the end of each row, after every real token.
+Packing and context parallel: on, through `mmfsdp.model.gated_deltanet`. HF's torch fallback of the Gated DeltaNet
+(the chunked delta rule and the causal convolution) ignores `cu_seq_lens`: a packed row would run one recurrence
+over all its samples (docs/families.md, "Qwen3.5"). So the model class routes every Gated DeltaNet layer through
+`use_packed_forward` when it is built (`Qwen3_5TrainingMixin.packed_linear_attention`): the layer restarts its
+state and its convolution at every sample boundary (`cu_seq_lens_q`, the keyword the attention layers read too)
+and, under Ulysses / Ring / Hybrid context parallel, takes the `CPContext` the decoder layers receive
+(`mmfsdp.model.context_parallel.CP_CONTEXT_KEY`) and computes its shard exactly. The full-attention layers take the
+usual varlen and CP attention paths. A model class that does not route them (`packed_linear_attention = False`)
+refuses `cu_seq_lens` and context parallel at run time, and an entry over such a class must declare neither
+`packing` nor `context_parallel`, so `--check` refuses packed rows, padding-free micro-batches and CP sizes > 1.
+Padded rows are exact either way: HF zeroes the padding's inputs to the linear layers and the padding is at the
+end of each row, after every real token.
 
 Shape legend: B batch, S tokens, H hidden size, K / V all key / value heads' size of a linear layer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLTestKit, Qwen3VLTrainingMixin, mm_token_types
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.model.flops import FlopShape, TowerFlops
+from mmfsdp.model.gated_deltanet import use_packed_forward
 from mmfsdp.model.hf_family import HFFamilyEntry
 from mmfsdp.model.spec import Capabilities, DataNames, register_model
 
@@ -43,29 +49,53 @@ __all__ = [
     "Qwen3_5TestKit",
     "Qwen3_5TrainingMixin",
     "DELTA_RULE_CHUNK",
+    "gated_deltanet_layers",
     "hybrid_decoder",
     "linear_attention_params",
 ]
 
 NO_PACKING = (
-    "Qwen3.5's Gated DeltaNet layers run HF's torch fallback, which ignores sample boundaries (cu_seq_lens): "
-    "packed rows would leak state from one sample into the next. Use padded micro-batches "
-    "(data.dataloader_param.padding_free: false, data.dataset_param.basic_parameters.packing: false)"
+    "this model's Gated DeltaNet layers run HF's torch fallback, which ignores sample boundaries (cu_seq_lens) and "
+    "context parallel: packed rows would leak state from one sample into the next. Use padded micro-batches "
+    "(data.dataloader_param.padding_free: false, data.dataset_param.basic_parameters.packing: false) and no context "
+    "parallel"
 )
-"""Why a packed batch is refused; the pre-start check says the same per key."""
+"""Why a packed batch or context parallel is refused by a model whose Gated DeltaNet is not routed."""
+
+
+def gated_deltanet_layers(decoder: nn.Module) -> list[nn.Module]:
+    """The Gated DeltaNet modules (`linear_attn`) of the decoder's `linear_attention` layers."""
+    return [layer.linear_attn for layer in decoder.layers if getattr(layer, "linear_attn", None) is not None]
 
 
 class Qwen3_5TrainingMixin(Qwen3VLTrainingMixin):
-    """Qwen3-VL's training hooks (M-RoPE, the vision placeholder) that refuse packed rows (module docstring)."""
+    """Qwen3-VL's training hooks (M-RoPE, the vision placeholder) with the Gated DeltaNet layers routed through
+    the packing- and CP-exact operator (module docstring)."""
+
+    packed_linear_attention: ClassVar[bool] = True
+    """Route every Gated DeltaNet layer through `mmfsdp.model.gated_deltanet.use_packed_forward`; False keeps HF's
+    forward, and the model refuses packed rows and context parallel."""
+
+    def init_training_forward(self) -> None:
+        super().init_training_forward()
+        if self.packed_linear_attention:
+            for module in gated_deltanet_layers(self.get_submodule(self.decoder_name)):
+                use_packed_forward(module)
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
-        if cu_seq_lens is not None:
+        if cu_seq_lens is not None and not self.packed_linear_attention:
             raise ValueError(NO_PACKING)
         return super().prepare_inputs(kwargs, cu_seq_lens)
 
+    def enable_context_parallel(self, parallel_dims: Any, *, vision_dp: bool = False) -> None:
+        if not self.packed_linear_attention:
+            raise ValueError(NO_PACKING)
+        super().enable_context_parallel(parallel_dims, vision_dp=vision_dp)
+
 
 class Qwen3_5ForConditionalGenerationFSDP(Qwen3_5TrainingMixin, Qwen3_5ForConditionalGeneration):
-    """HF `Qwen3_5ForConditionalGeneration` plus the training forward, chunk loss and M-RoPE; padded rows only."""
+    """HF `Qwen3_5ForConditionalGeneration` plus the training forward, chunk loss, M-RoPE and the packed, CP-exact
+    Gated DeltaNet."""
 
     def __init__(self, config: Qwen3_5Config):
         super().__init__(config)
@@ -247,8 +277,9 @@ class Qwen3_5Entry(HFFamilyEntry):
     )
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
-    capabilities = Capabilities(video=True)
-    """No packing, no context parallel (module docstring); video as Qwen3-VL."""
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True)
+    """Packing and Ulysses / Ring / Hybrid context parallel through the packed Gated DeltaNet (module docstring);
+    video as Qwen3-VL."""
     # qwen3_vl_nothink: what MindSpeed-MM's Qwen3.5 configs train with (with enable_thinking: false)
     data = DataNames(templates=("qwen3_5", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
     absent_modules = (("mtp", "the multi-token-prediction head is not part of HF's Qwen3.5 model class"),)

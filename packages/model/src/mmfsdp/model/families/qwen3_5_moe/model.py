@@ -3,8 +3,8 @@
 
 The vision tower, M-RoPE and the hybrid decoder's token mixers (Gated DeltaNet and gated attention, as
 `text_config.layer_types` says) are Qwen3.5's, so the model class mixes the same `Qwen3_5TrainingMixin` into the HF
-class (`mmfsdp.model.families.qwen3_5.model`: padded rows only, no packing, no context parallel, for the same
-reason). What the MoE adds, in every decoder layer:
+class (`mmfsdp.model.families.qwen3_5.model`: the Gated DeltaNet layers routed through the packed, CP-exact
+operator, so packing and context parallel, as the dense family). What the MoE adds, in every decoder layer:
 
 - `mlp` is a `Qwen3_5MoeSparseMoeBlock`: a router `gate` (`[E, H]`, softmax, top-k, renormalised, as
   Qwen3-VL MoE's), the routed `experts` as fused tensors `gate_up_proj` `[E, 2·I, H]` (gate rows first) and
@@ -115,8 +115,8 @@ class Qwen3_5MoeEntry(Qwen3_5Entry):
     shards along E."""
     router_modules = ("model.language_model.layers.{*}.mlp.gate",)
     """The routers (`weight` `[E, H]`), replicated over expert parallel."""
-    capabilities = Capabilities(video=True, expert_layout="hf_fused")
-    """No packing, no context parallel (`mmfsdp.model.families.qwen3_5.model`); video; expert parallel."""
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
+    """Packing and context parallel (`mmfsdp.model.families.qwen3_5.model`); video; expert parallel."""
     costs = Qwen3_5MoeCosts()
     testkit = Qwen3_5MoeTestKit()
 
