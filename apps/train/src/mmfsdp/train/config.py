@@ -38,7 +38,37 @@ def detect_load_format(load: str | None) -> Literal["dcp", "hf"]:
 
 
 @dataclass(kw_only=True, slots=True)
+class DPOConfig:
+    beta: float = 0.1
+    """β: how far the policy may move from the reference (TRL's `beta`; LLaMA-Factory's `pref_beta`)."""
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sigmoid_norm"] = "sigmoid"
+    """The pair loss, with TRL's definitions (docs/preference.md): sigmoid (DPO), robust, hinge, ipo (length-normalised, as TRL), sigmoid_norm (DPO on length-normalised log-ratios)."""
+    label_smoothing: float = 0.0
+    """ε of the sigmoid (conservative DPO) and robust losses: the assumed probability that a preference label is flipped, in [0, 0.5)."""
+    rpo_alpha: float = 0.0
+    """Weight of the SFT term: the mean cross-entropy per chosen token of the global batch (TRL's `sft` loss term / `rpo_alpha`; LLaMA-Factory's `pref_ftx`); 0 = off."""
+    precompute_ref_logps: bool = False
+    """Compute the reference's log-probabilities of every pair once, before the first step, over the micro-batches the run will train on, and keep no reference model in memory (saved to `<output_dir>/ref_logps.safetensors`; a resumed run reads them). Off: with LoRA the reference is the model with its adapters off, otherwise a frozen FSDP2-sharded copy of the initial model."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "precompute_ref_log_probs": Alias("training.dpo.precompute_ref_logps"),
+    }
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError("beta", f"must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        if self.rpo_alpha < 0:
+            raise ConfigError("rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainingConfig:
+    stage: Literal["sft", "dpo"] = "sft"
+    """What a step minimises: sft (cross-entropy of the answers) or dpo (a preference loss on chosen/rejected pairs, `training.dpo`; the data must be pairwise). LLaMA-Factory's `stage`."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference training (`stage: dpo`): loss, β, the SFT term and the reference (docs/preference.md)."""
     lr: float = 1.0e-5
     """Peak learning rate (reached at the end of warm-up)."""
     lr_min: float = 0.0
@@ -116,6 +146,14 @@ class TrainingConfig:
             allowed=(False,),
         ),
         "val_micro_batch_size": Alias("training.eval_batch_size"),
+        # preference training: LLaMA-Factory's and MindSpeed-LLM's names
+        "pref_beta": Alias("training.dpo.beta"),
+        "dpo_beta": Alias("training.dpo.beta"),
+        "pref_loss": Alias("training.dpo.loss_type"),
+        "dpo_loss_type": Alias("training.dpo.loss_type"),
+        "pref_ftx": Alias("training.dpo.rpo_alpha"),
+        "dpo_label_smoothing": Alias("training.dpo.label_smoothing"),
+        "precompute_ref_log_probs": Alias("training.dpo.precompute_ref_logps"),
         "save_format": Alias(values={"auto": "dcp"}),
         "adam_fused": Ignored("AdamW is fused on CUDA and NPU and uses foreach on the CPU"),
         "plugin": Ignored("model and dataset code comes from mmfsdp's registered packages, not from paths"),
@@ -428,6 +466,13 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(
             "training.save_format",
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
+        )
+    if t.stage == "dpo" and t.lora.enable and t.lora.pretrained_lora_path and not t.dpo.precompute_ref_logps:
+        raise ConfigError(
+            "training.dpo.precompute_ref_logps",
+            "a DPO run that continues a trained adapter (training.lora.pretrained_lora_path) needs that adapter in its "
+            "reference; with LoRA the live reference is the base model without adapters: set precompute_ref_logps: true "
+            "(the initial model, adapter included, computes them once)",
         )
     if cfg.data.dataloader_param.balance and cfg.data.dataset_param.basic_parameters.packing and t.micro_batch_tokens is None:
         raise ConfigError(

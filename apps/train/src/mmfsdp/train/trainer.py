@@ -46,7 +46,7 @@ import torch.distributed as dist
 from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
-from mmfsdp.model import compute_loss_weights, get_model_entry, model_inputs, shift_labels
+from mmfsdp.model import get_model_entry, model_inputs
 from mmfsdp.model.flops import ForwardFlops
 from mmfsdp.parallel import (
     DTYPES,
@@ -63,6 +63,9 @@ from mmfsdp.train.checkpointer import Checkpointer
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.evaluate import Evaluator, media_kinds, to_device
 from mmfsdp.train.metrics import Metrics, MetricsWriter
+from mmfsdp.train.objective import (
+    FrozenReference, LoraReference, PrecomputedReference, PreferenceObjective, SFTObjective, precompute_reference,
+)
 from mmfsdp.train.mfu import FlopMeter
 from mmfsdp.train.profiling import Profiling
 from mmfsdp.train.schedule import Scheduler
@@ -140,13 +143,7 @@ class Trainer:
         )
         self.processor = build_processor(cfg.data)
         self.train_dataset = build_dataset(cfg.data, self.processor, split="train")
-        self.loader = build_dataloader(
-            self.train_dataset, cfg.data,
-            micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
-            seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
-            sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
-            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=t.micro_batch_tokens,
-        )
+        self.loader = self._build_loader()
         self.balance_meter = BalanceMeter(self.device)
         self.step = 0
         self.heartbeat = LoopHeartbeat()
@@ -165,6 +162,7 @@ class Trainer:
         )
         if self.start.resume is not None:
             self.step = self.checkpointer.resume(self.start.resume)
+        self.objective = self._build_objective()
         self.flop_meter = FlopMeter(
             self.entry.costs, self.model.config, device=self.device, world_size=self.world_size,
             dtype=DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
@@ -203,6 +201,91 @@ class Trainer:
             run_name=tools.run_name,
         )
 
+    def _build_loader(self):
+        t = self.cfg.training
+        return build_dataloader(
+            self.train_dataset, self.cfg.data,
+            micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
+            seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
+            sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
+            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=t.micro_batch_tokens,
+        )
+
+    def _build_objective(self):
+        """The step objective of `training.stage` (`mmfsdp.train.objective`), with its reference for DPO."""
+        t = self.cfg.training
+        if t.stage == "sft":
+            return SFTObjective(self.cfg, self.dims, self.device)
+        if not getattr(self.train_dataset, "is_preference", False):
+            raise ConfigError(
+                "training.stage",
+                "dpo needs pairwise data (chosen/rejected answers): set data.dataset_param.attr.ranking: true for a "
+                "file of pairs (docs/preference.md lists the formats), or use a preference dataset type",
+            )
+        if t.dpo.precompute_ref_logps:
+            reference = self._precomputed_reference()
+        elif self.trainable.lora:
+            reference = LoraReference(self.model)
+        else:
+            reference = FrozenReference(self._build_reference())
+        return PreferenceObjective(self.cfg, self.dims, self.device, reference)
+
+    def _precomputed_reference(self) -> PrecomputedReference:
+        path = PrecomputedReference.path(self.output_dir)
+        num_pairs = len(self.train_dataset)
+        if path.is_file():
+            log.info(f"reference log-probabilities from {path}")
+            return PrecomputedReference.load(path, num_pairs)
+        if self.step > 0:
+            raise ConfigError(
+                "training.dpo.precompute_ref_logps",
+                f"the run resumes at step {self.step} but {path} is missing; the reference (the initial model) is gone. "
+                "Restore the file, or start the run again from its initial weights",
+            )
+        t = self.cfg.training
+        started = time.perf_counter()
+        log.info(f"precomputing the reference's log-probabilities of the pairs of {t.train_iters} steps")
+        loader = self._build_loader()
+        reference = precompute_reference(
+            self.model, loader, steps=t.train_iters, num_micro_batches=t.gradient_accumulation_steps,
+            num_pairs=num_pairs, dims=self.dims, device=self.device, to_device=self._to_device,
+        )
+        loader.close()
+        if self.rank == 0:
+            reference.save(path)
+        dist.barrier()
+        log.info(f"reference log-probabilities of {int(reference.known.sum())} pairs in "
+                 f"{time.perf_counter() - started:.1f}s -> {path}")
+        return reference
+
+    def _build_reference(self) -> torch.nn.Module:
+        """A frozen copy of the initial model, sharded like the policy: the same build, seed and initial weights
+        (the RNG is re-seeded for its build and restored after, so the run's data order and dropout do not change)."""
+        cfg = self.cfg
+        states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        seed_everything(cfg.training.seed)
+        on_meta = cfg.training.init_model_with_meta_device
+        model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
+        model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=DTYPES[cfg.model.dtype])
+        model.requires_grad_(False)
+        self.entry.parallelize(model, cfg.parallel, self.dims, cfg.features)
+        if on_meta:
+            model.to_empty(device=self.device)
+            self.entry.init_non_persistent_buffers(model)
+        else:
+            model.to(self.device)
+        self._load_initial_weights(model, sharded_empty=on_meta, key_map=None)
+        if self.dims.cp_size > 1:
+            model.enable_context_parallel(self.dims, vision_dp=cfg.parallel.vision_dp)
+        if hasattr(model, "set_media_kinds") and hasattr(self.model, "vision_input_keys"):
+            model.vision_input_keys = self.model.vision_input_keys
+        model.train()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        log.info(f"reference model: a frozen copy of the initial {cfg.model.model_id}")
+        return model
+
     def _pad_multiple(self) -> int:
         configured = self.cfg.data.dataloader_param.collate_param.pad_to_multiple_of
         needed = required_multiple(self.plan.ring, self.plan.ulysses)
@@ -238,10 +321,11 @@ class Trainer:
         log.info(f"model {cfg.model.model_id}: {num_params / 1e6:.2f}M parameters, {num_trainable / 1e6:.2f}M trainable")
         return model
 
-    def _load_initial_weights(self, model: torch.nn.Module, *, sharded_empty: bool) -> None:
+    def _load_initial_weights(self, model: torch.nn.Module, *, sharded_empty: bool, key_map: Any = "trainable") -> None:
         """Fill the sharded model from the plan's initial weights; a resumed run is then filled by the checkpointer."""
         start = self.start
-        key_map = self.trainable.weights_key_map
+        if key_map == "trainable":
+            key_map = self.trainable.weights_key_map
         if start.weights == "hf" or (start.weights == "pretrained" and sharded_empty):
             load_hf_weights(model, start.source, key_map=key_map)
             log.info(f"loaded HF weights from {start.source} into the sharded model")
@@ -296,28 +380,22 @@ class Trainer:
         t = self.cfg.training
         step = self.step + 1
         micro_batches = self.loader.next_step(t.gradient_accumulation_steps)
-        # on the device before the loss weights: their normaliser then stays there (no host wait)
-        targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")).to(self.device) for mb in micro_batches]
-        weights = compute_loss_weights(
-            targets, loss_type=self.cfg.features.loss_cfg.loss_type,
-            cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
-            group=self.dims.dp_group, num_micro_batches=len(micro_batches),
-        )
+        self.objective.start_step(micro_batches)
         terms = self.entry.step_terms(self.cfg.features.loss_cfg)
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         num_tokens = 0
         passes_started = time.perf_counter()
         flops = ForwardFlops()
         last = len(micro_batches) - 1
-        for i, (mb, target, weight) in enumerate(zip(micro_batches, targets, weights)):
+        for i, mb in enumerate(micro_batches):
             self.heartbeat.micro_batch(step, i + 1, len(micro_batches))
             self.model.set_requires_gradient_sync(i == last)
             inputs = self._to_device(model_inputs(mb))
-            out = self.model(**inputs, shift_labels=target, loss_weights=weight)
+            out, share = self.objective.micro_batch(self.model, i, inputs)
             extra = terms.loss(out, num_micro_batches=len(micro_batches))
-            loss = out.loss if extra is None else out.loss + extra
+            loss = share if extra is None else share + extra
             (loss * self.world_size).backward()
-            local_loss += out.loss.detach().float()
+            local_loss += share.detach().float()
             num_tokens += int(mb["attention_mask"].sum())
             flops = flops + self.flop_meter.count(mb)
         self.balance_meter.observe(micro_batches, time.perf_counter() - passes_started, self.loader.current_step_plan)
@@ -328,7 +406,9 @@ class Trainer:
         counts = torch.tensor([num_tokens, flops.layers, flops.other], dtype=torch.int64, device=self.device)
         reductions = [dist.all_reduce(local_loss, async_op=True),
                       dist.all_reduce(counts, group=self.dims.dp_group, async_op=True)]
-        stats = terms.stats()
+        objective_stats, objective_reductions = self.objective.stats()
+        stats = {**terms.stats(), **objective_stats}
+        reductions += objective_reductions
         lr = self.scheduler.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

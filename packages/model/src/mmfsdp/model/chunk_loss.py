@@ -29,6 +29,13 @@ parameters the matmuls run in bf16 and the softmax / CE / weight-gradient
 accumulation in fp32. A frozen `lm_head` skips the weight gradient; a tied one
 (weight shared with the embedding) receives it through the shared parameter.
 
+Per-sequence sums (preference training): given `sequence_ids`, the loss function returns the vector
+`out[k] = Σ_{t in sequence k} w_t · CE_t` instead of one number. Its gradient w.r.t. each token's logits is
+`grad_out[k(t)] · w_t · (softmax − onehot)`, which is known only in backward (a preference loss is not linear in
+the sums), so `_ChunkedLinearSequenceCrossEntropy` keeps the per-token log-sum-exp from the forward and recomputes
+each chunk's logits in backward: one more `[C, H] × [H, V]` matmul per chunk than the scalar path, and still one
+`[C, V]` chunk of logits at a time.
+
 Context parallel: each CP rank holds one shard of the sequence and its own
 targets and weights; its loss is the shard's part of the weighted sum, and the
 shard losses add up (no all-reduce inside the loss).
@@ -43,7 +50,13 @@ from torch.autograd.function import once_differentiable
 
 from mmfsdp.model.loss import IGNORE_INDEX
 
-__all__ = ["ChunkLossLinear", "LinearCrossEntropy", "chunked_linear_cross_entropy", "use_chunk_loss_head"]
+__all__ = [
+    "ChunkLossLinear",
+    "LinearCrossEntropy",
+    "chunked_linear_cross_entropy",
+    "chunked_linear_sequence_cross_entropy",
+    "use_chunk_loss_head",
+]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -101,6 +114,99 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*scaled, None, None, None, None)
 
 
+class _ChunkedLinearSequenceCrossEntropy(torch.autograd.Function):
+    """`out[k] = Σ_{t : ids_t = k} w_t · CE(h_t Wᵀ + b, y_t)`: log-sum-exp per token in the forward, each chunk's
+    logits recomputed in the backward with the per-token scale `w_t · grad_out[ids_t]`."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, num_sequences, chunk_size):
+        num_tokens = hidden_TH.shape[0]
+        out = torch.zeros(num_sequences, dtype=torch.float32, device=hidden_TH.device)
+        log_sum_exp_T = torch.empty(num_tokens, dtype=torch.float32, device=hidden_TH.device)
+        for start in range(0, num_tokens, chunk_size):
+            end = min(start + chunk_size, num_tokens)
+            logits_CV = F.linear(hidden_TH[start:end], weight_VH, bias_V).float()
+            target_logit_C = logits_CV.gather(1, targets_T[start:end, None]).squeeze(1)
+            log_sum_exp_C = torch.logsumexp(logits_CV, dim=1)
+            log_sum_exp_T[start:end] = log_sum_exp_C
+            out.index_add_(0, ids_T[start:end], weights_T[start:end] * (log_sum_exp_C - target_logit_C))
+            del logits_CV
+        ctx.save_for_backward(hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, log_sum_exp_T)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, log_sum_exp_T = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        scale_T = weights_T * grad_out.to(torch.float32)[ids_T]
+        grad_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
+        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
+        grad_bias_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
+        for start in range(0, hidden_TH.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden_TH.shape[0])
+            hidden_CH = hidden_TH[start:end]
+            scale_C1 = scale_T[start:end, None]
+            # d out / d logits, scaled: scale · (softmax − onehot(y))
+            grad_logits_CV = F.linear(hidden_CH, weight_VH, bias_V).float()
+            grad_logits_CV.sub_(log_sum_exp_T[start:end, None]).exp_().mul_(scale_C1)
+            grad_logits_CV.scatter_add_(1, targets_T[start:end, None], -scale_C1)
+            if need_b:
+                grad_bias_V += grad_logits_CV.sum(dim=0)
+            grad_logits_CV = grad_logits_CV.to(weight_VH.dtype)
+            if need_h:
+                torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_TH[start:end])
+            if need_w:
+                grad_weight_VH += torch.mm(grad_logits_CV.t(), hidden_CH).float()
+            del grad_logits_CV
+        return (
+            grad_hidden_TH,
+            None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype),
+            None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype),
+            None, None, None, None, None,
+        )
+
+
+def _flat_targets(hidden_states: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor):
+    hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets_T = shift_labels.reshape(-1).to(hidden_TH.device)
+    weights_T = loss_weights.reshape(-1).to(device=hidden_TH.device, dtype=torch.float32)
+    if targets_T.shape[0] != hidden_TH.shape[0] or weights_T.shape[0] != hidden_TH.shape[0]:
+        raise ValueError(
+            f"{hidden_TH.shape[0]} hidden states but {targets_T.shape[0]} targets and {weights_T.shape[0]} loss weights"
+        )
+    return hidden_TH, targets_T, weights_T
+
+
+def chunked_linear_sequence_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shift_labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    num_sequences: int,
+    chunk_size: int,
+) -> torch.Tensor:
+    """fp32 `[num_sequences]`, chunk by chunk: equals `sequence_cross_entropy` of the logits (`mmfsdp.model.loss`)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
+    ids_T = sequence_ids.reshape(-1).to(hidden_TH.device)
+    trained = ((targets_T != IGNORE_INDEX) & (weights_T != 0) & (ids_T >= 0)).nonzero().squeeze(1)
+    return _ChunkedLinearSequenceCrossEntropy.apply(
+        hidden_TH.index_select(0, trained),
+        weight,
+        bias,
+        targets_T.index_select(0, trained),
+        weights_T.index_select(0, trained),
+        ids_T.index_select(0, trained).to(torch.int64),
+        num_sequences,
+        chunk_size,
+    )
+
+
 def chunked_linear_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -112,13 +218,7 @@ def chunked_linear_cross_entropy(
     """Σ_t w_t · CE(hidden_t · Wᵀ + b, y_t) in fp32, chunk by chunk; equals `weighted_cross_entropy` of the logits."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
-    targets_T = shift_labels.reshape(-1).to(hidden_TH.device)
-    weights_T = loss_weights.reshape(-1).to(device=hidden_TH.device, dtype=torch.float32)
-    if targets_T.shape[0] != hidden_TH.shape[0] or weights_T.shape[0] != hidden_TH.shape[0]:
-        raise ValueError(
-            f"{hidden_TH.shape[0]} hidden states but {targets_T.shape[0]} targets and {weights_T.shape[0]} loss weights"
-        )
+    hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
     trained = ((targets_T != IGNORE_INDEX) & (weights_T != 0)).nonzero().squeeze(1)
     return _ChunkedLinearCrossEntropy.apply(
         hidden_TH.index_select(0, trained),
@@ -132,21 +232,32 @@ def chunked_linear_cross_entropy(
 
 
 class LinearCrossEntropy:
-    """The loss function `lm_head` receives under chunk loss: targets, weights and chunk size.
+    """The loss function `lm_head` receives under chunk loss: targets, weights and chunk size (and, for
+    per-sequence sums, the tokens' sequence ids).
 
     A plain object on purpose: FSDP2 casts floating tensors found in a module's
     arguments (and in lists, dicts, dataclasses) to its `param_dtype`; the fp32
     loss weights must not be.
     """
 
-    __slots__ = ("shift_labels", "loss_weights", "chunk_size")
+    __slots__ = ("shift_labels", "loss_weights", "chunk_size", "sequence_ids", "num_sequences")
 
-    def __init__(self, shift_labels: torch.Tensor, loss_weights: torch.Tensor, chunk_size: int):
+    def __init__(
+        self, shift_labels: torch.Tensor, loss_weights: torch.Tensor, chunk_size: int,
+        sequence_ids: torch.Tensor | None = None, num_sequences: int = 0,
+    ):
         self.shift_labels = shift_labels
         self.loss_weights = loss_weights
         self.chunk_size = chunk_size
+        self.sequence_ids = sequence_ids
+        self.num_sequences = num_sequences
 
     def __call__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.sequence_ids is not None:
+            return chunked_linear_sequence_cross_entropy(
+                hidden_states, weight, bias, self.shift_labels, self.loss_weights, self.sequence_ids,
+                self.num_sequences, self.chunk_size,
+            )
         return chunked_linear_cross_entropy(hidden_states, weight, bias, self.shift_labels, self.loss_weights, self.chunk_size)
 
 

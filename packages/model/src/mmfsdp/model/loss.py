@@ -49,7 +49,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "sample_starts", "shift_labels", "compute_loss_weights", "weighted_cross_entropy", "LossType"]
+__all__ = [
+    "IGNORE_INDEX",
+    "sample_starts",
+    "sample_ids",
+    "shift_labels",
+    "compute_loss_weights",
+    "weighted_cross_entropy",
+    "sequence_cross_entropy",
+    "segment_sum",
+    "LossType",
+]
 
 IGNORE_INDEX = -100
 LossType = Literal["default", "per_sample", "per_token"]
@@ -92,9 +102,31 @@ def weighted_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, los
     return (per_token * loss_weights.reshape(-1).to(torch.float32)).sum()
 
 
-def _sample_ids(shape: torch.Size, cu_seq_lens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """A distinct id per sample of a micro-batch: per row, and per packed sequence within a row."""
+def sample_ids(shape: torch.Size | tuple[int, ...], cu_seq_lens: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """int64 `[B, S]`: the index of the sample each token belongs to, counted in row-major order from 0 — the
+    row without packing, the `cu_seq_lens` segment with it (a trailing padding segment is a sample too)."""
     return sample_starts(shape, cu_seq_lens, device).reshape(-1).cumsum(0).reshape(shape) - 1
+
+
+def sequence_cross_entropy(
+    logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor, sequence_ids: torch.Tensor,
+    num_sequences: int,
+) -> torch.Tensor:
+    """fp32 `[num_sequences]`: `out[k] = Σ_{t : sequence_ids[t] = k} w_t · CE(logits_t, y_t)`; tokens with target
+    -100 or a negative sequence id add nothing. With `w_t = 1` on the trained tokens, `-out[k]` is the log-probability
+    of sequence k's trained tokens (what preference losses compare)."""
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return segment_sum(per_token * loss_weights.reshape(-1).to(torch.float32), sequence_ids, num_sequences)
+
+
+def segment_sum(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """`out[k] = Σ_{t : sequence_ids[t] = k} values[t]` over the flattened tensors; negative ids are dropped."""
+    ids = sequence_ids.reshape(-1).to(values.device)
+    keep = ids >= 0
+    out = torch.zeros(num_sequences, dtype=values.dtype, device=values.device)
+    return out.index_add(0, ids.clamp(min=0), torch.where(keep, values.reshape(-1), 0))
 
 
 def _all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
@@ -151,7 +183,7 @@ def compute_loss_weights(
     per_sample_counts = []
     local_samples = torch.zeros((), dtype=torch.int64)
     for mask, cu in zip(trained, cu_seq_lens):
-        ids = _sample_ids(mask.shape, cu, mask.device)
+        ids = sample_ids(mask.shape, cu, mask.device)
         counts = torch.bincount(ids.reshape(-1), weights=mask.reshape(-1).to(torch.float64), minlength=int(ids.max()) + 1)
         per_sample_counts.append((ids, counts))
         local_samples += (counts > 0).sum()

@@ -48,6 +48,12 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    (`mmfsdp.model.chunk_loss`), and the output has no logits. Either way
    `.loss = Σ_t loss_weights[t] · CE(logits[t], shift_labels[t])` in fp32 over
    the local tokens.
+7. Per-sequence sums (preference training): with `sequence_ids` (int `[B, S]`, the index of each token's sequence,
+   -1 for none; `mmfsdp.model.loss.sample_ids`) and `num_sequences`, `.loss` is the fp32 vector
+   `loss[k] = Σ_{t in sequence k} w_t · CE_t` (`sequence_cross_entropy`, or its chunked form). Under context
+   parallel the shards' sums are all-reduced over the CP group with autograd (its backward sums the gradients
+   over the group), so every CP rank holds the whole sequences' sums; a consumer that adds up the ranks'
+   losses scales its loss by `1 / cp_size` (`mmfsdp.train.objective`).
 
 `forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
 so evaluation and generation see the HF model.
@@ -65,13 +71,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
-from mmfsdp.model.loss import weighted_cross_entropy
+from mmfsdp.model.loss import sequence_cross_entropy, weighted_cross_entropy
 from mmfsdp.model.vision_dp import VisionDataParallel
 
 __all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs", "vision_features"]
 
-NON_INPUT_KEYS = ("labels",)
-"""Keys of a collated batch that are not model inputs; every other key (the family's HF inputs,
+NON_INPUT_KEYS = ("labels", "pair_index")
+"""Keys of a collated batch that are not model inputs (the labels; a preference batch's pair indices); every other key (the family's HF inputs,
 `cu_seq_lens`, `max_length`) goes to the model as it is."""
 
 
@@ -267,6 +273,8 @@ class TrainingForwardMixin:
         loss_weights: torch.Tensor | None = None,
         cu_seq_lens: torch.Tensor | None = None,
         max_length: int | torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+        num_sequences: int | None = None,
         **kwargs: Any,
     ):
         if isinstance(loss_weights, _Uncast):
@@ -294,20 +302,39 @@ class TrainingForwardMixin:
             raise ValueError("pass either labels (HF loss) or shift_labels + loss_weights (weighted loss), not both")
         kwargs.pop("labels", None)
         kwargs.setdefault("use_cache", False)
+        if (sequence_ids is None) != (num_sequences is None):
+            raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
         cp_batch = None
         if self._context_parallel is not None:
             cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
             shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
+            if sequence_ids is not None:
+                sequence_ids = cp_batch.split(sequence_ids)
         vision_dp = contextlib.nullcontext()
         if self._vision_dp is not None and placeholder < len(self.vision_input_keys):  # the call has media
             vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
         with self._calling_decoder(decoder_kwargs, cp_batch, placeholder), vision_dp:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
-                outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
+                if sequence_ids is None:
+                    outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
+                else:
+                    outputs.loss = self._whole_sequences(
+                        sequence_cross_entropy(outputs.logits, shift_labels, loss_weights, sequence_ids, num_sequences)
+                    )
                 return outputs
             kwargs.pop("logits_to_keep", None)
             outputs = getattr(self, self.base_model_prefix)(**kwargs)
-        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size)
+        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size, sequence_ids, num_sequences or 0)
         loss = self.get_submodule(self.lm_head_name)(outputs.last_hidden_state, loss_function=loss_function)
+        if sequence_ids is not None:
+            loss = self._whole_sequences(loss)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _whole_sequences(self, local_sums: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums of this CP rank's shard -> the whole sequences' sums on every CP rank (step 7)."""
+        if self._context_parallel is None or dist.get_world_size(self._context_parallel.cp_group) == 1:
+            return local_sums
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(local_sums, op=dist.ReduceOp.SUM, group=self._context_parallel.cp_group)

@@ -1,0 +1,278 @@
+"""What a training step minimises: the objective component (`training.stage`), called by the loop at fixed points.
+
+The loop (`Trainer.train_step`) is the same for every stage: it hands the step's micro-batches to
+`objective.start_step` (before any forward: the global normalisers), then for each micro-batch calls
+`objective.micro_batch(model, i, inputs)`, which runs the forward(s) and returns the model output and this rank's
+share of the step objective (the shares of all ranks and micro-batches add up to the global objective; the loop
+backpropagates `share × world_size`, docs/parallelism.md), and at the end reads `objective.stats()` (device
+tensors, and the collectives that still write into them).
+
+- `SFTObjective` (`stage: sft`): the weighted cross-entropy of `mmfsdp.model.loss`.
+- `PreferenceObjective` (`stage: dpo`): a preference loss on per-sequence log-probabilities (`mmfsdp.model.preference`,
+  TRL's definitions). The forward returns the summed cross-entropy of each sequence of the micro-batch (chosen_0,
+  rejected_0, chosen_1, ...), whole on every CP rank; the reference's log-probabilities of the same sequences
+  come from a `Reference`:
+  - `LoraReference`: with LoRA, the policy itself with its adapters switched off (no second copy);
+  - `FrozenReference`: full fine-tuning, a frozen copy of the initial model sharded with FSDP2 like the policy;
+  - `PrecomputedReference` (`training.dpo.precompute_ref_logps`): the initial model's log-probabilities of every
+    pair, computed once before the first step over exactly the micro-batches the run will train on, saved to
+    `<output_dir>/ref_logps.safetensors` (a resumed run reads them back) and looked up by `pair_index`.
+  Under context parallel every CP rank holds the whole pairs' values, so each scales its share by `1 / cp_size`;
+  the sums' all-reduce sums the gradients over the CP group in backward (`mmfsdp.model.training_forward`, step 7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.model import compute_loss_weights, model_inputs, shift_labels
+from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, segment_sum
+from mmfsdp.model.preference import PAIR_STATS, pair_objective
+
+__all__ = [
+    "SFTObjective",
+    "PreferenceObjective",
+    "LoraReference",
+    "FrozenReference",
+    "PrecomputedReference",
+    "adapters_disabled",
+    "precompute_reference",
+    "REF_LOGPS_FILE",
+]
+
+log = get_logger("mmfsdp.train")
+
+REF_LOGPS_FILE = "ref_logps.safetensors"
+
+
+class SFTObjective:
+    """`stage: sft`: Σ_t w_t · CE_t with the step's global normalisers (`mmfsdp.model.compute_loss_weights`)."""
+
+    def __init__(self, cfg, dims, device: torch.device):
+        self.loss_type = cfg.features.loss_cfg.loss_type
+        self.dims = dims
+        self.device = device
+        self._targets: list[torch.Tensor] = []
+        self._weights: list[torch.Tensor] = []
+
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        # on the device before the loss weights: their normaliser then stays there (no host wait)
+        self._targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")).to(self.device) for mb in micro_batches]
+        self._weights = compute_loss_weights(
+            self._targets, loss_type=self.loss_type, cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
+            group=self.dims.dp_group, num_micro_batches=len(micro_batches),
+        )
+
+    def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+        out = model(**inputs, shift_labels=self._targets[index], loss_weights=self._weights[index])
+        return out, out.loss
+
+    def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        return {}, []
+
+
+# -- the reference's log-probabilities ---------------------------------------------------------------------------
+
+def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The model without its LoRA adapters (PEFT's `enable_adapters`), restored on exit."""
+    layers = _lora_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def _sequence_logps(model, inputs: dict[str, Any], seq: dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return -model(**inputs, **seq).loss.detach().float()
+
+
+class LoraReference:
+    """The policy with its LoRA adapters off: the base model, without a second copy."""
+
+    def __init__(self, model: torch.nn.Module):
+        if not _lora_layers(model):
+            raise ConfigError("training.lora.enable", "a LoRA reference needs LoRA adapters in the model")
+        self.model = model
+
+    def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return _sequence_logps(self.model, inputs, seq)
+
+
+class FrozenReference:
+    """A frozen copy of the initial model, built and sharded like the policy (`Trainer._build_reference`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
+        return _sequence_logps(self.model, inputs, seq)
+
+
+class PrecomputedReference:
+    """The initial model's log-probabilities of every pair of the dataset, `[num_pairs, 2]`, looked up by index."""
+
+    def __init__(self, table: torch.Tensor, known: torch.Tensor):
+        self.table = table
+        self.known = known
+
+    def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
+        index = pair_index.to(torch.int64).cpu()
+        if not bool(self.known[index].all()):
+            missing = index[~self.known[index]].tolist()
+            raise RuntimeError(f"pairs {missing[:5]} have no precomputed reference log-probabilities ({REF_LOGPS_FILE})")
+        return self.table[index].reshape(-1).to(seq["shift_labels"].device)
+
+    @staticmethod
+    def path(output_dir: Path) -> Path:
+        return Path(output_dir) / REF_LOGPS_FILE
+
+    @classmethod
+    def load(cls, path: Path, num_pairs: int) -> PrecomputedReference:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        table, known = tensors["ref_logps"], tensors["known"].bool()
+        if table.shape != (num_pairs, 2):
+            raise ConfigError(
+                "training.dpo.precompute_ref_logps",
+                f"{path} holds reference log-probabilities of {table.shape[0]} pairs, the dataset has {num_pairs}; "
+                "delete it to compute them again (only at the start of a run: the reference is the initial model)",
+            )
+        return cls(table, known)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        save_file({"ref_logps": self.table.contiguous(), "known": self.known.to(torch.uint8)}, str(tmp))
+        os.replace(tmp, path)
+
+
+# -- the preference objective -------------------------------------------------------------------------------------
+
+class PreferenceObjective:
+    """`stage: dpo` (module docstring)."""
+
+    def __init__(self, cfg, dims, device: torch.device, reference):
+        self.dpo = cfg.training.dpo
+        self.dims = dims
+        self.device = device
+        self.reference = reference
+        self.cp_share = 1.0 / max(1, dims.cp_size)
+        self._plans: list[dict[str, Any]] = []
+        self._pairs_global = torch.ones((), device=device)
+        self._chosen_tokens_global = torch.ones((), device=device)
+        self._stat_sums = torch.zeros(len(PAIR_STATS), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def sequences(mb: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """The forward's per-sequence keywords of a preference micro-batch: targets, unit weights on the trained
+        tokens, each token's sequence (tokens of trailing padding segments: none) and the sequence count."""
+        cu = mb.get("cu_seq_lens")
+        pairs = int(mb["pair_index"].numel())
+        targets = shift_labels(mb["labels"], cu)
+        ids = sample_ids(targets.shape, cu)
+        if int(ids.max()) + 1 < 2 * pairs:
+            raise RuntimeError(f"a preference micro-batch of {pairs} pairs holds only {int(ids.max()) + 1} sequences")
+        ids = torch.where((ids < 2 * pairs) & (targets != IGNORE_INDEX), ids, -1)
+        weights = (ids >= 0).to(torch.float32)
+        return {
+            "shift_labels": targets.to(device),
+            "loss_weights": weights.to(device),
+            "sequence_ids": ids.to(device),
+            "num_sequences": 2 * pairs,
+        }
+
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        self._plans = []
+        local = torch.zeros(2, dtype=torch.float64)
+        for mb in micro_batches:
+            seq = self.sequences(mb, torch.device("cpu"))
+            counts = segment_sum(seq["loss_weights"].reshape(-1), seq["sequence_ids"], seq["num_sequences"])
+            local += torch.tensor([seq["num_sequences"] // 2, float(counts[0::2].sum())], dtype=torch.float64)
+            self._plans.append({"seq": {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in seq.items()},
+                                "counts": counts.to(self.device), "pair_index": mb["pair_index"]})
+        reduced = local.to(self.device)
+        if self.dims.dp_size > 1:
+            dist.all_reduce(reduced, group=self.dims.dp_group)
+        self._pairs_global, self._chosen_tokens_global = reduced[0].float(), reduced[1].float()
+        self._stat_sums = torch.zeros(len(PAIR_STATS), dtype=torch.float32, device=self.device)
+
+    def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+        plan = self._plans[index]
+        seq = plan["seq"]
+        ref = self.reference.logps(inputs, seq, plan["pair_index"])
+        out = model(**inputs, **seq)
+        loss, terms = pair_objective(
+            out.loss, ref, plan["counts"], num_pairs_global=self._pairs_global,
+            num_chosen_tokens_global=self._chosen_tokens_global, loss_type=self.dpo.loss_type, beta=self.dpo.beta,
+            label_smoothing=self.dpo.label_smoothing, rpo_alpha=self.dpo.rpo_alpha,
+        )
+        self._stat_sums += terms.stats.sum(dim=1) / self._pairs_global.clamp(min=1.0)
+        return out, loss * self.cp_share
+
+    def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        sums = self._stat_sums
+        reductions = []
+        if self.dims.dp_size > 1:
+            reductions.append(dist.all_reduce(sums, group=self.dims.dp_group, async_op=True))
+        return {name: sums[i] for i, name in enumerate(PAIR_STATS)}, reductions
+
+
+def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, num_pairs: int, dims, device,
+                         to_device) -> PrecomputedReference:
+    """The initial model's log-probabilities of the pairs of the next `steps` optimizer steps of `loader` (a fresh
+    loader in the training loader's state: the same micro-batches the run will train on), on every rank.
+
+    A micro-batch whose pairs every rank already has is skipped by all ranks together (one small all-reduce per
+    step decides), so a pair seen again in a later epoch costs no forward; a pair computed by several data-parallel
+    ranks keeps the mean of their (equal up to batch layout) values."""
+    table = torch.zeros(num_pairs, 2, dtype=torch.float32)
+    known = torch.zeros(num_pairs, dtype=torch.bool)
+    every = max(1, steps // 10)
+    for step in range(steps):
+        micro_batches = loader.next_step(num_micro_batches)
+        todo = torch.tensor([float(not bool(known[mb["pair_index"].to(torch.int64)].all())) for mb in micro_batches],
+                            device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(todo, op=dist.ReduceOp.MAX)
+        for mb, needed in zip(micro_batches, todo.tolist()):
+            if not needed:
+                continue
+            seq = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in
+                   PreferenceObjective.sequences(mb, device).items()}
+            logps = _sequence_logps(model, to_device(model_inputs(mb)), seq).cpu().reshape(-1, 2)
+            index = mb["pair_index"].to(torch.int64)
+            fresh = ~known[index]
+            table[index[fresh]] = logps[fresh]
+            known[index] = True
+        if (step + 1) % every == 0 or step + 1 == steps:
+            log.info(f"reference log-probabilities: step {step + 1}/{steps}, {int(known.sum())} of {num_pairs} pairs")
+    if dims.dp_size > 1:
+        sums = (table * known[:, None]).to(device)
+        counts = known.to(torch.float32).to(device)
+        dist.all_reduce(sums, group=dims.dp_group)
+        dist.all_reduce(counts, group=dims.dp_group)
+        sums, counts = sums.cpu(), counts.cpu()
+        known = counts > 0
+        table = torch.where(known[:, None], sums / counts.clamp(min=1)[:, None], 0.0)
+    return PrecomputedReference(table, known)
