@@ -91,3 +91,27 @@ def row_media(dataset_dir: Path, split: str = "train") -> list[tuple[int, int]]:
 def text_only_share(dataset_dir: Path, split: str = "train") -> float:
     rows = [json.loads(line) for line in (dataset_dir / f"{split}.jsonl").read_text().splitlines() if line.strip()]
     return sum(not row.get("images") for row in rows) / len(rows)
+
+
+def make_mixed_pairs_dataset(out_dir: Path, *, num_train: int, num_eval: int, seed: int) -> Path:
+    """`make_mixed_dataset`'s rows (every other row text-only; 1–2 images of varied sizes, 1–3 turns) as preference
+    pairs in the messages format: the last assistant turn is `chosen`, and `rejected` is another row's last answer
+    cut or extended to a different length (never equal to chosen). Rows are written as `{"messages", "rejected",
+    "images"}` (the mllm messages format with a `rejected` answer)."""
+    make_mixed_dataset(out_dir, num_train=num_train, num_eval=num_eval, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for split in ("train", "eval"):
+        path = out_dir / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        answers = [row["messages"][-1]["content"] for row in rows]
+        for index, row in enumerate(rows):
+            assert row["messages"][-1]["role"] == "assistant"
+            other = answers[(index + 1 + int(rng.integers(len(rows) - 1))) % len(rows)]
+            words = other.split()
+            keep = max(1, int(rng.integers(1, len(words) + 1)))
+            rejected = " ".join(words[:keep] + (["again"] * int(rng.integers(0, 4))))
+            if rejected == row["messages"][-1]["content"]:
+                rejected += " no"
+            row["rejected"] = rejected
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out_dir

@@ -11,6 +11,11 @@ collectively), repeating its last batch uncounted where its share is shorter.
 Counts are summed over the data-parallel group. Rank 0 writes
 `<output_dir>/eval.json` with `accuracy`, `chance` (when the dataset declares
 it), `num_samples` and `num_correct`.
+
+Preference data (`training.stage: dpo`): the evaluation split holds pairs. `accuracy` is then the chosen
+answers' exact match (greedy decoding gives the chosen answer), and eval.json also holds the held-out
+`reward_accuracy` (the share of pairs whose implicit reward `β · (log π/π_ref)` is higher for the chosen answer)
+and `reward_margin` (its mean margin), with the run's reference (`preference_reference`, set by the trainer).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.distributed as dist
 from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
+from mmfsdp.model.loss import sequence_cross_entropy
 from mmfsdp.train.supervise import LoopHeartbeat
 
 __all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "media_kinds", "to_device"]
@@ -67,6 +73,9 @@ class Evaluator:
         """The evaluation split, built on first use."""
         self.val_losses: dict[int, float] = {}
         """Validation loss by step (`validate`)."""
+        self.preference_reference = None
+        """DPO: the reference's log-probabilities of an evaluation batch's sequences,
+        `(inputs, sequences, pair_index) -> [2P]` (`mmfsdp.train.objective`); set by the trainer."""
 
     def media_kinds(self) -> frozenset[str] | None:
         """The kinds of media of the evaluation split (built now) when the run evaluates, empty when it does
@@ -76,6 +85,14 @@ class Evaluator:
         if self.dataset is None:
             self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
         return media_kinds(self.dataset)
+
+    def evaluates(self) -> bool:
+        """Whether the run uses the evaluation split (validation or the final accuracy); builds it then."""
+        if not (self.cfg.training.val_interval or has_eval_split(self.cfg.data)):
+            return False
+        if self.dataset is None:
+            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+        return True
 
     def should_validate(self, step: int) -> bool:
         interval = self.cfg.training.val_interval
@@ -104,6 +121,10 @@ class Evaluator:
         collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
             pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=self.pad_multiple, packing=False,
         )
+        if getattr(dataset, "is_preference", False):
+            from mmfsdp.data.collators import PairCollator
+
+            collate = PairCollator(collate)
         indices = list(range(dims.dp_rank, len(dataset), dims.dp_size))
         batch_size = cfg.training.eval_batch_size
         num_batches = math.ceil(math.ceil(len(dataset) / dims.dp_size) / batch_size)
@@ -123,25 +144,54 @@ class Evaluator:
         """Exact-match accuracy over the evaluation split (collective), with chance and counts."""
         model = self.model
         model.eval()
-        correct = torch.zeros((), dtype=torch.int64)
-        counted = torch.zeros((), dtype=torch.int64)
+        preference = getattr(self.dataset, "is_preference", False) or (
+            self.dataset is None and self.cfg.training.stage == "dpo"
+        )
+        # exact matches, samples; with pairs also: pairs, reward wins, summed reward margin
+        totals = torch.zeros(5, dtype=torch.float64)
         for batch, real in self.batches():
-            logits = model(**to_device(model_inputs(batch), self.device)).logits.float()
-            hits = exact_match(logits.cpu(), shift_labels(batch["labels"], batch.get("cu_seq_lens")))
+            inputs = to_device(model_inputs(batch), self.device)
+            logits = model(**inputs).logits.float().cpu()
+            targets = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
+            hits = exact_match(logits, targets)
+            if preference:
+                hits = hits[0::2]  # the chosen answers
+                pair_totals = self._pair_rewards(batch, inputs, logits, targets)
             if real:
-                correct += hits.sum()
-                counted += hits.numel()
+                totals[0] += hits.sum()
+                totals[1] += hits.numel()
+                if preference:
+                    totals[2:] += pair_totals
         model.train()
-        totals = torch.stack([correct, counted]).to(self.device)
+        totals = totals.to(self.device)
         dist.all_reduce(totals, group=self.dims.dp_group)
-        num_correct, num_samples = (int(v) for v in totals.tolist())
-        return {
+        num_correct, num_samples = (int(v) for v in totals[:2].tolist())
+        result = {
             "accuracy": num_correct / max(num_samples, 1),
             "chance": dataset_chance(self.cfg.data),
             "num_samples": num_samples,
             "num_correct": num_correct,
             "step": step,
         }
+        if preference:
+            pairs, wins, margins = totals[2:].tolist()
+            result.update(reward_accuracy=wins / max(pairs, 1), reward_margin=margins / max(pairs, 1), num_pairs=int(pairs))
+        return result
+
+    def _pair_rewards(self, batch: dict[str, Any], inputs: dict[str, Any], logits: torch.Tensor,
+                      targets: torch.Tensor) -> torch.Tensor:
+        """[pairs, reward wins, summed margins] of an evaluation batch of pairs (padded: a sequence per row)."""
+        from mmfsdp.train.objective import PreferenceObjective
+
+        if self.preference_reference is None:
+            raise RuntimeError("preference evaluation needs the run's reference (Evaluator.preference_reference)")
+        seq = PreferenceObjective.sequences(batch, self.device)
+        rows = torch.arange(targets.shape[0])[:, None].expand_as(targets)
+        logps = -sequence_cross_entropy(logits, targets, (targets != -100).float(), rows, targets.shape[0])
+        ref = self.preference_reference(inputs, seq, batch["pair_index"]).cpu()
+        beta = self.cfg.training.dpo.beta
+        margins = beta * ((logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2]))
+        return torch.tensor([margins.numel(), float((margins > 0).sum()), float(margins.sum())], dtype=torch.float64)
 
     @torch.no_grad()
     def validation_loss(self) -> float:
@@ -150,7 +200,7 @@ class Evaluator:
         Each micro-batch goes through the training forward with weight 1 on every trained token, so `.loss` is
         this rank's sum (its sequence shard's under context parallel, as in training): the sums are added over
         all ranks and divided by the trained tokens, counted over the data-parallel group (the ranks of one CP
-        group see the same samples).
+        group see the same samples). With preference data it is the chosen answers' cross-entropy.
         """
         model, device = self.model, self.device
         model.eval()
@@ -159,6 +209,8 @@ class Evaluator:
         for batch, real in self.batches():
             target = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
             weight = (target != -100).float()
+            if "pair_index" in batch:
+                weight[1::2] = 0.0  # pairs (a sequence per row): the chosen answers' cross-entropy
             if not real:
                 weight.zero_()
             out = model(

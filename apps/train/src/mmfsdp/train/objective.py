@@ -128,17 +128,24 @@ class FrozenReference:
 
 
 class PrecomputedReference:
-    """The initial model's log-probabilities of every pair of the dataset, `[num_pairs, 2]`, looked up by index."""
+    """The initial model's log-probabilities of every pair of a split, `[num_pairs, 2]`, looked up by pair index;
+    `splits` holds the training split's (`train`) and, when the run evaluates, the evaluation split's (`eval`)."""
 
-    def __init__(self, table: torch.Tensor, known: torch.Tensor):
-        self.table = table
-        self.known = known
+    def __init__(self, splits: dict[str, tuple[torch.Tensor, torch.Tensor]], split: str = "train"):
+        self.splits = splits
+        self.split = split
+        self.table, self.known = splits[split]
+
+    def for_split(self, split: str) -> PrecomputedReference:
+        return PrecomputedReference(self.splits, split)
 
     def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
         index = pair_index.to(torch.int64).cpu()
         if not bool(self.known[index].all()):
             missing = index[~self.known[index]].tolist()
-            raise RuntimeError(f"pairs {missing[:5]} have no precomputed reference log-probabilities ({REF_LOGPS_FILE})")
+            raise RuntimeError(
+                f"{self.split} pairs {missing[:5]} have no precomputed reference log-probabilities ({REF_LOGPS_FILE})"
+            )
         return self.table[index].reshape(-1).to(seq["shift_labels"].device)
 
     @staticmethod
@@ -146,25 +153,62 @@ class PrecomputedReference:
         return Path(output_dir) / REF_LOGPS_FILE
 
     @classmethod
-    def load(cls, path: Path, num_pairs: int) -> PrecomputedReference:
+    def load(cls, path: Path, sizes: dict[str, int]) -> PrecomputedReference:
         from safetensors.torch import load_file
 
         tensors = load_file(str(path))
-        table, known = tensors["ref_logps"], tensors["known"].bool()
-        if table.shape != (num_pairs, 2):
-            raise ConfigError(
-                "training.dpo.precompute_ref_logps",
-                f"{path} holds reference log-probabilities of {table.shape[0]} pairs, the dataset has {num_pairs}; "
-                "delete it to compute them again (only at the start of a run: the reference is the initial model)",
-            )
-        return cls(table, known)
+        splits = {}
+        for split, num_pairs in sizes.items():
+            table = tensors.get(f"{split}.ref_logps")
+            if table is None or table.shape != (num_pairs, 2):
+                found = "none" if table is None else table.shape[0]
+                raise ConfigError(
+                    "training.dpo.precompute_ref_logps",
+                    f"{path} holds reference log-probabilities of {found} {split} pairs, the dataset has {num_pairs}; "
+                    "delete it to compute them again (only at the start of a run: the reference is the initial model)",
+                )
+            splits[split] = (table, tensors[f"{split}.known"].bool())
+        return cls(splits)
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
+        tensors = {}
+        for split, (table, known) in self.splits.items():
+            tensors[f"{split}.ref_logps"] = table.contiguous()
+            tensors[f"{split}.known"] = known.to(torch.uint8)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        save_file({"ref_logps": self.table.contiguous(), "known": self.known.to(torch.uint8)}, str(tmp))
+        save_file(tensors, str(tmp))
         os.replace(tmp, path)
+
+
+class _PairTable:
+    """Reference log-probabilities gathered pair by pair on each rank, then merged over the data-parallel group."""
+
+    def __init__(self, num_pairs: int):
+        self.table = torch.zeros(num_pairs, 2, dtype=torch.float32)
+        self.known = torch.zeros(num_pairs, dtype=torch.bool)
+
+    def missing(self, pair_index: torch.Tensor) -> bool:
+        return not bool(self.known[pair_index.to(torch.int64)].all())
+
+    def add(self, pair_index: torch.Tensor, logps: torch.Tensor) -> None:
+        index = pair_index.to(torch.int64)
+        fresh = ~self.known[index]
+        self.table[index[fresh]] = logps.cpu().reshape(-1, 2)[fresh]
+        self.known[index] = True
+
+    def merged(self, dims, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pair computed by several data-parallel ranks keeps the mean of their (equal up to layout) values."""
+        if dims.dp_size == 1:
+            return self.table, self.known
+        sums = (self.table * self.known[:, None]).to(device)
+        counts = self.known.to(torch.float32).to(device)
+        dist.all_reduce(sums, group=dims.dp_group)
+        dist.all_reduce(counts, group=dims.dp_group)
+        sums, counts = sums.cpu(), counts.cpu()
+        known = counts > 0
+        return torch.where(known[:, None], sums / counts.clamp(min=1)[:, None], 0.0), known
 
 
 # -- the preference objective -------------------------------------------------------------------------------------
@@ -239,40 +283,32 @@ class PreferenceObjective:
 
 
 def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, num_pairs: int, dims, device,
-                         to_device) -> PrecomputedReference:
+                         to_device, eval_batches=None, num_eval_pairs: int = 0) -> PrecomputedReference:
     """The initial model's log-probabilities of the pairs of the next `steps` optimizer steps of `loader` (a fresh
-    loader in the training loader's state: the same micro-batches the run will train on), on every rank.
+    loader in the training loader's state: the same micro-batches the run will train on), on every rank; and of the
+    evaluation pairs (`eval_batches`: the evaluator's `(batch, counted)` batches, the same number on every rank).
 
     A micro-batch whose pairs every rank already has is skipped by all ranks together (one small all-reduce per
-    step decides), so a pair seen again in a later epoch costs no forward; a pair computed by several data-parallel
-    ranks keeps the mean of their (equal up to batch layout) values."""
-    table = torch.zeros(num_pairs, 2, dtype=torch.float32)
-    known = torch.zeros(num_pairs, dtype=torch.bool)
+    step decides), so a pair seen again in a later epoch costs no forward."""
+    train = _PairTable(num_pairs)
     every = max(1, steps // 10)
     for step in range(steps):
         micro_batches = loader.next_step(num_micro_batches)
-        todo = torch.tensor([float(not bool(known[mb["pair_index"].to(torch.int64)].all())) for mb in micro_batches],
-                            device=device)
+        todo = torch.tensor([float(train.missing(mb["pair_index"])) for mb in micro_batches], device=device)
         if dist.get_world_size() > 1:
             dist.all_reduce(todo, op=dist.ReduceOp.MAX)
         for mb, needed in zip(micro_batches, todo.tolist()):
-            if not needed:
-                continue
-            seq = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in
-                   PreferenceObjective.sequences(mb, device).items()}
-            logps = _sequence_logps(model, to_device(model_inputs(mb)), seq).cpu().reshape(-1, 2)
-            index = mb["pair_index"].to(torch.int64)
-            fresh = ~known[index]
-            table[index[fresh]] = logps[fresh]
-            known[index] = True
+            if needed:
+                train.add(mb["pair_index"], _sequence_logps(model, to_device(model_inputs(mb)),
+                                                            PreferenceObjective.sequences(mb, device)))
         if (step + 1) % every == 0 or step + 1 == steps:
-            log.info(f"reference log-probabilities: step {step + 1}/{steps}, {int(known.sum())} of {num_pairs} pairs")
-    if dims.dp_size > 1:
-        sums = (table * known[:, None]).to(device)
-        counts = known.to(torch.float32).to(device)
-        dist.all_reduce(sums, group=dims.dp_group)
-        dist.all_reduce(counts, group=dims.dp_group)
-        sums, counts = sums.cpu(), counts.cpu()
-        known = counts > 0
-        table = torch.where(known[:, None], sums / counts.clamp(min=1)[:, None], 0.0)
-    return PrecomputedReference(table, known)
+            log.info(f"reference log-probabilities: step {step + 1}/{steps}, {int(train.known.sum())} of {num_pairs} pairs")
+    splits = {"train": train.merged(dims, device)}
+    if eval_batches is not None:
+        held_out = _PairTable(num_eval_pairs)
+        for batch, counted in eval_batches:
+            logps = _sequence_logps(model, to_device(model_inputs(batch)), PreferenceObjective.sequences(batch, device))
+            if counted:
+                held_out.add(batch["pair_index"], logps)
+        splits["eval"] = held_out.merged(dims, device)
+    return PrecomputedReference(splits)

@@ -228,14 +228,20 @@ class Trainer:
             reference = LoraReference(self.model)
         else:
             reference = FrozenReference(self._build_reference())
+        self.evaluator.preference_reference = (
+            reference.for_split("eval").logps if isinstance(reference, PrecomputedReference) and "eval" in reference.splits
+            else reference.logps
+        )
         return PreferenceObjective(self.cfg, self.dims, self.device, reference)
 
     def _precomputed_reference(self) -> PrecomputedReference:
         path = PrecomputedReference.path(self.output_dir)
         num_pairs = len(self.train_dataset)
+        evaluates = self.evaluator.evaluates()
+        sizes = {"train": num_pairs, **({"eval": len(self.evaluator.dataset)} if evaluates else {})}
         if path.is_file():
             log.info(f"reference log-probabilities from {path}")
-            return PrecomputedReference.load(path, num_pairs)
+            return PrecomputedReference.load(path, sizes)
         if self.step > 0:
             raise ConfigError(
                 "training.dpo.precompute_ref_logps",
@@ -249,6 +255,7 @@ class Trainer:
         reference = precompute_reference(
             self.model, loader, steps=t.train_iters, num_micro_batches=t.gradient_accumulation_steps,
             num_pairs=num_pairs, dims=self.dims, device=self.device, to_device=self._to_device,
+            eval_batches=self.evaluator.batches() if evaluates else None, num_eval_pairs=sizes.get("eval", 0),
         )
         loader.close()
         if self.rank == 0:
