@@ -84,11 +84,14 @@ class Checkpointer:
             return
         t = self.cfg
         self.before_save()
+        options = self.trainable.save_options()
+        # the stage that trained it: a run of another stage starts from its weights instead of resuming it
+        options["metadata"] = {**(options["metadata"] or {}), "stage": t.stage}
         with self.heartbeat.paused(f"saving the checkpoint of step {step}", step):
             save_checkpoint(
                 t.save, step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,
                 app_state=self.state.state_dict(), rank_state=self.state.rank_state_dict(),
-                async_save=t.save_async, keep_last=t.save_total_limit, **self.trainable.save_options(),
+                async_save=t.save_async, keep_last=t.save_total_limit, **options,
             )
             log.info(f"saved checkpoint at step {step} under {t.save}")
             if t.save_format == "hf":

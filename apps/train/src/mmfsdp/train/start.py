@@ -5,7 +5,9 @@ initial weights only when there is none:
 
 1. `training.save` holds a checkpoint (its tracker's iteration, or the newest
    whole `iter_*` when the tracker is gone): resume from it.
-2. Else `training.load` (DCP) is, or holds, a training iteration: resume from it.
+2. Else `training.load` (DCP) is, or holds, a training iteration: resume from it — unless another stage trained it
+   (`checkpoint.json`'s `metadata.stage`; none: `sft`), e.g. a DPO run whose `training.load` is its SFT run's
+   checkpoint: its model weights are then this run's initial weights (as a `release`), and the run starts at step 1.
 3. Else initial weights: `training.load` as an HF directory (`load_format: hf`)
    or a DCP `release` (from `mm-convert`); else `model.model_name_or_path`'s
    safetensors; else random weights (`model.random_init`).
@@ -57,6 +59,8 @@ class StartPlan:
     """The directory they are read from (None for random weights)."""
     resume: ResumePoint | None = None
     """The checkpoint resumed from (weights == "checkpoint", or an adapter-only one on the initial weights)."""
+    note: str | None = None
+    """What the initial weights are when the log line should say more (another stage's checkpoint)."""
 
     def describe(self) -> str:
         """The one log line saying which case applied."""
@@ -68,7 +72,8 @@ class StartPlan:
                 line = (f"start: resuming from {self.resume.path} (step {self.resume.iteration}: LoRA adapters, optimizer, "
                         f"scheduler, data position, RNG) on the frozen base from {_WHAT[self.weights]}{source}")
             return line + (f" — {self.resume.note}" if self.resume.note else "")
-        return f"start: no checkpoint to resume; training starts at step 1 from {_WHAT[self.weights]}{source}"
+        what = f"the model weights of {self.note} in training.load" if self.note else _WHAT[self.weights]
+        return f"start: no checkpoint to resume; training starts at step 1 from {what}{source}"
 
 
 _WHAT = {
@@ -77,6 +82,11 @@ _WHAT = {
     "pretrained": "HF weights from model.model_name_or_path",
     "random": "random weights (model.random_init)",
 }
+
+
+def _from_save(point: ResumePoint, save: str | None) -> bool:
+    """Whether the resume point lies in `training.save` (this run's own checkpoints: always resumed)."""
+    return save is not None and Path(save).resolve() in Path(point.path).resolve().parents
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
@@ -106,7 +116,22 @@ def plan_start(training, model) -> StartPlan:
             point = find_resume_point(t.load, fallback=t.resume_fallback)
     if point is None:
         return _initial_weights(t, model)
-    adapter_only = bool(read_checkpoint_info(point.path).get("trainable_only"))
+    info = read_checkpoint_info(point.path)
+    adapter_only = bool(info.get("trainable_only"))
+    stage = (info.get("metadata") or {}).get("stage", "sft")
+    if stage != t.stage and _from_save(point, t.save):
+        raise ConfigError("training.save", (
+            f"{point.path} is a checkpoint of a {stage} run, this run's training.stage is {t.stage}: give this run its "
+            f"own training.save, and the {stage} checkpoint as training.load to start from its weights"
+        ))
+    if stage != t.stage:
+        if adapter_only:
+            raise ConfigError("training.load", (
+                f"{point.path} holds the LoRA adapters of a {stage} run, no model to start this {t.stage} run from: "
+                "export them (mm-convert LoraConverter dcp_to_peft) and give that directory as "
+                "training.lora.pretrained_lora_path, with the base model as training.load or model.model_name_or_path"
+            ))
+        return StartPlan("release", str(point.path), note=f"the {stage} checkpoint of step {point.iteration}")
     if adapter_only != t.lora.enable:
         raise ConfigError("training.lora.enable", (
             f"{point.path} holds only LoRA adapters (its run had training.lora.enable: true); resume it with the same "

@@ -268,29 +268,15 @@ class Trainer:
     def _build_reference(self) -> torch.nn.Module:
         """A frozen copy of the initial model, sharded like the policy: the same build, seed and initial weights
         (the RNG is re-seeded for its build and restored after, so the run's data order and dropout do not change)."""
-        cfg = self.cfg
         states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-        seed_everything(cfg.training.seed)
-        on_meta = cfg.training.init_model_with_meta_device
-        model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
-        model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=DTYPES[cfg.model.dtype])
-        model.requires_grad_(False)
-        self.entry.parallelize(model, cfg.parallel, self.dims, cfg.features)
-        if on_meta:
-            model.to_empty(device=self.device)
-            self.entry.init_non_persistent_buffers(model)
-        else:
-            model.to(self.device)
-        self._load_initial_weights(model, sharded_empty=on_meta, key_map=None)
-        if self.dims.cp_size > 1:
-            model.enable_context_parallel(self.dims, vision_dp=cfg.parallel.vision_dp)
-        if hasattr(model, "set_media_kinds") and hasattr(self.model, "vision_input_keys"):
+        seed_everything(self.cfg.training.seed)
+        model = self._build_model(reference=True)
+        if hasattr(self.model, "vision_input_keys"):  # the same vision placeholder passes as the policy's
             model.vision_input_keys = self.model.vision_input_keys
-        model.train()
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
-        log.info(f"reference model: a frozen copy of the initial {cfg.model.model_id}")
+        log.info(f"reference model: a frozen copy of the initial {self.cfg.model.model_id}")
         return model
 
     def _pad_multiple(self) -> int:
@@ -298,7 +284,8 @@ class Trainer:
         needed = required_multiple(self.plan.ring, self.plan.ulysses)
         return math.lcm(configured, needed)
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self, *, reference: bool = False) -> torch.nn.Module:
+        """The policy (trained parameters, LoRA adapters), or with `reference` a frozen copy of its initial state."""
         cfg = self.cfg
         on_meta = cfg.training.init_model_with_meta_device
         dtype = DTYPES[cfg.model.dtype]
@@ -311,18 +298,24 @@ class Trainer:
         # Weights that come from elsewhere are not read twice: the eager build is then random.
         model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
         model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
-        self.trainable.prepare(model)
+        if reference:
+            model.requires_grad_(False)
+        else:
+            self.trainable.prepare(model)
         self.entry.parallelize(model, cfg.parallel, self.dims, cfg.features)
         if on_meta:
             model.to_empty(device=self.device)
             self.entry.init_non_persistent_buffers(model)
         else:
             model.to(self.device)
-        self._load_initial_weights(model, sharded_empty=on_meta)
-        self.trainable.init_adapters(model)
+        self._load_initial_weights(model, sharded_empty=on_meta, key_map=None if reference else "trainable")
+        if not reference:
+            self.trainable.init_adapters(model)
         if self.dims.cp_size > 1:
             model.enable_context_parallel(self.dims, vision_dp=cfg.parallel.vision_dp)
         model.train()
+        if reference:
+            return model
         num_params = sum(p.numel() for p in model.parameters())
         num_trainable = sum(p.numel() for p in self.trainable.parameters(model))
         log.info(f"model {cfg.model.model_id}: {num_params / 1e6:.2f}M parameters, {num_trainable / 1e6:.2f}M trainable")
