@@ -144,9 +144,10 @@ class Evaluator:
         """Exact-match accuracy over the evaluation split (collective), with chance and counts."""
         model = self.model
         model.eval()
-        preference = getattr(self.dataset, "is_preference", False) or (
-            self.dataset is None and self.cfg.training.stage == "dpo"
-        )
+        if self.dataset is None:
+            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+        pairs = getattr(self.dataset, "is_preference", False)
+        preference = pairs and self.preference_reference is not None  # DPO: rewards against its reference
         # exact matches, samples; with pairs also: pairs, reward wins, summed reward margin
         totals = torch.zeros(5, dtype=torch.float64)
         for batch, real in self.batches():
@@ -154,8 +155,9 @@ class Evaluator:
             logits = model(**inputs).logits.float().cpu()
             targets = shift_labels(batch["labels"], batch.get("cu_seq_lens"))
             hits = exact_match(logits, targets)
-            if preference:
+            if pairs:
                 hits = hits[0::2]  # the chosen answers
+            if preference:
                 pair_totals = self._pair_rewards(batch, inputs, logits, targets)
             if real:
                 totals[0] += hits.sum()
