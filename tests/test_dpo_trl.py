@@ -31,7 +31,7 @@ import torch
 from mmfsdp.model import get_model_entry, model_inputs
 from mmfsdp.model.families.mistral3.testing import image_token_count
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_sample
-from mmfsdp.model.loss import IGNORE_INDEX
+from mmfsdp.model.loss import IGNORE_INDEX, sample_ids
 from mmfsdp.model.preference import PAIR_STATS, pair_objective
 from mmfsdp.model.testing import model_pair, rel_diff
 from mmfsdp.train.config import DPOConfig as OurDPOConfig
@@ -41,6 +41,8 @@ from mmfsdp.train.objective import FrozenReference, PreferenceObjective
 TOL = 1e-5
 BETA = 0.1
 PAD_ID = 0
+PACKED_PADDING = 3
+"""Tokens of the padding segment that ends a packed row."""
 SETTINGS = {
     "sigmoid": ({"loss_type": "sigmoid"}, {"loss_type": ["sigmoid"]}),
     "ipo": ({"loss_type": "ipo"}, {"loss_type": ["ipo"]}),
@@ -96,7 +98,8 @@ class Qwen3VLImages:
     def collate_images(self, images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return {key: torch.cat([image[key] for image in images]) for key in ("pixel_values", "image_grid_thw")}
 
-    def token_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def token_inputs(self, input_ids: torch.Tensor, segments: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """(M-RoPE positions are the model's own, restarted per packed sample by our wrapper.)"""
         return {"mm_token_type_ids": (input_ids == self.config.image_token_id).long()}
 
 
@@ -133,8 +136,11 @@ class Mistral3Images:
         sizes = torch.tensor([list(image["pixels"].shape[1:]) for image in images])
         return {"pixel_values": pixel_values, "image_sizes": sizes}
 
-    def token_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {}
+    def token_inputs(self, input_ids: torch.Tensor, segments: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Packed: `position_ids` restarting at 0 in each segment (as the `pixtral` collator gives them)."""
+        if segments is None:
+            return {}
+        return {"position_ids": torch.cat([torch.arange(n) for n in segments])[None]}
 
 
 FAMILIES = {kit.model_id: kit for kit in (Qwen3VLImages, Mistral3Images)}
@@ -155,28 +161,37 @@ def make_pairs(family) -> list[Pair]:
     return pairs
 
 
-def our_batch(family, pairs: list[Pair]) -> dict[str, torch.Tensor]:
-    """Our preference micro-batch: rows chosen_0, rejected_0, chosen_1, ... right-padded, labels on the answers,
-    the images in row order, `pair_index`."""
+def our_batch(family, pairs: list[Pair], *, packed: bool) -> dict[str, torch.Tensor]:
+    """Our preference micro-batch of sequences chosen_0, rejected_0, chosen_1, ...: one a row, right-padded, or
+    (`packed`) padding-free in one row of `cu_seq_lens` segments ending in a padding segment; labels on the answers,
+    the images in sequence order, `pair_index`."""
     sequences = [(pair.prompt, answer, pair.images) for pair in pairs for answer in (pair.chosen, pair.rejected)]
-    seq_len = max(len(prompt) + len(answer) for prompt, answer, _ in sequences)
-    input_ids = torch.full((len(sequences), seq_len), PAD_ID, dtype=torch.long)
+    lengths = [len(prompt) + len(answer) for prompt, answer, _ in sequences]
+    if packed:
+        segments = [*lengths, PACKED_PADDING]
+        starts = [(0, sum(lengths[:k])) for k in range(len(sequences))]
+        shape = (1, sum(segments))
+    else:
+        segments = None
+        starts = [(k, 0) for k in range(len(sequences))]
+        shape = (len(sequences), max(lengths))
+    input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     attention_mask = torch.zeros_like(input_ids)
-    for row, (prompt, answer, _) in enumerate(sequences):
+    for (row, at), (prompt, answer, _) in zip(starts, sequences):
         n, m = len(prompt), len(answer)
-        input_ids[row, : n + m] = torch.cat([prompt, answer])
-        labels[row, n : n + m] = answer
-        attention_mask[row, : n + m] = 1
+        input_ids[row, at : at + n + m] = torch.cat([prompt, answer])
+        labels[row, at + n : at + n + m] = answer
+        attention_mask[row, at : at + n + m] = 1
     images = [image for _, _, row_images in sequences for image in row_images]
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "attention_mask": attention_mask,
-        **family.token_inputs(input_ids),
-        **family.collate_images(images),
-        "pair_index": torch.arange(len(pairs)),
-    }
+    batch = {"input_ids": input_ids, "labels": labels, **family.token_inputs(input_ids, segments)}
+    if packed:
+        cu_seq_lens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu_seq_lens[1:] = torch.tensor(segments).cumsum(0)
+        batch.update(cu_seq_lens=cu_seq_lens, max_length=max(segments))
+    else:
+        batch["attention_mask"] = attention_mask
+    return {**batch, **family.collate_images(images), "pair_index": torch.arange(len(pairs))}
 
 
 def trl_batch(family, pairs: list[Pair]) -> dict[str, torch.Tensor]:
@@ -247,20 +262,23 @@ def trl_trainer(policy, reference, trl_loss: dict, tmp_path):
 def assert_same_sequences(ours: dict, seq: dict, theirs: dict, num_pairs: int) -> None:
     """Sequence k of ours (pair k // 2, chosen when k is even) is TRL's row k // 2 (+ P when rejected): the same
     tokens and the same trained next-token targets."""
+    token_ids = sample_ids(ours["input_ids"].shape, ours.get("cu_seq_lens"))
+    if "attention_mask" in ours:
+        token_ids = token_ids.masked_fill(ours["attention_mask"] == 0, -1)
     their_targets = theirs["input_ids"].masked_fill(theirs["completion_mask"] == 0, IGNORE_INDEX)[:, 1:]
     for k in range(2 * num_pairs):
         row = k // 2 + (num_pairs if k % 2 else 0)
-        mine = ours["input_ids"][k][ours["attention_mask"][k].bool()]
-        theirs_ids = theirs["input_ids"][row][theirs["attention_mask"][row].bool()]
-        assert torch.equal(mine, theirs_ids), f"sequence {k}: token ids differ"
-        my_targets = seq["shift_labels"][k][seq["sequence_ids"][k] == k]
-        assert torch.equal(my_targets, their_targets[row][their_targets[row] != IGNORE_INDEX]), f"sequence {k}: targets"
+        their_ids = theirs["input_ids"][row][theirs["attention_mask"][row].bool()]
+        assert torch.equal(ours["input_ids"][token_ids == k], their_ids), f"sequence {k}: token ids differ"
+        my_targets = seq["shift_labels"][seq["sequence_ids"] == k]
         assert my_targets.numel() > 0
+        assert torch.equal(my_targets, their_targets[row][their_targets[row] != IGNORE_INDEX]), f"sequence {k}: targets"
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("model_id", list(FAMILIES))
-def test_dpo_equals_trl(model_id, setting, tmp_path):
+def test_dpo_equals_trl(model_id, setting, layout, tmp_path):
     our_loss, trl_loss = SETTINGS[setting]
     config = get_model_entry(model_id).testkit.tiny_config()
     family = FAMILIES[model_id](config)
@@ -281,7 +299,7 @@ def test_dpo_equals_trl(model_id, setting, tmp_path):
     their_stats = {name: trainer._metrics["train"][name][-1] for name in PAIR_STATS}
 
     # ours
-    batch = our_batch(family, pairs)
+    batch = our_batch(family, pairs, packed=layout == "packed")
     cfg = SimpleNamespace(training=TrainingConfig(stage="dpo", dpo=OurDPOConfig(beta=BETA, **our_loss)))
     dims = SimpleNamespace(cp_size=1, dp_size=1, dp_group=None)
     objective = PreferenceObjective(cfg, dims, torch.device("cpu"), FrozenReference(our_ref))
