@@ -24,6 +24,9 @@ mean cross-entropy per chosen token of the global batch (TRL's `sft` loss term, 
 `loss_weights=[1, rpo_alpha]`; the RPO paper's NLL term). Each rank adds its pairs' losses divided by the global
 pair count, and its chosen tokens' cross-entropy divided by the global chosen-token count (`pair_objective`),
 so the sum over ranks and micro-batches is the global objective, as for the SFT loss (`mmfsdp.model.loss`).
+TRL's `DPOTrainer` takes both means per micro-batch and device and averages those: the same for one micro-batch on
+one process (`tests/test_dpo_trl.py` checks loss, statistics and gradients against it there), not when micro-batches
+hold different numbers of pairs or chosen tokens.
 """
 
 from __future__ import annotations
