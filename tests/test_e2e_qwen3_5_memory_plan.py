@@ -32,15 +32,16 @@ BLOCK = 4 * VH + VH * 3 * VH + 3 * VH + VH * VH + VH + VH * VMLP + VMLP + VMLP *
 
 
 def vision(out: int) -> int:
-    return VH * 3 * 2 * 16 * 16 + VH + 2304 * VH + DEPTH * BLOCK + 2 * VH + MERGED * MERGED + MERGED + MERGED * out + out
+    merger = 2 * VH + MERGED * MERGED + MERGED + MERGED * out + out
+    return VH * 3 * 2 * 16 * 16 + VH + 2304 * VH + DEPTH * BLOCK + merger
 
 
 def gated_deltanet(h: int, key_heads: int, value_heads: int, head_dim: int = 128, kernel: int = 4) -> int:
     """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the depthwise conv over q, k, v, dt_bias, A_log, the gated
     norm (one head's width) and out_proj."""
     key, value = key_heads * head_dim, value_heads * head_dim
-    return h * (2 * key + value) + h * value + 2 * h * value_heads + (2 * key + value) * kernel + 2 * value_heads + \
-        head_dim + value * h
+    projections = h * (2 * key + value) + h * value + 2 * h * value_heads + value * h
+    return projections + (2 * key + value) * kernel + 2 * value_heads + head_dim
 
 
 def gated_attention(h: int, heads: int, kv_heads: int, head_dim: int = 256) -> int:
@@ -108,6 +109,7 @@ def test_the_hand_calculation_is_the_published_size():
     assert gated_deltanet(H27, 16, 48) == 115_876_064 and gated_attention(H27, 24, 4) == 104_858_112
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [8, 16])
 @pytest.mark.parametrize("recipe", list(MODELS))
 def test_plan_matches_the_hand_calculation(recipes, recipe, ranks):
@@ -131,6 +133,7 @@ NO_WEIGHTS = ["model.random_init=true", "training.load=null", "training.init_mod
 """No weights here: `--check` builds on meta for its checks, and the run it checks would random-init."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [8, 16])
 @pytest.mark.parametrize("recipe", list(MODELS))
 def test_check_prints_the_plan(recipes, recipe, ranks, capsys):
