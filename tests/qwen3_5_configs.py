@@ -22,19 +22,14 @@ Field names are transformers' `Qwen3_5Config` / `Qwen3_5MoeConfig` (transformers
 import json
 from pathlib import Path
 
+from qwen3vl_30b_config import QWEN3_VL_30B_A3B_INSTRUCT
+
 _VISION = {
-    "depth": 27,
-    "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 1152,
-    "in_channels": 3,
-    "initializer_range": 0.02,
-    "intermediate_size": 4304,
-    "num_heads": 16,
-    "num_position_embeddings": 2304,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
+    key: value
+    for key, value in QWEN3_VL_30B_A3B_INSTRUCT["vision_config"].items()
+    if key not in ("model_type", "deepstack_visual_indexes", "out_hidden_size")
 }
+"""Qwen3-VL's vision tower (27 blocks of 1152, 16 heads, MLP 4304, 16-px patches, 2x2 merge) without DeepStack."""
 _TOKENS = {
     "image_token_id": 248056,
     "video_token_id": 248057,
