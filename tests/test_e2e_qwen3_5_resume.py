@@ -80,12 +80,21 @@ def test_qwen3_5_meta_init_from_hf_then_kill_and_restart_is_exact(setup, tmp_pat
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     out = tmp_path / "meta"
-    cmd = apprun.command(CONFIG, _items(tmp, out, hf, model_id, **{
-        "training.init_model_with_meta_device": True,
-        "training.save_interval": 3,
-        "training.save": out / "ckpt",
-        "training.load": out / "ckpt",
-    }))
+    cmd = apprun.command(
+        CONFIG,
+        _items(
+            tmp,
+            out,
+            hf,
+            model_id,
+            **{
+                "training.init_model_with_meta_device": True,
+                "training.save_interval": 3,
+                "training.save": out / "ckpt",
+                "training.load": out / "ckpt",
+            },
+        ),
+    )
     restart, _ = apprun.kill_and_restart(cmd, out, 3, STEPS)
     assert "iter_0000003 (step 3" in restart.stdout, restart.stdout[-2000:]
     records = apprun.records(out)
