@@ -3,6 +3,10 @@
 A tiny `Mistral3ForConditionalGeneration` (text + Pixtral vision tower, untied
 lm_head like Magistral) is saved with `save_pretrained(max_shard_size=...)`, which
 writes several shards in the original `language_model.model.*` naming.
+
+Qwen3.5 rows (`QWEN3_5_CASES`): `qwen3_5` and `qwen3_5_moe` HF -> DCP -> HF is bitwise in fp32 and bf16, for the
+MoE in both file layouts of the routed experts (`save_pretrained`'s per-expert one, the hub's, and the fused
+`state_dict()` one), and the exported directory gives `from_pretrained` logits equal to the original's.
 """
 
 from __future__ import annotations
@@ -114,3 +118,68 @@ def test_meta_device_model_loaded_from_hf_or_release_matches_from_pretrained(tmp
     init_rotary_buffers(model)
     assert load_checkpoint(tmp_path / "dcp", model=model).iteration == "release"
     assert torch.equal(logits_of(model), expected)
+
+
+QWEN3_5_CASES = [
+    pytest.param("qwen3_5", False, torch.float32, id="qwen3_5"),
+    pytest.param("qwen3_5", False, torch.bfloat16, id="qwen3_5-bf16"),
+    pytest.param("qwen3_5_moe", False, torch.bfloat16, id="qwen3_5_moe-hub_per_expert-bf16"),
+    pytest.param("qwen3_5_moe", True, torch.float32, id="qwen3_5_moe-fused"),
+]
+"""(model id, files in the `state_dict()` layout (fused routed experts) instead of `save_pretrained`'s (the hub's:
+per-expert), dtype)."""
+
+
+def save_state_dict_layout(model: torch.nn.Module, path: Path) -> None:
+    """The model's `state_dict()` as it is (transformers 5's fused experts `[E, 2I, H]`, `[E, H, I]`), two shards."""
+    from safetensors.torch import save_file
+
+    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, shard in shards.items():
+        save_file({key: state[key] for key in shard}, path / name, metadata={"format": "pt"})
+    weight_map = {key: name for name, shard in shards.items() for key in shard}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("model_id, fused, dtype", QWEN3_5_CASES)
+def test_qwen3_5_hf_dcp_hf_round_trip_is_bitwise(tmp_path, model_id, fused, dtype):
+    """`mm-convert` HF -> DCP -> HF of a tiny Qwen3.5 (Gated DeltaNet, gated attention, vision tower; MoE with a
+    shared expert) gives the files back bitwise, in the layout they came in, and the same logits."""
+    from mmfsdp.model import get_model_entry
+    from mmfsdp.model.testing import model_inputs
+
+    entry = get_model_entry(model_id)
+    config = entry.testkit.tiny_config()
+    hf_class = entry.model_class.__bases__[-1]
+    torch.manual_seed(0)
+    model = hf_class(config).to(dtype)
+    original = tmp_path / "hf"
+    model.save_pretrained(original, max_shard_size="200KB")
+    if fused:
+        for file in [*original.glob("*.safetensors"), original / "model.safetensors.index.json"]:
+            file.unlink(missing_ok=True)
+        save_state_dict_layout(model, original)
+    files = read_files(original)
+    assert len(list(original.glob("*.safetensors"))) > 1
+    assert any(".linear_attn.in_proj_qkv." in key for key in files)
+    if model_id == "qwen3_5_moe":
+        assert any(".mlp.experts.gate_up_proj" in key for key in files) == fused
+        assert any(".mlp.experts.0.gate_proj.weight" in key for key in files) != fused
+
+    dcp = tmp_path / "dcp"
+    assert mm_convert(["GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(original), "--dcp_dir", str(dcp)]) == 0
+    assert mm_convert(["GenericDCPConverter", "dcp_to_hf", "--load_dir", str(dcp), "--save_dir",
+                       str(tmp_path / "out"), "--model_assets_dir", str(original)]) == 0
+    after = read_files(tmp_path / "out")
+    assert files.keys() == after.keys()
+    for key in files:
+        assert files[key].dtype == after[key].dtype == dtype and torch.equal(files[key], after[key]), key
+
+    batch = model_inputs(entry.testkit.test_batch(config, images=True, seed=1))
+    batch = {key: value.to(dtype) if value.is_floating_point() else value for key, value in batch.items()}
+    with torch.no_grad():
+        reference = hf_class.from_pretrained(original).eval()(**batch).logits
+        exported = hf_class.from_pretrained(tmp_path / "out").eval()(**batch).logits
+    assert torch.equal(exported, reference)

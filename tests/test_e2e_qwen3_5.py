@@ -7,8 +7,8 @@
   without the capabilities is refused by `--check` in one line per key. The multi-process parity runs are in
   `tests/test_e2e_qwen3_5_parity.py`.
 - A video batch's step-1 loss equals HF's `labels=` loss (the families declare `video`).
-- The MoE adapter reads and writes the hub's per-expert layout (the contract test round-trips the fused one that
-  `save_pretrained` writes).
+- The MoE adapter reads and writes the hub's per-expert layout (what transformers 5's `save_pretrained` writes too;
+  `tests/test_e2e_ckpt_convert.py` round-trips it and the fused `state_dict()` layout through `mm-convert`).
 """
 
 from pathlib import Path

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import mistral_common
 from mmfsdp.config import build
-from mmfsdp.data import DataConfig, build_processor
+from mmfsdp.data import IGNORE_INDEX, DataConfig, SampleEncoder, build_processor
 from mmfsdp.data.families.mistral.synthetic import write_tiny_processor
 
 TEKKEN_SOURCE = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
@@ -157,6 +158,74 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     return path
 
 
+def chat_row(system: str, turns: list[tuple[str, str]], images: list[str]) -> dict:
+    """A row of our chat format: a system prompt, then (user, assistant) turns with `<image>` placeholders."""
+    messages = [{"role": "system", "content": system}]
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return {"messages": messages, "images": images}
+
+
+def hf_chat_messages(system: str, turns: list[tuple[str, str]], images: list[str]) -> list[dict]:
+    """The same conversation in HF's format: content lists with image items where the placeholders are."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": system}]}]
+    image_iter = iter(images)
+    for user, assistant in turns:
+        content = []
+        for j, piece in enumerate(user.split("<image>")):
+            if j:
+                content.append({"type": "image", "image": Image.open(next(image_iter)).convert("RGB")})
+            if piece:
+                content.append({"type": "text", "text": piece})
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
+        ]
+    return messages
+
+
+def trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
+    """The runs of consecutive trained tokens (label == token; any other label must be IGNORE_INDEX)."""
+    runs: list[list[int]] = []
+    previous = False
+    for token, label in zip(ids, labels):
+        trained = label != IGNORE_INDEX
+        if trained:
+            assert label == token
+            if not previous:
+                runs.append([])
+            runs[-1].append(token)
+        previous = trained
+    return runs
+
+
+def compare_qwen_vl_chat(processor, cfg, template: Path, system, turns, images, size: dict | None = None):
+    """Encode the conversation with `cfg` and assert that ids, image grids, pixels (fp32) and token types are
+    exactly HF `Qwen3VLProcessor.apply_chat_template`'s with the chat template file `template` (and the image
+    processor's `size`, where given); returns (encoder, sample)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    encoder = SampleEncoder(cfg, processor)
+    sample = encoder.encode_row(chat_row(system, turns, images))
+    image_processor = Qwen2VLImageProcessor.from_pretrained(processor.name_or_path, **({"size": size} if size else {}))
+    hf = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=processor.tokenizer,
+        video_processor=Qwen3VLVideoProcessor(),
+        chat_template=template.read_text(),
+    )
+    messages = hf_chat_messages(system, turns, images)
+    reference = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert sample["input_ids"] == reference["input_ids"][0].tolist()
+    pixels = encoder.plugin.pixel_inputs(sample["images"], [tuple(g) for g in sample["image_grids"]])
+    assert torch.equal(pixels["image_grid_thw"], reference["image_grid_thw"])
+    assert pixels["pixel_values"].dtype == torch.float32
+    assert torch.equal(pixels["pixel_values"], reference["pixel_values"])
+    token_types = encoder.plugin.token_inputs(torch.tensor(sample["input_ids"]))["mm_token_type_ids"]
+    assert torch.equal(token_types, torch.as_tensor(reference["mm_token_type_ids"][0]).long())
+    return encoder, sample
+
+
 class Helpers:
     """Test helpers, reached through the `h` fixture (conftest modules cannot be imported under importlib mode)."""
 
@@ -164,11 +233,23 @@ class Helpers:
     write_image = staticmethod(write_image)
     write_video = staticmethod(write_video)
     write_jsonl = staticmethod(write_jsonl)
+    chat_row = staticmethod(chat_row)
+    hf_chat_messages = staticmethod(hf_chat_messages)
+    trained_runs = staticmethod(trained_runs)
+    compare_qwen_vl_chat = staticmethod(compare_qwen_vl_chat)
 
 
 @pytest.fixture(scope="session")
 def h() -> type[Helpers]:
     return Helpers
+
+
+@pytest.fixture(scope="session")
+def chat_images(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Three noise images of different sizes (40x70, 300x120, 64x64) for the chat-template tests."""
+    out = tmp_path_factory.mktemp("chat_images")
+    sizes = [(40, 70), (300, 120), (64, 64)]  # (width, height)
+    return [write_image(out / f"img{i}.png", width, height, seed=i) for i, (width, height) in enumerate(sizes)]
 
 
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]

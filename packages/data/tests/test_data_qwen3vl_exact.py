@@ -13,10 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-import torch
-from PIL import Image
-
 from mmfsdp.data import IGNORE_INDEX, SampleEncoder
 
 DATA = Path(__file__).parent / "data"
@@ -26,131 +22,70 @@ TURNS = [
     ("Compare it with these:\n<image><image>\nand tell me which is wider.", "The second one is wider."),
     ("Thanks! Anything else?", "No, that's all.\n"),
 ]
-IMAGE_SIZES = [(40, 70), (300, 120), (64, 64)]  # (width, height)
 
 
-@pytest.fixture(scope="module")
-def images(tmp_path_factory, h) -> list[str]:
-    out = tmp_path_factory.mktemp("qwen_images")
-    return [h.write_image(out / f"img{i}.png", w, hh, seed=i) for i, (w, hh) in enumerate(IMAGE_SIZES)]
+def _compare(h, processor, cfg, images, template_file, size=None, turns=TURNS):
+    return h.compare_qwen_vl_chat(processor, cfg, DATA / template_file, SYSTEM, turns, images, size)
 
 
-def _row(images: list[str], turns=TURNS) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}]
-    for user, assistant in turns:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    return {"messages": messages, "images": images}
-
-
-def _hf_messages(images: list[str], turns=TURNS) -> list[dict]:
-    """The same conversation in HF's format: content lists with image items where the placeholders are."""
-    messages = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}]
-    image_iter = iter(images)
-    for user, assistant in turns:
-        content = []
-        for j, piece in enumerate(user.split("<image>")):
-            if j:
-                content.append({"type": "image", "image": Image.open(next(image_iter)).convert("RGB")})
-            if piece:
-                content.append({"type": "text", "text": piece})
-        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": assistant}]}]
-    return messages
-
-
-def _hf_processor(processor, template_file: str, size: dict | None = None):
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
-
-    image_processor = Qwen2VLImageProcessor.from_pretrained(processor.name_or_path, **({"size": size} if size else {}))
-    chat_template = (DATA / template_file).read_text()
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=processor.tokenizer, video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
-
-
-def _trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    previous = False
-    for token, label in zip(ids, labels):
-        trained = label != IGNORE_INDEX
-        if trained:
-            assert label == token
-            if not previous:
-                runs.append([])
-            runs[-1].append(token)
-        previous = trained
-    return runs
-
-
-def _compare(processor, cfg, images, template_file, size=None, turns=TURNS):
-    encoder = SampleEncoder(cfg, processor)
-    sample = encoder.encode_row(_row(images, turns))
-    reference = _hf_processor(processor, template_file, size).apply_chat_template(_hf_messages(images, turns), tokenize=True, return_dict=True, return_tensors="pt")
-    assert sample["input_ids"] == reference["input_ids"][0].tolist()
-    pixels = encoder.plugin.pixel_inputs(sample["images"], [tuple(g) for g in sample["image_grids"]])
-    assert torch.equal(pixels["image_grid_thw"], reference["image_grid_thw"])
-    assert pixels["pixel_values"].dtype == torch.float32
-    assert torch.equal(pixels["pixel_values"], reference["pixel_values"])
-    token_types = encoder.plugin.token_inputs(torch.tensor(sample["input_ids"]))["mm_token_type_ids"]
-    assert torch.equal(token_types, torch.as_tensor(reference["mm_token_type_ids"][0]).long())
-    return encoder, sample
-
-
-def test_nothink_matches_the_instruct_template(qwen_processor, tmp_path, h, images):
+def test_nothink_matches_the_instruct_template(qwen_processor, tmp_path, h, chat_images):
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"})
-    encoder, sample = _compare(qwen_processor, cfg, images, "qwen3_vl_instruct_chat_template.jinja")
+    encoder, sample = _compare(h, qwen_processor, cfg, chat_images, "qwen3_vl_instruct_chat_template.jinja")
     assert [g[1:] for g in sample["image_grids"]] == [[4, 2], [8, 18], [4, 4]]  # 40x70, 300x120, 64x64 smart-resized to multiples of 32
     end = qwen_processor.token_id("<|im_end|>")
     answers = qwen_processor.encode_texts([a for _, a in TURNS])
-    assert _trained_runs(sample["input_ids"], sample["labels"]) == [a + [end] for a in answers]
+    assert h.trained_runs(sample["input_ids"], sample["labels"]) == [a + [end] for a in answers]
 
 
-def test_qwen3_vl_matches_the_thinking_template(qwen_processor, tmp_path, h, images):
+def test_qwen3_vl_matches_the_thinking_template(qwen_processor, tmp_path, h, chat_images):
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl"})
-    _, sample = _compare(qwen_processor, cfg, images, "qwen3_vl_thinking_chat_template.jinja")
+    _, sample = _compare(h, qwen_processor, cfg, chat_images, "qwen3_vl_thinking_chat_template.jinja")
     end = qwen_processor.token_id("<|im_end|>")
     think = [qwen_processor.token_id("<think>"), *qwen_processor.encode_texts(["\n\n"])[0], qwen_processor.token_id("</think>")]
     history = qwen_processor.encode_texts([a for _, a in TURNS[:-1]])
     last = qwen_processor.encode_texts(["\n\n" + TURNS[-1][1]])[0]
     # Only the last answer carries the (empty) think block, trained with it; earlier answers render plain.
-    assert _trained_runs(sample["input_ids"], sample["labels"]) == [a + [end] for a in history] + [think + last + [end]]
+    assert h.trained_runs(sample["input_ids"], sample["labels"]) == [a + [end] for a in history] + [think + last + [end]]
 
 
-def test_qwen3_vl_keeps_the_last_reasoning_and_drops_older_ones(qwen_processor, tmp_path, h, images):
+def test_qwen3_vl_keeps_the_last_reasoning_and_drops_older_ones(qwen_processor, tmp_path, h, chat_images):
     turns = [(TURNS[0][0], "<think>\nlooking at it\n</think>\n\nA square."), (TURNS[1][0], "Hmm.<think>compare</think>The second."), TURNS[2][:1] + ("<think>done</think>No.",)]
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl"})
-    _compare(qwen_processor, cfg, images, "qwen3_vl_thinking_chat_template.jinja", turns=turns)
+    _compare(h, qwen_processor, cfg, chat_images, "qwen3_vl_thinking_chat_template.jinja", turns=turns)
 
 
-def test_pixel_limits_are_the_smart_resize_bounds(qwen_processor, tmp_path, h, images):
+def test_pixel_limits_are_the_smart_resize_bounds(qwen_processor, tmp_path, h, chat_images):
     limits = {"image_max_pixels": 64 * 64, "image_min_pixels": 48 * 48}
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink", **limits})
-    _, sample = _compare(qwen_processor, cfg, images, "qwen3_vl_instruct_chat_template.jinja", size={"shortest_edge": 48 * 48, "longest_edge": 64 * 64})
+    _, sample = _compare(h, qwen_processor, cfg, chat_images, "qwen3_vl_instruct_chat_template.jinja", size={"shortest_edge": 48 * 48, "longest_edge": 64 * 64})
     assert all(g[1] * g[2] * 16 * 16 <= 64 * 64 for g in sample["image_grids"])
 
 
-def test_mask_history_and_train_on_prompt(qwen_processor, tmp_path, h, images):
-    base = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}), qwen_processor).encode_row(_row(images))
+def test_mask_history_and_train_on_prompt(qwen_processor, tmp_path, h, chat_images):
+    base = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}), qwen_processor).encode_row(h.chat_row(SYSTEM, TURNS, chat_images))
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink", "mask_history": True})
-    last_only = SampleEncoder(cfg, qwen_processor).encode_row(_row(images))
+    last_only = SampleEncoder(cfg, qwen_processor).encode_row(h.chat_row(SYSTEM, TURNS, chat_images))
     assert last_only["input_ids"] == base["input_ids"]
-    assert _trained_runs(last_only["input_ids"], last_only["labels"]) == _trained_runs(base["input_ids"], base["labels"])[-1:]
+    assert h.trained_runs(last_only["input_ids"], last_only["labels"]) == h.trained_runs(base["input_ids"], base["labels"])[-1:]
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink", "train_on_prompt": True})
     encoder = SampleEncoder(cfg, qwen_processor)
-    everything = encoder.encode_row(_row(images))
+    everything = encoder.encode_row(h.chat_row(SYSTEM, TURNS, chat_images))
     assert everything["labels"] == [IGNORE_INDEX if t in encoder.plugin.image_token_ids else t for t in base["input_ids"]]
 
 
-def test_enable_thinking_false_drops_the_reasoning_and_leaves_the_empty_block_untrained(qwen_processor, tmp_path, h, images):
+def test_enable_thinking_false_drops_the_reasoning_and_leaves_the_empty_block_untrained(qwen_processor, tmp_path, h, chat_images):
     """LLaMA-Factory's (and MindSpeed-MM's) `enable_thinking: false` on the thinking template: the tokens are those
     of the answer without reasoning (the empty block), and the block is prompt; `qwen3_vl_nothink` ignores it."""
     reasoned = [*TURNS[:-1], (TURNS[-1][0], "<think>\nweighing it\n</think>\n\n" + TURNS[-1][1])]
     cfg = h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl", "enable_thinking": False})
-    _, sample = _compare(qwen_processor, cfg, images, "qwen3_vl_thinking_chat_template.jinja")  # no reasoning given
-    dropped = SampleEncoder(cfg, qwen_processor).encode_row(_row(images, reasoned))
+    _, sample = _compare(h, qwen_processor, cfg, chat_images, "qwen3_vl_thinking_chat_template.jinja")  # no reasoning given
+    dropped = SampleEncoder(cfg, qwen_processor).encode_row(h.chat_row(SYSTEM, reasoned, chat_images))
     assert dropped["input_ids"] == sample["input_ids"]
     end = qwen_processor.token_id("<|im_end|>")
     history = qwen_processor.encode_texts([a for _, a in TURNS[:-1]])
     last = qwen_processor.encode_texts(["\n\n" + TURNS[-1][1]])[0]
     think_end = qwen_processor.token_id("</think>")
-    runs = _trained_runs(dropped["input_ids"], dropped["labels"])
+    runs = h.trained_runs(dropped["input_ids"], dropped["labels"])
     assert runs[:-1] == [a + [end] for a in history]
     assert think_end not in runs[-1] and runs[-1][-1] == end
     answer = runs[-1][:-1]  # the last answer, trained after the block's "\n\n"
@@ -158,4 +93,4 @@ def test_enable_thinking_false_drops_the_reasoning_and_leaves_the_empty_block_un
     nothink = {"template": "qwen3_vl_nothink"}
     on = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess=nothink), qwen_processor)
     off = SampleEncoder(h.data_config(qwen_processor.name_or_path, tmp_path, preprocess={**nothink, "enable_thinking": False}), qwen_processor)
-    assert on.encode_row(_row(images)) == off.encode_row(_row(images))
+    assert on.encode_row(h.chat_row(SYSTEM, TURNS, chat_images)) == off.encode_row(h.chat_row(SYSTEM, TURNS, chat_images))

@@ -6,7 +6,8 @@
 - meta build + `load_hf_weights(key_map=stored_key)` + `init_lora_adapters` equals the eager build bitwise;
 - export: a trainable-only checkpoint of the adapted model -> `mm-convert LoraConverter dcp_to_peft` loaded
   by `PeftModel.from_pretrained(HF base, dir)`, and `dcp_to_merged_hf` loaded by `from_pretrained`, give our
-  model's logits (relative 1e-5), for mistral3, qwen3_vl and qwen3_vl_moe; the PEFT directory loads back as
+  model's logits (relative 1e-5), for mistral3, qwen3_vl and qwen3_vl_moe, and for qwen3_5 and qwen3_5_moe with
+  the Gated DeltaNet, attention and vision-attention presets; the PEFT directory loads back as
   `pretrained_lora_path`.
 """
 
@@ -166,15 +167,24 @@ def test_meta_build_loaded_from_hf_equals_the_eager_build(tmp_path):
     assert torch.equal(_logits(meta, inputs), _logits(eager, inputs))
 
 
-@pytest.mark.parametrize("model_id", FAMILIES)
-def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model_id):
+ATTENTION_TARGETS = ["q_proj", "v_proj", "model.language_model.layers.{*}.self_attn.o_proj"]
+QWEN3_5_TARGETS = ["preset:attention", "preset:gated_deltanet", "preset:vision_attention"]
+EXPORT_ROWS = [
+    *[(model_id, ATTENTION_TARGETS) for model_id in FAMILIES],
+    ("qwen3_5", QWEN3_5_TARGETS),
+    ("qwen3_5_moe", QWEN3_5_TARGETS),
+]
+"""(model id, LoRA targets) of the export test: Qwen3.5's presets cover its Gated DeltaNet projections
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `out_proj`), the gated attention and the vision attention."""
+
+
+@pytest.mark.parametrize("model_id, targets", EXPORT_ROWS)
+def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model_id, targets):
     from peft import PeftModel
 
     entry = get_model_entry(model_id)
     config = _save_base(entry, tmp_path / "base")
-    lora = _lora(
-        init_lora_weights=False, target_modules=["q_proj", "v_proj", "model.language_model.layers.{*}.self_attn.o_proj"]
-    )
+    lora = _lora(init_lora_weights=False, target_modules=targets)
     model = _build(entry, tmp_path / "base")
     names = apply_lora(model, lora, entry)
     init_lora_adapters(model, lora, seed=1)
@@ -194,6 +204,8 @@ def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model
     peft_model = PeftModel.from_pretrained(
         hf.from_pretrained(tmp_path / "base", attn_implementation="sdpa"), tmp_path / "peft"
     )
+    adapted = {name.removeprefix("base_model.model.") for name, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(names), sorted(adapted ^ set(names))
     assert rel_diff(_logits(peft_model, inputs), ours) <= TOL
 
     assert (

@@ -44,7 +44,14 @@ from torch import nn
 from mmfsdp.model.context_parallel import CP_CONTEXT_KEY, CPBatch
 from mmfsdp.model.spec import StepTerms
 
-__all__ = ["RouterLoad", "RouterLoadRecorder", "RouterStepTerms", "load_balancing_loss", "expert_load_summary"]
+__all__ = [
+    "RouterLoad",
+    "RouterLoadForward",
+    "RouterLoadRecorder",
+    "RouterStepTerms",
+    "load_balancing_loss",
+    "expert_load_summary",
+]
 
 
 @dataclass(slots=True)
@@ -183,3 +190,33 @@ class RouterLoadRecorder:
             logits = output[0] if isinstance(output, tuple) else output
             self._logits.append(logits.reshape(-1, logits.shape[-1]))
         return None
+
+
+class RouterLoadForward:
+    """A MoE family's model-class mixin, first in the bases (before the family's training mixin and the HF class):
+    the training forward (with `loss_weights`) also returns `outputs.router_load`.
+
+    The class's `__init__` calls `init_router_load(moe_block, top_k=...)` after the training mixin's
+    `init_training_forward()`, so the recorder's decoder pre-hooks go around the training forward's: every
+    `moe_block` module of the decoder (`decoder_name`) has its router as `gate`.
+    """
+
+    def init_router_load(self, moe_block: type[nn.Module], *, top_k: int) -> None:
+        decoder = self.get_submodule(self.decoder_name)
+        routers = [module.gate for module in decoder.modules() if isinstance(module, moe_block)]
+        self._router_recorder = RouterLoadRecorder(decoder, routers, top_k=top_k)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides by looking for its experts decorator in the source of the class's module; the
+        # experts are the HF class's, so its answer holds (without this, grouped_mm is refused once requested)
+        hf_class = next(base for base in cls.__mro__ if base.__module__.startswith("transformers."))
+        return hf_class._can_set_experts_implementation()
+
+    def forward(self, *args, loss_weights=None, **kwargs):
+        if loss_weights is None:
+            return super().forward(*args, **kwargs)
+        with self._router_recorder.recording(token_mask=kwargs.get("attention_mask")):
+            outputs = super().forward(*args, loss_weights=loss_weights, **kwargs)
+        outputs.router_load = self._router_recorder.result()
+        return outputs

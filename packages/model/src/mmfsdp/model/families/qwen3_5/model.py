@@ -170,15 +170,18 @@ class Qwen3_5Costs(Qwen3VLCosts):
     def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:
         """The mean over the layer mix: a full-attention layer as the default (q and its gate count twice); a
         Gated DeltaNet layer keeps its input and norm, the qkv projection before and after the convolution, z,
-        the core output and its gated norm (2·(2K + V) + 3V), and the MLP's values."""
+        the core output and its gated norm (2·(2K + V) + 3V), the recurrent state entering each chunk of the
+        delta rule (`Hv · dk · dv` per `DELTA_RULE_CHUNK` tokens, kept for backward in fp32: 2 values of the
+        bf16 compute dtype each), and the MLP's values."""
         hidden = text_config.hidden_size
         head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
         kv = text_config.num_key_value_heads * head_dim
         key = text_config.linear_num_key_heads * text_config.linear_key_head_dim
         value = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+        states = 2 * value * text_config.linear_key_head_dim / DELTA_RULE_CHUNK
         mlp = self.mlp_values_per_token(text_config)
         full = 10 + 3 * kv / hidden + mlp
-        linear = 6 + (2 * (2 * key + value) + 3 * value) / hidden + mlp
+        linear = 6 + (2 * (2 * key + value) + 3 * value + states) / hidden + mlp
         num_full = sum(kind == "full_attention" for kind in text_config.layer_types)
         return (num_full * full + (text_config.num_hidden_layers - num_full) * linear) / text_config.num_hidden_layers
 

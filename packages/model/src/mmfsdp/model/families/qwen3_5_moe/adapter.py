@@ -20,41 +20,14 @@ engines that read the released checkpoints read ours. The shared expert (`mlp.sh
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
-import torch
-
 from mmfsdp.ckpt.adapters import FromHF, StateDictAdapter, ToHF
-from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.model.expert_files import EXPERT_KEY, sort_expert_keys, stack_per_expert, unstack_per_expert
 
 __all__ = ["Qwen3_5MoeAdapter"]
 
 Shape = tuple[int, ...]
-
-_EXPERTS_RE = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\."
-    r"(?:(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight|(?P<fused>gate_up_proj|down_proj))$"
-)
-"""A routed expert weight: per-expert `experts.N.{gate,up,down}_proj.weight` or fused `experts.{gate_up,down}_proj`."""
-
-
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(tensors)
-
-
-def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    half = len(tensors) // 2
-    return torch.cat([torch.stack(tensors[:half]), torch.stack(tensors[half:])], dim=1)
-
-
-def _unstack(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(tensor.unbind(0))
-
-
-def _unstack_gate_up(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    gate, up = tensor.chunk(2, dim=1)
-    return (*gate.unbind(0), *up.unbind(0))
 
 
 class Qwen3_5MoeAdapter(StateDictAdapter):
@@ -66,45 +39,15 @@ class Qwen3_5MoeAdapter(StateDictAdapter):
     skipped_hf_prefixes = (("mtp.", "the multi-token-prediction head; HF's Qwen3.5 model class has no such module"),)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
-        plans: dict[str, FromHF] = {}
-        fused: dict[str, set[str]] = {}
-        per_expert: dict[str, dict[str, dict[int, str]]] = {}
-        for key in hf_shapes:
-            match = _EXPERTS_RE.match(key)
-            if match is None:
-                plans[key] = FromHF((key,))
-            elif match["fused"]:
-                fused.setdefault(match["prefix"], set()).add(match["fused"])
-                plans[key] = FromHF((key,))
-            else:
-                per_expert.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["index"])] = key
-        for prefix, names in fused.items():
-            if names != {"gate_up_proj", "down_proj"}:
-                raise CheckpointError(f"{prefix}: the files hold {sorted(names)} of the fused experts, not both")
-            if prefix in per_expert:
-                raise CheckpointError(f"{prefix}: the files hold both fused and per-expert expert weights")
-        for prefix, projections in per_expert.items():
-            if set(projections) != {"gate_proj", "up_proj", "down_proj"}:
-                raise CheckpointError(f"{prefix}: per-expert weights of {sorted(projections)} only")
-            experts = sorted(projections["gate_proj"])
-            if experts != list(range(len(experts))) or any(sorted(p) != experts for p in projections.values()):
-                raise CheckpointError(f"{prefix}: per-expert weights do not cover experts 0..N-1 for every projection")
-            gate_up = [projections["gate_proj"][e] for e in experts] + [projections["up_proj"][e] for e in experts]
-            plans[f"{prefix}.gate_up_proj"] = FromHF(tuple(gate_up), _stack_gate_up)
-            plans[f"{prefix}.down_proj"] = FromHF(tuple(projections["down_proj"][e] for e in experts), _stack)
+        keys = sort_expert_keys(hf_shapes)
+        plans = {key: FromHF((key,)) for key in keys.others}
+        plans.update({key: FromHF((key,)) for names in keys.fused.values() for key in names.values()})
+        plans.update(stack_per_expert(keys.per_expert))
         return plans
 
     def to_hf(self, model_shapes: Mapping[str, Shape]) -> dict[str, ToHF]:
         plans: dict[str, ToHF] = {}
         for key, shape in model_shapes.items():
-            match = _EXPERTS_RE.match(key)
-            if match is None or not match["fused"]:
-                plans[key] = ToHF((key,))
-                continue
-            prefix, experts = match["prefix"], range(shape[0])
-            if match["fused"] == "down_proj":
-                plans[key] = ToHF(tuple(f"{prefix}.{e}.down_proj.weight" for e in experts), _unstack)
-            else:
-                names = [f"{prefix}.{e}.{proj}.weight" for proj in ("gate_proj", "up_proj") for e in experts]
-                plans[key] = ToHF(tuple(names), _unstack_gate_up)
+            match = EXPERT_KEY.match(key)
+            plans[key] = unstack_per_expert(key, shape[0]) if match and match["fused"] else ToHF((key,))
         return plans

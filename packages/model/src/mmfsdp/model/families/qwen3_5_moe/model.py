@@ -30,7 +30,7 @@ from transformers import PretrainedConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCondit
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
 from mmfsdp.model.families.qwen3_5.model import Qwen3_5Costs, Qwen3_5Entry, Qwen3_5TestKit, Qwen3_5TrainingMixin
-from mmfsdp.model.router import RouterLoadRecorder, RouterStepTerms
+from mmfsdp.model.router import RouterLoadForward, RouterStepTerms
 from mmfsdp.model.spec import Capabilities, register_model
 
 if TYPE_CHECKING:
@@ -39,30 +39,15 @@ if TYPE_CHECKING:
 __all__ = ["Qwen3_5MoeCosts", "Qwen3_5MoeEntry", "Qwen3_5MoeForConditionalGenerationFSDP", "Qwen3_5MoeTestKit"]
 
 
-class Qwen3_5MoeForConditionalGenerationFSDP(Qwen3_5TrainingMixin, Qwen3_5MoeForConditionalGeneration):
+class Qwen3_5MoeForConditionalGenerationFSDP(
+    RouterLoadForward, Qwen3_5TrainingMixin, Qwen3_5MoeForConditionalGeneration
+):
     """HF `Qwen3_5MoeForConditionalGeneration` plus Qwen3.5's training forward and `outputs.router_load`."""
 
     def __init__(self, config: Qwen3_5MoeConfig):
         super().__init__(config)
         self.init_training_forward()
-        decoder = self.get_submodule(self.decoder_name)
-        routers = [module.gate for module in decoder.modules() if isinstance(module, Qwen3_5MoeSparseMoeBlock)]
-        # after init_training_forward: the recorder's hooks go around the training forward's decoder pre-hook
-        self._router_recorder = RouterLoadRecorder(decoder, routers, top_k=config.text_config.num_experts_per_tok)
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers looks for its experts decorator in the source of the class's module; the experts are the
-        # HF class's, so its answer holds
-        return Qwen3_5MoeForConditionalGeneration._can_set_experts_implementation()
-
-    def forward(self, *args: Any, loss_weights: Any = None, **kwargs: Any):
-        if loss_weights is None:
-            return super().forward(*args, **kwargs)
-        with self._router_recorder.recording(token_mask=kwargs.get("attention_mask")):
-            outputs = super().forward(*args, loss_weights=loss_weights, **kwargs)
-        outputs.router_load = self._router_recorder.result()
-        return outputs
+        self.init_router_load(Qwen3_5MoeSparseMoeBlock, top_k=config.text_config.num_experts_per_tok)
 
 
 class Qwen3_5MoeCosts(Qwen3_5Costs):

@@ -15,37 +15,21 @@ expert weights come in three layouts (`Qwen3VLMoeAdapter`):
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 import torch
 
 from mmfsdp.ckpt.adapters import FromHF, StateDictAdapter, ToHF
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.model.expert_files import EXPERT_KEY, sort_expert_keys, stack_per_expert
 
 __all__ = ["Qwen3VLMoeAdapter"]
 
 Shape = tuple[int, ...]
 
 
-_EXPERTS_RE = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\."
-    r"(?:(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight|(?P<fused>gate_up_proj|down_proj))$"
-)
-"""An expert weight: per-expert `experts.N.{gate,up,down}_proj.weight` or fused `experts.{gate_up,down}_proj`."""
-
-
 def _transpose(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].transpose(1, 2)
-
-
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(tensors)
-
-
-def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    half = len(tensors) // 2
-    return torch.cat([torch.stack(tensors[:half]), torch.stack(tensors[half:])], dim=1)
 
 
 def _split_transposed(tensor: torch.Tensor) -> tuple[torch.Tensor]:
@@ -69,23 +53,10 @@ class Qwen3VLMoeAdapter(StateDictAdapter):
     hf_model_types = ("qwen3_vl_moe",)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
-        plans: dict[str, FromHF] = {}
-        fused: dict[str, dict[str, str]] = {}
-        per_expert: dict[str, dict[str, dict[int, str]]] = {}
-        for key in hf_shapes:
-            match = _EXPERTS_RE.match(key)
-            if match is None:
-                plans[key] = FromHF((key,))
-            elif match["fused"]:
-                fused.setdefault(match["prefix"], {})[match["fused"]] = key
-            else:
-                per_expert.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["index"])] = key
-        for prefix, keys in fused.items():
-            if set(keys) != {"gate_up_proj", "down_proj"}:
-                raise CheckpointError(f"{prefix}: the files hold {sorted(keys)} of the fused experts, not both")
-            if prefix in per_expert:
-                raise CheckpointError(f"{prefix}: the files hold both fused and per-expert expert weights")
-            gate_up, down = hf_shapes[keys["gate_up_proj"]], hf_shapes[keys["down_proj"]]
+        keys = sort_expert_keys(hf_shapes)
+        plans = {key: FromHF((key,)) for key in keys.others}
+        for prefix, names in keys.fused.items():
+            gate_up, down = hf_shapes[names["gate_up_proj"]], hf_shapes[names["down_proj"]]
             hub = len(gate_up) == len(down) == 3 and gate_up[2] == 2 * down[1] and gate_up[1] == down[2]
             ours = len(gate_up) == len(down) == 3 and gate_up[1] == 2 * down[2] and gate_up[2] == down[1]
             if not (hub or ours):
@@ -93,21 +64,13 @@ class Qwen3VLMoeAdapter(StateDictAdapter):
                     f"{prefix}: gate_up_proj {tuple(gate_up)} and down_proj {tuple(down)} are neither the hub layout "
                     "([E, H, 2I], [E, I, H]) nor transformers 5's ([E, 2I, H], [E, H, I])"
                 )
-            for name, key in keys.items():
+            for name, key in names.items():
                 plans[f"{prefix}.{name}"] = FromHF((key,), _transpose, rowwise=True) if hub else FromHF((key,))
-        for prefix, projections in per_expert.items():
-            if set(projections) != {"gate_proj", "up_proj", "down_proj"}:
-                raise CheckpointError(f"{prefix}: per-expert weights of {sorted(projections)} only")
-            experts = sorted(projections["gate_proj"])
-            if experts != list(range(len(experts))) or any(sorted(p) != experts for p in projections.values()):
-                raise CheckpointError(f"{prefix}: per-expert weights do not cover experts 0..N-1 for every projection")
-            gate_up = [projections["gate_proj"][e] for e in experts] + [projections["up_proj"][e] for e in experts]
-            plans[f"{prefix}.gate_up_proj"] = FromHF(tuple(gate_up), _stack_gate_up)
-            plans[f"{prefix}.down_proj"] = FromHF(tuple(projections["down_proj"][e] for e in experts), _stack)
+        plans.update(stack_per_expert(keys.per_expert))
         return plans
 
     def to_hf(self, model_shapes: Mapping[str, Shape]) -> dict[str, ToHF]:
         return {
-            key: ToHF((key,), _split_transposed) if _EXPERTS_RE.match(key) else ToHF((key,))
+            key: ToHF((key,), _split_transposed) if EXPERT_KEY.match(key) else ToHF((key,))
             for key in model_shapes
         }

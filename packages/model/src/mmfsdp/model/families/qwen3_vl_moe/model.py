@@ -35,7 +35,7 @@ from transformers import PretrainedConfig, Qwen3VLMoeConfig, Qwen3VLMoeForCondit
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
 from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLEntry, Qwen3VLTestKit, Qwen3VLTrainingMixin
-from mmfsdp.model.router import RouterLoadRecorder, RouterStepTerms
+from mmfsdp.model.router import RouterLoadForward, RouterStepTerms
 from mmfsdp.model.spec import Capabilities, register_model
 
 if TYPE_CHECKING:
@@ -44,30 +44,15 @@ if TYPE_CHECKING:
 __all__ = ["Qwen3VLMoeCosts", "Qwen3VLMoeEntry", "Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeTestKit"]
 
 
-class Qwen3VLMoeForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration):
+class Qwen3VLMoeForConditionalGenerationFSDP(
+    RouterLoadForward, Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration
+):
     """HF `Qwen3VLMoeForConditionalGeneration` plus the Qwen3-VL training forward and `outputs.router_load`."""
 
     def __init__(self, config: Qwen3VLMoeConfig):
         super().__init__(config)
         self.init_training_forward()
-        decoder = self.get_submodule(self.decoder_name)
-        routers = [module.gate for module in decoder.modules() if isinstance(module, Qwen3VLMoeTextSparseMoeBlock)]
-        # after init_training_forward: the recorder's hooks go around the training forward's decoder pre-hook
-        self._router_recorder = RouterLoadRecorder(decoder, routers, top_k=config.text_config.num_experts_per_tok)
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers decides by looking for its experts decorator in the source of the class's module; the
-        # experts are the HF class's, so its answer holds (without this, grouped_mm is refused once requested)
-        return Qwen3VLMoeForConditionalGeneration._can_set_experts_implementation()
-
-    def forward(self, *args: Any, loss_weights: Any = None, **kwargs: Any):
-        if loss_weights is None:
-            return super().forward(*args, **kwargs)
-        with self._router_recorder.recording(token_mask=kwargs.get("attention_mask")):
-            outputs = super().forward(*args, loss_weights=loss_weights, **kwargs)
-        outputs.router_load = self._router_recorder.result()
-        return outputs
+        self.init_router_load(Qwen3VLMoeTextSparseMoeBlock, top_k=config.text_config.num_experts_per_tok)
 
 
 class Qwen3VLMoeCosts(Qwen3VLCosts):
