@@ -31,13 +31,23 @@ PAIRS = [  # (user, chosen, rejected, image sizes (width, height))
     ("What colour is the sky?", "blue", "green, as everyone knows", []),
     ("<image>And this one?", "a square", "a wide red triangle, clearly", [(64, 64)]),
 ]
-SHAREGPT = {"messages": "conversations", "role_tag": "from", "content_tag": "value", "user_tag": "human",
-            "assistant_tag": "gpt"}
+SHAREGPT = {
+    "messages": "conversations",
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+}
 
 
 def _messages(user: str, answer: str | None, history: bool, tags: dict | None = None) -> list[dict]:
-    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-            **(tags or {})}
+    tags = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        **(tags or {}),
+    }
     role, content, usr, asst = (tags[k] for k in ("role_tag", "content_tag", "user_tag", "assistant_tag"))
     out = [{role: "system", content: SYSTEM}]
     if history:
@@ -54,19 +64,30 @@ def _formats(user, chosen, rejected, images, history=True) -> dict[str, tuple[di
     return {
         "mllm": ({"messages": _messages(user, chosen, history), "rejected": rejected, "images": images}, {}),
         "mllm_message": (
-            {"messages": _messages(user, chosen, history), "rejected": {"role": "assistant", "content": rejected},
-             "images": images},
+            {
+                "messages": _messages(user, chosen, history),
+                "rejected": {"role": "assistant", "content": rejected},
+                "images": images,
+            },
             {},
         ),
         "swift": ({"messages": _messages(user, chosen, history), "rejected_response": rejected, "images": images}, {}),
         "sharegpt": (
-            {"conversations": _messages(user, None, history, sharegpt_user), "chosen": {"from": "gpt", "value": chosen},
-             "rejected": {"from": "gpt", "value": rejected}, "images": images},
+            {
+                "conversations": _messages(user, None, history, sharegpt_user),
+                "chosen": {"from": "gpt", "value": chosen},
+                "rejected": {"from": "gpt", "value": rejected},
+                "images": images,
+            },
             SHAREGPT,
         ),
         "sharegpt_strings": (
-            {"conversations": _messages(user, None, history, sharegpt_user), "chosen": chosen, "rejected": rejected,
-             "images": images},
+            {
+                "conversations": _messages(user, None, history, sharegpt_user),
+                "chosen": chosen,
+                "rejected": rejected,
+                "images": images,
+            },
             SHAREGPT,
         ),
     }
@@ -79,21 +100,33 @@ def _sft_row(user, answer, images, history=True) -> dict:
 def test_every_format_parses_to_the_same_pair():
     for user, chosen, rejected, _ in PAIRS:
         images = [f"x{i}.png" for i in range(user.count("<image>"))]
-        pairs = [parse_pair(row, AttrConfig(ranking=True, **attr)) for row, attr in _formats(user, chosen, rejected, images).values()]
+        pairs = [
+            parse_pair(row, AttrConfig(ranking=True, **attr))
+            for row, attr in _formats(user, chosen, rejected, images).values()
+        ]
         assert all(p == pairs[0] for p in pairs) and isinstance(pairs[0], Pair)
         assert pairs[0].rejected == rejected and pairs[0].conversation.turns[-1] == (user, chosen)
         assert pairs[0].conversation.turns[0] == HISTORY and pairs[0].conversation.system == SYSTEM
         assert pairs[0].conversation.images == images
     # alpaca: instruction + "\n" + input is the user turn; no history, no system
     alpaca = AttrConfig(ranking=True, formatting="alpaca")
-    row = {"instruction": "<image>What shape", "input": "and colour is this?", "chosen": "a red circle",
-           "rejected": "a blue circle", "images": ["x.png"]}
+    row = {
+        "instruction": "<image>What shape",
+        "input": "and colour is this?",
+        "chosen": "a red circle",
+        "rejected": "a blue circle",
+        "images": ["x.png"],
+    }
     pair = parse_pair(row, alpaca)
     assert pair.conversation.turns == [("<image>What shape\nand colour is this?", "a red circle")]
     assert pair.rejected == "a blue circle" and pair.conversation.images == ["x.png"]
     sharegpt = parse_pair(
-        {"conversations": [{"from": "human", "value": "<image>What shape\nand colour is this?"}],
-         "chosen": "a red circle", "rejected": "a blue circle", "images": ["x.png"]},
+        {
+            "conversations": [{"from": "human", "value": "<image>What shape\nand colour is this?"}],
+            "chosen": "a red circle",
+            "rejected": "a blue circle",
+            "images": ["x.png"],
+        },
         AttrConfig(ranking=True, **SHAREGPT),
     )
     assert sharegpt == pair
@@ -105,11 +138,31 @@ def test_every_format_parses_to_the_same_pair():
         ({"messages": [{"role": "user", "content": "q"}], "rejected": "r"}, "missing_chosen"),
         ({"messages": [{"role": "user", "content": "q"}], "chosen": "  ", "rejected": "r"}, "missing_chosen"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "missing_rejected"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "rejected": ""}, "missing_rejected"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "rejected": "a"}, "identical_pair"),
-        ({"messages": [{"role": "user", "content": "q"}], "chosen": {"role": "user", "content": "a"}, "rejected": "r"}, "wrong_role_order"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "rejected": ""},
+            "missing_rejected",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "rejected": "a"},
+            "identical_pair",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}],
+                "chosen": {"role": "user", "content": "a"},
+                "rejected": "r",
+            },
+            "wrong_role_order",
+        ),
         ({"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "<image>"}, "image_in_wrong_turn"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "chosen": "b", "rejected": "r"}, "bad_content"),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": "b",
+                "rejected": "r",
+            },
+            "bad_content",
+        ),
         ({"messages": []}, "empty_conversation"),
     ],
 )
@@ -124,7 +177,9 @@ def test_bad_pair_reasons(row, reason):
 def _pair_images(tmp_path, h) -> list[list[str]]:
     out = []
     for i, (_, _, _, sizes) in enumerate(PAIRS):
-        out.append([h.write_image(tmp_path / f"p{i}_{k}.png", w, hh, seed=10 * i + k) for k, (w, hh) in enumerate(sizes)])
+        out.append(
+            [h.write_image(tmp_path / f"p{i}_{k}.png", w, hh, seed=10 * i + k) for k, (w, hh) in enumerate(sizes)]
+        )
     return out
 
 
@@ -141,7 +196,12 @@ def test_pair_sequences_are_the_sft_encodings(template, option, request, tmp_pat
     images = _pair_images(tmp_path, h)
     for history in (False, True):
         for attr_name in ("mllm", "sharegpt"):
-            cfg = h.data_config(processor.name_or_path, tmp_path, preprocess=pp, attr={"ranking": True, **_formats(*PAIRS[0][:3], [])[attr_name][1]})
+            cfg = h.data_config(
+                processor.name_or_path,
+                tmp_path,
+                preprocess=pp,
+                attr={"ranking": True, **_formats(*PAIRS[0][:3], [])[attr_name][1]},
+            )
             encoder = SampleEncoder(cfg, processor)
             for (user, chosen, rejected, _), paths in zip(PAIRS, images):
                 row = _formats(user, chosen, rejected, paths, history)[attr_name][0]
@@ -166,8 +226,9 @@ def _pair_cfg(h, processor, tmp_path, name, **sections):
     basic = {"dataset": name, **sections.pop("basic", {})}
     loader = {"collate_param": {"model_name": COLLATOR[sections.pop("fixture")]}, **sections.pop("loader", {})}
     pp = {"template": sections.pop("template"), **sections.pop("preprocess", {})}
-    return h.data_config(processor.name_or_path, tmp_path, preprocess=pp, basic=basic, loader=loader,
-                         attr={"ranking": True})
+    return h.data_config(
+        processor.name_or_path, tmp_path, preprocess=pp, basic=basic, loader=loader, attr={"ranking": True}
+    )
 
 
 @pytest.mark.parametrize("template", ["qwen3_vl", "mistral"])
@@ -181,8 +242,9 @@ def test_the_cached_dataset_serves_each_pair_once_with_both_sequences(template, 
     assert dataset.is_preference and len(dataset) == len(PAIRS)
     sft_rows = [_sft_row(u, a, p) for (u, c, r, _), p in zip(PAIRS, images) for a in (c, r)]
     h.write_jsonl(tmp_path / "sft.jsonl", sft_rows)
-    sft_cfg = h.data_config(processor.name_or_path, tmp_path, preprocess={"template": template},
-                            basic={"dataset": "sft.jsonl"})
+    sft_cfg = h.data_config(
+        processor.name_or_path, tmp_path, preprocess={"template": template}, basic={"dataset": "sft.jsonl"}
+    )
     sft = build_dataset(sft_cfg, processor)
     assert not sft.is_preference
     for i in range(len(dataset)):
@@ -209,15 +271,31 @@ def test_bad_pairs_are_counted_and_strict_names_file_row_reason(qwen_processor, 
         {"messages": _messages("q", "a", False), "rejected": long_answer},  # rejected over cutoff_len
     ]
     name = _write_pairs(tmp_path, h, images, extra=extra)
-    cfg = _pair_cfg(h, qwen_processor, tmp_path, name, fixture="qwen_processor", template="qwen3_vl",
-                    preprocess={"cutoff_len": 200})
+    cfg = _pair_cfg(
+        h, qwen_processor, tmp_path, name, fixture="qwen_processor", template="qwen3_vl", preprocess={"cutoff_len": 200}
+    )
     dataset = build_dataset(cfg, qwen_processor)
     assert len(dataset) == len(PAIRS) and dataset.num_rows == len(PAIRS) + 4
-    assert dataset.bad_row_counts == {"missing_chosen": 1, "missing_rejected": 1, "identical_pair": 1, "pair_too_long": 1}
+    assert dataset.bad_row_counts == {
+        "missing_chosen": 1,
+        "missing_rejected": 1,
+        "identical_pair": 1,
+        "pair_too_long": 1,
+    }
     assert int(max(dataset.lengths)) <= 2 * 200
-    strict = _pair_cfg(h, qwen_processor, tmp_path, name, fixture="qwen_processor", template="qwen3_vl",
-                       preprocess={"cutoff_len": 200}, basic={"strict": True})
-    with pytest.raises(DataError, match=rf"{name} row {len(PAIRS)}: missing_chosen: column 'chosen' is missing \(strict"):
+    strict = _pair_cfg(
+        h,
+        qwen_processor,
+        tmp_path,
+        name,
+        fixture="qwen_processor",
+        template="qwen3_vl",
+        preprocess={"cutoff_len": 200},
+        basic={"strict": True},
+    )
+    with pytest.raises(
+        DataError, match=rf"{name} row {len(PAIRS)}: missing_chosen: column 'chosen' is missing \(strict"
+    ):
         build_dataset(strict, qwen_processor)
 
 
@@ -254,8 +332,8 @@ def _check_batch(batch, dataset, sample_multiple=1) -> int:
         flat_labels = batch["labels"].reshape(-1)
         cu = batch["cu_seq_lens"].tolist()
         for k, w in enumerate(want):
-            seg = flat_labels[cu[k]:cu[k + 1]]
-            assert torch.equal(seg[: len(w["labels"])], w["labels"]) and bool((seg[len(w["labels"]):] == -100).all())
+            seg = flat_labels[cu[k] : cu[k + 1]]
+            assert torch.equal(seg[: len(w["labels"])], w["labels"]) and bool((seg[len(w["labels"]) :] == -100).all())
     else:
         for k, w in enumerate(want):
             assert torch.equal(batch["labels"][k][: len(w["labels"])], w["labels"])
@@ -264,7 +342,9 @@ def _check_batch(batch, dataset, sample_multiple=1) -> int:
         assert torch.equal(batch["pixel_values"], torch.cat([w["pixel_values"] for w in with_pixels]))
         assert torch.equal(batch["image_grid_thw"], torch.cat([w["image_grid_thw"] for w in with_pixels]))
     elif "image_sizes" in batch:  # pixtral: one image per placeholder, in sequence order
-        assert torch.equal(batch["image_sizes"], torch.cat([torch.as_tensor(w["image_sizes"]).reshape(-1, 2) for w in with_pixels]))
+        assert torch.equal(
+            batch["image_sizes"], torch.cat([torch.as_tensor(w["image_sizes"]).reshape(-1, 2) for w in with_pixels])
+        )
         assert batch["pixel_values"].shape[0] == sum(len(w["pixel_values"]) for w in with_pixels)
     else:
         assert not with_pixels
@@ -292,8 +372,16 @@ def test_batches_keep_the_pair_order_pair_index_and_pixels_per_sequence(template
     multiple = 4 if layout == "packing" else 1
     seen = []
     for rank in range(2):
-        loader = build_dataloader(dataset, cfg, micro_batch_size=2, dp_rank=rank, dp_size=2, seed=3,
-                                  sample_multiple=multiple, pad_to_multiple_of=multiple)
+        loader = build_dataloader(
+            dataset,
+            cfg,
+            micro_batch_size=2,
+            dp_rank=rank,
+            dp_size=2,
+            seed=3,
+            sample_multiple=multiple,
+            pad_to_multiple_of=multiple,
+        )
         for _ in range(loader.batches_per_epoch):
             batch = next(loader)
             assert ("cu_seq_lens" in batch) == (layout != "padded")
@@ -327,14 +415,22 @@ def test_pair_collator_packs_several_rows_with_sample_multiple(qwen_processor, t
 def test_token_budget_and_balance_plan_whole_pairs_and_resume(qwen_processor, tmp_path, h):
     images = _pair_images(tmp_path, h)
     name = _write_pairs(tmp_path, h, images)
-    cfg = _pair_cfg(h, qwen_processor, tmp_path, name, fixture="qwen_processor", template="qwen3_vl",
-                    loader={"balance": True, "padding_free": True, "drop_last": False})
+    cfg = _pair_cfg(
+        h,
+        qwen_processor,
+        tmp_path,
+        name,
+        fixture="qwen_processor",
+        template="qwen3_vl",
+        loader={"balance": True, "padding_free": True, "drop_last": False},
+    )
     dataset = build_dataset(cfg, qwen_processor)
     budget = int(dataset.lengths.max())  # one pair's both sequences fit; two of the longest do not
     seen = []
     for rank in range(2):
-        loader = build_dataloader(dataset, cfg, micro_batch_size=2, dp_rank=rank, dp_size=2, seed=1,
-                                  micro_batch_tokens=budget)
+        loader = build_dataloader(
+            dataset, cfg, micro_batch_size=2, dp_rank=rank, dp_size=2, seed=1, micro_batch_tokens=budget
+        )
         assert loader.stats.tokens.tolist() == dataset.lengths.tolist()
         batches = loader.next_step(1)
         for batch in batches:
@@ -346,8 +442,9 @@ def test_token_budget_and_balance_plan_whole_pairs_and_resume(qwen_processor, tm
             if bool((batch["labels"] != -100).any()):
                 seen += trained_pairs
         state = loader.state_dict()
-        again = build_dataloader(dataset, cfg, micro_batch_size=2, dp_rank=rank, dp_size=2, seed=1,
-                                 micro_batch_tokens=budget)
+        again = build_dataloader(
+            dataset, cfg, micro_batch_size=2, dp_rank=rank, dp_size=2, seed=1, micro_batch_tokens=budget
+        )
         again.load_state_dict(state)
         want = [b["pair_index"].tolist() for b in loader.next_step(1)]
         assert [b["pair_index"].tolist() for b in again.next_step(1)] == want
@@ -395,7 +492,11 @@ def test_cli_inspect_and_stats_show_pairs(qwen_dir, tmp_path, h, capsys):
             "dataset_param": {
                 "attr": {"ranking": True},
                 "preprocess_parameters": {"model_name_or_path": str(qwen_dir), "template": "qwen3_vl_nothink"},
-                "basic_parameters": {"dataset_dir": str(tmp_path), "dataset": name, "cache_dir": str(tmp_path / "cache")},
+                "basic_parameters": {
+                    "dataset_dir": str(tmp_path),
+                    "dataset": name,
+                    "cache_dir": str(tmp_path / "cache"),
+                },
             },
             "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "qwen3_vl"}},
         },
@@ -408,11 +509,32 @@ def test_cli_inspect_and_stats_show_pairs(qwen_dir, tmp_path, h, capsys):
     assert "⟦a red circle<|im_end|>⟧" in out and "⟦a blue circle<|im_end|>⟧" in out
     assert main(["inspect", str(path), "--index", "0", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["pair"] and shown["rejected_input_ids"][: shown["prompt_length"]] == shown["input_ids"][: shown["prompt_length"]]
+    assert (
+        shown["pair"]
+        and shown["rejected_input_ids"][: shown["prompt_length"]] == shown["input_ids"][: shown["prompt_length"]]
+    )
     assert main(["stats", str(path), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["pairs"] and stats["num_samples"] == 5 and stats["num_rows"] == 6
     assert stats["bad_rows"] == {"identical_pair": 1}
     assert main(["stats", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "5 pairs (train) of 6 rows" in out and "bad pairs skipped: 1 (identical_pair=1)" in out
+    assert "5 pairs (train): 3 with images" in out and "bad pairs skipped: 1 of 6 rows (identical_pair=1)" in out
+
+
+def test_alpaca_rows_for_sft():
+    from mmfsdp.data import parse_row
+
+    attr = AttrConfig(formatting="alpaca", system="system")
+    conversation = parse_row(
+        {
+            "instruction": "<image>Name it",
+            "input": "",
+            "output": "a circle",
+            "system": "Be brief.",
+            "images": ["x.png"],
+        },
+        attr,
+    )
+    assert conversation.turns == [("<image>Name it", "a circle")] and conversation.system == "Be brief."
+    assert conversation.images == ["x.png"]

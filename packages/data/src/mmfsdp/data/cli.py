@@ -216,11 +216,12 @@ def _stats(args: argparse.Namespace) -> int:
     unit = "pair" if dataset.is_preference else "sample"
     bad = dataset.num_rows - stats["num_samples"]
     print(
-        f"{stats['num_samples']} {unit}s ({args.split}) of {dataset.num_rows} rows: {stats['with_images']} with images, "
+        f"{stats['num_samples']} {unit}s ({args.split}): {stats['with_images']} with images, "
         f"{stats['with_videos']} with videos; cutoff_len {dataset.encoder.cutoff_len}"
     )
     if bad:
-        print(f"bad {'pairs' if dataset.is_preference else 'rows'} skipped: {bad} ({format_counts(dataset.bad_row_counts)})")
+        what = "pairs" if dataset.is_preference else "rows"
+        print(f"bad {what} skipped: {bad} of {dataset.num_rows} rows ({format_counts(dataset.bad_row_counts)})")
     if dataset.is_preference:
         print("per pair: vision tokens of the prompt (each of its two sequences holds them); tokens of both sequences")
     print(f"vision tokens per {unit}: {fmt(stats['vision_tokens'])}")

@@ -81,7 +81,8 @@ class AttrConfig:
     }
 
     def __post_init__(self) -> None:
-        for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag", "chosen", "rejected", "prompt", "query", "response"):
+        columns = ("chosen", "rejected", "prompt", "query", "response")
+        for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag", *columns):
             if not getattr(self, key):
                 raise ConfigError(key, "must be a non-empty string")
         if self.user_tag == self.assistant_tag or self.system_tag in (self.user_tag, self.assistant_tag):
@@ -259,7 +260,8 @@ class DatasetParamConfig:
     """The dataset and its preprocessing (YAML `data.dataset_param:`)."""
 
     dataset_type: str = "huggingface"
-    """Dataset source (registry: huggingface = JSON/JSONL files read with HF datasets; synthetic_shapes = generated)."""
+    """Dataset source (registry: huggingface = JSON/JSONL files read with HF datasets; synthetic_shapes = generated;
+    synthetic_shapes_pairs = generated preference pairs, with `attr.ranking: true`)."""
     attr: AttrConfig = field(default_factory=AttrConfig)
     """Column and role names of the rows."""
     preprocess_parameters: PreprocessParametersConfig = field(default_factory=PreprocessParametersConfig)

@@ -14,7 +14,9 @@ from typing import Any
 from mmfsdp.data.config import AttrConfig
 from mmfsdp.data.errors import BadSample
 
-__all__ = ["IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "parse_pair", "parse_row"]
+__all__ = [
+    "IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "parse_pair", "parse_row",
+]
 
 IMAGE_PLACEHOLDER = "<image>"
 """Marks where an image goes in a user message; the i-th placeholder is the row's i-th image."""
@@ -102,7 +104,7 @@ def parse_pair(row: dict[str, Any], attr: AttrConfig) -> Pair:
     else:
         messages = row.get(attr.messages)
         if not isinstance(messages, list) or not messages:
-            return Pair(parse_row(row, attr), "")  # raises the conversation's own reason
+            parse_row(row, attr)  # raises the conversation's own reason (missing, empty or not a list)
     last = messages[-1]
     if isinstance(last, dict) and last.get(attr.role_tag) == attr.assistant_tag:
         if row.get(attr.chosen) is not None:
@@ -117,7 +119,8 @@ def parse_pair(row: dict[str, Any], attr: AttrConfig) -> Pair:
         raise BadSample("identical_pair", f"the chosen and the rejected answer are the same: {chosen!r:.80}")
     for placeholder, kind in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video")):
         if placeholder in rejected:
-            raise BadSample(f"{kind}_in_wrong_turn", f"the rejected answer contains {placeholder}; {kind}s belong to user turns")
+            detail = f"the rejected answer contains {placeholder}; {kind}s belong to user turns"
+            raise BadSample(f"{kind}_in_wrong_turn", detail)
     conversation = _parse_messages([*messages, {**assistant, attr.content_tag: chosen}], row, attr)
     return Pair(conversation, rejected)
 

@@ -192,7 +192,9 @@ def _synthetic_pair_files(data_cfg: DataConfig, split: str) -> list[Path]:
 
 def _check_ranking(data_cfg: DataConfig) -> None:
     if not data_cfg.dataset_param.attr.ranking:
-        raise ConfigError(f"{_KEY}.attr.ranking", "must be true for dataset_type synthetic_shapes_pairs (preference rows)")
+        raise ConfigError(
+            f"{_KEY}.attr.ranking", "must be true for dataset_type synthetic_shapes_pairs (it writes preference rows)"
+        )
 
 
 register_dataset_type(DatasetType("synthetic_shapes", _prepare_synthetic, _synthetic_files))
@@ -485,8 +487,10 @@ class SampleEncoder:
             for key, value in sample.items():
                 out[key].append(value)
             # a pair's length is both sequences': what batching, packing and the token budget plan with
-            rejected_length = sample["prompt_length"] + len(sample["rejected_ids"]) if self.ranking and not bad_reason else 0
-            out["length"].append(len(sample["input_ids"]) + rejected_length)
+            length = len(sample["input_ids"])
+            if self.ranking and not bad_reason:
+                length += sample["prompt_length"] + len(sample["rejected_ids"])
+            out["length"].append(length)
             out["bad_reason"].append(bad_reason)
             out["bad_detail"].append(bad_detail)
         return out

@@ -64,7 +64,9 @@ BAD_REASON_ADVICE = {
         "check dataset_param.attr.chosen (the column of the chosen answer) and that each pair's messages end with "
         "the user turn or with the chosen answer"
     ),
-    "missing_rejected": "check dataset_param.attr.rejected (the column of the rejected answer; ms-swift: rejected_response)",
+    "missing_rejected": (
+        "check dataset_param.attr.rejected (the column of the rejected answer; ms-swift: rejected_response)"
+    ),
     "identical_pair": "remove pairs whose chosen and rejected answers are the same: they teach nothing",
     "image_count_mismatch": (
         "check dataset_param.attr.images (the column holding the image paths) "
