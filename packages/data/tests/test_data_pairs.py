@@ -187,7 +187,7 @@ FAMILIES = {"qwen3_vl": "qwen_processor", "qwen3_vl_nothink": "qwen_processor", 
 COLLATOR = {"qwen_processor": "qwen3_vl", "tekken_processor": "pixtral"}
 
 
-@pytest.mark.parametrize("option", [{}, {"train_on_prompt": True}, {"mask_history": True}])
+@pytest.mark.parametrize("option", [{}, {"train_on_prompt": True}, {"mask_history": True}, {"enable_thinking": False}])
 @pytest.mark.parametrize("template", list(FAMILIES))
 def test_pair_sequences_are_the_sft_encodings(template, option, request, tmp_path, h):
     processor = request.getfixturevalue(FAMILIES[template])
@@ -334,6 +334,10 @@ def _check_batch(batch, dataset, sample_multiple=1) -> int:
         for k, w in enumerate(want):
             seg = flat_labels[cu[k] : cu[k + 1]]
             assert torch.equal(seg[: len(w["labels"])], w["labels"]) and bool((seg[len(w["labels"]) :] == -100).all())
+        if "position_ids" in batch:  # pixtral: positions restart at every segment, padding included
+            flat_positions = batch["position_ids"].reshape(-1)
+            for a, b in zip(cu[:-1], cu[1:]):
+                assert torch.equal(flat_positions[a:b], torch.arange(b - a))
     else:
         for k, w in enumerate(want):
             assert torch.equal(batch["labels"][k][: len(w["labels"])], w["labels"])
@@ -538,3 +542,13 @@ def test_alpaca_rows_for_sft():
     )
     assert conversation.turns == [("<image>Name it", "a circle")] and conversation.system == "Be brief."
     assert conversation.images == ["x.png"]
+
+
+def test_a_filler_pair_trains_nothing_in_either_sequence():
+    from mmfsdp.data.loader import _masked
+
+    ids = torch.arange(5)
+    pair = {"chosen": {"input_ids": ids, "labels": ids}, "rejected": {"input_ids": ids, "labels": ids}, "pair_index": 3}
+    masked = _masked(pair)
+    assert masked["pair_index"] == 3 and torch.equal(masked["chosen"]["input_ids"], ids)
+    assert all(bool((masked[key]["labels"] == -100).all()) for key in ("chosen", "rejected"))

@@ -228,7 +228,8 @@ class BasicParametersConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyntheticConfig:
-    """Generated coloured-shapes data for `dataset_type: synthetic_shapes` (YAML `data.dataset_param.synthetic:`)."""
+    """Generated coloured-shapes data for `dataset_type: synthetic_shapes` and `synthetic_shapes_pairs` (YAML
+    `data.dataset_param.synthetic:`)."""
 
     num_train: int = 512
     """Training samples to generate."""
@@ -269,7 +270,7 @@ class DatasetParamConfig:
     basic_parameters: BasicParametersConfig = field(default_factory=BasicParametersConfig)
     """Files, cache, order, packing and bad-row handling."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    """Generator settings, used only by `dataset_type: synthetic_shapes`."""
+    """Generator settings, used only by `dataset_type: synthetic_shapes` and `synthetic_shapes_pairs`."""
 
 
 @dataclass(kw_only=True, slots=True)
