@@ -2,7 +2,9 @@
 
 Rows are role-tagged message lists; `AttrConfig` names the columns and role values,
 so the mllm format (`messages` / `role` / `content`) and sharegpt
-(`conversations` / `from` / `value`) are the same code. Every structural problem
+(`conversations` / `from` / `value`) are the same code; an alpaca row (`formatting: alpaca`) becomes the same
+one-turn message list. With `attr.ranking: true` a row is a preference `Pair` (`parse_pair`: the conversation with
+the chosen answer, and the rejected answer). Every structural problem
 raises `BadSample` with its reason; image files are checked later by the plugin.
 """
 

@@ -21,7 +21,9 @@ The flow for one file:
 3. *`SFTDataset`* — the good rows; `dataset[i]` decodes and processes that sample's
    images and videos (the only pixel work, done lazily in DataLoader workers) and returns
    `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
-   `pixel_values`, a list of `[3, h, w]`, and `image_sizes`).
+   `pixel_values`, a list of `[3, h, w]`, and `image_sizes`). With `attr.ranking: true` a row is a preference
+   pair, encoded with its prompt tokenized once (`SampleEncoder.encode_pair`), and the dataset is a
+   `PreferenceDataset`, whose item is the pair's two sequences (docs/data.md, "Preference data").
 
 `prepare_dataset(data_cfg)` does the work that needs no tokenizer (generating
 synthetic data, step 1) and is safe to run on every rank at once before process
