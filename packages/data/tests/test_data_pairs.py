@@ -552,3 +552,54 @@ def test_a_filler_pair_trains_nothing_in_either_sequence():
     masked = _masked(pair)
     assert masked["pair_index"] == 3 and torch.equal(masked["chosen"]["input_ids"], ids)
     assert all(bool((masked[key]["labels"] == -100).all()) for key in ("chosen", "rejected"))
+
+
+def test_video_pairs_carry_the_video_once_per_sequence(qwen_dir, tmp_path, h):
+    """A pair with a video and an image (Qwen3-VL processor files): each sequence is the SFT sample, and a padded
+    batch holds the pair's video patches twice, chosen's then rejected's."""
+    import shutil
+    from pathlib import Path
+
+    from mmfsdp.data import build_processor
+    from mmfsdp.data.collators import PairCollator
+    from mmfsdp.data.families.qwen3_vl.collator import Qwen3VLCollator
+
+    model_dir = tmp_path / "qwen3_vl_model"
+    shutil.copytree(qwen_dir, model_dir)
+    for file in (Path(__file__).parent / "data" / "qwen3_vl_processor").iterdir():
+        shutil.copy(file, model_dir / file.name)
+    h.write_video(tmp_path / "a.mp4", 12, 48, 32, fps=8)
+    h.write_image(tmp_path / "b.png", 40, 70)
+    pp = {"template": "qwen3_vl_nothink"}
+    processor = build_processor(h.data_config(model_dir, tmp_path, preprocess=pp))
+    messages = [{"role": "user", "content": "<video><image>What moves?"}, {"role": "assistant", "content": "A square."}]
+    h.write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"messages": messages, "rejected": "Nothing.", "images": ["b.png"], "videos": ["a.mp4"]}],
+    )
+    sft_rows = [
+        {"messages": [messages[0], {"role": "assistant", "content": a}], "images": ["b.png"], "videos": ["a.mp4"]}
+        for a in ("A square.", "Nothing.")
+    ]
+    h.write_jsonl(tmp_path / "sft.jsonl", sft_rows)
+    attr = {"videos": "videos"}
+    pairs = build_dataset(
+        h.data_config(
+            model_dir, tmp_path, preprocess=pp, basic={"dataset": "pairs.jsonl"}, attr={**attr, "ranking": True}
+        ),
+        processor,
+    )
+    sft = build_dataset(
+        h.data_config(model_dir, tmp_path, preprocess=pp, basic={"dataset": "sft.jsonl"}, attr=attr), processor
+    )
+    assert pairs.media_kinds() == {"image", "video"} and len(pairs) == 1
+    item = pairs[0]
+    for k, key in enumerate(("chosen", "rejected")):
+        want = sft[k]
+        assert item[key].keys() == want.keys() and {"pixel_values_videos", "video_grid_thw"} <= set(want)
+        assert all(_same(item[key][name], value) for name, value in want.items())
+    batch = PairCollator(Qwen3VLCollator(pad_token_id=processor.pad_token_id))([[item]])
+    assert torch.equal(batch["pixel_values_videos"], torch.cat([sft[0]["pixel_values_videos"]] * 2))
+    assert torch.equal(batch["video_grid_thw"], torch.cat([sft[0]["video_grid_thw"]] * 2))
+    assert batch["pair_index"].tolist() == [0]
+    _check_batch(batch, pairs)
