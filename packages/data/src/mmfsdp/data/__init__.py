@@ -11,13 +11,17 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
    batches (the batch contract: docs/data.md, "Batches").
 
-Each of templates, image plugins, collators and dataset types (`huggingface`, `synthetic_shapes`) is a registry
+With `attr.ranking: true` the dataset is a `PreferenceDataset` (an item is a chosen/rejected pair) and the loader
+collates pairs with `PairCollator` (docs/data.md, "Preference data").
+
+Each of templates, image plugins, collators and dataset types (`huggingface`, `synthetic_shapes`,
+`synthetic_shapes_pairs`) is a registry
 keyed by the name written in YAML. A family's template(s), plugin and collator live in its folder under
 `mmfsdp.data.families` and register through the `mmfsdp.data_families` entry points, loaded on the first lookup.
 See docs/data.md.
 """
 
-from mmfsdp.data.collators import Collator, get_collator, register_collator
+from mmfsdp.data.collators import PAIR_KEYS, Collator, PairCollator, get_collator, register_collator
 from mmfsdp.data.config import (
     AttrConfig,
     BasicParametersConfig,
@@ -28,8 +32,18 @@ from mmfsdp.data.config import (
     PreprocessParametersConfig,
     SyntheticConfig,
 )
-from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, parse_row
-from mmfsdp.data.dataset import DatasetType, SampleEncoder, SFTDataset, build_dataset, dataset_files, has_eval_data, prepare_dataset, register_dataset_type
+from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, Pair, parse_pair, parse_row
+from mmfsdp.data.dataset import (
+    DatasetType,
+    PreferenceDataset,
+    SampleEncoder,
+    SFTDataset,
+    build_dataset,
+    dataset_files,
+    has_eval_data,
+    prepare_dataset,
+    register_dataset_type,
+)
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
 from mmfsdp.data.plugins import ImagePlugin, MediaSetting, VideoPlugin, get_plugin, register_plugin
@@ -61,6 +75,10 @@ __all__ = [
     "decode_frames",
     "read_video_info",
     "MMProcessor",
+    "PAIR_KEYS",
+    "Pair",
+    "PairCollator",
+    "PreferenceDataset",
     "PreprocessParametersConfig",
     "SFTDataset",
     "SampleEncoder",
@@ -78,6 +96,7 @@ __all__ = [
     "get_plugin",
     "get_template",
     "pack_rows",
+    "parse_pair",
     "parse_row",
     "plan_epoch",
     "prepare_dataset",

@@ -21,6 +21,8 @@ import numpy as np
 
 from mmfsdp.config import ConfigError, build, get_logger, load_translated
 
+from mmfsdp.data.errors import format_counts
+
 __all__ = ["main", "vision_token_stats"]
 
 TRAIN_OPEN, TRAIN_CLOSE = "⟦", "⟧"
@@ -206,22 +208,30 @@ def _stats(args: argparse.Namespace) -> int:
         raise ConfigError("--top", f"must be >= 0, got {args.top}")
     dataset = _dataset(args)
     stats = vision_token_stats(dataset, args.top)
+    rows = {"pairs": dataset.is_preference, "num_rows": dataset.num_rows, "bad_rows": dataset.bad_row_counts}
     if args.json:
-        print(json.dumps({"split": args.split, **stats}))
+        print(json.dumps({"split": args.split, **stats, **rows}))
         return 0
     fmt = lambda d: ", ".join(f"{k} {v:g}" for k, v in d.items()) or "none"  # noqa: E731
+    unit = "pair" if dataset.is_preference else "sample"
+    bad = dataset.num_rows - stats["num_samples"]
     print(
-        f"{stats['num_samples']} samples ({args.split}): {stats['with_images']} with images, "
+        f"{stats['num_samples']} {unit}s ({args.split}): {stats['with_images']} with images, "
         f"{stats['with_videos']} with videos; cutoff_len {dataset.encoder.cutoff_len}"
     )
-    print(f"vision tokens per sample: {fmt(stats['vision_tokens'])}")
-    print(f"video tokens per sample:  {fmt(stats['video_tokens'])}")
-    print(f"tokens per sample:        {fmt(stats['num_tokens'])}")
+    if bad:
+        what = "pairs" if dataset.is_preference else "rows"
+        print(f"bad {what} skipped: {bad} of {dataset.num_rows} rows ({format_counts(dataset.bad_row_counts)})")
+    if dataset.is_preference:
+        print("per pair: vision tokens of the prompt (each of its two sequences holds them); tokens of both sequences")
+    print(f"vision tokens per {unit}: {fmt(stats['vision_tokens'])}")
+    print(f"video tokens per {unit}:  {fmt(stats['video_tokens'])}")
+    print(f"tokens per {unit}:        {fmt(stats['num_tokens'])}")
     if stats["worst"]:
         print(f"most vision tokens (top {len(stats['worst'])}):")
     for w in stats["worst"]:
         print(
-            f"  sample {w['index']}: {w['source']} row {w['row']}: {w['vision_tokens']} vision tokens "
+            f"  {unit} {w['index']}: {w['source']} row {w['row']}: {w['vision_tokens']} vision tokens "
             f"({w['images']} images: {w['image_tokens']}, {w['videos']} videos: {w['video_tokens']}) "
             f"of {w['num_tokens']}"
         )
@@ -237,6 +247,12 @@ def _inspect(args: argparse.Namespace) -> int:
     item = dataset[index]
     source, row = dataset.location(index)
     ids, labels = list(record["input_ids"]), list(record["labels"])
+    sequences = {"": (ids, labels)}
+    if dataset.is_preference:
+        prompt = record["prompt_length"]
+        rejected = (ids[:prompt] + list(record["rejected_ids"]), labels[:prompt] + list(record["rejected_labels"]))
+        sequences = {"chosen": (ids, labels), "rejected": rejected}
+        item = item.get("chosen", item)
     image_sizes = item["image_sizes"].tolist() if "image_sizes" in item else []
     plugin = dataset.encoder.plugin
     if args.json:
@@ -249,6 +265,11 @@ def _inspect(args: argparse.Namespace) -> int:
                     "num_tokens": len(ids),
                     "input_ids": ids,
                     "labels": labels,
+                    **(
+                        {"pair": True, "rejected_input_ids": sequences["rejected"][0],
+                         "rejected_labels": sequences["rejected"][1], "prompt_length": record["prompt_length"]}
+                        if dataset.is_preference else {}
+                    ),
                     "image_sizes": image_sizes,
                     "image_grids": record["image_grids"],
                     "images": record["images"],
@@ -261,9 +282,12 @@ def _inspect(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    trained = sum(1 for t in labels if t != -100)
-    print(f"sample {index} of {len(dataset)} ({args.split}): {source} row {row}")
-    print(f"tokens: {len(ids)} (trained: {trained}, cutoff_len: {dataset.encoder.cutoff_len})")
+    unit = "pair" if dataset.is_preference else "sample"
+    print(f"{unit} {index} of {len(dataset)} ({args.split}): {source} row {row}")
+    for name, (seq_ids, seq_labels) in sequences.items():
+        trained = sum(1 for t in seq_labels if t != -100)
+        what = f"{name} tokens" if name else "tokens"
+        print(f"{what}: {len(seq_ids)} (trained: {trained}, cutoff_len: {dataset.encoder.cutoff_len})")
     if "bad_reason" in item:
         print(f"media: cannot be loaded: {item['bad_reason']}: {item['bad_detail']}")
     grids = [tuple(g) for g in record["image_grids"]]
@@ -276,8 +300,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print("media settings (value, and where it came from):")
     for setting in plugin.media_settings():
         print(f"  {setting}")
-    print(f"text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
-    print(_render(ids, labels, dataset.processor, plugin, grids, video_grids))
+    for name, (seq_ids, seq_labels) in sequences.items():
+        print(f"{name + ' ' if name else ''}text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
+        print(_render(seq_ids, seq_labels, dataset.processor, plugin, grids, video_grids))
     return 0
 
 
