@@ -13,7 +13,20 @@ QWEN = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
 
 
 def _cfg(*overrides):
-    return load_config(str(QWEN), ["training.stage=dpo", *overrides])
+    return load_config(str(QWEN), ["training.stage=dpo", "data.dataset_param.attr.ranking=true", *overrides])
+
+
+def test_dpo_needs_pairs():
+    with pytest.raises(ConfigError) as err:
+        load_config(str(QWEN), ["training.stage=dpo"])
+    assert "data.dataset_param.attr.ranking" in str(err.value)
+
+
+def test_llamafactory_top_level_keys(tmp_path):
+    path = tmp_path / "lf.yaml"
+    path.write_text(QWEN.read_text() + "\nstage: dpo\npref_beta: 0.3\npref_loss: sigmoid\npref_ftx: 0.1\n")
+    cfg = load_config(str(path), ["data.dataset_param.attr.ranking=true"])
+    assert (cfg.training.stage, cfg.training.dpo.beta, cfg.training.dpo.rpo_alpha) == ("dpo", 0.3, 0.1)
 
 
 def test_llamafactory_and_trl_names_load_as_ours():

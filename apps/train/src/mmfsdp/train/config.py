@@ -324,6 +324,11 @@ class Config:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         # a LLaMA-Factory file's top-level keys
+        "stage": Alias("training.stage"),
+        "pref_beta": Alias("training.dpo.beta"),
+        "pref_loss": Alias("training.dpo.loss_type"),
+        "pref_ftx": Alias("training.dpo.rpo_alpha"),
+        "dpo_label_smoothing": Alias("training.dpo.label_smoothing"),
         "report_to": Alias("tools.report_to"),
         "logging_dir": Alias("tools.tensorboard_dir"),
         "run_name": Alias("tools.run_name"),
@@ -466,6 +471,18 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(
             "training.save_format",
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
+        )
+    ranking = cfg.data.dataset_param.attr.ranking
+    if t.stage == "dpo" and not ranking:
+        raise ConfigError(
+            "data.dataset_param.attr.ranking",
+            "training.stage: dpo trains on preference pairs: set ranking: true and give rows with a chosen and a "
+            "rejected answer (docs/preference.md lists the formats)",
+        )
+    if t.stage == "sft" and ranking:
+        warn_once(
+            "data.dataset_param.attr.ranking is true with training.stage: sft: the run trains on the rejected answers "
+            "too (for preference training set training.stage: dpo)", get_logger("mmfsdp.train"),
         )
     if t.stage == "dpo" and t.lora.enable and t.lora.pretrained_lora_path and not t.dpo.precompute_ref_logps:
         raise ConfigError(
