@@ -104,6 +104,13 @@ def _sequence_logps(model, inputs: dict[str, Any], seq: dict[str, Any]) -> torch
         return -model(**inputs, **seq).loss.detach().float()
 
 
+def pairs_with_targets(counts: torch.Tensor) -> torch.Tensor:
+    """bool `[P]` from the sequences' trained-token counts `[2P]`: the real pairs. A token-budget step pads its
+    micro-batches with filler pairs whose labels are all -100 (`pair_index`: the pair they copy); they count
+    nowhere."""
+    return (counts[0::2] + counts[1::2]) > 0
+
+
 class LoraReference:
     """The policy with its LoRA adapters off: the base model, without a second copy."""
 
@@ -190,12 +197,13 @@ class _PairTable:
         self.known = torch.zeros(num_pairs, dtype=torch.bool)
 
     def missing(self, pair_index: torch.Tensor) -> bool:
-        return not bool(self.known[pair_index.to(torch.int64)].all())
+        return not bool(self.known[pair_index.to(torch.int64)].all())  # a filler's pair is known once it is seen
 
-    def add(self, pair_index: torch.Tensor, logps: torch.Tensor) -> None:
-        index = pair_index.to(torch.int64)
+    def add(self, pair_index: torch.Tensor, logps: torch.Tensor, valid: torch.Tensor) -> None:
+        index = pair_index.to(torch.int64)[valid]
+        logps = logps.cpu().reshape(-1, 2)[valid]
         fresh = ~self.known[index]
-        self.table[index[fresh]] = logps.cpu().reshape(-1, 2)[fresh]
+        self.table[index[fresh]] = logps[fresh]
         self.known[index] = True
 
     def merged(self, dims, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,9 +260,11 @@ class PreferenceObjective:
         for mb in micro_batches:
             seq = self.sequences(mb, torch.device("cpu"))
             counts = segment_sum(seq["loss_weights"].reshape(-1), seq["sequence_ids"], seq["num_sequences"])
-            local += torch.tensor([seq["num_sequences"] // 2, float(counts[0::2].sum())], dtype=torch.float64)
+            valid = pairs_with_targets(counts)
+            local += torch.tensor([float(valid.sum()), float(counts[0::2].sum())], dtype=torch.float64)
             self._plans.append({"seq": {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in seq.items()},
-                                "counts": counts.to(self.device), "pair_index": mb["pair_index"]})
+                                "counts": counts.to(self.device), "valid": valid.to(self.device),
+                                "pair_index": mb["pair_index"]})
         reduced = local.to(self.device)
         if self.dims.dp_size > 1:
             dist.all_reduce(reduced, group=self.dims.dp_group)
@@ -269,7 +279,7 @@ class PreferenceObjective:
         loss, terms = pair_objective(
             out.loss, ref, plan["counts"], num_pairs_global=self._pairs_global,
             num_chosen_tokens_global=self._chosen_tokens_global, loss_type=self.dpo.loss_type, beta=self.dpo.beta,
-            label_smoothing=self.dpo.label_smoothing, rpo_alpha=self.dpo.rpo_alpha,
+            label_smoothing=self.dpo.label_smoothing, rpo_alpha=self.dpo.rpo_alpha, valid=plan["valid"],
         )
         self._stat_sums += terms.stats.sum(dim=1) / self._pairs_global.clamp(min=1.0)
         return out, loss * self.cp_share
@@ -280,6 +290,11 @@ class PreferenceObjective:
         if self.dims.dp_size > 1:
             reductions.append(dist.all_reduce(sums, group=self.dims.dp_group, async_op=True))
         return {name: sums[i] for i, name in enumerate(PAIR_STATS)}, reductions
+
+
+def _valid_pairs(seq: dict[str, Any]) -> torch.Tensor:
+    counts = segment_sum(seq["loss_weights"].reshape(-1), seq["sequence_ids"], seq["num_sequences"])
+    return pairs_with_targets(counts).cpu()
 
 
 def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, num_pairs: int, dims, device,
@@ -299,16 +314,18 @@ def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, n
             dist.all_reduce(todo, op=dist.ReduceOp.MAX)
         for mb, needed in zip(micro_batches, todo.tolist()):
             if needed:
-                train.add(mb["pair_index"], _sequence_logps(model, to_device(model_inputs(mb)),
-                                                            PreferenceObjective.sequences(mb, device)))
+                seq = PreferenceObjective.sequences(mb, device)
+                logps = _sequence_logps(model, to_device(model_inputs(mb)), seq)
+                train.add(mb["pair_index"], logps, _valid_pairs(seq))
         if (step + 1) % every == 0 or step + 1 == steps:
             log.info(f"reference log-probabilities: step {step + 1}/{steps}, {int(train.known.sum())} of {num_pairs} pairs")
     splits = {"train": train.merged(dims, device)}
     if eval_batches is not None:
         held_out = _PairTable(num_eval_pairs)
         for batch, counted in eval_batches:
-            logps = _sequence_logps(model, to_device(model_inputs(batch)), PreferenceObjective.sequences(batch, device))
+            seq = PreferenceObjective.sequences(batch, device)
+            logps = _sequence_logps(model, to_device(model_inputs(batch)), seq)
             if counted:
-                held_out.add(batch["pair_index"], logps)
+                held_out.add(batch["pair_index"], logps, _valid_pairs(seq))
         splits["eval"] = held_out.merged(dims, device)
     return PrecomputedReference(splits)

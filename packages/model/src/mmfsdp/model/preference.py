@@ -112,11 +112,17 @@ def pair_objective(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     rpo_alpha: float = 0.0,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PairTerms]:
     """This micro-batch's share of the step objective (module docstring) from the policy's per-sequence summed
-    cross-entropy `sequence_ce` (`[2P]`, the training forward's `.loss`), and its `PairTerms`."""
+    cross-entropy `sequence_ce` (`[2P]`, the training forward's `.loss`), and its `PairTerms`. `valid` (bool `[P]`)
+    marks the pairs that count: a filler pair (no trained token; a token-budget step's padding) adds nothing to the
+    loss or the statistics."""
     terms = pair_losses(-sequence_ce, ref_logps, num_tokens, loss_type=loss_type, beta=beta,
                         label_smoothing=label_smoothing)
+    if valid is not None:
+        keep = valid.to(device=terms.losses.device, dtype=torch.bool)
+        terms = PairTerms(losses=torch.where(keep, terms.losses, 0.0), stats=torch.where(keep, terms.stats, 0.0))
     pairs = torch.as_tensor(num_pairs_global, dtype=torch.float32, device=sequence_ce.device).clamp(min=1.0)
     loss = terms.losses.sum() / pairs
     if rpo_alpha:
