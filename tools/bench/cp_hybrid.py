@@ -13,8 +13,8 @@ others Gated DeltaNet — with the family's wiring: every Gated DeltaNet routed 
 placeholder mask, the `CPContext` under `CP_CONTEXT_KEY`, the attention backend wrapped by `cp_attention_name`):
 the attention layers run `context_parallel_attention`, the Gated DeltaNet layers their Ring / Ulysses / Hybrid
 path. CP = 1 is the plain single-process forward (sdpa, the packed delta rule without CP). fp32, one sample of
-`--seq-len` tokens; the embeddings are random per position, the loss is the mean square distance of the final
-norm's output from random targets.
+`--seq-len` tokens; the embeddings are random per position, the loss is the final norm's output against random
+targets, `Σ out·target / √(S·hidden)` (linear in the output, so `loss_rel_diff` sees any change of it).
 
 Each CP size is a fresh set of gloo ranks on the CPU (`run_distributed`), each rank with ONE torch thread at every
 CP size, so the times compare per-rank work (CP = 2 on this 2-core machine is two processes on two cores; CP 4 is
@@ -129,8 +129,9 @@ def _measure(rank, world_size, mode, seq_len, config_kwargs, repeats):
         reset_peak_rss()
         wall, cpu = time.perf_counter(), time.process_time()
         with SavedTensorBytes(decoder.parameters()) as saved:
-            out = decoder(inputs_embeds=h, position_ids=positions, **cp_kwargs).last_hidden_state
-            loss = cp_loss_reduce((out - target).pow(2).sum() / (seq_len * config.hidden_size), dist.group.WORLD)
+            # use_cache=False as in training: with a cache, HF's Gated DeltaNet runs its own (non-CP) forward
+            out = decoder(inputs_embeds=h, position_ids=positions, use_cache=False, **cp_kwargs).last_hidden_state
+            loss = cp_loss_reduce((out * target).sum() / (seq_len * config.hidden_size) ** 0.5, dist.group.WORLD)
         loss.backward()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         peak_kb = proc_status_kb("VmHWM") - rss_before
