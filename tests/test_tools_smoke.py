@@ -46,6 +46,11 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke",),
         {"size_gb": NUMBER, "hf_to_dcp_vs_cp": NUMBER, "dcp_to_hf_vs_cp": NUMBER},
     ),
+    "tools/bench/cp_hybrid.py": (
+        ("--smoke",),
+        {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER, "time_ratio_cp2": NUMBER, "loss_rel_diff": NUMBER,
+         "targets": dict, "targets_met": bool},
+    ),
     "tools/bench/cp_memory.py": (("--smoke",), {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER}),
     "tools/bench/data_prep.py": (
         ("--smoke", "--work-dir", "{tmp}"),
@@ -145,8 +150,14 @@ def _check_suite_timings(result: dict, tmp: Path) -> None:
     assert result["pytest_exit"] == 0 and result["files"] == 1 and result["written"] is None
 
 
+def _check_cp_hybrid(result: dict, tmp: Path) -> None:
+    assert result["loss_rel_diff"] <= 1e-5  # the ring CP stack computes the CP = 1 loss (fp32)
+    assert set(result["targets"]) == {"mem_ratio_cp2", "saved_ratio_cp2", "time_ratio_cp2"}
+
+
 INPUTS = {"tools/data/llava_instruct_to_mllm.py": _llava_inputs}
 CHECKS = {
+    "tools/bench/cp_hybrid.py": _check_cp_hybrid,
     "tools/data/llava_instruct_to_mllm.py": _check_llava,
     "tools/probe/vision_attention.py": _check_probe,
     "tools/suite_timings.py": _check_suite_timings,

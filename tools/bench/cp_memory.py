@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import time
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class _Block(torch.nn.Module):
         return h + self.down(F.silu(gate) * up)
 
 
-def _sizes(mode: str, cp: int) -> tuple[int, int]:
+def ring_ulysses_sizes(mode: str, cp: int) -> tuple[int, int]:
     """(ring, ulysses) for `cp` ranks."""
     if cp == 1:
         return 1, 1
@@ -71,21 +72,9 @@ def _sizes(mode: str, cp: int) -> tuple[int, int]:
     return cp // 2, 2
 
 
-def _proc_status_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
-def _measure(rank, world_size, mode, seq_len, hidden, heads, kv_heads, intermediate, layers):
-    ring, ulysses = _sizes(mode, world_size)
+def cp_layout_and_groups(rank: int, world_size: int, mode: str, seq_len: int):
+    """This rank's `CPLayout` of one `seq_len` sample and its (ring, Ulysses) groups: Ulysses ranks adjacent."""
+    ring, ulysses = ring_ulysses_sizes(mode, world_size)
     ring_group = ulysses_group = None
     for r in range(ring):
         group = dist.new_group(list(range(r * ulysses, (r + 1) * ulysses)))
@@ -94,41 +83,80 @@ def _measure(rank, world_size, mode, seq_len, hidden, heads, kv_heads, intermedi
         group = dist.new_group(list(range(u, world_size, ulysses)))
         ring_group = group if u == rank % ulysses else ring_group
     ring_rank, ulysses_rank = divmod(rank, ulysses)
-    layout = CPLayout.create(seq_len, ring_size=ring, ring_rank=ring_rank, ulysses_size=ulysses, ulysses_rank=ulysses_rank)
+    layout = CPLayout.create(
+        seq_len, ring_size=ring, ring_rank=ring_rank, ulysses_size=ulysses, ulysses_rank=ulysses_rank
+    )
+    return layout, ring_group, ulysses_group
+
+
+def local_inputs(layout: CPLayout, hidden: int, seed: int = 0) -> torch.Tensor:
+    """This rank's `[1, S / CP, hidden]` inputs, drawn per position (seeded by it and `seed`): the full sequence
+    never exists on one rank, and every CP size sees the same sequence."""
+    positions = split_for_cp(torch.arange(layout.seq_len), layout, dim=0)
+    rows = [torch.randn(hidden, generator=torch.Generator().manual_seed(seed + int(p))) for p in positions]
+    return torch.stack(rows).unsqueeze(0).requires_grad_()
+
+
+class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Inside `with`: counts the bytes of the unique storages autograd saves for backward (`nbytes`), the storages
+    of `parameters` aside — the activation memory at the end of a forward."""
+
+    def __init__(self, parameters):
+        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self._saved: dict[int, int] = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded:
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> Self:
+        super().__enter__()
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._saved.values())
+
+
+def proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _measure(rank, world_size, mode, seq_len, hidden, heads, kv_heads, intermediate, layers):
+    layout, ring_group, ulysses_group = cp_layout_and_groups(rank, world_size, mode, seq_len)
 
     torch.manual_seed(0)
     model = torch.nn.ModuleList(_Block(hidden, heads, kv_heads, intermediate) for _ in range(layers))
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    positions = torch.arange(seq_len)
-    # every rank draws only its own tokens (seeded by position) so the full sequence never exists on one rank
-    local_positions = split_for_cp(positions, layout, dim=0)
-    h = torch.stack([torch.randn(hidden, generator=torch.Generator().manual_seed(int(p))) for p in local_positions])
-    h = h.unsqueeze(0).requires_grad_()
+    h = local_inputs(layout, hidden)
 
     def attend(q, k, v):
         return context_parallel_attention(q, k, v, layout, ring_group=ring_group, ulysses_group=ulysses_group)
 
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     dist.barrier()
-    rss_before = _proc_status_kb("VmRSS")
-    _reset_peak_rss()
+    rss_before = proc_status_kb("VmRSS")
+    reset_peak_rss()
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(model.parameters()) as saved:
         x = h
         for block in model:
             x = block(x, attend)
         loss = cp_loss_reduce(x.float().pow(2).sum() / (seq_len * hidden), dist.group.WORLD)
-    saved_bytes = sum(saved.values())
+    saved_bytes = saved.nbytes
     loss.backward()
     seconds = time.perf_counter() - start
-    peak_kb = _proc_status_kb("VmHWM") - rss_before
+    peak_kb = proc_status_kb("VmHWM") - rss_before
     dist.barrier()
     return {"peak_mib": peak_kb / 1024, "saved_mib": saved_bytes / 2**20, "seconds": seconds, "loss": loss.item()}
 
@@ -155,7 +183,7 @@ def main() -> None:
           f"intermediate={args.intermediate} layers={args.layers}")
     print(f"{'cp':>3} {'ring':>4} {'uly':>4} {'peak MiB/rank':>14} {'saved MiB/rank':>15} {'seconds':>8} {'loss':>12}")
     for cp in cp_sizes:
-        ring, ulysses = _sizes(args.mode, cp)
+        ring, ulysses = ring_ulysses_sizes(args.mode, cp)
         per_rank = run_distributed(
             _measure, cp, args.mode, args.seq_len, args.hidden, args.heads, args.kv_heads, args.intermediate,
             args.layers, timeout=1800,

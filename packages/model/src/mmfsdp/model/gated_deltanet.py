@@ -254,14 +254,14 @@ def chunk_gated_delta_rule_packed(
     else:
         state = initial_state_NHKV.to(dtype).index_select(0, torch.tensor(order, device=device))
     outs, finals = [], []
-    offset = 0
-    for j, n in enumerate(counts):
-        sl = slice(offset, offset + n)
-        offset += n
+    # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
+    # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
+    per_step = zip(counts, *(x.split(counts) for x in (u, w, q_dec, intra, k_dec, chunk_decay)))
+    for j, (n, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j) in enumerate(per_step):
         state = state[:n]
-        v_new = u[sl] - w[sl] @ state
-        outs.append(q_dec[sl] @ state + intra[sl] @ v_new)
-        state = state * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
+        v_new = u_j - w_j @ state
+        outs.append(q_dec_j @ state + intra_j @ v_new)
+        state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
         n_next = counts[j + 1] if j + 1 < len(counts) else 0
         finals.append(state[n_next:])
     # finals[j] holds the segments order[n_{j+1}:n_j] (those that end at step j)
