@@ -24,6 +24,8 @@ from mmfsdp.data.templates import IGNORE_INDEX
 
 __all__ = [
     "Collator",
+    "PAIR_KEYS",
+    "PairCollator",
     "collator_names",
     "get_collator",
     "register_collator",
@@ -71,6 +73,9 @@ class _RowCollator:
         self.pad_to_multiple_of = math.lcm(pad_to_multiple_of, sample_multiple)
         self.packing = packing
         self.sample_multiple = sample_multiple
+        self.pad_in_last_sample = False
+        """With packing: a row's end padding joins its last sample's segment instead of being a segment of its own
+        (`PairCollator` sets it, so that segment k is sequence k)."""
 
     def _span(self, num_tokens: int) -> int:
         """Tokens a sample occupies in its row: with packing, its length rounded up to `sample_multiple`."""
@@ -107,7 +112,11 @@ class _RowCollator:
                 spans[b].append((start, span))
                 segments.append(span)
                 start += span
-            if self.packing and seq_len > start:
+            if self.packing and seq_len > start and self.pad_in_last_sample:
+                last_start, last_span = spans[b][-1]
+                spans[b][-1] = (last_start, last_span + seq_len - start)
+                segments[-1] += seq_len - start
+            elif self.packing and seq_len > start:
                 segments.append(seq_len - start)
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}, spans, segments
 
@@ -118,3 +127,39 @@ class _RowCollator:
             assert int(cu[-1]) == batch["input_ids"].numel()
             batch["cu_seq_lens"] = cu
             batch["max_length"] = max(segments)
+
+
+PAIR_KEYS = ("pair_index",)
+"""Keys a preference batch adds to the batch contract that are not model inputs."""
+
+
+class PairCollator:
+    """Preference micro-batches: rows of pairs -> a batch of the wrapped collator over their sequences.
+
+    The sequences go in the order chosen_0, rejected_0, chosen_1, rejected_1, ... (pairs in row-major order):
+    padded, each sequence is a row (`2 × pairs` rows); with packing (padding-free: one row), a row's pairs become
+    its samples in that order, so sequence k is segment k of `cu_seq_lens` — a row's end padding joins its last
+    sequence's segment (`pad_in_last_sample`), so there are exactly `2 × pairs` segments. Each sequence carries
+    its own copy of the pair's pixel inputs, so the media of sequence k match its placeholder tokens.
+    `pair_index` (int64 `[pairs]`) is each pair's dataset index, in the same order.
+    """
+
+    def __init__(self, collator: Any):
+        self.collator = collator
+        self.collator.pad_in_last_sample = True
+
+    @property
+    def packing(self) -> bool:
+        return self.collator.packing
+
+    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
+        rows = [[r] if isinstance(r, dict) else list(r) for r in rows]
+        pairs = [pair for row in rows for pair in row]
+        if self.packing:
+            sequences = [[s for pair in row for s in (pair["chosen"], pair["rejected"])] for row in rows]
+        else:
+            assert all(len(row) == 1 for row in rows), "several pairs in a row need packing=True"
+            sequences = [[pair[key]] for pair in pairs for key in ("chosen", "rejected")]
+        batch = self.collator(sequences)
+        batch["pair_index"] = torch.tensor([pair["pair_index"] for pair in pairs], dtype=torch.long)
+        return batch

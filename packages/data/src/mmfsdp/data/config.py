@@ -37,8 +37,22 @@ __all__ = [
 class AttrConfig:
     """Column and role names of the dataset rows (YAML `data.dataset_param.attr:`)."""
 
-    formatting: Literal["sharegpt"] = "sharegpt"
-    """Row layout: a list of role-tagged messages per row (the mllm and sharegpt formats are both this layout)."""
+    formatting: Literal["sharegpt", "alpaca"] = "sharegpt"
+    """Row layout: `sharegpt` = a list of role-tagged messages per row (the mllm and sharegpt formats are both this
+    layout); `alpaca` = one exchange per row, from the `prompt`, `query` and `response` columns (LLaMA-Factory's)."""
+    ranking: bool = False
+    """Preference (pairwise) data for DPO: each row is a prompt with a chosen and a rejected answer, and a dataset
+    item is one pair (docs/data.md, "Preference data"). LLaMA-Factory's `ranking` of dataset_info."""
+    chosen: str = "chosen"
+    """Column of a pair's chosen answer (a string or one message) when the messages end with the user turn."""
+    rejected: str = "rejected"
+    """Column of a pair's rejected answer (a string or one message); ms-swift's `rejected_response` is read too."""
+    prompt: str = "instruction"
+    """`alpaca` rows: column of the user's instruction."""
+    query: str = "input"
+    """`alpaca` rows: column of the user's input, appended to the instruction after a newline when not empty."""
+    response: str = "output"
+    """`alpaca` rows: column of the answer (with `ranking: true`, the `chosen` and `rejected` columns instead)."""
     messages: str = "messages"
     """Column holding the list of messages (`conversations` for sharegpt files)."""
     images: str | None = "images"
@@ -64,15 +78,16 @@ class AttrConfig:
         "tools": Ignored("tool-calling rows are not supported", allowed=(None,)),
         "observation_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
         "function_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
-        "ranking": Ignored("preference (ranking) data is not supported", allowed=(False,)),
     }
 
     def __post_init__(self) -> None:
-        for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag"):
+        for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag", "chosen", "rejected", "prompt", "query", "response"):
             if not getattr(self, key):
                 raise ConfigError(key, "must be a non-empty string")
         if self.user_tag == self.assistant_tag or self.system_tag in (self.user_tag, self.assistant_tag):
             raise ConfigError("assistant_tag", "user_tag, assistant_tag and system_tag must all differ")
+        if self.chosen == self.rejected:
+            raise ConfigError("rejected", f"must differ from chosen (both are {self.chosen!r})")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,12 +14,14 @@ from typing import Any
 from mmfsdp.data.config import AttrConfig
 from mmfsdp.data.errors import BadSample
 
-__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "Conversation", "parse_row"]
+__all__ = ["IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "parse_pair", "parse_row"]
 
 IMAGE_PLACEHOLDER = "<image>"
 """Marks where an image goes in a user message; the i-th placeholder is the row's i-th image."""
 VIDEO_PLACEHOLDER = "<video>"
 """Marks where a video goes in a user message; the i-th placeholder is the row's i-th video."""
+SWIFT_REJECTED = "rejected_response"
+"""ms-swift's column of the rejected answer, read when the row has no `attr.rejected` column."""
 
 
 @dataclass(slots=True)
@@ -47,9 +49,88 @@ def _paths_of(row: dict[str, Any], column: str | None, kind: str) -> list[str]:
     return list(value)
 
 
+@dataclass(slots=True)
+class Pair:
+    """A preference pair: the conversation whose last answer is the chosen one, and the rejected answer."""
+
+    conversation: Conversation
+    """The prompt and the chosen answer (the last turn's assistant text)."""
+    rejected: str
+    """The rejected answer to the same prompt."""
+
+
+def _alpaca_user(row: dict[str, Any], attr: AttrConfig) -> dict[str, Any]:
+    """The user message of an alpaca row: the instruction, then the input after a newline when there is one."""
+    texts = []
+    for column in (attr.prompt, attr.query):
+        text = row.get(column)
+        if text is not None and not isinstance(text, str):
+            raise BadSample("bad_content", f"column {column!r} must be a string, got {type(text).__name__}")
+        if text:
+            texts.append(text)
+    return {attr.role_tag: attr.user_tag, attr.content_tag: "\n".join(texts)}
+
+
+def _answer(value: Any, attr: AttrConfig, column: str, reason: str) -> str:
+    """A pair's answer from its column: a string, or one assistant message (`{role_tag: assistant_tag, content_tag:
+    text}`); missing or blank is `reason`."""
+    if isinstance(value, dict):
+        role = value.get(attr.role_tag, attr.assistant_tag)
+        if role != attr.assistant_tag:
+            raise BadSample("wrong_role_order", f"column {column!r} holds a message of role {role!r}, not an answer")
+        value = value.get(attr.content_tag)
+    if value is None:
+        raise BadSample(reason, f"column {column!r} is missing")
+    if not isinstance(value, str):
+        raise BadSample("bad_content", f"column {column!r} must be a string or a message, got {type(value).__name__}")
+    if not value.strip():
+        raise BadSample(reason, f"column {column!r} is empty")
+    return value
+
+
+def parse_pair(row: dict[str, Any], attr: AttrConfig) -> Pair:
+    """Check one preference row and return its pair (raises `BadSample`). The layout is found per row:
+
+    - the messages (or alpaca's prompt) end with the user turn: the answers are the `attr.chosen` and
+      `attr.rejected` columns (LLaMA-Factory's sharegpt and alpaca pairwise rows);
+    - the messages end with an assistant turn, the chosen answer: the rejected one is the `attr.rejected` column or
+      ms-swift's `rejected_response` (mllm and ms-swift rows).
+    """
+    assistant = {attr.role_tag: attr.assistant_tag}
+    if attr.formatting == "alpaca":
+        messages: Any = [_alpaca_user(row, attr)]
+    else:
+        messages = row.get(attr.messages)
+        if not isinstance(messages, list) or not messages:
+            return Pair(parse_row(row, attr), "")  # raises the conversation's own reason
+    last = messages[-1]
+    if isinstance(last, dict) and last.get(attr.role_tag) == attr.assistant_tag:
+        if row.get(attr.chosen) is not None:
+            raise BadSample("bad_content", f"the messages end with an answer and column {attr.chosen!r} gives another")
+        chosen = _answer(last, attr, f"{attr.messages}[-1]", "missing_chosen")
+        messages = messages[:-1]
+    else:
+        chosen = _answer(row.get(attr.chosen), attr, attr.chosen, "missing_chosen")
+    rejected_column = attr.rejected if attr.rejected in row or SWIFT_REJECTED not in row else SWIFT_REJECTED
+    rejected = _answer(row.get(rejected_column), attr, rejected_column, "missing_rejected")
+    if chosen.strip() == rejected.strip():
+        raise BadSample("identical_pair", f"the chosen and the rejected answer are the same: {chosen!r:.80}")
+    for placeholder, kind in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video")):
+        if placeholder in rejected:
+            raise BadSample(f"{kind}_in_wrong_turn", f"the rejected answer contains {placeholder}; {kind}s belong to user turns")
+    conversation = _parse_messages([*messages, {**assistant, attr.content_tag: chosen}], row, attr)
+    return Pair(conversation, rejected)
+
+
 def parse_row(row: dict[str, Any], attr: AttrConfig) -> Conversation:
     """Check one row's structure and return its conversation (raises `BadSample`)."""
-    messages = row.get(attr.messages)
+    if attr.formatting == "alpaca":
+        answer = {attr.role_tag: attr.assistant_tag, attr.content_tag: row.get(attr.response)}
+        return _parse_messages([_alpaca_user(row, attr), answer], row, attr)
+    return _parse_messages(row.get(attr.messages), row, attr)
+
+
+def _parse_messages(messages: Any, row: dict[str, Any], attr: AttrConfig) -> Conversation:
     if messages is None or (isinstance(messages, list) and not messages):
         raise BadSample("empty_conversation", f"column {attr.messages!r} is missing or empty")
     if not isinstance(messages, list):

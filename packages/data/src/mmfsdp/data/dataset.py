@@ -49,13 +49,14 @@ from mmfsdp.config import ConfigError, Registry, current_rank, get_logger, to_di
 from mmfsdp.data.balance import SampleStats, grid_blocks
 from mmfsdp.data.build import build_plugin
 from mmfsdp.data.config import DataConfig
-from mmfsdp.data.conversation import parse_row
+from mmfsdp.data.conversation import parse_pair, parse_row
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError, all_rows_bad_message, format_counts, top_reason
 from mmfsdp.data.paths import media_path
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
 
 __all__ = [
+    "PreferenceDataset",
     "SFTDataset",
     "SampleEncoder",
     "build_dataset",
@@ -79,6 +80,9 @@ _EMPTY_SAMPLE = {
     "absolute_images": 0,
 }
 """The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
+_EMPTY_PAIR = {**_EMPTY_SAMPLE, "rejected_ids": [], "rejected_labels": [], "prompt_length": 0}
+"""The token columns of a bad row of preference data: the chosen sequence in `input_ids`/`labels`, the rejected
+one's tokens after the shared prompt (its first `prompt_length` tokens) in `rejected_ids`/`rejected_labels`."""
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _READ_BYTES = 1 << 22
 """How much of a JSON list file is read at a time (rows are split off each read, so memory stays bounded)."""
@@ -142,7 +146,7 @@ def _nothing_to_prepare(data_cfg: DataConfig) -> None:
     """JSON/JSONL files are the user's; there is nothing to generate."""
 
 
-def _prepare_synthetic(data_cfg: DataConfig) -> None:
+def _prepare_synthetic(data_cfg: DataConfig, pairs: bool = False) -> None:
     from mmfsdp.data.plugins import get_plugin
     from mmfsdp.data.synthetic import make_shapes_dataset
     from mmfsdp.data.templates import get_template
@@ -151,7 +155,7 @@ def _prepare_synthetic(data_cfg: DataConfig) -> None:
     dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
     make_shapes_dataset(  # generates when missing; data generated with other settings is an error, never reused
         dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed,
-        text_only_share=syn.text_only_share,
+        text_only_share=syn.text_only_share, pairs=pairs,
     )
     model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
     if model_dir and not Path(model_dir).expanduser().exists():
@@ -176,7 +180,23 @@ def _synthetic_files(data_cfg: DataConfig, split: str) -> list[Path]:
 
 
 register_dataset_type(DatasetType("huggingface", _nothing_to_prepare, _json_files))
+def _prepare_synthetic_pairs(data_cfg: DataConfig) -> None:
+    _check_ranking(data_cfg)
+    _prepare_synthetic(data_cfg, pairs=True)
+
+
+def _synthetic_pair_files(data_cfg: DataConfig, split: str) -> list[Path]:
+    _check_ranking(data_cfg)
+    return _synthetic_files(data_cfg, split)
+
+
+def _check_ranking(data_cfg: DataConfig) -> None:
+    if not data_cfg.dataset_param.attr.ranking:
+        raise ConfigError(f"{_KEY}.attr.ranking", "must be true for dataset_type synthetic_shapes_pairs (preference rows)")
+
+
 register_dataset_type(DatasetType("synthetic_shapes", _prepare_synthetic, _synthetic_files))
+register_dataset_type(DatasetType("synthetic_shapes_pairs", _prepare_synthetic_pairs, _synthetic_pair_files))
 
 
 def dataset_files(data_cfg: DataConfig, split: str = "train") -> list[Path]:
@@ -368,6 +388,8 @@ class SampleEncoder:
         template_cls = get_template(pp.template)
         self.processor = processor
         self.attr = data_cfg.dataset_param.attr
+        self.ranking = self.attr.ranking
+        """Preference data: a row is a pair (`encode_pair`)."""
         self.cutoff_len = pp.cutoff_len
         self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
         self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
@@ -386,7 +408,8 @@ class SampleEncoder:
             raise BadSample("bad_content", f"a row must be a JSON object, got {type(row).__name__}")
         if _INVALID in row:
             raise BadSample(*row[_INVALID])
-        conversation = parse_row(row, self.attr)
+        pair = parse_pair(row, self.attr) if self.ranking else None
+        conversation = parse_row(row, self.attr) if pair is None else pair.conversation
         if conversation.videos and not self.plugin.supports_video:
             raise BadSample(
                 "video_not_supported",
@@ -402,12 +425,35 @@ class SampleEncoder:
         video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
         blocks = [self.plugin.image_tokens(grid) for grid in grids]
         video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
+        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        media = {
+            "images": paths, "image_grids": [list(g) for g in grids],
+            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+        }
+        if pair is not None:
+            return {**self.encode_pair(conversation, pair.rejected, blocks, video_blocks), **media}
         input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
-        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        return {"input_ids": input_ids, "labels": labels, **media}
+
+    def encode_pair(
+        self, conversation: Any, rejected: str, blocks: list[list[int]], video_blocks: list[list[int]]
+    ) -> dict[str, Any]:
+        """The token columns of a pair (`_EMPTY_PAIR`): the prompt is tokenized once (`Template.encode_pair`); a
+        pair with a sequence over `cutoff_len` is `pair_too_long` (DPO's answers are never cut)."""
+        (ids, labels), (rejected_ids, rejected_labels) = self.template.encode_pair(
+            conversation, rejected, blocks, video_blocks
+        )
+        for name, n in (("chosen", len(ids)), ("rejected", len(rejected_ids))):
+            if n > self.cutoff_len:
+                raise BadSample("pair_too_long", f"the {name} sequence has {n} tokens > cutoff_len {self.cutoff_len}")
+        shared = next(
+            (k for k, (a, b) in enumerate(zip(zip(ids, labels), zip(rejected_ids, rejected_labels))) if a != b),
+            min(len(ids), len(rejected_ids)),
+        )
         return {
-            "input_ids": input_ids, "labels": labels, "images": paths, "image_grids": [list(g) for g in grids],
-            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+            "input_ids": ids, "labels": labels, "rejected_ids": rejected_ids[shared:],
+            "rejected_labels": rejected_labels[shared:], "prompt_length": shared,
         }
 
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
@@ -426,18 +472,21 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        keys = (*_EMPTY_SAMPLE, "length", "bad_reason", "bad_detail")
+        empty = _EMPTY_PAIR if self.ranking else _EMPTY_SAMPLE
+        keys = (*empty, "length", "bad_reason", "bad_detail")
         out: dict[str, list[Any]] = {k: [] for k in keys}
         for text in batch["row"]:
             try:
                 sample = self.encode_row(json.loads(text))
                 bad_reason = bad_detail = ""
             except BadSample as bad:
-                sample = dict(_EMPTY_SAMPLE)
+                sample = dict(empty)
                 bad_reason, bad_detail = bad.reason, bad.detail
             for key, value in sample.items():
                 out[key].append(value)
-            out["length"].append(len(sample["input_ids"]))
+            # a pair's length is both sequences': what batching, packing and the token budget plan with
+            rejected_length = sample["prompt_length"] + len(sample["rejected_ids"]) if self.ranking and not bad_reason else 0
+            out["length"].append(len(sample["input_ids"]) + rejected_length)
             out["bad_reason"].append(bad_reason)
             out["bad_detail"].append(bad_detail)
         return out
@@ -467,12 +516,18 @@ class SampleEncoder:
         return h.hexdigest()
 
 
-def _features() -> Any:
+def _features(ranking: bool = False) -> Any:
     import datasets
 
     seq = getattr(datasets, "List", None) or datasets.Sequence
+    pair_columns = {
+        "rejected_ids": seq(datasets.Value("int32")),
+        "rejected_labels": seq(datasets.Value("int32")),
+        "prompt_length": datasets.Value("int32"),
+    }
     return datasets.Features(
         {
+            **(pair_columns if ranking else {}),
             "input_ids": seq(datasets.Value("int32")),
             "labels": seq(datasets.Value("int32")),
             "images": seq(datasets.Value("string")),
@@ -556,7 +611,7 @@ def _tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, en
             tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
             try:
                 with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
-                    with ArrowWriter(features=_features(), path=str(tmp)) as writer:
+                    with ArrowWriter(features=_features(encoder.ranking), path=str(tmp)) as writer:
                         for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
                             writer.write_batch(out)
                             progress.update(len(out["length"]))
@@ -585,7 +640,6 @@ class _StrictDecodeError(DataError):
 
 
 _MAX_ROW = np.iinfo(np.int32).max
-_TABLE_COLUMNS = ["input_ids", "labels", "images", "image_grids", "videos", "video_grids"]
 
 
 def _mapped_table(cache_file: str) -> Any:
@@ -604,6 +658,10 @@ class SFTDataset(torch.utils.data.Dataset):
     record is read from the memory-mapped file, which is opened on the first record read (in training: in the
     DataLoader workers), so building the dataset and its statistics takes memory that does not grow with the rows.
     """
+
+    is_preference = False
+    """Whether an item is a preference pair (`PreferenceDataset`) rather than one sample."""
+    _table_columns = ("input_ids", "labels", "images", "image_grids", "videos", "video_grids")
 
     def __init__(self, cache_files: list[str], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
         self.encoder = encoder
@@ -663,7 +721,7 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def _tables(self) -> list[Any]:
         if self._mapped is None:
-            self._mapped = [_mapped_table(f).select_columns(_TABLE_COLUMNS) for f in self._cache_files]
+            self._mapped = [_mapped_table(f).select_columns(list(self._table_columns)) for f in self._cache_files]
         return self._mapped
 
     def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
@@ -715,26 +773,70 @@ class SFTDataset(torch.utils.data.Dataset):
         source, row = self._source_row(index)
         return self._tables[source][row]
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        record = self.record(index)
+    def _sequence(self, input_ids: list[int], labels: list[int]) -> dict[str, Any]:
+        """One sequence's token tensors: `input_ids`, `labels` and the plugin's per-token inputs."""
         item: dict[str, Any] = {
-            "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
-            "labels": torch.tensor(record["labels"], dtype=torch.long),
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
         }
         item.update(self.encoder.plugin.token_inputs(item["input_ids"]))
-        if record["images"] or record["videos"]:
-            plugin = self.encoder.plugin
-            try:
-                if record["images"]:
-                    item.update(plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
-                if record["videos"]:
-                    item.update(plugin.video_inputs(record["videos"], [tuple(g) for g in record["video_grids"]]))
-            except BadSample as bad:
-                source, row = self.location(index)
-                if self.strict:
-                    raise _StrictDecodeError(f"{source} row {row}: {bad.reason}: {bad.detail}") from None
-                return {"bad_reason": bad.reason, "bad_detail": bad.detail}
         return item
+
+    def _media(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        """The pixel inputs of sample `index`'s images and videos (decoded here), or its bad-row reason."""
+        if not (record["images"] or record["videos"]):
+            return {}
+        plugin = self.encoder.plugin
+        media: dict[str, Any] = {}
+        try:
+            if record["images"]:
+                media.update(plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
+            if record["videos"]:
+                media.update(plugin.video_inputs(record["videos"], [tuple(g) for g in record["video_grids"]]))
+        except BadSample as bad:
+            source, row = self.location(index)
+            if self.strict:
+                raise _StrictDecodeError(f"{source} row {row}: {bad.reason}: {bad.detail}") from None
+            return {"bad_reason": bad.reason, "bad_detail": bad.detail}
+        return media
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self.record(index)
+        media = self._media(index, record)
+        if "bad_reason" in media:
+            return media
+        return {**self._sequence(record["input_ids"], record["labels"]), **media}
+
+
+class PreferenceDataset(SFTDataset):
+    """The usable pairs of a preference split (`attr.ranking: true`): `dataset[i]` is pair i,
+    `{"chosen": sample, "rejected": sample, "pair_index": i}`, each sample what `SFTDataset` returns for one
+    sequence (the prompt and that answer), both carrying the same pixel inputs, decoded once per pair.
+
+    Batching plans with pairs: `lengths` are both sequences' tokens, and `sample_stats` counts the pair's vision
+    patches twice (each sequence runs them). The collator (`PairCollator`) lays the two sequences out side by side.
+    """
+
+    is_preference = True
+    _table_columns = (*SFTDataset._table_columns, "rejected_ids", "rejected_labels", "prompt_length")
+
+    def sample_stats(self) -> SampleStats:
+        stats = SFTDataset.sample_stats(self)
+        return SampleStats(stats.tokens, 2 * stats.patches, 2 * stats.patch_sq)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self.record(index)
+        media = self._media(index, record)
+        if "bad_reason" in media:
+            return media
+        prompt = record["prompt_length"]
+        rejected_ids = record["input_ids"][:prompt] + record["rejected_ids"]
+        rejected_labels = record["labels"][:prompt] + record["rejected_labels"]
+        return {
+            "chosen": {**self._sequence(record["input_ids"], record["labels"]), **media},
+            "rejected": {**self._sequence(rejected_ids, rejected_labels), **media},
+            "pair_index": int(index) % len(self),
+        }
 
 
 def _first_bad_row(files: list[Path], cache_files: list[str], reason: str | None) -> tuple[str, int, str] | None:
@@ -748,14 +850,16 @@ def _first_bad_row(files: list[Path], cache_files: list[str], reason: str | None
 
 
 def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "train") -> SFTDataset:
-    """The tokenized, filtered dataset of `split`; images are decoded only when an item is read."""
+    """The tokenized, filtered dataset of `split`; images are decoded only when an item is read. With
+    `attr.ranking: true` a `PreferenceDataset`, whose items are pairs."""
     _check_split(split)
     files = dataset_files(data_cfg, split)
     encoder = SampleEncoder(data_cfg, processor)
     encoder_fp = encoder.fingerprint()
     cache_files = [_tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
     strict = data_cfg.dataset_param.basic_parameters.strict
-    dataset = SFTDataset(cache_files, files, encoder, strict=strict)
+    dataset_cls = PreferenceDataset if encoder.ranking else SFTDataset
+    dataset = dataset_cls(cache_files, files, encoder, strict=strict)
     if strict and dataset.first_bad_row is not None:
         source, row, reason, detail = dataset.first_bad_row
         raise DataError(
@@ -769,9 +873,10 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
         raise DataError(all_rows_bad_message(dataset.num_rows, names, counts, example))
     skipped = dataset.num_rows - len(dataset)
     log.info(
-        "data: %s: %d samples from %s (%d rows%s%s), %d tokens, longest %d",
+        "data: %s: %d %s from %s (%d rows%s%s), %d tokens, longest %d",
         split,
         len(dataset),
+        "pairs" if dataset.is_preference else "samples",
         names,
         dataset.num_rows,
         f"; skipped {skipped}: {format_counts(dataset.bad_row_counts)}" if skipped else "",

@@ -22,6 +22,9 @@ BAD_REASONS = (
     "bad_content",
     "wrong_role_order",
     "no_assistant_turn",
+    "missing_chosen",
+    "missing_rejected",
+    "identical_pair",
     "image_count_mismatch",
     "image_in_wrong_turn",
     "video_count_mismatch",
@@ -36,6 +39,7 @@ BAD_REASONS = (
     "unsupported_video",
     "video_timeout",
     "too_long",
+    "pair_too_long",
 )
 """Every reason a row can be skipped for, in the order they are checked."""
 
@@ -56,6 +60,12 @@ BAD_REASON_ADVICE = {
         "check dataset_param.attr.role_tag, user_tag, assistant_tag and system_tag (sharegpt: from, human, gpt, system)"
     ),
     "no_assistant_turn": "check dataset_param.attr.assistant_tag (sharegpt files use gpt) and attr.role_tag",
+    "missing_chosen": (
+        "check dataset_param.attr.chosen (the column of the chosen answer) and that each pair's messages end with "
+        "the user turn or with the chosen answer"
+    ),
+    "missing_rejected": "check dataset_param.attr.rejected (the column of the rejected answer; ms-swift: rejected_response)",
+    "identical_pair": "remove pairs whose chosen and rejected answers are the same: they teach nothing",
     "image_count_mismatch": (
         "check dataset_param.attr.images (the column holding the image paths) "
         "and that each image has one <image> placeholder"
@@ -94,6 +104,10 @@ BAD_REASON_ADVICE = {
         "preprocess_parameters.video_timeout raises the bound"
     ),
     "too_long": "raise preprocess_parameters.cutoff_len or lower image_max_pixels / video_max_pixels / video_maxlen",
+    "pair_too_long": (
+        "raise preprocess_parameters.cutoff_len (a pair's chosen and rejected sequences are never cut) or lower "
+        "image_max_pixels / video_max_pixels / video_maxlen"
+    ),
 }
 """What to check or change for each bad-row reason: the all-bad error names the advice of the most common reason."""
 

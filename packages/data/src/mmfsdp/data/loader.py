@@ -43,7 +43,7 @@ import torch
 from mmfsdp.config import get_logger, warn_once
 
 from mmfsdp.data.balance import CostModel, SampleStats, StepPlan, is_filler, plan_step, sample_stats
-from mmfsdp.data.collators import get_collator
+from mmfsdp.data.collators import PairCollator, get_collator
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.errors import BAD_REASON_ADVICE, BAD_REASONS, DataError, format_counts, top_reason
 
@@ -129,7 +129,10 @@ def plan_epoch_steps(
 
 
 def _masked(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch with every label ignored: it runs the model (and its collectives) and trains nothing."""
+    """The batch (or sample, or pair) with every label ignored: it runs the model (and its collectives) and trains
+    nothing."""
+    if "chosen" in batch:
+        return {**batch, "chosen": _masked(batch["chosen"]), "rejected": _masked(batch["rejected"])}
     return {**batch, "labels": torch.full_like(batch["labels"], -100)}
 
 
@@ -505,6 +508,9 @@ def build_dataloader(
     With `micro_batch_tokens` or `dataloader_param.balance` the loader plans whole steps of
     `dp_size × micro_batch_size × gradient_accumulation_steps` samples (`mmfsdp.data.balance`); take them
     with `next_step`.
+    A preference dataset (`is_preference`) is planned in pairs (`micro_batch_size` counts pairs; a packed row
+    holds up to 2 × `cutoff_len` tokens of whole pairs) and collated by `PairCollator` (docs/data.md,
+    "Preference data").
     """
     basic = data_cfg.dataset_param.basic_parameters
     loader_cfg = data_cfg.dataloader_param
@@ -516,6 +522,9 @@ def build_dataloader(
         packing=basic.packing or padding_free,
         sample_multiple=sample_multiple,
     )
+    preference = getattr(dataset, "is_preference", False)
+    if preference:
+        collator = PairCollator(collator)
     return StatefulDataLoader(
         dataset,
         collator,
@@ -525,7 +534,8 @@ def build_dataloader(
         seed=basic.seed if basic.seed is not None else seed,
         shuffle=basic.shuffle,
         packing=basic.packing,
-        capacity=data_cfg.dataset_param.preprocess_parameters.cutoff_len,
+        # a pair is one unit of the plan: a packed row holds whole pairs, each sequence within cutoff_len
+        capacity=data_cfg.dataset_param.preprocess_parameters.cutoff_len * (2 if preference else 1),
         drop_last=loader_cfg.drop_last,
         num_workers=loader_cfg.num_workers,
         pin_memory=loader_cfg.pin_memory,

@@ -201,6 +201,7 @@ def write_moving_shape_clip(
 
 def make_shapes_dataset(
     out_dir: str | Path, *, num_train: int, num_eval: int, image_size: int, seed: int, text_only_share: float = 0.0,
+    pairs: bool = False,
 ) -> dict[str, Any]:
     """Write `images/*.png`, `train.jsonl`, `eval.jsonl` (mllm format) and `meta.json` into `out_dir`; returns the meta.
 
@@ -208,6 +209,9 @@ def make_shapes_dataset(
     (`TEXT_ONLY_OBJECTS`); the `num_eval` rows all have an image. Deterministic in its
     arguments. If `out_dir/meta.json` already exists nothing is written; it must record the
     same arguments (`DataError` otherwise).
+
+    `pairs`: preference rows for DPO: the same rows (the same images and chosen answers), each with a `rejected`
+    column that names a wrong colour (the same shape; for a text-only question another colour).
     """
     out_dir = Path(out_dir)
     classes = [(c, s) for c in COLOURS for s in SHAPES]
@@ -222,6 +226,7 @@ def make_shapes_dataset(
         "image_size": image_size,
         "seed": seed,
         "text_only_share": text_only_share,
+        **({"pairs": True} if pairs else {}),
     }
     text_only = _text_only_rows(num_train, text_only_share, seed)
     existing = _existing_meta(out_dir, meta)
@@ -233,6 +238,7 @@ def make_shapes_dataset(
         (tmp / "images").mkdir()
         rng = np.random.default_rng(seed)
         text_rng = np.random.default_rng([seed, 2])
+        wrong_rng = np.random.default_rng([seed, 3])  # its own stream: the chosen rows equal the SFT rows
         objects = list(TEXT_ONLY_OBJECTS)
         for split, count, text_rows in (("train", num_train, text_only), ("eval", num_eval, set())):
             labels = iter(rng.permutation(np.arange(count - len(text_rows)) % len(classes)).tolist())
@@ -240,16 +246,22 @@ def make_shapes_dataset(
                 for i in range(count):
                     if i in text_rows:
                         obj = objects[int(text_rng.integers(len(objects)))]
-                        question, answer, images = f"What colour is {obj}?", TEXT_ONLY_OBJECTS[obj], []
+                        colour = TEXT_ONLY_OBJECTS[obj]
+                        question, answer, images = f"What colour is {obj}?", colour, []
+                        wrong = "{}"
                     else:
                         colour, shape = classes[next(labels)]
                         name = f"images/{split}_{i:06d}.png"
                         _draw(rng, colour, shape, image_size, image_size).save(tmp / name)
                         question, answer, images = PROMPT, f"a {colour} {shape}", [name]
-                    row = {
+                        wrong = f"a {{}} {shape}"
+                    row: dict[str, Any] = {
                         "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
                         "images": images,
                     }
+                    if pairs:
+                        others = [c for c in COLOURS if c != colour]
+                        row["rejected"] = wrong.format(others[int(wrong_rng.integers(len(others)))])
                     f.write(json.dumps(row) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 

@@ -16,6 +16,7 @@ the registry is first asked (entry-point group `mmfsdp.data_families`); docs/dat
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from abc import ABC, abstractmethod
 from typing import ClassVar, Iterator, Sequence
 
@@ -63,11 +64,44 @@ class Template(ABC):
         """Used by templates with a think block; the others ignore it."""
 
     @abstractmethod
+    def parts(
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+    ) -> list[Part]:
+        """The parts of `conversation` (the comment above `Part`); the i-th `<image>` becomes `image_blocks[i]`, the
+        i-th `<video>` `video_blocks[i]`."""
+
     def encode(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
     ) -> tuple[list[int], list[int]]:
         """Ids and labels of `conversation`; the i-th `<image>` becomes `image_blocks[i]`, the i-th `<video>`
         `video_blocks[i]`."""
+        return self._assemble(self.parts(conversation, image_blocks, video_blocks))
+
+    def encode_pair(
+        self,
+        conversation: Conversation,
+        rejected: str,
+        image_blocks: list[list[int]],
+        video_blocks: Sequence[list[int]] = (),
+    ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+        """(ids, labels) of `conversation` (its last answer the chosen one) and of the same with `rejected` as the
+        last answer, each equal to `encode` of its conversation. The parts the two share (the prompt) are
+        tokenized once, and the text of all three runs goes through one batched tokenizer call."""
+        last_user = conversation.turns[-1][0]
+        other = replace(conversation, turns=[*conversation.turns[:-1], (last_user, rejected)])
+        chosen_parts = self.parts(conversation, image_blocks, video_blocks)
+        rejected_parts = self.parts(other, image_blocks, video_blocks)
+        shared = next(
+            (k for k, (a, b) in enumerate(zip(chosen_parts, rejected_parts)) if a != b),
+            min(len(chosen_parts), len(rejected_parts)),
+        )
+        runs = [chosen_parts[:shared], chosen_parts[shared:], rejected_parts[shared:]]
+        encoded = iter(self.processor.encode_texts([text for run in runs for text in _texts(run)]))
+        (prompt_ids, prompt_labels), chosen, rejected_out = (self._build(run, encoded) for run in runs)
+        return (
+            (prompt_ids + chosen[0], prompt_labels + chosen[1]),
+            (prompt_ids + rejected_out[0], prompt_labels + rejected_out[1]),
+        )
 
     def fingerprint(self) -> list[object]:
         """What of the template changes the tokens (part of the dataset cache key)."""
@@ -92,14 +126,10 @@ class Template(ABC):
         string); its head is the longest prefix of those ids that the head alone
         encodes to, plus the token straddling the boundary if there is one.
         """
-        texts: list[str] = []
-        for kind, payload, _ in parts:
-            if kind == "text":
-                texts.append(payload)
-            elif kind == "split":
-                head, tail = payload
-                texts += [head, head + tail]
-        encoded = iter(self.processor.encode_texts(texts))
+        return self._build(parts, iter(self.processor.encode_texts(_texts(parts))))
+
+    def _build(self, parts: list[Part], encoded: Iterator[list[int]]) -> tuple[list[int], list[int]]:
+        """Ids and labels of `parts`, taking the ids of their texts (`_texts`) in turn from `encoded`."""
         input_ids: list[int] = []
         labels: list[int] = []
         for kind, payload, trained in parts:
@@ -115,6 +145,18 @@ class Template(ABC):
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
+
+
+def _texts(parts: list[Part]) -> list[str]:
+    """The texts `parts` tokenize, in order: one per "text" run, the head and then head + tail per "split" run."""
+    texts: list[str] = []
+    for kind, payload, _ in parts:
+        if kind == "text":
+            texts.append(payload)
+        elif kind == "split":
+            head, tail = payload
+            texts += [head, head + tail]
+    return texts
 
 
 _TEMPLATES: Registry[type[Template]] = Registry(

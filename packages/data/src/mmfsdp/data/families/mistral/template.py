@@ -42,9 +42,9 @@ class MistralTemplate(Template):
         self.system_ids = (tid(self.system_prefix), tid(self.system_suffix))
         self.user_ids = (tid(self.user_prefix), tid(self.user_suffix))
 
-    def encode(
+    def parts(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[int]]:
+    ) -> list[Part]:
         assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         parts: list[Part] = [("ids", [self.bos_id], prompt)]
@@ -58,4 +58,4 @@ class MistralTemplate(Template):
             parts.append(("ids", [self.user_ids[1]], prompt))
             trained = not self.mask_history or i == last
             parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]
-        return self._assemble(parts)
+        return parts

@@ -42,9 +42,9 @@ class Qwen3VLNoThinkTemplate(Template):
         self.start_id = processor.token_id(self.im_start)
         self.end_id = processor.token_id(self.im_end)
 
-    def encode(
+    def parts(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[int]]:
+    ) -> list[Part]:
         assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
@@ -59,7 +59,7 @@ class Qwen3VLNoThinkTemplate(Template):
             trained = not self.mask_history or i == last
             parts += self._assistant_parts(assistant, i == last, trained)
             parts += [("ids", [self.end_id], trained), newline]
-        return self._assemble(parts)
+        return parts
 
     def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
         """`assistant\\n` (prompt) and the answer (trained)."""
