@@ -55,6 +55,12 @@ def _mixed(out: Path) -> None:
     make_mixed_dataset(out, num_train=40, num_eval=6, seed=5)
 
 
+def _pairs(out: Path) -> None:
+    from mixed_data import make_mixed_pairs_dataset
+
+    make_mixed_pairs_dataset(out, num_train=40, num_eval=6, seed=5)
+
+
 def _video(out: Path) -> None:
     from mixed_data import make_mixed_video_dataset
 
@@ -104,6 +110,12 @@ def _jsonl(**extra) -> dict:
 
 DATASETS = {
     "mixed": Dataset(_mixed, _jsonl(**{"data.dataset_param.preprocess_parameters.cutoff_len": 160})),
+    # preference pairs of the mixed rows (chosen = the row's answer, rejected = another of a different length)
+    "pairs": Dataset(_pairs, _jsonl(**{
+        "data.dataset_param.preprocess_parameters.cutoff_len": 160,
+        "data.dataset_param.attr.ranking": "true",
+        "training.stage": "dpo",
+    })),
     "video": Dataset(_video, _jsonl(**{
         "data.dataset_param.attr.videos": "videos",
         "data.dataset_param.basic_parameters.shuffle": "false",  # rows in order: video, text, images, video, ...

@@ -231,6 +231,9 @@ class Evaluator:
         chance = result["chance"]
         chance_text = f" (chance {chance:.3f})" if chance is not None else ""
         log.info(f"eval: accuracy {result['accuracy']:.3f}{chance_text} on {result['num_samples']} held-out samples")
+        if "reward_accuracy" in result:
+            log.info(f"eval: reward accuracy {result['reward_accuracy']:.3f}, mean reward margin "
+                     f"{result['reward_margin']:.4g} on {result['num_pairs']} held-out pairs")
         if self.rank == 0:
             path = self.output_dir / "eval.json"
             path.write_text(json.dumps(result, indent=2) + "\n")
