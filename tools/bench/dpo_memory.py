@@ -71,7 +71,7 @@ def _overrides(args: dict, variant: str) -> list[str]:
         "data.dataset_param.basic_parameters.dataset_dir": work / "data",
         "data.dataset_param.basic_parameters.cache_dir": work / "cache",
         "data.dataset_param.synthetic.num_train": 4 * args["pairs"] * args["nproc"],
-        "data.dataset_param.synthetic.num_eval": 0,
+        "data.dataset_param.synthetic.num_eval": 2,
         "training.micro_batch_size": args["pairs"],
         "training.train_iters": 2,
         "training.output_dir": work / "out" / variant,
