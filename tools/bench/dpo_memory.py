@@ -128,6 +128,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dpo_memory_") as work:
         args["work"] = work
         _model_dir(Path(work), args["hidden"], args["layers"])
+        from mmfsdp.data import prepare_dataset
+        from mmfsdp.train.config import load_config
+
+        prepare_dataset(load_config(str(CONFIG), _overrides(args, "sft_full")).data)
         preload_for_ranks(*RANK_MODULES)
         ranks = run_distributed(_measure, args["nproc"], args, timeout=3600)
     peaks = {name: max(r[name]["peak_mib"] for r in ranks) for name in VARIANTS}
