@@ -57,6 +57,11 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
          "loader_samples_per_s": NUMBER, "keeps_step_fed": bool, "tokens_per_sample": int, "video_ratio": NUMBER,
          "video_tokens_per_sample": int},
     ),
+    "tools/bench/dpo_memory.py": (
+        ("--smoke",),
+        {"dpo_lora_over_sft_lora": NUMBER, "dpo_precomputed_over_sft_full": NUMBER, "dpo_frozen_over_sft_full": NUMBER,
+         "targets_met": bool},
+    ),
     "tools/bench/fsdp_grouping.py": (("--smoke",), {"grouped": dict, "ungrouped": dict, "grouped_speedup": NUMBER}),
     "tools/bench/llamafactory_run.py": (
         ("--smoke",),
