@@ -8,7 +8,8 @@ lengths; a pair's chosen and rejected sequences share its prompt and images.
 
 - qwen3vl-tiny, full fine-tuning with a frozen FSDP2-sharded reference: padded (the reference), padding-free,
   gradient accumulation 2, FSDP2 on 2 processes, Ulysses 2, Ring 2, Ring 2 with packing (against the 1-process
-  packed run that pads as Ring 2 does), chunk loss on 2 processes;
+  packed run that pads as Ring 2 does), chunk loss on 2 processes, a token budget with balance on 2 processes
+  (pairs are the planner's units);
 - the precomputed reference (`training.dpo.precompute_ref_logps`) against the live one (<= 1e-6);
 - LoRA (reference = the same model with its adapters off; adapters start non-zero so the reference differs from
   the policy at step 1) on 1 and 2 processes;
@@ -71,6 +72,8 @@ CASES = [
     _case("ring2", 2, {**PADDED, "parallel.ring_attention_size": 2}, "ref", {"dp": 1, "ring": 2}),
     _case("ring2_packed", 2, {**PACKED, "parallel.ring_attention_size": 2}, "ref_packed", {"dp": 1, "ring": 2}),
     _case("chunk_fsdp2", 2, {**MBS2, "features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16},
+          "ref", {"dp": 2}),
+    _case("budget_balance2", 2, {**MBS2, "training.micro_batch_tokens": 160, "data.dataloader_param.balance": "true"},
           "ref", {"dp": 2}),
     _case("lora_fsdp2", 2, {**LORA, **MBS2}, "lora_ref", {"dp": 2}),
     _case("moe_ep2", 2, {"training.micro_batch_size": 2, "parallel.expert_parallel_size": 2}, "moe_ref",
