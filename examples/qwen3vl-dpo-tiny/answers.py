@@ -5,8 +5,8 @@
 One process, greedy decoding (`generate`, up to 8 new tokens) of each held-out question of the pair data, the prompt
 rendered as the `qwen3_vl_nothink` template renders it for training. An answer is correct when it equals the chosen
 answer; a wrong one is counted as a wrong colour, a wrong shape, both, or something else. The share correct is the
-greedy answers' accuracy (the trainer's `eval.json` `accuracy` counts the same thing by teacher forcing). Prints one
-JSON line.
+greedy answers' accuracy (the trainer's `eval.json` `accuracy` counts the same thing by teacher forcing, in another
+computation; the README says by how much the two have differed). Prints one JSON line.
 """
 
 from __future__ import annotations
