@@ -1,0 +1,91 @@
+"""The DPO example in one command: SFT (sft.yaml), then DPO from its HF export (dpo.yaml); prints before and after.
+
+    uv run python examples/qwen3vl-dpo-tiny/run.py [KEY=VALUE ...]
+
+Two ordinary runs of `uv run apps/train` (2 CPU processes each, as the configs say), one after the other. The
+overrides go to both stages, except `training.output_dir=DIR` (default `outputs/qwen3vl-dpo-tiny`), which is the
+root of both: the SFT stage writes `DIR/sft` (its checkpoint in `DIR/sft/ckpt`, the HF export in
+`DIR/sft/ckpt/hf/iter_N`) and the DPO stage, which starts from that export (`training.load`), writes `DIR/dpo`
+(its checkpoint and HF export in `DIR/dpo/ckpt`).
+The end is `DIR/eval.json`: the DPO stage's eval.json (`accuracy`, `reward_accuracy`, `reward_margin` on the
+held-out pairs) with `sft_accuracy` (the SFT model's held-out accuracy on the same images: "before") and each
+stage's wall time. A stage that fails stops the script with its exit status. An SFT checkpoint already in
+`DIR/sft/ckpt` is resumed (a finished one trains nothing and only evaluates again), as for any run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+DEFAULT_OUT = "outputs/qwen3vl-dpo-tiny"
+
+
+def split_overrides(overrides: list[str]) -> tuple[Path, list[str]]:
+    """(the output root, the other overrides); an override without `=` is an error."""
+    out, rest = Path(DEFAULT_OUT), []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"run.py: expected KEY=VALUE, got {item!r}")
+        if key == "training.output_dir":
+            out = Path(value)
+        else:
+            rest.append(item)
+    return out, rest
+
+
+def sft_iters(overrides: list[str]) -> int:
+    """The SFT stage's `training.train_iters` (its HF export is `<save>/hf/iter_<that>`)."""
+    iters = yaml.safe_load((HERE / "sft.yaml").read_text())["training"]["train_iters"]
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "training.train_iters":
+            iters = int(value)
+    return iters
+
+
+def stage_commands(out: Path, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The two training commands: SFT into `out/sft`, then DPO from its HF export into `out/dpo`."""
+    sft_dir, dpo_dir = out / "sft", out / "dpo"
+    export = sft_dir / "ckpt" / "hf" / f"iter_{sft_iters(overrides):07d}"
+    app = ["uv", "run", "apps/train"]
+    sft = [*app, str(HERE / "sft.yaml"), *overrides, f"training.output_dir={sft_dir}", f"training.save={sft_dir}/ckpt"]
+    dpo = [*app, str(HERE / "dpo.yaml"), *overrides, f"training.output_dir={dpo_dir}", f"training.save={dpo_dir}/ckpt"]
+    return sft, [*dpo, f"training.load={export}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    out, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    out = out if out.is_absolute() else ROOT / out
+    result: dict = {}
+    for name, cmd in zip(("sft", "dpo"), stage_commands(out, overrides)):
+        print("$ " + " ".join(cmd), flush=True)
+        start = time.monotonic()
+        rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+        result[f"{name}_wall_s"] = round(time.monotonic() - start, 1)
+        if rc:
+            print(f"run.py: the {name} stage failed (exit status {rc})", file=sys.stderr)
+            return rc
+    sft_eval = json.loads((out / "sft" / "eval.json").read_text())
+    dpo_eval = json.loads((out / "dpo" / "eval.json").read_text())
+    result = {**dpo_eval, "sft_accuracy": sft_eval["accuracy"], **result}
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"held-out accuracy {sft_eval['accuracy']:.3f} after SFT -> {dpo_eval['accuracy']:.3f} after DPO; "
+        f"reward accuracy {dpo_eval['reward_accuracy']:.3f}, mean reward margin {dpo_eval['reward_margin']:.3f} "
+        f"(chance {dpo_eval['chance']:.3f}); wall {result['sft_wall_s']:.0f} s + {result['dpo_wall_s']:.0f} s; "
+        f"wrote {out / 'eval.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
