@@ -234,3 +234,30 @@ def test_initial_state_shape_is_checked():
     module = tiny_gdn()
     with pytest.raises(ValueError, match=r"initial_state must have shape \(2, 4, 8, 12\)"):
         gated_deltanet_forward(module, torch.randn(1, 10, 32), [0, 4, 10], initial_state=torch.zeros(3, 4, 8, 12))
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[100], [37, 91], [1, 64, 5, 130, 1, 63, 20]],
+    ids=["1-sample", "2-samples", "7-samples-with-length-1"],
+)
+def test_packed_layer_equals_its_own_per_sample_runs(lengths):
+    """The issue's bound, ≤ 1e-6 for outputs and every gradient: the packed row against the same layer run on each
+    sample alone (no `cu_seq_lens`), so only the boundaries differ (HF's fallback above is a second, independent
+    reference; it computes in fp32 internally and sums its per-sample graphs in another order)."""
+    module = tiny_gdn(conv_bias=True)
+    torch.manual_seed(2)
+    hidden = torch.randn(1, sum(lengths), 32, requires_grad=True)
+    cotangent = torch.randn(1, sum(lengths), 32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    outs, start = [], 0
+    for n in lengths:
+        outs.append(gated_deltanet_forward(module, hidden[:, start : start + n]))
+        start += n
+    want = torch.cat(outs, 1)
+    want_grads = grads(module, hidden, (want * cotangent).sum())
+    got = gated_deltanet_forward(module, hidden, cu_seq_lens=cu)
+    got_grads = grads(module, hidden, (got * cotangent).sum())
+    assert_close("output", got, want)
+    for name in want_grads:
+        assert_close(f"grad {name}", got_grads[name], want_grads[name], TOLERANCE)
