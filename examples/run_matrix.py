@@ -29,6 +29,8 @@ EXAMPLES = {
     "moe": "qwen3vl-moe-tiny",
     "video": "qwen3vl-video-tiny",
     "dpo": "qwen3vl-dpo-tiny",
+    "qwen3_5": "qwen3_5-tiny",
+    "qwen3_5_moe": "qwen3_5-moe-tiny",
 }
 """Short name -> directory under examples/ (the directory name is accepted too)."""
 WRITES_DATA = {"qwen3vl-video-tiny"}
@@ -49,7 +51,9 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", default="video,tiny,qwen3vl,moe", help="comma list of " + ", ".join(EXAMPLES))
+    parser.add_argument(
+        "--examples", default="video,tiny,qwen3vl,moe,qwen3_5,qwen3_5_moe", help="comma list of " + ", ".join(EXAMPLES)
+    )
     parser.add_argument("--seeds", default="1,2,3", help="comma list of training.seed values")
     parser.add_argument("--layouts", default="padded,padding_free", help="comma list of " + ", ".join(LAYOUTS))
     parser.add_argument("--out", default=str(ROOT / "outputs" / "matrix"), help="where each run's output_dir goes")

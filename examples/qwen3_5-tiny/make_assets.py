@@ -32,8 +32,10 @@ def qwen3vl_assets():
     return module
 
 
-def write_model_config(out: Path, ids: dict[str, int], assets) -> None:
-    config = get_model_entry("qwen3_5").testkit.tiny_config(
+def write_model_config(out: Path, ids: dict[str, int], assets, model_id: str = "qwen3_5", **text_extra) -> None:
+    """`config.json` of a `model_id` family (`qwen3_5`, or `qwen3_5_moe` with `text_extra`'s MoE sizes) at the
+    dimensions below."""
+    config = get_model_entry(model_id).testkit.tiny_config(
         vocab_size=ids["vocab_size"],
         image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"],
@@ -47,6 +49,7 @@ def write_model_config(out: Path, ids: dict[str, int], assets) -> None:
                 "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
                 "mrope_interleaved": True,
             },
+            **text_extra,
         },
         vision_config={
             "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 128,
@@ -57,16 +60,22 @@ def write_model_config(out: Path, ids: dict[str, int], assets) -> None:
     config.save_pretrained(out)
 
 
+def write_tokenizer_and_processor(out: Path, assets) -> dict[str, int]:
+    """The tokenizer (with the Qwen3.5 chat template) and the image processor; returns the tokenizer's ids."""
+    ids = assets.write_tokenizer(out)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE.read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    assets.write_image_processor(out)
+    return ids
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "assets"
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     assets = qwen3vl_assets()
-    ids = assets.write_tokenizer(out)
-    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE.read_text()
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    assets.write_image_processor(out)
+    ids = write_tokenizer_and_processor(out, assets)
     write_model_config(out, ids, assets)
     print(f"wrote {out}: {sorted(p.name for p in out.iterdir())}")
