@@ -122,6 +122,20 @@ def test_the_magistral_layout_means_what_it_says(paths, tmp_path):
 
 # (their key, a value, our key, the value we expect): every `Alias` with a target of every section.
 ALIASES = [
+    # preference training: LLaMA-Factory's top-level keys, theirs and MindSpeed-LLM's under training:, TRL's
+    ("stage", "dpo", "training.stage", "dpo"),
+    *(
+        (f"{prefix}{theirs}", value, ours, value)
+        for prefix in ("", "training.")
+        for theirs, value, ours in (
+            ("pref_beta", 0.3, "training.dpo.beta"), ("pref_loss", "ipo", "training.dpo.loss_type"),
+            ("pref_ftx", 0.5, "training.dpo.rpo_alpha"), ("dpo_label_smoothing", 0.1, "training.dpo.label_smoothing"),
+        )
+    ),
+    ("training.dpo_beta", 0.3, "training.dpo.beta", 0.3),
+    ("training.dpo_loss_type", "ipo", "training.dpo.loss_type", "ipo"),
+    ("training.precompute_ref_log_probs", True, "training.dpo.precompute_ref_logps", True),
+    ("training.dpo.precompute_ref_log_probs", True, "training.dpo.precompute_ref_logps", True),
     ("data.dataset_param.basic_parameters.cutoff_len", 77, "data.dataset_param.preprocess_parameters.cutoff_len", 77),
     *(
         (f"data.dataset_param.basic_parameters.{key}", value, f"data.dataset_param.preprocess_parameters.{key}", value)

@@ -150,7 +150,7 @@ def _checkpointer(tmp_path, monkeypatch, *, save_interval, before_save=lambda: N
     monkeypatch.setattr("mmfsdp.train.checkpointer.save_checkpoint",
                         lambda root, step, **kw: saved.append((step, kw["trainable_only"], kw["app_state"])))
     cfg = SimpleNamespace(save=str(tmp_path / "ckpt"), save_interval=save_interval, no_save_optim=False,
-                          save_async=False, save_total_limit=None, save_format=save_format)
+                          save_async=False, save_total_limit=None, save_format=save_format, stage="sft")
     state = SimpleNamespace(state_dict=lambda: {"step": "app"}, rank_state_dict=lambda: {"loader": "rank"})
     trainable = Trainable(SimpleNamespace(enable=False), freeze=None, entry=None, seed=0)
     ckpt = Checkpointer(cfg, hf_source=None, model=None, optimizer=None, state=state, trainable=trainable,

@@ -66,7 +66,7 @@ class DPOConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
     stage: Literal["sft", "dpo"] = "sft"
-    """What a step minimises: sft (cross-entropy of the answers) or dpo (a preference loss on chosen/rejected pairs, `training.dpo`; the data must be pairwise). LLaMA-Factory's `stage`."""
+    """What a step minimises: sft (cross-entropy of the answers) or dpo (a preference loss on chosen/rejected pairs, `training.dpo`; the data is read as pairs: `data.dataset_param.attr.ranking` is set true). LLaMA-Factory's `stage`."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference training (`stage: dpo`): loss, β, the SFT term and the reference (docs/preference.md)."""
     lr: float = 1.0e-5
@@ -336,6 +336,9 @@ class Config:
 
     def __post_init__(self) -> None:
         fill_family_data_defaults(self.model.model_id, self.data)
+        if self.training.stage == "dpo":
+            # a DPO run reads pairs: its rows are preference rows (a row without a rejected answer is a bad row)
+            self.data.dataset_param.attr.ranking = True
 
 
 def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:
@@ -473,12 +476,6 @@ def check_sections(cfg: Config) -> None:
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
         )
     ranking = cfg.data.dataset_param.attr.ranking
-    if t.stage == "dpo" and not ranking:
-        raise ConfigError(
-            "data.dataset_param.attr.ranking",
-            "training.stage: dpo trains on preference pairs: set ranking: true and give rows with a chosen and a "
-            "rejected answer (docs/preference.md lists the formats)",
-        )
     if t.stage == "sft" and ranking:
         warn_once(
             "data.dataset_param.attr.ranking is true with training.stage: sft: the run trains on the rejected answers "
