@@ -80,7 +80,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
     optimizer: Literal["adamw", "adamw_swap"] = "adamw"
-    """Optimizer; AdamW uses the fused kernel on CUDA/NPU and foreach on the CPU; adamw_swap is the same AdamW with its moments in pinned host memory, streamed to the device in buckets for the update (docs/parallelism.md)."""
+    """Optimizer; AdamW uses torch's fused kernel (CUDA, NPU and the CPU: one pass over the states, about 4x faster than foreach on the CPU); adamw_swap is the same AdamW with its moments in pinned host memory, streamed to the device in buckets for the update (docs/parallelism.md)."""
     swap_optimizer_times: int = 16
     """adamw_swap: number of buckets the optimizer state streams through the device in per step (more buckets: less device memory, more copies)."""
     adam_beta1: float = 0.9
@@ -155,7 +155,7 @@ class TrainingConfig:
         "dpo_label_smoothing": Alias("training.dpo.label_smoothing"),
         "precompute_ref_log_probs": Alias("training.dpo.precompute_ref_logps"),
         "save_format": Alias(values={"auto": "dcp"}),
-        "adam_fused": Ignored("AdamW is fused on CUDA and NPU and uses foreach on the CPU"),
+        "adam_fused": Ignored("AdamW is always fused (torch's fused kernel, on every device)"),
         "plugin": Ignored("model and dataset code comes from mmfsdp's registered packages, not from paths"),
         "quantization_plan": Ignored("low-precision (MXFP8) training is not implemented; the run computes in the configured dtypes"),
         "no_save_rng": Ignored("RNG states are always saved (a few KB); no_load_rng decides whether a resume restores them"),

@@ -149,28 +149,40 @@ def _compute_row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: i
     return segments
 
 
+def _split_segments(x_BHSD: torch.Tensor, segments: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each packed sequence of `x` as an `[H, L, D]` view, in order: the rows unbound, each row split at its
+    sequence boundaries (their backward is one `stack` and one `cat` per row, not a full-size zero tensor per
+    sequence as indexing or slicing would give)."""
+    seq_len = x_BHSD.shape[2]
+    rows = x_BHSD.unbind(0)
+    sizes: list[list[int]] = [[] for _ in rows]
+    for start, end in segments:
+        sizes[start // seq_len].append(end - start)
+    return [piece for row, row_sizes in zip(rows, sizes) for piece in row.split(row_sizes, dim=1)]
+
+
 def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causal: bool, **kwargs):
     """SDPA on each packed sequence alone, sequences of one length batched together; `[B, S, H, D]` out.
 
     The same maths as the block-diagonal mask without its `T × T` mask (and, where SDPA falls back to the
-    math kernel, score matrix): memory grows with the longest sequence, not with the whole packed batch."""
-    batch_size, num_heads, seq_len, head_dim = query_BHSD.shape
-    q_THD = query_BHSD.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)
-    k_TKD = key_BKSD.transpose(1, 2).reshape(batch_size * seq_len, key_BKSD.shape[1], head_dim)
-    v_TKD = value_BKSD.transpose(1, 2).reshape(batch_size * seq_len, value_BKSD.shape[1], value_BKSD.shape[3])
+    math kernel, score matrix): memory grows with the longest sequence, not with the whole packed batch. The
+    sequences are views of the inputs (no gather), and the outputs are put back in order by one `cat`."""
+    batch_size, num_heads, seq_len, _ = query_BHSD.shape
+    q_pieces, k_pieces, v_pieces = (_split_segments(x, segments) for x in (query_BHSD, key_BKSD, value_BKSD))
     by_length: dict[int, list[int]] = {}
-    for start, end in segments:
-        by_length.setdefault(end - start, []).append(start)
-    order, outputs = [], []
-    for length, starts in by_length.items():
-        index_NL = torch.tensor(starts, device=q_THD.device)[:, None] + torch.arange(length, device=q_THD.device)
+    for i, (start, end) in enumerate(segments):
+        by_length.setdefault(end - start, []).append(i)
+    outputs: list[torch.Tensor | None] = [None] * len(segments)
+    for members in by_length.values():
+        def batch(pieces):
+            return pieces[members[0]][None] if len(members) == 1 else torch.stack([pieces[i] for i in members])
+
         out_NLHD, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module, q_THD[index_NL].transpose(1, 2), k_TKD[index_NL].transpose(1, 2), v_TKD[index_NL].transpose(1, 2),
-            None, is_causal=causal, **kwargs,
+            module, batch(q_pieces), batch(k_pieces), batch(v_pieces), None, is_causal=causal, **kwargs,
         )
-        order.append(index_NL.reshape(-1))
-        outputs.append(out_NLHD.reshape(-1, num_heads, out_NLHD.shape[-1]))
-    out_THD = torch.cat(outputs)[torch.argsort(torch.cat(order))]
+        for i, out_LHD in zip(members, out_NLHD.unbind(0)):
+            outputs[i] = out_LHD
+    out_THD = torch.cat(outputs)
     return out_THD.view(batch_size, seq_len, num_heads, -1), None
 
 

@@ -55,6 +55,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.parallel.config import FSDPPlanConfig
+from mmfsdp.parallel.direct_comm import install_direct_comm
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.patterns import match_module_names
 
@@ -138,16 +139,21 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
     num_params = {name: sum(p.numel() for p in model.get_submodule(name).parameters()) for name, _ in matched}
     sharded = group_small_modules(matched, num_params, plan.min_group_params, root_mesh)
     last = sharded[-1][0] if sharded else None
+    direct = 0
     for names, mesh in sorted(sharded, key=lambda item: item[0][0].count("."), reverse=True):
         modules = [model.get_submodule(name) for name in names]
         kept = {"reshard_after_forward": False} if names is last else {}
         fully_shard(modules[0] if len(modules) == 1 else modules, **{**options(mesh), **kept})
+        # a list of modules shares one FSDP2 state: its first module sets the group's collectives
+        direct += plan.direct_cpu_comm and install_direct_comm(modules[0], mesh.get_group(mesh.ndim - 1))
     fully_shard(model, **{**options(root_mesh), "reshard_after_forward": False})
+    direct += plan.direct_cpu_comm and install_direct_comm(model, root_mesh.get_group(root_mesh.ndim - 1))
     firsts = [model.get_submodule(names[0]) for names, _ in sharded]  # a group's prefetch handle: its first module
     _set_prefetch(firsts, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
     get_logger(__name__).info(
-        "FSDP2: %d modules in %d groups + root on mesh %s, param_dtype=%s reduce_dtype=%s",
+        "FSDP2: %d modules in %d groups + root on mesh %s, param_dtype=%s reduce_dtype=%s%s",
         len(matched), len(sharded), tuple(root_mesh.shape), plan.param_dtype, plan.reduce_dtype,
+        f", direct gloo exchanges on {direct} groups" if direct else "",
     )
     return model
 
