@@ -67,9 +67,10 @@ def command(config: Path, items: dict, nproc: int = 2) -> list[str]:
     return [sys.executable, str(APP), str(config), *overrides(items), "--nproc-per-node", str(nproc)]
 
 
-def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the app to its end; a non-zero exit fails the test with the output's tail."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the app to its end (in `env`, default this process's environment); a non-zero exit fails the test with
+    the output's tail."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

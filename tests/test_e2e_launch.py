@@ -50,7 +50,9 @@ def test_the_launcher_writes_its_console_and_every_ranks_to_one_log(tmp_path_fac
     data = prepared_data(tmp_path_factory)
     out = tmp_path / "run"
     run_items = {**items(data, out), "training.train_iters": 2, "training.save_interval": 0}
-    proc = apprun.run(apprun.command(TINY, run_items), timeout=300)
+    # as a user starts it: OMP_NUM_THREADS unset (the suite's conftest sets it for the tests' own processes)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = apprun.run(apprun.command(TINY, run_items), timeout=300, env=env)
     logs = sorted((out / "logs").iterdir())
     assert len(logs) == 1 and re.fullmatch(r"train_\d{8}_\d{6}\.log", logs[0].name), logs
     text = logs[0].read_text()
@@ -62,4 +64,7 @@ def test_the_launcher_writes_its_console_and_every_ranks_to_one_log(tmp_path_fac
     steps = [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert re.search(r"step 2/2 \| loss ", text), "rank 0's step lines"
+    # torchrun's one compute thread per rank, although the launcher had loaded torch (one thread per core) before it
+    # set OMP_NUM_THREADS and forked them
+    assert "torch intra-op threads per rank: 1 (OMP_NUM_THREADS=1)" in text, text[:3000]
     assert "evaluation" in text.lower() or "accuracy" in text.lower(), text[-2000:]

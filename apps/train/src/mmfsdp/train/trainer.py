@@ -449,7 +449,8 @@ def start_rank(cfg: Config) -> str:
     """This rank's device type, with deterministic algorithms when `training.deterministic` asks (before the
     process group: HCCL reads its switch when it starts) and the process group joined (an existing one is kept);
     torch's intra-op threads as `OMP_NUM_THREADS` says (`set_intra_op_threads`)."""
-    set_intra_op_threads()
+    log.info("torch intra-op threads per rank: %d (OMP_NUM_THREADS=%s)", set_intra_op_threads(),
+             os.environ.get("OMP_NUM_THREADS", "unset"))
     device_type = detect_device_type()
     if cfg.training.deterministic:
         use_deterministic(device_type)
