@@ -11,7 +11,7 @@ order (rank 0's part + rank 1's + ...), then divides for `AVG`: on 2 ranks that 
 bitwise; on more ranks the order of the additions may differ from gloo's ring (a rounding-level difference,
 as between any two collective algorithms). Any other reduce op goes to torch's own reduce-scatter.
 
-`install_direct_comm(module)` sets them on an FSDP2 module (`FSDPModule.set_custom_all_gather` /
+`install_direct_comm(module, group)` sets them on an FSDP2 module (`FSDPModule.set_custom_all_gather` /
 `set_custom_reduce_scatter`, torch >= 2.8) whose process group is gloo; on other backends (NCCL, HCCL), on a
 torch without those hooks and on a group of one rank it leaves FSDP2's own collectives. It returns whether it
 installed them. Both run synchronously (on the CPU there is no separate stream to overlap them with) and return
