@@ -179,6 +179,16 @@ def _flat_targets(hidden_states: torch.Tensor, shift_labels: torch.Tensor, loss_
     return hidden_TH, targets_T, weights_T
 
 
+def _trained_rows(hidden_TH, targets_T, weights_T, keep_T=None, *extra_T):
+    """The rows that carry loss (a target, a non-zero weight and `keep_T` where given) of the hidden states, the
+    targets, the weights and each of `extra_T`: only they need logits."""
+    mask_T = (targets_T != IGNORE_INDEX) & (weights_T != 0)
+    if keep_T is not None:
+        mask_T &= keep_T
+    trained = mask_T.nonzero().squeeze(1)
+    return tuple(t.index_select(0, trained) for t in (hidden_TH, targets_T, weights_T, *extra_T))
+
+
 def chunked_linear_sequence_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -194,16 +204,9 @@ def chunked_linear_sequence_cross_entropy(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
     ids_T = sequence_ids.reshape(-1).to(hidden_TH.device)
-    trained = ((targets_T != IGNORE_INDEX) & (weights_T != 0) & (ids_T >= 0)).nonzero().squeeze(1)
+    hidden_NH, targets_N, weights_N, ids_N = _trained_rows(hidden_TH, targets_T, weights_T, ids_T >= 0, ids_T)
     return _ChunkedLinearSequenceCrossEntropy.apply(
-        hidden_TH.index_select(0, trained),
-        weight,
-        bias,
-        targets_T.index_select(0, trained),
-        weights_T.index_select(0, trained),
-        ids_T.index_select(0, trained).to(torch.int64),
-        num_sequences,
-        chunk_size,
+        hidden_NH, weight, bias, targets_N, weights_N, ids_N.to(torch.int64), num_sequences, chunk_size,
     )
 
 
@@ -218,14 +221,13 @@ def chunked_linear_cross_entropy(
     """Σ_t w_t · CE(hidden_t · Wᵀ + b, y_t) in fp32, chunk by chunk; equals `weighted_cross_entropy` of the logits."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
-    trained = ((targets_T != IGNORE_INDEX) & (weights_T != 0)).nonzero().squeeze(1)
+    hidden_NH, targets_N, weights_N = _trained_rows(*_flat_targets(hidden_states, shift_labels, loss_weights))
     return _ChunkedLinearCrossEntropy.apply(
-        hidden_TH.index_select(0, trained),
+        hidden_NH,
         weight,
         bias,
-        targets_T.index_select(0, trained),
-        weights_T.index_select(0, trained),
+        targets_N,
+        weights_N,
         chunk_size,
         torch.is_grad_enabled(),
     )
