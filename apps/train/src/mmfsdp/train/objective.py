@@ -101,7 +101,7 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 def _sequence_logps(model, inputs: dict[str, Any], seq: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
-        return -model(**inputs, **seq).loss.detach().float()
+        return -model(**inputs, **seq).loss.detach()
 
 
 def pairs_with_targets(counts: torch.Tensor) -> torch.Tensor:

@@ -94,12 +94,23 @@ def shift_labels(labels: torch.Tensor, cu_seq_lens: torch.Tensor | None = None) 
     return out
 
 
-def weighted_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
-    """Σ_t w_t · CE(logits_t, y_t) in fp32 over all positions; targets -100 contribute 0."""
-    per_token = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype losses are computed in for inputs of `dtype`: fp32 for fp32 and narrower, fp64 for fp64 (a fp64
+    reference run stays fp64 end to end)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _per_token_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).to(loss_dtype(logits.dtype)), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none",
     )
-    return (per_token * loss_weights.reshape(-1).to(torch.float32)).sum()
+
+
+def weighted_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
+    """Σ_t w_t · CE(logits_t, y_t) in fp32 (fp64 for fp64 logits) over all positions; targets -100 contribute 0."""
+    per_token = _per_token_cross_entropy(logits, shift_labels)
+    return (per_token * loss_weights.reshape(-1).to(per_token.dtype)).sum()
 
 
 def sample_ids(shape: torch.Size | tuple[int, ...], cu_seq_lens: torch.Tensor | None = None, device=None) -> torch.Tensor:
@@ -112,13 +123,11 @@ def sequence_cross_entropy(
     logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor, sequence_ids: torch.Tensor,
     num_sequences: int,
 ) -> torch.Tensor:
-    """fp32 `[num_sequences]`: `out[k] = Σ_{t : sequence_ids[t] = k} w_t · CE(logits_t, y_t)`; tokens with target
+    """fp32 (fp64 for fp64 logits) `[num_sequences]`: `out[k] = Σ_{t : sequence_ids[t] = k} w_t · CE(logits_t, y_t)`; tokens with target
     -100 or a negative sequence id add nothing. With `w_t = 1` on the trained tokens, `-out[k]` is the log-probability
     of sequence k's trained tokens (what preference losses compare)."""
-    per_token = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return segment_sum(per_token * loss_weights.reshape(-1).to(torch.float32), sequence_ids, num_sequences)
+    per_token = _per_token_cross_entropy(logits, shift_labels)
+    return segment_sum(per_token * loss_weights.reshape(-1).to(per_token.dtype), sequence_ids, num_sequences)
 
 
 def segment_sum(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:

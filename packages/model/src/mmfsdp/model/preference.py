@@ -37,6 +37,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from mmfsdp.model.loss import loss_dtype
+
 __all__ = ["PreferenceLossType", "PREFERENCE_LOSS_TYPES", "PairTerms", "pair_losses", "pair_objective", "PAIR_STATS"]
 
 PreferenceLossType = Literal["sigmoid", "robust", "hinge", "ipo", "sigmoid_norm"]
@@ -52,9 +54,9 @@ class PairTerms:
     """One micro-batch's pairs: per-pair losses and the statistics' per-pair values (`PAIR_STATS` order)."""
 
     losses: torch.Tensor
-    """`[P]` fp32, differentiable."""
+    """`[P]` fp32 (fp64 for fp64 log-probabilities), differentiable."""
     stats: torch.Tensor
-    """`[len(PAIR_STATS), P]` fp32, detached."""
+    """`[len(PAIR_STATS), P]` in the losses' dtype, detached."""
 
 
 def pair_losses(
@@ -70,8 +72,8 @@ def pair_losses(
     `logps`, the reference's `ref_logps` and each sequence's trained-token count `num_tokens` (module docstring)."""
     if logps.shape[0] % 2:
         raise ValueError(f"{logps.shape[0]} sequences are not whole pairs")
-    logps = logps.float()
-    ref_logps = ref_logps.to(logps.device, torch.float32)
+    logps = logps.to(loss_dtype(logps.dtype))
+    ref_logps = ref_logps.to(logps.device, logps.dtype)
     chosen, rejected = logps[0::2], logps[1::2]
     chosen_ratio = chosen - ref_logps[0::2]
     rejected_ratio = rejected - ref_logps[1::2]
@@ -85,7 +87,7 @@ def pair_losses(
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * delta)
     elif loss_type in ("ipo", "sigmoid_norm"):
-        counts = num_tokens.to(logps.device, torch.float32).clamp(min=1.0)
+        counts = num_tokens.to(logps.device, logps.dtype).clamp(min=1.0)
         normalised = chosen_ratio / counts[0::2] - rejected_ratio / counts[1::2]
         if loss_type == "ipo":
             losses = (normalised - 1 / (2 * beta)) ** 2
@@ -96,7 +98,7 @@ def pair_losses(
     with torch.no_grad():
         chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
         margins = chosen_rewards - rejected_rewards
-        stats = torch.stack([chosen_rewards, rejected_rewards, margins, (chosen_rewards > rejected_rewards).float(),
+        stats = torch.stack([chosen_rewards, rejected_rewards, margins, (chosen_rewards > rejected_rewards).to(logps.dtype),
                              chosen, rejected])
     return PairTerms(losses=losses, stats=stats.detach())
 
@@ -123,9 +125,10 @@ def pair_objective(
     if valid is not None:
         keep = valid.to(device=terms.losses.device, dtype=torch.bool)
         terms = PairTerms(losses=torch.where(keep, terms.losses, 0.0), stats=torch.where(keep, terms.stats, 0.0))
-    pairs = torch.as_tensor(num_pairs_global, dtype=torch.float32, device=sequence_ce.device).clamp(min=1.0)
+    dtype = terms.losses.dtype
+    pairs = torch.as_tensor(num_pairs_global, device=sequence_ce.device).to(dtype).clamp(min=1.0)
     loss = terms.losses.sum() / pairs
     if rpo_alpha:
-        chosen_tokens = torch.as_tensor(num_chosen_tokens_global, dtype=torch.float32, device=sequence_ce.device)
+        chosen_tokens = torch.as_tensor(num_chosen_tokens_global, device=sequence_ce.device).to(dtype)
         loss = loss + rpo_alpha * sequence_ce[0::2].sum() / chosen_tokens.clamp(min=1.0)
     return loss, terms

@@ -6,7 +6,9 @@ round-trip tests' helpers (`mm-convert GenericDCPConverter ...`, returning its e
 `model_pair(config)` builds our wrapper (the registered family whose
 `config_class` the config is) and the plain HF model with the same random
 weights; `model_inputs(batch)` is every key of a batch but the labels; `rel_diff(a, b)` is the tensor-wise relative difference the
-parity tests bound (max |a − b| / max |b|).
+parity tests bound (max |a − b| / max |b|); `assert_close(actual, expected, tol, what)` bounds it and records the
+measured value against its bound where `MMFSDP_RECORD_MARGINS` names a file (`tools/tolerance_margins.py` reads
+them: how close each test comes to its tolerance on this machine).
 
 A family's own synthetic batches live with the family (`mmfsdp.model.families.<model_id>.testing`) and reach
 generic tests through its spec's test kit (`entry.testkit.tiny_config` / `entry.testkit.test_batch`).
@@ -15,6 +17,9 @@ generic tests through its spec's test kit (`entry.testkit.tiny_config` / `entry.
 from __future__ import annotations
 
 import copy
+import json
+import os
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -26,6 +31,7 @@ from mmfsdp.model.training_forward import model_inputs
 __all__ = [
     "model_pair",
     "rel_diff",
+    "assert_close",
     "model_inputs",
     "read_safetensors",
     "assert_bit_exact",
@@ -38,6 +44,25 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double(), expected.detach().double()
     scale = expected.abs().max().item() if expected.numel() else 0.0
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0) if actual.numel() else 0.0
+
+
+MARGINS_ENV = "MMFSDP_RECORD_MARGINS"
+"""A JSON-lines file each `assert_close` appends its measured difference and bound to; unset: nothing recorded."""
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> float:
+    """Assert `rel_diff(actual, expected) <= tol` (the message names `what` and both numbers); return the difference.
+
+    Where `MMFSDP_RECORD_MARGINS` is set, the measurement is appended there with the running test's id, so that
+    the margin between what a test measures and its bound is seen on every machine before it runs out."""
+    diff = rel_diff(actual, expected)
+    target = os.environ.get(MARGINS_ENV)
+    if target:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        with open(target, "a") as out:
+            out.write(json.dumps({"test": test, "what": what, "diff": diff, "tol": tol}) + "\n")
+    assert diff <= tol, f"{what}: relative difference {diff:.3g} > {tol:.3g}"
+    return diff
 
 
 def read_safetensors(directory) -> dict[str, torch.Tensor]:
@@ -64,18 +89,22 @@ def mm_convert(*argv) -> int:
 
 
 def model_pair(
-    config: PretrainedConfig, *, attn: str = "mmfsdp_sdpa", hf_attn: str = "sdpa", seed: int = 0
+    config: PretrainedConfig, *, attn: str = "mmfsdp_sdpa", hf_attn: str = "sdpa", seed: int = 0,
+    same_kernels: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
     """Our wrapper (attention `attn`) and the plain HF model (attention `hf_attn`) with the same random weights.
 
+    With `same_kernels`, the HF model runs our attention `attn` and the family's vision code path too
+    (`FamilyTestKit.same_kernels`): for tests that compare something else than the model's forward (a loss, a
+    stage against its reference implementation), whose tolerance should not measure two kernels' rounding.
     Each model gets its own copy of `config` (HF keeps the attention choice on the config object).
     """
-    (ours_class,) = [
-        entry.model_class for entry in map(get_model_entry, registered_model_ids()) if type(config) is entry.config_class
-    ]
-    reference_class = ours_class.__bases__[-1]  # (TrainingForwardMixin, the HF class)
+    (entry,) = [entry for entry in map(get_model_entry, registered_model_ids()) if type(config) is entry.config_class]
+    reference_class = entry.model_class.__bases__[-1]  # (TrainingForwardMixin, the HF class)
     torch.manual_seed(seed)
-    reference = reference_class._from_config(copy.deepcopy(config), attn_implementation=hf_attn)
-    ours = ours_class._from_config(copy.deepcopy(config), attn_implementation=attn)
+    reference = reference_class._from_config(copy.deepcopy(config), attn_implementation=attn if same_kernels else hf_attn)
+    if same_kernels:
+        entry.testkit.same_kernels(reference)
+    ours = entry.model_class._from_config(copy.deepcopy(config), attn_implementation=attn)
     ours.load_state_dict(reference.state_dict())
     return ours, reference

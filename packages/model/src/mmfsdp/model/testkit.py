@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PretrainedConfig
 
 __all__ = ["FamilyTestKit"]
@@ -29,3 +30,9 @@ class FamilyTestKit:
         """A collated batch for the tiny `config`: rows of different lengths with right padding and `labels`;
         with `images`, images of different sizes in some rows and none in others; without, no vision input."""
         raise NotImplementedError(f"{type(self).__name__} has no test_batch")
+
+    def same_kernels(self, reference: nn.Module) -> None:
+        """Make a plain HF model of the family run the code path our wrapper runs where the two differ only in how
+        they compute the same maths (which attention calls a vision tower makes), so that a comparison with our
+        wrapper measures what it means to (a loss, a stage), not kernel rounding (`testing.model_pair`'s
+        `same_kernels`). Nothing by default: the family's HF model already runs our path."""

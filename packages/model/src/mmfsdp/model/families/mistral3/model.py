@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 from transformers.models.mistral3.modeling_mistral3 import Mistral3Model
 
@@ -136,6 +137,11 @@ class Mistral3Costs(FamilyCosts):
 
 class Mistral3TestKit(FamilyTestKit):
     """Tiny Mistral3 configs and batches (`testing.tiny_batch`)."""
+
+    def same_kernels(self, reference: nn.Module) -> None:
+        """HF's Pixtral tower attends over all patches of a batch with a dense block mask; ours attends per image
+        (`vision.install_per_image_attention`): the HF model gets the same per-image calls."""
+        install_per_image_attention(reference.model.vision_tower)
 
     def test_batch(self, config: Mistral3Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         """`testing.tiny_batch`: 3 rows of 32 tokens (two padded); with images, one in each of the
