@@ -33,6 +33,7 @@ No other module compares `training.stage` (tests/test_stage_isolation.py).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import os
@@ -108,7 +109,7 @@ class MemoryTerm:
     """How it is counted, in the plan's line."""
 
 
-class Objective:
+class Objective(abc.ABC):
     """One training stage (module docstring): class-level hooks that answer for a config before any process
     exists, and an instance, built by `build`, that runs the steps. The defaults are a stage with nothing beside
     the policy."""
@@ -156,17 +157,20 @@ class Objective:
 
     # -- the run -----------------------------------------------------------------------------------------------------
     @classmethod
+    @abc.abstractmethod
     def build(cls, ctx: ObjectiveContext) -> Objective:
         """The objective of a run, with the models it holds beside the policy."""
-        raise NotImplementedError(f"{cls.__name__}.build")
 
+    @abc.abstractmethod
     def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
-        raise NotImplementedError
+        """Before the step's first forward: what the step needs from all its micro-batches (global normalisers)."""
 
+    @abc.abstractmethod
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
-        raise NotImplementedError
+        """The forward(s) of micro-batch `index`: the model output and this rank's share of the step objective."""
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        """The step's statistics (device tensors) and the collectives still writing into them."""
         return {}, []
 
     def eval_metrics(self) -> Any | None:
