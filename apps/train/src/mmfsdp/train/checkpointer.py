@@ -9,7 +9,9 @@ and the HF export of each save (`training.save_format: hf`). File formats are `m
 - Before each save it calls `before_save` (the metrics component's `check`): a step whose loss or
   gradient norm is not finite raises there, so it is never saved.
 - What is saved comes from the `Trainable` (adapter-only under LoRA, with the adapter settings); the trainer's
-  `state_dict()` (the same on every rank) and `rank_state_dict()` (this rank's data position) go with it.
+  `state_dict()` (the same on every rank) and `rank_state_dict()` (this rank's data position) go with it, and the
+  stage's `checkpoint_metadata()` (the stage that trained it: a run of another stage starts from its weights
+  instead of resuming it, `mmfsdp.train.start`).
 - With `save_format: hf`, rank 0 converts the checkpoint just published to an HF directory (an async save is
   waited for first).
 """
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from mmfsdp.ckpt import export_checkpoint_hf, finalize_pending, load_checkpoint, save_checkpoint
 from mmfsdp.config import get_logger
+from mmfsdp.train.stages import objective_class
 from mmfsdp.train.supervise import LoopHeartbeat
 from mmfsdp.train.trainable import Trainable
 
@@ -55,6 +58,8 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.state = state
+        self.stage = objective_class(training_cfg.stage)
+        """The stage's objective class: what its checkpoints record (`checkpoint_metadata`)."""
         self.trainable = trainable
         self.heartbeat = heartbeat
         self.rank = rank
@@ -85,8 +90,7 @@ class Checkpointer:
         t = self.cfg
         self.before_save()
         options = self.trainable.save_options()
-        # the stage that trained it: a run of another stage starts from its weights instead of resuming it
-        options["metadata"] = {**(options["metadata"] or {}), "stage": t.stage}
+        options["metadata"] = {**(options["metadata"] or {}), **self.stage.checkpoint_metadata()}
         with self.heartbeat.paused(f"saving the checkpoint of step {step}", step):
             save_checkpoint(
                 t.save, step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,

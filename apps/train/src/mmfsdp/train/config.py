@@ -25,6 +25,7 @@ from mmfsdp.data import DataConfig, has_eval_data
 from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
+from mmfsdp.train.stages import STAGE_NAMES, objective_class
 
 
 def detect_load_format(load: str | None) -> Literal["dcp", "hf"]:
@@ -65,7 +66,7 @@ class DPOConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    stage: Literal["sft", "dpo"] = "sft"
+    stage: Literal[STAGE_NAMES] = "sft"
     """What a step minimises: sft (cross-entropy of the answers) or dpo (a preference loss on chosen/rejected pairs, `training.dpo`; the data is read as pairs: `data.dataset_param.attr.ranking` is set true). LLaMA-Factory's `stage`."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference training (`stage: dpo`): loss, β, the SFT term and the reference (docs/preference.md)."""
@@ -336,9 +337,7 @@ class Config:
 
     def __post_init__(self) -> None:
         fill_family_data_defaults(self.model.model_id, self.data)
-        if self.training.stage == "dpo":
-            # a DPO run reads pairs: its rows are preference rows (a row without a rejected answer is a bad row)
-            self.data.dataset_param.attr.ranking = True
+        objective_class(self.training.stage).configure(self)
 
 
 def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:
@@ -475,19 +474,7 @@ def check_sections(cfg: Config) -> None:
             "training.save_format",
             "hf needs model.model_name_or_path: the export copies config.json and the tokenizer from there",
         )
-    ranking = cfg.data.dataset_param.attr.ranking
-    if t.stage == "sft" and ranking:
-        warn_once(
-            "data.dataset_param.attr.ranking is true with training.stage: sft: the run trains on the rejected answers "
-            "too (for preference training set training.stage: dpo)", get_logger("mmfsdp.train"),
-        )
-    if t.stage == "dpo" and t.lora.enable and t.lora.pretrained_lora_path and not t.dpo.precompute_ref_logps:
-        raise ConfigError(
-            "training.dpo.precompute_ref_logps",
-            "a DPO run that continues a trained adapter (training.lora.pretrained_lora_path) needs that adapter in its "
-            "reference; with LoRA the live reference is the base model without adapters: set precompute_ref_logps: true "
-            "(the initial model, adapter included, computes them once)",
-        )
+    objective_class(t.stage).check_config(cfg)  # the stage's own rules (`mmfsdp.train.objective`)
     if cfg.data.dataloader_param.balance and cfg.data.dataset_param.basic_parameters.packing and t.micro_batch_tokens is None:
         raise ConfigError(
             "data.dataloader_param.balance",

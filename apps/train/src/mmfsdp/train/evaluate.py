@@ -12,10 +12,10 @@ Counts are summed over the data-parallel group. Rank 0 writes
 `<output_dir>/eval.json` with `accuracy`, `chance` (when the dataset declares
 it), `num_samples` and `num_correct`.
 
-Preference data (`training.stage: dpo`): the evaluation split holds pairs. `accuracy` is then the chosen
-answers' exact match (greedy decoding gives the chosen answer), and eval.json also holds the held-out
-`reward_accuracy` (the share of pairs whose implicit reward `β · (log π/π_ref)` is higher for the chosen answer)
-and `reward_margin` (its mean margin), with the run's reference (`preference_reference`, set by the trainer).
+Preference data: the evaluation split holds pairs; `accuracy` is then the chosen answers' exact match (greedy
+decoding gives the chosen answer). A stage adds its own metrics to eval.json through `objective_metrics` (its
+objective's `eval_metrics`, `ObjectiveMetrics`; DPO: the held-out `reward_accuracy` and `reward_margin` against the
+run's reference, `mmfsdp.train.objective.PairRewards`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,11 @@ import torch.distributed as dist
 from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
-from mmfsdp.model.loss import sequence_cross_entropy
 from mmfsdp.train.supervise import LoopHeartbeat
 
-__all__ = ["Evaluator", "exact_match", "has_eval_split", "dataset_chance", "media_kinds", "to_device"]
+__all__ = [
+    "Evaluator", "ObjectiveMetrics", "exact_match", "has_eval_split", "dataset_chance", "media_kinds", "to_device",
+]
 
 log = get_logger("mmfsdp.train")
 
@@ -51,6 +52,25 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     trained = targets != -100
     wrong = (predicted != targets) & trained
     return (~wrong.any(dim=-1)) & trained.any(dim=-1)
+
+
+class ObjectiveMetrics(Protocol):
+    """A stage's own held-out metrics (`Objective.eval_metrics`): sums over the evaluation batches, reduced over the
+    data-parallel group, then the keys they give eval.json."""
+
+    num_sums: int
+
+    def batch(self, batch: dict[str, Any], inputs: dict[str, Any], logits: torch.Tensor,
+              targets: torch.Tensor) -> torch.Tensor:
+        """float64 `[num_sums]` of one batch from the policy's logits and the shifted targets (on the host) and the
+        model inputs (on the device); called on every rank for every batch, counted or not."""
+        ...
+
+    def result(self, sums: list[float]) -> dict[str, Any]: ...
+
+    def describe(self, result: dict[str, Any]) -> str:
+        """The log line's words for `result`."""
+        ...
 
 
 class Evaluator:
@@ -73,9 +93,8 @@ class Evaluator:
         """The evaluation split, built on first use."""
         self.val_losses: dict[int, float] = {}
         """Validation loss by step (`validate`)."""
-        self.preference_reference = None
-        """DPO: the reference's log-probabilities of an evaluation batch's sequences,
-        `(inputs, sequences, pair_index) -> [2P]` (`mmfsdp.train.objective`); set by the trainer."""
+        self.objective_metrics: ObjectiveMetrics | None = None
+        """The stage's own metrics (`Objective.eval_metrics`), set once the trainer has built the objective."""
 
     def media_kinds(self) -> frozenset[str] | None:
         """The kinds of media of the evaluation split (built now) when the run evaluates, empty when it does
@@ -147,9 +166,9 @@ class Evaluator:
         if self.dataset is None:
             self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
         pairs = getattr(self.dataset, "is_preference", False)
-        preference = pairs and self.preference_reference is not None  # DPO: rewards against its reference
-        # exact matches, samples; with pairs also: pairs, reward wins, summed reward margin
-        totals = torch.zeros(5, dtype=torch.float64)
+        extra = self.objective_metrics
+        # exact matches, samples, then the objective's own sums
+        totals = torch.zeros(2 + (extra.num_sums if extra is not None else 0), dtype=torch.float64)
         for batch, real in self.batches():
             inputs = to_device(model_inputs(batch), self.device)
             logits = model(**inputs).logits.float().cpu()
@@ -157,13 +176,13 @@ class Evaluator:
             hits = exact_match(logits, targets)
             if pairs:
                 hits = hits[0::2]  # the chosen answers
-            if preference:
-                pair_totals = self._pair_rewards(batch, inputs, logits, targets)
+            if extra is not None:
+                extra_sums = extra.batch(batch, inputs, logits, targets)
             if real:
                 totals[0] += hits.sum()
                 totals[1] += hits.numel()
-                if preference:
-                    totals[2:] += pair_totals
+                if extra is not None:
+                    totals[2:] += extra_sums
         model.train()
         totals = totals.to(self.device)
         dist.all_reduce(totals, group=self.dims.dp_group)
@@ -175,25 +194,9 @@ class Evaluator:
             "num_correct": num_correct,
             "step": step,
         }
-        if preference:
-            pairs, wins, margins = totals[2:].tolist()
-            result.update(reward_accuracy=wins / max(pairs, 1), reward_margin=margins / max(pairs, 1), num_pairs=int(pairs))
+        if extra is not None:
+            result.update(extra.result(totals[2:].tolist()))
         return result
-
-    def _pair_rewards(self, batch: dict[str, Any], inputs: dict[str, Any], logits: torch.Tensor,
-                      targets: torch.Tensor) -> torch.Tensor:
-        """[pairs, reward wins, summed margins] of an evaluation batch of pairs (padded: a sequence per row)."""
-        from mmfsdp.train.objective import PreferenceObjective
-
-        if self.preference_reference is None:
-            raise RuntimeError("preference evaluation needs the run's reference (Evaluator.preference_reference)")
-        seq = PreferenceObjective.sequences(batch, self.device)
-        rows = torch.arange(targets.shape[0])[:, None].expand_as(targets)
-        logps = -sequence_cross_entropy(logits, targets, (targets != -100).float(), rows, targets.shape[0])
-        ref = self.preference_reference(inputs, seq, batch["pair_index"]).cpu()
-        beta = self.cfg.training.dpo.beta
-        margins = beta * ((logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2]))
-        return torch.tensor([margins.numel(), float((margins > 0).sum()), float(margins.sum())], dtype=torch.float64)
 
     @torch.no_grad()
     def validation_loss(self) -> float:
@@ -233,9 +236,8 @@ class Evaluator:
         chance = result["chance"]
         chance_text = f" (chance {chance:.3f})" if chance is not None else ""
         log.info(f"eval: accuracy {result['accuracy']:.3f}{chance_text} on {result['num_samples']} held-out samples")
-        if "reward_accuracy" in result:
-            log.info(f"eval: reward accuracy {result['reward_accuracy']:.3f}, mean reward margin "
-                     f"{result['reward_margin']:.4g} on {result['num_pairs']} held-out pairs")
+        if self.objective_metrics is not None:
+            log.info(f"eval: {self.objective_metrics.describe(result)}")
         if self.rank == 0:
             path = self.output_dir / "eval.json"
             path.write_text(json.dumps(result, indent=2) + "\n")

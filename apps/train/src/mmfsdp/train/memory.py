@@ -22,10 +22,10 @@ Magistral-Small-2509 worked through):
   `costs`); recompute keeps only each layer's input plus one layer being recomputed, offload moves the saved
   tensors of the matched layers to the host (one layer in flight); the logits (or one chunk of them with chunk
   loss) come on top. A frozen vision tower saves nothing.
-- DPO (`training.stage: dpo`): `micro_batch_size` counts pairs, two sequences each, so a micro-batch holds twice
-  the tokens; full fine-tuning with the live reference adds the frozen reference copy's parameter shards
-  (`reference`: the master copy / shard group, no gradients or moments); with LoRA (adapters off) or
-  `training.dpo.precompute_ref_logps` there is no reference model.
+- the stage (`training.stage`, its objective class in `mmfsdp.train.objective`): a sample of `micro_batch_size`
+  brings `sequences_per_sample` sequences (DPO: a pair, two), and the models the stage holds beside the policy add
+  their `memory_terms` (DPO with the live frozen reference: the copy's parameter shards, the master copy / shard
+  group, no gradients or moments; with LoRA, adapters off, or `training.dpo.precompute_ref_logps`: none).
 
 `memory_plan_lines` formats it for `apps/train --check` and, when the total does not fit
 the device memory (detected, or `--device-memory`), lists which single changes would fit.
@@ -52,6 +52,8 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.parallelize import fsdp_patterns
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.config import Config, check_world
+from mmfsdp.train.objective import MemoryTerm
+from mmfsdp.train.stages import objective_class
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -79,13 +81,18 @@ class MemoryPlan:
     activations: int
     host: int
     device_memory: int | None
-    reference: int = 0
-    """DPO's frozen reference copy (parameter shards), 0 without one."""
+    stage_terms: list[MemoryTerm] = dataclasses.field(default_factory=list)
+    """The models the stage holds beside the policy, on the device (`Objective.memory_terms`)."""
     suggestions: list[str] = dataclasses.field(default_factory=list)
 
     @property
+    def reference(self) -> int:
+        """The stage's reference model (DPO's frozen copy: parameter shards), 0 without one on the device."""
+        return sum(term.bytes for term in self.stage_terms if term.name == "reference")
+
+    @property
     def before_activations(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.reference
+        return self.parameters + self.gradients + self.optimizer_states + sum(term.bytes for term in self.stage_terms)
 
     @property
     def total(self) -> int:
@@ -135,7 +142,7 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
 def micro_batch_tokens(cfg: Config) -> int:
     """The most tokens (rows × row length, padding included) one micro-batch of a rank holds (module docstring)."""
     t, cutoff = cfg.training, cfg.data.dataset_param.preprocess_parameters.cutoff_len
-    sequences = 2 if t.stage == "dpo" else 1  # a pair is two sequences of up to cutoff_len tokens
+    sequences = objective_class(t.stage).sequences_per_sample  # each of up to cutoff_len tokens
     if t.micro_batch_tokens is None:
         return sequences * t.micro_batch_size * cutoff
     return min(max(t.micro_batch_tokens, sequences * cutoff),
@@ -276,16 +283,14 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) // shard
     moments = 2 * 4 * num_trainable // shard
     host = 0
-    t = cfg.training
-    reference = 0
-    if t.stage == "dpo" and not t.lora.enable and not t.dpo.precompute_ref_logps:
-        reference = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard
+    stage_terms = objective_class(cfg.training.stage).memory_terms(cfg, model, shard)
     if cfg.training.optimizer == "adamw_swap":
         host += moments
         moments = 0
     if cfg.parallel.fsdp_plan.cpu_offload:
-        host += parameters + gradients + moments + reference
-        parameters = gradients = moments = reference = 0
+        host += parameters + gradients + moments + sum(term.bytes for term in stage_terms)
+        parameters = gradients = moments = 0
+        stage_terms = []
     patterns = list(fsdp_patterns(entry, cfg.parallel)[1]) or list(entry.fsdp_modules)
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     copies = 2 * _largest_unit(model, patterns) * compute
@@ -295,7 +300,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     plan = MemoryPlan(
         world_size=world_size, shard_size=shard, num_params=num_params, num_trainable=num_trainable,
         parameters=parameters, gradients=gradients, optimizer_states=moments, compute_copies=copies,
-        activations=activations, host=host, device_memory=device_memory_bytes, reference=reference,
+        activations=activations, host=host, device_memory=device_memory_bytes, stage_terms=stage_terms,
     )
     if _suggest and plan.fits is False:
         plan.suggestions = _suggestions(cfg, world_size, device_memory_bytes, image_token_share)
@@ -313,9 +318,7 @@ def _suggestions(cfg: Config, world_size: int, device_memory: int, image_token_s
          replace(cfg, features=replace(f, activation_offload_plan=replace(f.activation_offload_plan, apply_modules=layers))),
          world_size),
         ("features.enable_chunk_loss: true", replace(cfg, features=replace(f, enable_chunk_loss=True)), world_size),
-        *([("training.dpo.precompute_ref_logps: true",
-            replace(cfg, training=replace(t, dpo=replace(t.dpo, precompute_ref_logps=True))), world_size)]
-          if t.stage == "dpo" and not t.lora.enable and not t.dpo.precompute_ref_logps else []),
+        *((text, changed, world_size) for text, changed in objective_class(t.stage).memory_savings(cfg)),
         ("training.micro_batch_size: 1", replace(cfg, training=replace(t, micro_batch_size=1)), world_size)
         if t.micro_batch_tokens is None else
         (f"training.micro_batch_tokens: {cfg.data.dataset_param.preprocess_parameters.cutoff_len}",
@@ -351,8 +354,7 @@ def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | N
         f"  gradients         {gib(plan.gradients):>10}  (trainable only)",
         f"  optimizer states  {gib(plan.optimizer_states):>10}  "
         + ("(adamw_swap: in host memory)" if cfg.training.optimizer == "adamw_swap" else "(AdamW: 2 x fp32)"),
-        *([f"  DPO reference     {gib(plan.reference):>10}  (frozen copy, {cfg.model.dtype} / {plan.shard_size})"]
-          if plan.reference else []),
+        *(f"  {term.label:<18}{gib(term.bytes):>10}  ({term.note})" for term in plan.stage_terms if term.bytes),
         f"  before activations{gib(plan.before_activations):>10}",
         f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
         f"  activations       {gib(plan.activations):>10}  (estimate; {micro_batch_tokens(cfg)} tokens per micro-batch"

@@ -1,44 +1,63 @@
-"""What a training step minimises: the objective component (`training.stage`), called by the loop at fixed points.
+"""What a training step minimises and what else a stage holds: one objective class per `training.stage`.
 
-The loop (`Trainer.train_step`) is the same for every stage: it hands the step's micro-batches to
-`objective.start_step` (before any forward: the global normalisers), then for each micro-batch calls
-`objective.micro_batch(model, i, inputs)`, which runs the forward(s) and returns the model output and this rank's
-share of the step objective (the shares of all ranks and micro-batches add up to the global objective; the loop
-backpropagates `share × world_size`, docs/parallelism.md), and at the end reads `objective.stats()` (device
-tensors, and the collectives that still write into them).
+A stage is its objective. Each class declares, for the stage it is registered under (`mmfsdp.train.stages`):
+
+- its models (`build`, from an `ObjectiveContext` the trainer fills): the policy is the trainer's; a stage adds what
+  it needs beside it (DPO: a reference; a stage with generation would add its rollout engine);
+- its step: the loop (`Trainer.train_step`) is the same for every stage: it hands the step's micro-batches to
+  `objective.start_step` (before any forward: the global normalisers), then for each micro-batch calls
+  `objective.micro_batch(model, i, inputs)`, which runs the forward(s) and returns the model output and this rank's
+  share of the step objective (the shares of all ranks and micro-batches add up to the global objective; the loop
+  backpropagates `share × world_size`, docs/parallelism.md), and at the end reads `objective.stats()` (device
+  tensors, and the collectives that still write into them);
+- its config rules (`configure`, `check_config`: called by `mmfsdp.train.config` before any process group), its
+  memory-plan terms (`sequences_per_sample`, `memory_terms`, `memory_savings`: `mmfsdp.train.memory`), its
+  held-out metrics (`eval_metrics`: `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
+  `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`).
+
+No other module compares `training.stage` (tests/test_stage_isolation.py).
 
 - `SFTObjective` (`stage: sft`): the weighted cross-entropy of `mmfsdp.model.loss`.
 - `PreferenceObjective` (`stage: dpo`): a preference loss on per-sequence log-probabilities (`mmfsdp.model.preference`,
   TRL's definitions). The forward returns the summed cross-entropy of each sequence of the micro-batch (chosen_0,
   rejected_0, chosen_1, ...), whole on every CP rank; the reference's log-probabilities of the same sequences
-  come from a `Reference`:
-  - `LoraReference`: with LoRA, the policy itself with its adapters switched off (no second copy);
-  - `FrozenReference`: full fine-tuning, a frozen copy of the initial model sharded with FSDP2 like the policy;
+  come from a `Reference`, chosen by one rule (`PreferenceObjective.reference_kind`):
   - `PrecomputedReference` (`training.dpo.precompute_ref_logps`): the initial model's log-probabilities of every
     pair, computed once before the first step over exactly the micro-batches the run will train on, saved to
-    `<output_dir>/ref_logps.safetensors` (a resumed run reads them back) and looked up by `pair_index`.
+    `<output_dir>/ref_logps.safetensors` (a resumed run reads them back) and looked up by `pair_index`;
+  - else `LoraReference`: with LoRA, the policy itself with its adapters switched off (no second copy);
+  - else `FrozenReference`: full fine-tuning, a frozen copy of the initial model sharded with FSDP2 like the policy.
   Under context parallel every CP rank holds the whole pairs' values, so each scales its share by `1 / cp_size`;
   the sums' all-reduce sums the gradients over the CP group in backward (`mmfsdp.model.training_forward`, step 7).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import dataclasses
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
-from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.model import compute_loss_weights, model_inputs, shift_labels
-from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, segment_sum
-from mmfsdp.model.preference import PAIR_STATS, pair_objective
+from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, segment_sum, sequence_cross_entropy
+from mmfsdp.model.preference import PAIR_STATS, pair_losses, pair_objective
+from mmfsdp.parallel.dtypes import DTYPES
 
 __all__ = [
+    "Objective",
+    "ObjectiveContext",
+    "MemoryTerm",
     "SFTObjective",
     "PreferenceObjective",
+    "PairRewards",
     "LoraReference",
     "FrozenReference",
     "PrecomputedReference",
@@ -52,8 +71,117 @@ log = get_logger("mmfsdp.train")
 REF_LOGPS_FILE = "ref_logps.safetensors"
 
 
-class SFTObjective:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectiveContext:
+    """What a stage's `build` may use of the run; the trainer fills it once the policy is built and resumed."""
+
+    cfg: Any
+    """The whole config (a stage reads its own section and `training`)."""
+    dims: Any
+    """The mesh (`mmfsdp.parallel.ParallelDims`)."""
+    device: torch.device
+    rank: int
+    output_dir: Path
+    step: int
+    """The step the run resumes after (0: a fresh start)."""
+    model: torch.nn.Module
+    """The policy: built, sharded, loaded (and resumed)."""
+    train_dataset: Any
+    evaluator: Any
+    """The run's `Evaluator` (`evaluates`, `dataset`, `batches`: the evaluation split)."""
+    frozen_copy: Callable[[], torch.nn.Module]
+    """Builds a frozen copy of the initial model, sharded like the policy."""
+    fresh_loader: Callable[[], Any]
+    """Builds a training loader in the run's current data state (the micro-batches the run will train on next)."""
+    to_device: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTerm:
+    """Device memory per rank of a model a stage holds beside the policy (`Objective.memory_terms`)."""
+
+    name: str
+    """What it is, for code (`reference`)."""
+    label: str
+    """Its name in the memory plan's lines (`DPO reference`)."""
+    bytes: int
+    note: str
+    """How it is counted, in the plan's line."""
+
+
+class Objective(abc.ABC):
+    """One training stage (module docstring): class-level hooks that answer for a config before any process
+    exists, and an instance, built by `build`, that runs the steps. The defaults are a stage with nothing beside
+    the policy."""
+
+    stage: ClassVar[str]
+    """The `training.stage` it is registered under (`mmfsdp.train.stages`), recorded in its checkpoints."""
+    sequences_per_sample: ClassVar[int] = 1
+    """Sequences of up to `cutoff_len` tokens one sample of `micro_batch_size` brings (the memory plan's tokens)."""
+
+    # -- the config, before any process group ---------------------------------------------------------------------
+    @classmethod
+    def configure(cls, cfg) -> None:
+        """Fill in the settings the stage implies (called when the config is built)."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The stage's rules across sections: raise a `ConfigError` naming the key (`check_sections`)."""
+
+    @classmethod
+    def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
+        """The device memory of the stage's own models per rank (`model`: the policy on the meta device)."""
+        return []
+
+    @classmethod
+    def memory_savings(cls, cfg) -> list[tuple[str, Any]]:
+        """Single config changes that drop one of `memory_terms`: (the setting, the changed config)."""
+        return []
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    @classmethod
+    def checkpoint_metadata(cls) -> dict[str, Any]:
+        """What its checkpoints record (`checkpoint.json`'s `metadata`): the stage that trained them."""
+        return {"stage": cls.stage}
+
+    @staticmethod
+    def recorded_stage(metadata: dict[str, Any] | None) -> str:
+        """The stage a checkpoint's metadata records; none recorded: `sft` (checkpoints from before stages)."""
+        return (metadata or {}).get("stage", SFTObjective.stage)
+
+    @classmethod
+    def resumes(cls, metadata: dict[str, Any] | None) -> bool:
+        """Whether a run of this stage resumes a checkpoint with `metadata`: only its own stage's (another stage's
+        checkpoint gives a run its initial weights, `mmfsdp.train.start`)."""
+        return cls.recorded_stage(metadata) == cls.stage
+
+    # -- the run -----------------------------------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, ctx: ObjectiveContext) -> Objective:
+        """The objective of a run, with the models it holds beside the policy."""
+
+    @abc.abstractmethod
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        """Before the step's first forward: what the step needs from all its micro-batches (global normalisers)."""
+
+    @abc.abstractmethod
+    def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+        """The forward(s) of micro-batch `index`: the model output and this rank's share of the step objective."""
+
+    def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        """The step's statistics (device tensors) and the collectives still writing into them."""
+        return {}, []
+
+    def eval_metrics(self) -> Any | None:
+        """The stage's own held-out metrics (`mmfsdp.train.evaluate.ObjectiveMetrics`), or None."""
+        return None
+
+
+class SFTObjective(Objective):
     """`stage: sft`: Σ_t w_t · CE_t with the step's global normalisers (`mmfsdp.model.compute_loss_weights`)."""
+
+    stage = "sft"
 
     def __init__(self, cfg, dims, device: torch.device):
         self.loss_type = cfg.features.loss_cfg.loss_type
@@ -61,6 +189,18 @@ class SFTObjective:
         self.device = device
         self._targets: list[torch.Tensor] = []
         self._weights: list[torch.Tensor] = []
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.data.dataset_param.attr.ranking:
+            warn_once(
+                "data.dataset_param.attr.ranking is true with training.stage: sft: the run trains on the rejected "
+                "answers too (for preference training set training.stage: dpo)", log,
+            )
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> SFTObjective:
+        return cls(ctx.cfg, ctx.dims, ctx.device)
 
     def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
         # on the device before the loss weights: their normaliser then stays there (no host wait)
@@ -73,9 +213,6 @@ class SFTObjective:
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         out = model(**inputs, shift_labels=self._targets[index], loss_weights=self._weights[index])
         return out, out.loss
-
-    def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
-        return {}, []
 
 
 # -- the reference's log-probabilities ---------------------------------------------------------------------------
@@ -119,16 +256,34 @@ class LoraReference:
             raise ConfigError("training.lora.enable", "a LoRA reference needs LoRA adapters in the model")
         self.model = model
 
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> LoraReference:
+        return cls(ctx.model)
+
+    def for_split(self, split: str) -> LoraReference:
+        """A live model: the same reference for every split."""
+        return self
+
     def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
         with adapters_disabled(self.model):
             return _sequence_logps(self.model, inputs, seq)
 
 
 class FrozenReference:
-    """A frozen copy of the initial model, built and sharded like the policy (`Trainer._build_reference`)."""
+    """A frozen copy of the initial model, built and sharded like the policy (`ObjectiveContext.frozen_copy`)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> FrozenReference:
+        model = ctx.frozen_copy()
+        log.info(f"reference model: a frozen copy of the initial {ctx.cfg.model.model_id}")
+        return cls(model)
+
+    def for_split(self, split: str) -> FrozenReference:
+        """A live model: the same reference for every split."""
+        return self
 
     def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
         return _sequence_logps(self.model, inputs, seq)
@@ -145,6 +300,40 @@ class PrecomputedReference:
 
     def for_split(self, split: str) -> PrecomputedReference:
         return PrecomputedReference(self.splits, split)
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> PrecomputedReference:
+        """Read from `<output_dir>/ref_logps.safetensors`, or computed now by the initial model (a fresh start
+        only) and saved there."""
+        path = cls.path(ctx.output_dir)
+        num_pairs = len(ctx.train_dataset)
+        evaluates = ctx.evaluator.evaluates()
+        sizes = {"train": num_pairs, **({"eval": len(ctx.evaluator.dataset)} if evaluates else {})}
+        if path.is_file():
+            log.info(f"reference log-probabilities from {path}")
+            return cls.load(path, sizes)
+        if ctx.step > 0:
+            raise ConfigError(
+                "training.dpo.precompute_ref_logps",
+                f"the run resumes at step {ctx.step} but {path} is missing; the reference (the initial model) is "
+                "gone. Restore the file, or start the run again from its initial weights",
+            )
+        t = ctx.cfg.training
+        started = time.perf_counter()
+        log.info(f"precomputing the reference's log-probabilities of the pairs of {t.train_iters} steps")
+        loader = ctx.fresh_loader()
+        reference = precompute_reference(
+            ctx.model, loader, steps=t.train_iters, num_micro_batches=t.gradient_accumulation_steps,
+            num_pairs=num_pairs, dims=ctx.dims, device=ctx.device, to_device=ctx.to_device,
+            eval_batches=ctx.evaluator.batches() if evaluates else None, num_eval_pairs=sizes.get("eval", 0),
+        )
+        loader.close()
+        if ctx.rank == 0:
+            reference.save(path)
+        dist.barrier()
+        log.info(f"reference log-probabilities of {int(reference.known.sum())} pairs in "
+                 f"{time.perf_counter() - started:.1f}s -> {path}")
+        return reference
 
     def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
         index = pair_index.to(torch.int64).cpu()
@@ -221,8 +410,69 @@ class _PairTable:
 
 # -- the preference objective -------------------------------------------------------------------------------------
 
-class PreferenceObjective:
+ReferenceKind = Literal["precomputed", "lora", "frozen"]
+
+REFERENCES: dict[str, Any] = {"precomputed": PrecomputedReference, "lora": LoraReference, "frozen": FrozenReference}
+"""The reference of each kind (`PreferenceObjective.reference_kind`), built by its `build(ctx)`."""
+
+
+class PreferenceObjective(Objective):
     """`stage: dpo` (module docstring)."""
+
+    stage = "dpo"
+    sequences_per_sample = 2
+    """`micro_batch_size` counts pairs: a chosen and a rejected sequence each."""
+
+    @staticmethod
+    def reference_kind(training) -> ReferenceKind:
+        """Which reference a run of the `training` section has (the one rule): the precomputed log-probabilities
+        when `dpo.precompute_ref_logps` asks, else with LoRA the policy with its adapters off, else a frozen copy."""
+        if training.dpo.precompute_ref_logps:
+            return "precomputed"
+        return "lora" if training.lora.enable else "frozen"
+
+    @classmethod
+    def configure(cls, cfg) -> None:
+        # a DPO run reads pairs: its rows are preference rows (a row without a rejected answer is a bad row)
+        cfg.data.dataset_param.attr.ranking = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        t = cfg.training
+        if cls.reference_kind(t) == "lora" and t.lora.pretrained_lora_path:
+            raise ConfigError(
+                "training.dpo.precompute_ref_logps",
+                "a DPO run that continues a trained adapter (training.lora.pretrained_lora_path) needs that adapter in "
+                "its reference; with LoRA the live reference is the base model without adapters: set "
+                "precompute_ref_logps: true (the initial model, adapter included, computes them once)",
+            )
+
+    @classmethod
+    def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
+        if cls.reference_kind(cfg.training) != "frozen":
+            return []  # the policy's own weights, or a table of numbers
+        size = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
+        return [MemoryTerm("reference", "DPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
+
+    @classmethod
+    def memory_savings(cls, cfg) -> list[tuple[str, Any]]:
+        t = cfg.training
+        if cls.reference_kind(t) != "frozen":
+            return []
+        replace = dataclasses.replace
+        return [("training.dpo.precompute_ref_logps: true",
+                 replace(cfg, training=replace(t, dpo=replace(t.dpo, precompute_ref_logps=True))))]
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> PreferenceObjective:
+        if not getattr(ctx.train_dataset, "is_preference", False):
+            raise ConfigError(
+                "training.stage",
+                "dpo needs pairwise data (chosen/rejected answers): set data.dataset_param.attr.ranking: true for a "
+                "file of pairs (docs/preference.md lists the formats), or use a preference dataset type",
+            )
+        reference = REFERENCES[cls.reference_kind(ctx.cfg.training)].build(ctx)
+        return cls(ctx.cfg, ctx.dims, ctx.device, reference)
 
     def __init__(self, cfg, dims, device: torch.device, reference):
         self.dpo = cfg.training.dpo
@@ -290,6 +540,48 @@ class PreferenceObjective:
         if self.dims.dp_size > 1:
             reductions.append(dist.all_reduce(sums, group=self.dims.dp_group, async_op=True))
         return {name: sums[i] for i, name in enumerate(PAIR_STATS)}, reductions
+
+    def eval_metrics(self) -> PairRewards:
+        return PairRewards(self.reference, beta=self.dpo.beta, device=self.device)
+
+
+class PairRewards:
+    """DPO's held-out metrics (`Evaluator.accuracy`): `reward_accuracy`, the share of pairs whose implicit reward
+    `β · log π/π_ref` is higher for the chosen answer, and `reward_margin`, its mean margin
+    (`mmfsdp.model.preference` computes both), against the run's reference (its evaluation split's values when
+    precomputed)."""
+
+    num_sums = 3
+    """Per batch: pairs, reward wins, summed margins."""
+
+    def __init__(self, reference, *, beta: float, device: torch.device):
+        self.reference = reference
+        self.beta = beta
+        self.device = device
+
+    def batch(self, batch: dict[str, Any], inputs: dict[str, Any], logits: torch.Tensor,
+              targets: torch.Tensor) -> torch.Tensor:
+        """float64 `[num_sums]` of an evaluation batch of pairs (padded: a sequence per row), from the policy's
+        logits and targets (on the host) and the batch's model `inputs` (on the device, for a live reference)."""
+        seq = PreferenceObjective.sequences(batch, self.device)
+        trained = (targets != IGNORE_INDEX).float()
+        rows = torch.arange(targets.shape[0])[:, None].expand_as(targets)
+        ce = sequence_cross_entropy(logits, targets, trained, rows, targets.shape[0])
+        ref = self.reference.for_split("eval").logps(inputs, seq, batch["pair_index"]).to(logits.device)
+        stats = pair_losses(-ce, ref, trained.sum(dim=1), beta=self.beta).stats
+        margins = stats[PAIR_STATS.index("rewards/margins")]
+        wins = stats[PAIR_STATS.index("rewards/accuracies")]
+        return torch.tensor([margins.numel(), float(wins.sum()), float(margins.sum())], dtype=torch.float64)
+
+    def result(self, sums: list[float]) -> dict[str, float]:
+        pairs, wins, margins = sums
+        return {"reward_accuracy": wins / max(pairs, 1), "reward_margin": margins / max(pairs, 1),
+                "num_pairs": int(pairs)}
+
+    @staticmethod
+    def describe(result: dict[str, Any]) -> str:
+        return (f"reward accuracy {result['reward_accuracy']:.3f}, mean reward margin {result['reward_margin']:.4g} "
+                f"on {result['num_pairs']} held-out pairs")
 
 
 def _valid_pairs(seq: dict[str, Any]) -> torch.Tensor:

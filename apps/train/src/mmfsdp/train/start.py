@@ -6,8 +6,9 @@ initial weights only when there is none:
 1. `training.save` holds a checkpoint (its tracker's iteration, or the newest
    whole `iter_*` when the tracker is gone): resume from it.
 2. Else `training.load` (DCP) is, or holds, a training iteration: resume from it — unless another stage trained it
-   (`checkpoint.json`'s `metadata.stage`; none: `sft`), e.g. a DPO run whose `training.load` is its SFT run's
-   checkpoint: its model weights are then this run's initial weights (as a `release`), and the run starts at step 1.
+   (`checkpoint.json`'s `metadata.stage`, none: `sft`; the stage's objective decides, `Objective.resumes`), e.g.
+   a DPO run whose `training.load` is its SFT run's checkpoint: its model weights are then this run's initial
+   weights (as a `release`), and the run starts at step 1.
 3. Else initial weights: `training.load` as an HF directory (`load_format: hf`)
    or a DCP `release` (from `mm-convert`); else `model.model_name_or_path`'s
    safetensors; else random weights (`model.random_init`).
@@ -42,6 +43,7 @@ from mmfsdp.ckpt import (
     verify_checkpoint,
 )
 from mmfsdp.config import ConfigError
+from mmfsdp.train.stages import objective_class
 
 __all__ = ["StartPlan", "plan_start"]
 
@@ -118,13 +120,15 @@ def plan_start(training, model) -> StartPlan:
         return _initial_weights(t, model)
     info = read_checkpoint_info(point.path)
     adapter_only = bool(info.get("trainable_only"))
-    stage = (info.get("metadata") or {}).get("stage", "sft")
-    if stage != t.stage and _from_save(point, t.save):
+    objective = objective_class(t.stage)
+    stage = objective.recorded_stage(info.get("metadata"))
+    own_stage = objective.resumes(info.get("metadata"))
+    if not own_stage and _from_save(point, t.save):
         raise ConfigError("training.save", (
             f"{point.path} is a checkpoint of a {stage} run, this run's training.stage is {t.stage}: give this run its "
             f"own training.save, and the {stage} checkpoint as training.load to start from its weights"
         ))
-    if stage != t.stage:
+    if not own_stage:
         if adapter_only:
             raise ConfigError("training.load", (
                 f"{point.path} holds the LoRA adapters of a {stage} run, no model to start this {t.stage} run from: "

@@ -15,6 +15,8 @@ loop and its components"):
 - `Checkpointer` (`mmfsdp.train.checkpointer`): resume, the interval and final saves, the HF export;
 - `LoopHeartbeat` (`mmfsdp.train.supervise`): the heartbeat's phases;
 - `Trainable` (`mmfsdp.train.trainable`): what is trained and saved (frozen modules, LoRA adapters);
+- the stage's objective (`training.stage`'s class in `mmfsdp.train.stages`, built from an `ObjectiveContext`): the
+  step's loss and statistics, the models it holds beside the policy (DPO's reference), its held-out metrics;
 - the family's `StepTerms` (`entry.step_terms`): extra loss terms and step statistics (a MoE's router loss).
 
 One optimizer step (`train_step`) takes `gradient_accumulation_steps` micro-batches from the loader. Before any
@@ -63,13 +65,12 @@ from mmfsdp.train.checkpointer import Checkpointer
 from mmfsdp.train.config import Config, check_world, save_resolved
 from mmfsdp.train.evaluate import Evaluator, media_kinds, to_device
 from mmfsdp.train.metrics import Metrics, MetricsWriter
-from mmfsdp.train.objective import (
-    FrozenReference, LoraReference, PrecomputedReference, PreferenceObjective, SFTObjective, precompute_reference,
-)
+from mmfsdp.train.objective import ObjectiveContext
 from mmfsdp.train.mfu import FlopMeter
 from mmfsdp.train.profiling import Profiling
 from mmfsdp.train.schedule import Scheduler
 from mmfsdp.train.sinks import build_sinks
+from mmfsdp.train.stages import objective_class
 from mmfsdp.train.start import plan_start
 from mmfsdp.train.step import NonFiniteLoss, StepResult, TrainingError
 from mmfsdp.train.supervise import LoopHeartbeat
@@ -161,6 +162,7 @@ class Trainer:
         if self.start.resume is not None:
             self.step = self.checkpointer.resume(self.start.resume)
         self.objective = self._build_objective()
+        self.evaluator.objective_metrics = self.objective.eval_metrics()
         self.flop_meter = FlopMeter(
             self.entry.costs, self.model.config, device=self.device, world_size=self.world_size,
             dtype=DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
@@ -210,71 +212,24 @@ class Trainer:
         )
 
     def _build_objective(self):
-        """The step objective of `training.stage` (`mmfsdp.train.objective`), with its reference for DPO."""
-        t = self.cfg.training
-        if t.stage == "sft":
-            return SFTObjective(self.cfg, self.dims, self.device)
-        if not getattr(self.train_dataset, "is_preference", False):
-            raise ConfigError(
-                "training.stage",
-                "dpo needs pairwise data (chosen/rejected answers): set data.dataset_param.attr.ranking: true for a "
-                "file of pairs (docs/preference.md lists the formats), or use a preference dataset type",
-            )
-        if t.dpo.precompute_ref_logps:
-            reference = self._precomputed_reference()
-        elif self.trainable.lora:
-            reference = LoraReference(self.model)
-        else:
-            reference = FrozenReference(self._build_reference())
-        self.evaluator.preference_reference = (
-            reference.for_split("eval").logps if isinstance(reference, PrecomputedReference) and "eval" in reference.splits
-            else reference.logps
-        )
-        return PreferenceObjective(self.cfg, self.dims, self.device, reference)
+        """The objective of `training.stage` (`mmfsdp.train.stages`), with the models it holds beside the policy."""
+        return objective_class(self.cfg.training.stage).build(ObjectiveContext(
+            cfg=self.cfg, dims=self.dims, device=self.device, rank=self.rank, output_dir=self.output_dir,
+            step=self.step, model=self.model, train_dataset=self.train_dataset, evaluator=self.evaluator,
+            frozen_copy=self._frozen_copy, fresh_loader=self._build_loader, to_device=self._to_device,
+        ))
 
-    def _precomputed_reference(self) -> PrecomputedReference:
-        path = PrecomputedReference.path(self.output_dir)
-        num_pairs = len(self.train_dataset)
-        evaluates = self.evaluator.evaluates()
-        sizes = {"train": num_pairs, **({"eval": len(self.evaluator.dataset)} if evaluates else {})}
-        if path.is_file():
-            log.info(f"reference log-probabilities from {path}")
-            return PrecomputedReference.load(path, sizes)
-        if self.step > 0:
-            raise ConfigError(
-                "training.dpo.precompute_ref_logps",
-                f"the run resumes at step {self.step} but {path} is missing; the reference (the initial model) is gone. "
-                "Restore the file, or start the run again from its initial weights",
-            )
-        t = self.cfg.training
-        started = time.perf_counter()
-        log.info(f"precomputing the reference's log-probabilities of the pairs of {t.train_iters} steps")
-        loader = self._build_loader()
-        reference = precompute_reference(
-            self.model, loader, steps=t.train_iters, num_micro_batches=t.gradient_accumulation_steps,
-            num_pairs=num_pairs, dims=self.dims, device=self.device, to_device=self._to_device,
-            eval_batches=self.evaluator.batches() if evaluates else None, num_eval_pairs=sizes.get("eval", 0),
-        )
-        loader.close()
-        if self.rank == 0:
-            reference.save(path)
-        dist.barrier()
-        log.info(f"reference log-probabilities of {int(reference.known.sum())} pairs in "
-                 f"{time.perf_counter() - started:.1f}s -> {path}")
-        return reference
-
-    def _build_reference(self) -> torch.nn.Module:
+    def _frozen_copy(self) -> torch.nn.Module:
         """A frozen copy of the initial model, sharded like the policy: the same build, seed and initial weights
         (the RNG is re-seeded for its build and restored after, so the run's data order and dropout do not change)."""
         states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
         seed_everything(self.cfg.training.seed)
-        model = self._build_model(reference=True)
+        model = self._build_model(frozen=True)
         if hasattr(self.model, "vision_input_keys"):  # the same vision placeholder passes as the policy's
             model.vision_input_keys = self.model.vision_input_keys
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
-        log.info(f"reference model: a frozen copy of the initial {self.cfg.model.model_id}")
         return model
 
     def _pad_multiple(self) -> int:
@@ -282,8 +237,8 @@ class Trainer:
         needed = required_multiple(self.plan.ring, self.plan.ulysses)
         return math.lcm(configured, needed)
 
-    def _build_model(self, *, reference: bool = False) -> torch.nn.Module:
-        """The policy (trained parameters, LoRA adapters), or with `reference` a frozen copy of its initial state."""
+    def _build_model(self, *, frozen: bool = False) -> torch.nn.Module:
+        """The policy (trained parameters, LoRA adapters), or with `frozen` a frozen copy of its initial state."""
         cfg = self.cfg
         on_meta = cfg.training.init_model_with_meta_device
         dtype = DTYPES[cfg.model.dtype]
@@ -296,7 +251,7 @@ class Trainer:
         # Weights that come from elsewhere are not read twice: the eager build is then random.
         model_cfg = cfg.model if self.start.weights == "pretrained" else replace(cfg.model, random_init=True)
         model = self.entry.build(model_cfg, cfg.features, device="meta" if on_meta else "cpu", dtype=dtype)
-        if reference:
+        if frozen:
             model.requires_grad_(False)
         else:
             self.trainable.prepare(model)
@@ -306,13 +261,13 @@ class Trainer:
             self.entry.init_non_persistent_buffers(model)
         else:
             model.to(self.device)
-        self._load_initial_weights(model, sharded_empty=on_meta, key_map=None if reference else "trainable")
-        if not reference:
+        self._load_initial_weights(model, sharded_empty=on_meta, key_map=None if frozen else "trainable")
+        if not frozen:
             self.trainable.init_adapters(model)
         if self.dims.cp_size > 1:
             model.enable_context_parallel(self.dims, vision_dp=cfg.parallel.vision_dp)
         model.train()
-        if reference:
+        if frozen:
             return model
         num_params = sum(p.numel() for p in model.parameters())
         num_trainable = sum(p.numel() for p in self.trainable.parameters(model))

@@ -7,7 +7,7 @@ Flow, step by step (shapes: T tokens, C chunk, H hidden, V vocab):
 2. `ChunkLossLinear.forward` (the class `lm_head` gets) hands its own weight
    and bias to that loss function and returns the loss instead of the logits.
 3. The loss function keeps only the trained tokens (target ≠ -100, weight ≠ 0)
-   and runs `_ChunkedLinearCrossEntropy`, which, for each chunk of C tokens:
+   and runs `_ChunkedLinearCrossEntropy` with one sequence, which, for each chunk of C tokens:
    computes the logits `[C, V]` in fp32, the weighted CE, and at once its
    gradient `w · (softmax − onehot)` in place of the logits; from it the
    chunk's gradient w.r.t. the hidden states (`[C, H]`, stored) and the
@@ -30,11 +30,12 @@ accumulation in fp32. A frozen `lm_head` skips the weight gradient; a tied one
 (weight shared with the embedding) receives it through the shared parameter.
 
 Per-sequence sums (preference training): given `sequence_ids`, the loss function returns the vector
-`out[k] = Σ_{t in sequence k} w_t · CE_t` instead of one number. Its gradient w.r.t. each token's logits is
-`grad_out[k(t)] · w_t · (softmax − onehot)`, which is known only in backward (a preference loss is not linear in
-the sums), so `_ChunkedLinearSequenceCrossEntropy` keeps the per-token log-sum-exp from the forward and recomputes
-each chunk's logits in backward: one more `[C, H] × [H, V]` matmul per chunk than the scalar path, and still one
-`[C, V]` chunk of logits at a time.
+`out[k] = Σ_{t in sequence k} w_t · CE_t` instead of one number; the token sum above is its one-sequence case, and
+both run the same Function. With several sequences the gradient w.r.t. each token's logits,
+`grad_out[k(t)] · w_t · (softmax − onehot)`, is known only in backward (a preference loss is not linear in the
+sums), so the forward keeps the per-token log-sum-exp instead of step 3's gradients and the backward recomputes each
+chunk's logits: one more `[C, H] × [H, V]` matmul per chunk than the one-sequence case, and still one `[C, V]` chunk
+of logits at a time.
 
 Context parallel: each CP rank holds one shard of the sequence and its own
 targets and weights; its loss is the shard's part of the weighted sum, and the
@@ -60,112 +61,109 @@ __all__ = [
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Σ_t w_t · CE(h_t Wᵀ + b, y_t) over rows of `hidden_TH`, gradients computed chunk by chunk in the forward."""
+    """`out[k] = Σ_{t : ids_t = k} w_t · CE(h_t Wᵀ + b, y_t)` over the rows of `hidden_TH`, k < `num_sequences`, one
+    `[C, V]` chunk of logits at a time; the token sum is the case `num_sequences = 1` (`ids_T` unused).
+
+    The gradient w.r.t. a row's logits is `grad_out[ids_t] · w_t · (softmax − onehot(y_t))`. With one sequence
+    `grad_out` is one number, so the forward computes the gradients chunk by chunk (`with_grads`) and the backward
+    only scales them; with several it is known only in backward, which recomputes each chunk's logits from the
+    per-token log-sum-exp kept by the forward."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, weights_T, chunk_size, with_grads):
-        need_h, need_w, need_b = (with_grads and flag for flag in ctx.needs_input_grad[:3])
+    def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, num_sequences, chunk_size, with_grads):
         num_tokens = hidden_TH.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
-        grad_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
-        grad_bias_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
+        ctx.now = num_sequences == 1
+        out = torch.zeros(num_sequences, dtype=torch.float32, device=hidden_TH.device)
+        needed = ctx.needs_input_grad[:3] if with_grads and ctx.now else (False, False, False)
+        grads = _zero_grads(hidden_TH, weight_VH, bias_V, needed)
+        log_sum_exp_T = (torch.empty(num_tokens, dtype=torch.float32, device=hidden_TH.device)
+                         if with_grads and not ctx.now else None)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            hidden_CH = hidden_TH[start:end]
             targets_C1 = targets_T[start:end, None]
             weights_C1 = weights_T[start:end, None]
-            logits_CV = F.linear(hidden_CH, weight_VH, bias_V).float()
+            logits_CV = F.linear(hidden_TH[start:end], weight_VH, bias_V).float()
             target_logit_C1 = logits_CV.gather(1, targets_C1)
             row_max_C1 = logits_CV.amax(dim=1, keepdim=True)
             logits_CV.sub_(row_max_C1).exp_()
             sum_exp_C1 = logits_CV.sum(dim=1, keepdim=True)
             log_sum_exp_C1 = row_max_C1 + sum_exp_C1.log()
-            loss += (weights_C1 * (log_sum_exp_C1 - target_logit_C1)).sum()
-            if not (need_h or need_w or need_b):
-                continue
-            # logits_CV becomes d loss / d logits = w · (softmax − onehot(y))
-            logits_CV.mul_(weights_C1 / sum_exp_C1)
-            logits_CV.scatter_add_(1, targets_C1, -weights_C1)
-            grad_logits_CV = logits_CV.to(weight_VH.dtype)
-            if need_h:
-                torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_TH[start:end])
-            if need_w:
-                if grad_weight_VH.dtype == grad_logits_CV.dtype == hidden_CH.dtype:
-                    grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_CH)
-                else:
-                    grad_weight_VH += torch.mm(grad_logits_CV.t(), hidden_CH)
-            if need_b:
-                grad_bias_V += logits_CV.sum(dim=0)
-            del logits_CV, grad_logits_CV
-        ctx.grads = (
-            grad_hidden_TH,
-            None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype),
-            None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype),
-        )
-        return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        grads = ctx.grads
-        ctx.grads = None
-        scaled = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        return (*scaled, None, None, None, None)
-
-
-class _ChunkedLinearSequenceCrossEntropy(torch.autograd.Function):
-    """`out[k] = Σ_{t : ids_t = k} w_t · CE(h_t Wᵀ + b, y_t)`: log-sum-exp per token in the forward, each chunk's
-    logits recomputed in the backward with the per-token scale `w_t · grad_out[ids_t]`."""
-
-    @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, num_sequences, chunk_size):
-        num_tokens = hidden_TH.shape[0]
-        out = torch.zeros(num_sequences, dtype=torch.float32, device=hidden_TH.device)
-        log_sum_exp_T = torch.empty(num_tokens, dtype=torch.float32, device=hidden_TH.device)
-        for start in range(0, num_tokens, chunk_size):
-            end = min(start + chunk_size, num_tokens)
-            logits_CV = F.linear(hidden_TH[start:end], weight_VH, bias_V).float()
-            target_logit_C = logits_CV.gather(1, targets_T[start:end, None]).squeeze(1)
-            log_sum_exp_C = torch.logsumexp(logits_CV, dim=1)
-            log_sum_exp_T[start:end] = log_sum_exp_C
-            out.index_add_(0, ids_T[start:end], weights_T[start:end] * (log_sum_exp_C - target_logit_C))
+            ce_C1 = weights_C1 * (log_sum_exp_C1 - target_logit_C1)
+            if num_sequences == 1:
+                out += ce_C1.sum()
+            else:
+                out.index_add_(0, ids_T[start:end], ce_C1.squeeze(1))
+            if log_sum_exp_T is not None:
+                log_sum_exp_T[start:end] = log_sum_exp_C1.squeeze(1)
+            if any(g is not None for g in grads):
+                # logits_CV becomes d out / d logits = w · (softmax − onehot(y))
+                logits_CV.mul_(weights_C1 / sum_exp_C1)
+                logits_CV.scatter_add_(1, targets_C1, -weights_C1)
+                _add_chunk_grads(grads, start, end, logits_CV, hidden_TH, weight_VH)
             del logits_CV
-        ctx.save_for_backward(hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, log_sum_exp_T)
-        ctx.chunk_size = chunk_size
+        if ctx.now:
+            ctx.grads = _as_param_dtypes(grads, weight_VH, bias_V)
+        elif with_grads:
+            ctx.save_for_backward(hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, log_sum_exp_T)
+            ctx.chunk_size = chunk_size
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        if ctx.now:  # computed in the forward: scaled by the one sequence's incoming gradient
+            grads = ctx.grads
+            ctx.grads = None
+            return (*(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in grads), *(None,) * 6)
         hidden_TH, weight_VH, bias_V, targets_T, weights_T, ids_T, log_sum_exp_T = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = _zero_grads(hidden_TH, weight_VH, bias_V, ctx.needs_input_grad[:3])
         scale_T = weights_T * grad_out.to(torch.float32)[ids_T]
-        grad_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
-        grad_bias_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
         for start in range(0, hidden_TH.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden_TH.shape[0])
-            hidden_CH = hidden_TH[start:end]
             scale_C1 = scale_T[start:end, None]
             # d out / d logits, scaled: scale · (softmax − onehot(y))
-            grad_logits_CV = F.linear(hidden_CH, weight_VH, bias_V).float()
+            grad_logits_CV = F.linear(hidden_TH[start:end], weight_VH, bias_V).float()
             grad_logits_CV.sub_(log_sum_exp_T[start:end, None]).exp_().mul_(scale_C1)
             grad_logits_CV.scatter_add_(1, targets_T[start:end, None], -scale_C1)
-            if need_b:
-                grad_bias_V += grad_logits_CV.sum(dim=0)
-            grad_logits_CV = grad_logits_CV.to(weight_VH.dtype)
-            if need_h:
-                torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_TH[start:end])
-            if need_w:
-                grad_weight_VH += torch.mm(grad_logits_CV.t(), hidden_CH).float()
+            _add_chunk_grads(grads, start, end, grad_logits_CV, hidden_TH, weight_VH)
             del grad_logits_CV
-        return (
-            grad_hidden_TH,
-            None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype),
-            None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype),
-            None, None, None, None, None,
-        )
+        return (*_as_param_dtypes(grads, weight_VH, bias_V), *(None,) * 6)
+
+
+def _zero_grads(hidden_TH, weight_VH, bias_V, needed):
+    """The buffers the chunks fill: the hidden states' gradient (one slice per chunk) and the weight's and bias's
+    (fp32, accumulated over the chunks); None where no gradient is needed."""
+    need_h, need_w, need_b = needed
+    return (
+        torch.empty_like(hidden_TH) if need_h else None,
+        torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None,
+        torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None,
+    )
+
+
+def _add_chunk_grads(grads, start, end, grad_logits_CV, hidden_TH, weight_VH):
+    """One chunk's part of the gradients from its fp32 gradient w.r.t. the logits (matmuls in the weight's dtype)."""
+    grad_hidden_TH, grad_weight_VH, grad_bias_V = grads
+    if grad_bias_V is not None:
+        grad_bias_V += grad_logits_CV.sum(dim=0)
+    grad_logits_CV = grad_logits_CV.to(weight_VH.dtype)
+    if grad_hidden_TH is not None:
+        torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_TH[start:end])
+    if grad_weight_VH is not None:
+        hidden_CH = hidden_TH[start:end]
+        if grad_weight_VH.dtype == grad_logits_CV.dtype == hidden_CH.dtype:
+            grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_CH)
+        else:
+            grad_weight_VH += torch.mm(grad_logits_CV.t(), hidden_CH)
+
+
+def _as_param_dtypes(grads, weight_VH, bias_V):
+    grad_hidden_TH, grad_weight_VH, grad_bias_V = grads
+    return (
+        grad_hidden_TH,
+        None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype),
+        None if grad_bias_V is None else grad_bias_V.to(bias_V.dtype),
+    )
 
 
 def _flat_targets(hidden_states: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor):
@@ -205,8 +203,9 @@ def chunked_linear_sequence_cross_entropy(
     hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
     ids_T = sequence_ids.reshape(-1).to(hidden_TH.device)
     hidden_NH, targets_N, weights_N, ids_N = _trained_rows(hidden_TH, targets_T, weights_T, ids_T >= 0, ids_T)
-    return _ChunkedLinearSequenceCrossEntropy.apply(
+    return _ChunkedLinearCrossEntropy.apply(
         hidden_NH, weight, bias, targets_N, weights_N, ids_N.to(torch.int64), num_sequences, chunk_size,
+        torch.is_grad_enabled(),
     )
 
 
@@ -222,15 +221,10 @@ def chunked_linear_cross_entropy(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     hidden_NH, targets_N, weights_N = _trained_rows(*_flat_targets(hidden_states, shift_labels, loss_weights))
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden_NH,
-        weight,
-        bias,
-        targets_N,
-        weights_N,
-        chunk_size,
-        torch.is_grad_enabled(),
+    out = _ChunkedLinearCrossEntropy.apply(
+        hidden_NH, weight, bias, targets_N, weights_N, None, 1, chunk_size, torch.is_grad_enabled(),
     )
+    return out.squeeze(0)
 
 
 class LinearCrossEntropy:
