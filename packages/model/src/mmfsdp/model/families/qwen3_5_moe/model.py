@@ -14,8 +14,8 @@ operator, so packing and context parallel, as the dense family). What the MoE ad
   `QwenMoeEntryMixin` (`mmfsdp.model.families.qwen3_vl_moe.model`); the shared expert and its gate are ordinary
   weights of the decoder layer: replicated over expert parallel and sharded by FSDP2 with
   the layer, as the attention is.
-- Router statistics as Qwen3-VL MoE's (`QwenMoeModelMixin`, `QwenMoeEntryMixin`): the training forward (with `loss_weights`) returns `outputs.router_load`
-  (`mmfsdp.model.router`), the spec's `step_terms` (`RouterStepTerms`) adds
+- Router statistics as Qwen3-VL MoE's (`QwenMoeModelMixin`, `QwenMoeEntryMixin`): the training forward (with
+  `loss_weights`) returns `outputs.router_load` (`mmfsdp.model.router`), the spec's `step_terms` (`RouterStepTerms`) adds
   `features.loss_cfg.router_aux_loss_coef × aux` to each micro-batch's loss and reports the aux loss and expert
   load of the step.
 - Checkpoints: `adapter.Qwen3_5MoeAdapter` reads the hub's per-expert layout and transformers 5's fused one.
@@ -25,7 +25,6 @@ Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
@@ -38,7 +37,9 @@ from mmfsdp.model.spec import register_model
 __all__ = ["Qwen3_5MoeCosts", "Qwen3_5MoeEntry", "Qwen3_5MoeForConditionalGenerationFSDP", "Qwen3_5MoeTestKit"]
 
 
-class Qwen3_5MoeForConditionalGenerationFSDP(QwenMoeModelMixin, Qwen3_5TrainingMixin, Qwen3_5MoeForConditionalGeneration):
+class Qwen3_5MoeForConditionalGenerationFSDP(
+    QwenMoeModelMixin, Qwen3_5TrainingMixin, Qwen3_5MoeForConditionalGeneration
+):
     """HF `Qwen3_5MoeForConditionalGeneration` plus Qwen3.5's training forward and `outputs.router_load`."""
 
     sparse_moe_block = Qwen3_5MoeSparseMoeBlock
@@ -87,7 +88,5 @@ class Qwen3_5MoeEntry(QwenMoeEntryMixin, Qwen3_5Entry):
 
     config_class = Qwen3_5MoeConfig
     model_class = Qwen3_5MoeForConditionalGenerationFSDP
-    capabilities = replace(Qwen3_5Entry.capabilities, expert_layout="hf_fused")
-    """Qwen3.5's (packing, context parallel, video) and expert parallel."""
     costs = Qwen3_5MoeCosts()
     testkit = Qwen3_5MoeTestKit()

@@ -75,13 +75,22 @@ class QwenMoeModelMixin(RouterLoadForward):
 
 class QwenMoeEntryMixin:
     """A Qwen MoE spec's first base (before the dense family's spec): the sparse block `mlp` of the decoder layers,
-    its fused experts for expert parallel and its router, whose load-balancing loss joins each step."""
+    its fused experts for expert parallel and its router, whose load-balancing loss joins each step. The
+    capabilities are the dense spec's with the experts' layout (`expert_layout`) added."""
+
+    expert_layout: ClassVar[str] = "hf_fused"
+    """The layout of the fused experts (`mmfsdp.parallel.expert_parallel.EXPERT_LAYOUTS`)."""
 
     expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
     """The fused routed experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel
     shards along E."""
     router_modules = ("model.language_model.layers.{*}.mlp.gate",)
     """The routers (`weight` `[E, H]`), replicated over expert parallel."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" not in vars(cls):
+            cls.capabilities = replace(cls.capabilities, expert_layout=cls.expert_layout)
 
     def num_experts(self, config: PretrainedConfig) -> int:
         return int(config.text_config.num_experts)
@@ -152,6 +161,5 @@ class Qwen3VLMoeEntry(QwenMoeEntryMixin, Qwen3VLEntry):
 
     config_class = Qwen3VLMoeConfig
     model_class = Qwen3VLMoeForConditionalGenerationFSDP
-    capabilities = replace(Qwen3VLEntry.capabilities, expert_layout="hf_fused")
     costs = Qwen3VLMoeCosts()
     testkit = Qwen3VLMoeTestKit()
