@@ -230,5 +230,10 @@ class Qwen3_5Entry(Qwen3VLEntry):
     # qwen3_vl_nothink: what MindSpeed-MM's Qwen3.5 configs train with (with enable_thinking: false)
     data = DataNames(templates=("qwen3_5", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
     absent_modules = (("mtp", "the multi-token-prediction head is not part of HF's Qwen3.5 model class"),)
+    lora_presets = {
+        **Qwen3VLEntry.lora_presets,
+        "gated_deltanet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    }
+    """Qwen3-VL's presets and `preset:gated_deltanet`: the Gated DeltaNet projections (`linear_attn`)."""
     costs = Qwen3_5Costs()
     testkit = Qwen3_5TestKit()

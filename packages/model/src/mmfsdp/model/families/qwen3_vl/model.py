@@ -315,5 +315,10 @@ class Qwen3VLEntry(HFFamilyEntry):
     vision_modules = ("model.visual",)
     capabilities = Capabilities(context_parallel=True, packing=True, video=True)
     data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    lora_presets = {
+        "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "vision_attention": ("model.visual.blocks.{*}.attn.qkv", "model.visual.blocks.{*}.attn.proj"),
+    }
+    """`preset:attention`: the decoder's attention projections; `preset:vision_attention`: the vision blocks'."""
     costs = Qwen3VLCosts()
     testkit = Qwen3VLTestKit()
