@@ -50,8 +50,8 @@ peak memory; every step logs, so every step is timed with the device synchronise
   graphs dynamo compiled (`graphs_compiled`: a handful; many more would be recompilation for new lengths).
 
 Each section is one function, `section_<name>(ctx)`, in its own module of `_gpu_check/` (`SECTIONS` lists them in
-order; `_gpu_check/common.py` and `_gpu_check/context.py` hold what they share). Each section is guarded: an exception becomes `{"status": "error", "error": "..."}` in its entry and the next
-section runs. Once `--budget-s` seconds are spent the remaining sections are `{"status": "skipped", "reason":
+order; `_gpu_check/common.py` and `_gpu_check/context.py` hold what they share). Each section is guarded: an
+exception becomes `{"status": "error", "error": "..."}` in its entry and the next section runs. Once `--budget-s` seconds are spent the remaining sections are `{"status": "skipped", "reason":
 ...}`. Progress goes to stderr (the trainer's log too, at WARNING unless `--verbose`); the last line on stdout is
 one JSON object: `mode`, `device`, versions, `elapsed_s`, and one key per section with its `status`, `seconds`
 and numbers. Paste it into docs/benchmarks.md ("GPU").

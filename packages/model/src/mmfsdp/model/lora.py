@@ -127,8 +127,9 @@ def resolve_lora_targets(
 
     A target with a dot or braces is a module pattern (`mmfsdp.parallel.match_module_names`); a plain name
     (`q_proj`) matches every module whose last name part it is, as in PEFT; `preset:<name>` stands for the names
-    the family's spec lists under that name (`entry.lora_presets[name]`), each of which must match. A target matching nothing, a matched
-    module that is not an `nn.Linear`, or the model's `lm_head` is a `ConfigError` under `key[i]`.
+    the family's spec lists under that name (`entry.lora_presets[name]`), each of which must match. A target
+    matching nothing, a matched module that is not an `nn.Linear`, or the model's `lm_head` is a `ConfigError`
+    under `key[i]`.
     """
     from mmfsdp.parallel.patterns import match_module_names
 

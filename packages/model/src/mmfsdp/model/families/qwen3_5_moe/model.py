@@ -12,12 +12,12 @@ operator, so packing and context parallel, as the dense family). What the MoE ad
   (`shared_expert`, a gated MLP of `shared_expert_intermediate_size`) scaled by `sigmoid(shared_expert_gate(x))`.
   The entry names the routed experts (`expert_modules`) and the routers (`router_modules`) through Qwen3-VL MoE's
   `QwenMoeEntryMixin` (`mmfsdp.model.families.qwen3_vl_moe.model`); the shared expert and its gate are ordinary
-  weights of the decoder layer: replicated over expert parallel and sharded by FSDP2 with
-  the layer, as the attention is.
+  weights of the decoder layer: replicated over expert parallel and sharded by FSDP2 with the layer, as the
+  attention is.
 - Router statistics as Qwen3-VL MoE's (`QwenMoeModelMixin`, `QwenMoeEntryMixin`): the training forward (with
-  `loss_weights`) returns `outputs.router_load` (`mmfsdp.model.router`), the spec's `step_terms` (`RouterStepTerms`) adds
-  `features.loss_cfg.router_aux_loss_coef × aux` to each micro-batch's loss and reports the aux loss and expert
-  load of the step.
+  `loss_weights`) returns `outputs.router_load` (`mmfsdp.model.router`), the spec's `step_terms`
+  (`RouterStepTerms`) adds `features.loss_cfg.router_aux_loss_coef × aux` to each micro-batch's loss and reports
+  the aux loss and expert load of the step.
 - Checkpoints: `adapter.Qwen3_5MoeAdapter` reads the hub's per-expert layout and transformers 5's fused one.
 
 Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate size.
