@@ -1,7 +1,7 @@
 """docs/families.md's line-count table ("How big a family is") is what the folders hold now.
 
-`family_table()` writes the table: one row per installed model family (`registered_model_ids()`), its own files and
-their lines. A family's own files are its model folder (`mmfsdp.model.families.<id>`, the module of its spec) and
+`family_table()` writes the table: one row per installed model family (entry-point group `mmfsdp.model_families`;
+not the test-only LLaVA family), its own files and their lines. A family's own files are its model folder (`mmfsdp.model.families.<id>`, the module of its spec) and
 the data folder where its declared data pieces live (the folder of the module that registers its default template),
 unless it inherits its `data` declaration from the spec it subclasses (the MoE families take their dense family's
 data folder, which that family's row counts). `lines` are physical lines (`wc -l`); `code lines` leave out blank
@@ -58,11 +58,13 @@ def family_folders(model_id: str) -> list[tuple[str, Path]]:
 
 def family_table() -> str:
     """The markdown table of every installed family's own files and lines, between the markers."""
-    from mmfsdp.model import registered_model_ids
+    from importlib.metadata import entry_points
+
+    from mmfsdp.model.registry import FAMILY_ENTRY_POINT_GROUP
 
     rows = ["| family | its own files (lines each) | lines | code lines |", "| --- | --- | ---: | ---: |"]
     totals = [0, 0]
-    for model_id in registered_model_ids():
+    for model_id in sorted(point.name for point in entry_points(group=FAMILY_ENTRY_POINT_GROUP)):
         cells, lines, code = [], 0, 0
         for kind, folder in family_folders(model_id):
             files = []
