@@ -110,7 +110,16 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
 """Script → (its arguments after the path, `{tmp}` being the test's temporary directory; the keys of its last
 line's JSON and their types)."""
 
-HELPERS = {"tools/bench/_smoke.py": "imported by the bench scripts: their `--smoke` flag"}
+HELPERS = {
+    "tools/bench/_smoke.py": "imported by the bench scripts: their `--smoke` flag",
+    **{
+        f"tools/bench/_gpu_check/{name}.py": "imported by tools/bench/gpu_check.py: its sections and their helpers"
+        for name in (
+            "__init__", "attention", "bf16_parity", "common", "compile", "context", "large_model", "memory_plan",
+            "moe_experts",
+        )
+    },
+}
 COVERED_ELSEWHERE = {
     "tools/gen_config_reference.py": (
         "apps/train/tests/test_train_check.py", "test_gen_config_reference_help_and_check",

@@ -16,11 +16,9 @@ import pytest
 import torch
 import yaml
 
-from mmfsdp.config import ConfigError
-from mmfsdp.data import AttrConfig, DataError, SampleEncoder, build_dataloader, build_dataset, prepare_dataset
+from mmfsdp.data import AttrConfig, DataError, SampleEncoder, build_dataloader, build_dataset
 from mmfsdp.data.cli import main
 from mmfsdp.data.conversation import Pair, parse_pair
-from mmfsdp.data.synthetic import COLOURS
 
 SYSTEM = "You are a careful assistant."
 HISTORY = ("Hello there, what can you do?", "I describe pictures.")
@@ -453,39 +451,6 @@ def test_token_budget_and_balance_plan_whole_pairs_and_resume(qwen_processor, tm
         want = [b["pair_index"].tolist() for b in loader.next_step(1)]
         assert [b["pair_index"].tolist() for b in again.next_step(1)] == want
     assert set(seen) <= set(range(len(PAIRS))) and seen
-
-
-def test_synthetic_shapes_pairs(tiny_processor, tmp_path, h):
-    syn = {"num_train": 20, "num_eval": 4, "image_size": 32, "text_only_share": 0.25}
-    raw = {
-        "dataset_param": {
-            "dataset_type": "synthetic_shapes_pairs",
-            "synthetic": syn,
-            "attr": {"ranking": True},
-            "preprocess_parameters": {"model_name_or_path": tiny_processor.name_or_path, "template": "mistral"},
-            "basic_parameters": {"dataset_dir": str(tmp_path / "shapes"), "cache_dir": str(tmp_path / "cache")},
-        },
-        "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "pixtral"}},
-    }
-    from mmfsdp.config import build
-    from mmfsdp.data import DataConfig
-
-    cfg = build(DataConfig, raw, "data")
-    prepare_dataset(cfg)
-    rows = [json.loads(line) for line in (tmp_path / "shapes" / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == 20 and sum(not r["images"] for r in rows) == 5
-    for row in rows:
-        chosen, rejected = row["messages"][-1]["content"], row["rejected"]
-        if row["images"]:
-            (_, c_colour, c_shape), (_, r_colour, r_shape) = chosen.split(), rejected.split()
-            assert c_shape == r_shape and c_colour != r_colour and r_colour in COLOURS
-        else:
-            assert chosen != rejected and rejected in COLOURS
-    dataset = build_dataset(cfg, tiny_processor)
-    assert dataset.is_preference and len(dataset) == 20 and not dataset.bad_row_counts
-    raw["dataset_param"]["attr"] = {"ranking": False}
-    with pytest.raises(ConfigError, match="attr.ranking"):
-        prepare_dataset(build(DataConfig, raw, "data"))
 
 
 def test_cli_inspect_and_stats_show_pairs(qwen_dir, tmp_path, h, capsys):

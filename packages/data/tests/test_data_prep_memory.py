@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from mmfsdp.data import build_dataset, prepare_dataset
-from mmfsdp.data import dataset as dataset_module
+from mmfsdp.data import json_rows
 from mmfsdp.data.cli import vision_token_stats
 
 SIZES = (2_000, 8_000)
@@ -69,7 +69,7 @@ def _prepare(cfg, processor) -> tuple[int, int]:
 
 @pytest.mark.slow  # ~60 CPU-seconds: 40,000 rows tokenized under tracemalloc
 def test_preparation_memory_does_not_grow_with_rows(tiny_dir, tiny_processor, tmp_path, h, monkeypatch):
-    monkeypatch.setattr(dataset_module, "_READ_BYTES", 1 << 16)  # a JSON list is read in several pieces
+    monkeypatch.setattr(json_rows, "_READ_BYTES", 1 << 16)  # a JSON list is read in several pieces
     for k in range(2):
         h.write_image(tmp_path / "img" / f"{k}.png", 16 + 16 * k, 16, seed=k)
     for kind in ("jsonl", "json"):

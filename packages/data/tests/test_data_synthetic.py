@@ -1,4 +1,4 @@
-"""Synthetic coloured shapes and the tiny offline processor."""
+"""Synthetic coloured shapes, the tiny offline processor and the `synthetic_shapes_pairs` dataset type."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmfsdp.data import DataError
+from mmfsdp.config import ConfigError
+from mmfsdp.data import DataError, build_dataset, prepare_dataset
 
 from mmfsdp.data.synthetic import (
     COLOURS,
@@ -187,3 +188,36 @@ def test_a_tiny_processor_from_before_the_text_words_is_an_error_not_reused(tmp_
     (tmp_path / "tiny" / "tokenizer.json").write_text(json.dumps(raw))
     with pytest.raises(DataError, match=r"tokenizer\.json lacks the words \['banana'\]"):
         write_tiny_processor(tmp_path / "tiny", image_size=32, patch_size=4, spatial_merge_size=2)
+
+
+def test_synthetic_shapes_pairs(tiny_processor, tmp_path, h):
+    syn = {"num_train": 20, "num_eval": 4, "image_size": 32, "text_only_share": 0.25}
+    raw = {
+        "dataset_param": {
+            "dataset_type": "synthetic_shapes_pairs",
+            "synthetic": syn,
+            "attr": {"ranking": True},
+            "preprocess_parameters": {"model_name_or_path": tiny_processor.name_or_path, "template": "mistral"},
+            "basic_parameters": {"dataset_dir": str(tmp_path / "shapes"), "cache_dir": str(tmp_path / "cache")},
+        },
+        "dataloader_param": {"num_workers": 0, "collate_param": {"model_name": "pixtral"}},
+    }
+    from mmfsdp.config import build
+    from mmfsdp.data import DataConfig
+
+    cfg = build(DataConfig, raw, "data")
+    prepare_dataset(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "shapes" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and sum(not r["images"] for r in rows) == 5
+    for row in rows:
+        chosen, rejected = row["messages"][-1]["content"], row["rejected"]
+        if row["images"]:
+            (_, c_colour, c_shape), (_, r_colour, r_shape) = chosen.split(), rejected.split()
+            assert c_shape == r_shape and c_colour != r_colour and r_colour in COLOURS
+        else:
+            assert chosen != rejected and rejected in COLOURS
+    dataset = build_dataset(cfg, tiny_processor)
+    assert dataset.is_preference and len(dataset) == 20 and not dataset.bad_row_counts
+    raw["dataset_param"]["attr"] = {"ranking": False}
+    with pytest.raises(ConfigError, match="attr.ranking"):
+        prepare_dataset(build(DataConfig, raw, "data"))

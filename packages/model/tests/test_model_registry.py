@@ -98,14 +98,14 @@ def test_register_model_refuses_a_spec_without_a_required_member():
 
 def test_the_llava_spec_defines_the_required_members_and_beyond_them_only_declarations_facets_and_two_hooks():
     """The test-only family, written as a user writes one: its class body is the required members an HF family
-    writes, what it declares (vision modules, capabilities, data), its costs and test kit, and the two hooks a
-    family outside an installed package with CLIP's buffers needs."""
+    writes, what it declares (vision modules, capabilities, data, LoRA presets), its costs and test kit, and the two
+    hooks a family outside an installed package with CLIP's buffers needs."""
     from families.llava import LlavaEntry
 
     written = {name for name in vars(LlavaEntry) if not name.startswith("__")}
     required = set(REQUIRED_MEMBERS) - {"model_id", "build", "init_non_persistent_buffers"}  # decorator; HFFamilyEntry
     assert required <= written
-    declared = {"vision_modules", "capabilities", "data", "costs", "testkit"}
+    declared = {"vision_modules", "capabilities", "data", "lora_presets", "costs", "testkit"}
     assert written - required <= declared | {"state_dict_adapter", "init_non_persistent_buffers"}
 
 

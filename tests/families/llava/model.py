@@ -125,6 +125,8 @@ class LlavaEntry(HFFamilyEntry):
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
     capabilities = Capabilities()  # FSDP2 only: context parallel and packing are not tested here, so refused
     data = DataNames()  # no template, plugin or collator of mmfsdp.data fits it; its batches come from its test kit
+    lora_presets = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    """`preset:attention`: Llama's attention projections and CLIP's q, k, v (CLIP's output is `out_proj`)."""
     costs = LlavaCosts()
     testkit = LlavaTestKit()
 

@@ -15,7 +15,7 @@ With `attr.ranking: true` the dataset is a `PreferenceDataset` (an item is a cho
 collates pairs with `PairCollator` (docs/data.md, "Preference data").
 
 Each of templates, image plugins, collators and dataset types (`huggingface`, `synthetic_shapes`,
-`synthetic_shapes_pairs`) is a registry
+`synthetic_shapes_pairs`; `mmfsdp.data.dataset_types`) is a registry
 keyed by the name written in YAML. A family's template(s), plugin and collator live in its folder under
 `mmfsdp.data.families` and register through the `mmfsdp.data_families` entry points, loaded on the first lookup.
 See docs/data.md.
@@ -33,17 +33,9 @@ from mmfsdp.data.config import (
     SyntheticConfig,
 )
 from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, Pair, parse_pair, parse_row
-from mmfsdp.data.dataset import (
-    DatasetType,
-    PreferenceDataset,
-    SampleEncoder,
-    SFTDataset,
-    build_dataset,
-    dataset_files,
-    has_eval_data,
-    prepare_dataset,
-    register_dataset_type,
-)
+from mmfsdp.data.dataset import PreferenceDataset, SFTDataset, build_dataset, prepare_dataset
+from mmfsdp.data.dataset_types import DatasetType, dataset_files, has_eval_data, register_dataset_type
+from mmfsdp.data.encoder import SampleEncoder
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
 from mmfsdp.data.plugins import ImagePlugin, MediaSetting, VideoPlugin, get_plugin, register_plugin

@@ -15,6 +15,9 @@ accuracy and its chance keep their meaning.
 0-2 images of several sizes, 1-3 turns, answers of 1-15 words. Parity tests use it,
 because equal-length samples hide what padding and packing do to a batch.
 
+The dataset types `synthetic_shapes` and `synthetic_shapes_pairs` (registered in `mmfsdp.data.dataset_types`)
+are `prepare_synthetic` / `prepare_synthetic_pairs`, which generate the data where `basic_parameters.dataset_dir`
+says, and `synthetic_files` / `synthetic_pair_files`, which list its splits.
 When `preprocess_parameters.model_name_or_path` does not exist, `prepare_dataset` asks the
 configured image plugin to write a tiny offline processor there holding `WORDS` (its optional
 `write_tiny_processor` hook; a family's own files live in its folder).
@@ -30,14 +33,22 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmfsdp.config import ConfigError
+
+from mmfsdp.data.errors import DataError
+
+if TYPE_CHECKING:
+    from mmfsdp.data.config import DataConfig
+
 __all__ = [
     "COLOURS", "DIRECTIONS", "MOTION_PROMPT", "PROMPT", "SHAPES", "TEXT_ONLY_OBJECTS", "VARLEN_IMAGE_SIZES", "WORDS",
-    "make_motion_dataset", "make_shapes_dataset", "make_varlen_dataset", "write_moving_shape_clip",
+    "make_motion_dataset", "make_shapes_dataset", "make_varlen_dataset", "prepare_synthetic", "prepare_synthetic_pairs",
+    "synthetic_files", "synthetic_pair_files", "write_moving_shape_clip",
 ]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
@@ -456,3 +467,57 @@ def make_varlen_dataset(
 
     _publish(out_dir, write)
     return json.loads((out_dir / "meta.json").read_text())
+
+
+def prepare_synthetic(data_cfg: DataConfig, pairs: bool = False) -> None:
+    """`synthetic_shapes`' preparation: the shapes data in `dataset_dir` and, where the processor directory does
+    not exist, the image plugin's tiny processor there."""
+    from mmfsdp.data.plugins import get_plugin
+    from mmfsdp.data.templates import get_template
+
+    syn = data_cfg.dataset_param.synthetic
+    dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
+    make_shapes_dataset(  # generates when missing; data generated with other settings is an error, never reused
+        dataset_dir, num_train=syn.num_train, num_eval=syn.num_eval, image_size=syn.image_size, seed=syn.seed,
+        text_only_share=syn.text_only_share, pairs=pairs,
+    )
+    model_dir = data_cfg.dataset_param.preprocess_parameters.model_name_or_path
+    if model_dir and not Path(model_dir).expanduser().exists():
+        pp = data_cfg.dataset_param.preprocess_parameters
+        plugin = get_plugin(pp.image_plugin or get_template(pp.template).default_plugin)
+        write = getattr(plugin, "write_tiny_processor", None)
+        if write is None:
+            raise ConfigError(
+                "data.dataset_param.preprocess_parameters.model_name_or_path",
+                f"{model_dir!r} does not exist, and image plugin {plugin.name!r} cannot write a tiny processor for "
+                "the synthetic data; give an existing processor directory",
+            )
+        write(Path(model_dir).expanduser(), image_size=syn.image_size, patch_size=syn.patch_size, spatial_merge_size=syn.spatial_merge_size)
+
+
+def synthetic_files(data_cfg: DataConfig, split: str) -> list[Path]:
+    """`synthetic_shapes`' file of `split`: `dataset_dir/<split>.jsonl`."""
+    dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser()
+    path = dataset_dir / f"{split}.jsonl"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; call mmfsdp.data.prepare_dataset(data_cfg) first to generate the synthetic_shapes data")
+    return [path.resolve()]
+
+
+def prepare_synthetic_pairs(data_cfg: DataConfig) -> None:
+    """`synthetic_shapes_pairs`' preparation: preference rows (`attr.ranking` must be true)."""
+    _check_ranking(data_cfg)
+    prepare_synthetic(data_cfg, pairs=True)
+
+
+def synthetic_pair_files(data_cfg: DataConfig, split: str) -> list[Path]:
+    """`synthetic_shapes_pairs`' file of `split`."""
+    _check_ranking(data_cfg)
+    return synthetic_files(data_cfg, split)
+
+
+def _check_ranking(data_cfg: DataConfig) -> None:
+    if not data_cfg.dataset_param.attr.ranking:
+        raise ConfigError(
+            "data.dataset_param.attr.ranking", "must be true for dataset_type synthetic_shapes_pairs (it writes preference rows)"
+        )

@@ -27,6 +27,7 @@ from mmfsdp.data.processor import MMProcessor
 
 __all__ = [
     "IGNORE_INDEX",
+    "ControlTokens",
     "Template",
     "get_template",
     "register_template",
@@ -42,6 +43,15 @@ _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PL
 #   ("image", [token ids], False)           an image or video block (never trained)
 #   ("split", ("head", "tail"), (h, t))     one run of text whose head and tail train differently
 Part = tuple[str, object, object]
+
+
+class ControlTokens:
+    """A template's class attribute naming control tokens by their text, e.g. `eos_id = ControlTokens("</s>")`:
+    `Template.__init__` replaces it on the instance by their ids in the processor's vocabulary (one token: its
+    id; several: a tuple of ids), so a token the tokenizer does not have fails when the template is built."""
+
+    def __init__(self, *texts: str):
+        self.texts = texts
 
 
 class Template(ABC):
@@ -62,19 +72,25 @@ class Template(ABC):
         self.mask_history = mask_history
         self.enable_thinking = enable_thinking
         """Used by templates with a think block; the others ignore it."""
+        for name in dir(type(self)):
+            tokens = getattr(type(self), name)
+            if isinstance(tokens, ControlTokens):
+                ids = tuple(processor.token_id(text) for text in tokens.texts)
+                setattr(self, name, ids if len(ids) > 1 else ids[0])
 
     @abstractmethod
     def parts(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
     ) -> list[Part]:
         """The parts of `conversation` (the comment above `Part`); the i-th `<image>` becomes `image_blocks[i]`, the
-        i-th `<video>` `video_blocks[i]`."""
+        i-th `<video>` `video_blocks[i]` (`encode` and `encode_pair` have checked there is one block each)."""
 
     def encode(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
     ) -> tuple[list[int], list[int]]:
         """Ids and labels of `conversation`; the i-th `<image>` becomes `image_blocks[i]`, the i-th `<video>`
         `video_blocks[i]`."""
+        _check_blocks(conversation, image_blocks, video_blocks)
         return self._assemble(self.parts(conversation, image_blocks, video_blocks))
 
     def encode_pair(
@@ -87,6 +103,7 @@ class Template(ABC):
         """(ids, labels) of `conversation` (its last answer the chosen one) and of the same with `rejected` as the
         last answer, each equal to `encode` of its conversation. The parts the two share (the prompt) are
         tokenized once, and the text of all three runs goes through one batched tokenizer call."""
+        _check_blocks(conversation, image_blocks, video_blocks)
         last_user = conversation.turns[-1][0]
         other = replace(conversation, turns=[*conversation.turns[:-1], (last_user, rejected)])
         chosen_parts = self.parts(conversation, image_blocks, video_blocks)
@@ -145,6 +162,10 @@ class Template(ABC):
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
+
+
+def _check_blocks(conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]]) -> None:
+    assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
 
 
 def _texts(parts: list[Part]) -> list[str]:

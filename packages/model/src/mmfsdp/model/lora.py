@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from mmfsdp.model.spec import ModelEntry
 
 __all__ = [
-    "LORA_PRESETS",
     "LoraConfig",
     "apply_lora",
     "resolve_lora_targets",
@@ -72,7 +71,7 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (PEFT's lora_dropout)."""
     target_modules: list[str] = field(default_factory=list)
-    """nn.Linear modules to adapt: module patterns ({*} and {a-b} allowed, e.g. model.language_model.layers.{*}.self_attn.q_proj), leaf names (q_proj: every module of that name) or presets (preset:attention, preset:gated_deltanet, preset:vision_attention: `mmfsdp.model.lora.LORA_PRESETS`)."""
+    """nn.Linear modules to adapt: module patterns ({*} and {a-b} allowed, e.g. model.language_model.layers.{*}.self_attn.q_proj), leaf names (q_proj: every module of that name) or presets (preset:<name>, e.g. preset:attention: the named lists the model family declares, `lora_presets` of its spec; docs/families.md lists them)."""
     init_lora_weights: bool | Literal["gaussian"] = True
     """true: A Kaiming-uniform, B zero (the first step is the base model's); gaussian: A normal with std 1/rank, B zero; false: A and B both random (tests)."""
     pretrained_lora_path: str | None = None
@@ -88,26 +87,20 @@ class LoraConfig:
         if self.enable and not self.target_modules:
             raise ConfigError(
                 "target_modules",
-                "is empty; name the Linear layers to adapt, e.g. [q_proj, k_proj, v_proj, o_proj] or "
-                "model.language_model.layers.{*}.self_attn.q_proj",
+                "is empty; name the Linear layers to adapt, e.g. [q_proj, k_proj, v_proj, o_proj]"
+                " or model.language_model.layers.{*}.self_attn.q_proj",
             )
         if self.pretrained_lora_path is not None and not self.pretrained_lora_path.strip():
             raise ConfigError("pretrained_lora_path", "is empty; give a PEFT adapter directory or leave it null")
 
 
-LORA_PRESETS: dict[str, tuple[str, ...]] = {
-    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "gated_deltanet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
-    "vision_attention": ("model.visual.blocks.{*}.attn.qkv", "model.visual.blocks.{*}.attn.proj"),
-}
-"""Named target lists (`target_modules: [preset:gated_deltanet, ...]`): the decoder's attention projections, the
-Gated DeltaNet projections (Qwen3.5's `linear_attn`), the Qwen3-VL-style vision tower's attention. Each of a
-preset's names must match a module of the model, as a target written out must."""
 PRESET_PREFIX = "preset:"
 
 
-def _expand_presets(targets: list[str], key: str) -> list[tuple[str, str]]:
-    """`(target, key item)` of every target, presets replaced by their names (all under the preset's item)."""
+def _expand_presets(targets: list[str], key: str, entry: ModelEntry | None) -> list[tuple[str, str]]:
+    """`(target, key item)` of every target, presets replaced by the names the family declares for them
+    (`entry.lora_presets`), all under the preset's item."""
+    presets = entry.lora_presets if entry is not None else {}
     out = []
     for i, target in enumerate(targets):
         item = f"{key}[{i}]"
@@ -115,9 +108,11 @@ def _expand_presets(targets: list[str], key: str) -> list[tuple[str, str]]:
             out.append((target, item))
             continue
         name = target[len(PRESET_PREFIX) :]
-        if name not in LORA_PRESETS:
-            raise ConfigError(item, f"{target!r} names no LoRA preset; presets: {', '.join(sorted(LORA_PRESETS))}")
-        out.extend((member, f"{item} ({target})") for member in LORA_PRESETS[name])
+        if name not in presets:
+            family = f"model_id {entry.model_id!r}" if entry is not None else "this model"
+            known = f"its presets: {', '.join(sorted(presets))}" if presets else "it declares none"
+            raise ConfigError(item, f"{target!r} names no LoRA preset of {family}; {known}")
+        out.extend((member, f"{item} ({target})") for member in presets[name])
     return out
 
 
@@ -132,14 +127,15 @@ def resolve_lora_targets(
 
     A target with a dot or braces is a module pattern (`mmfsdp.parallel.match_module_names`); a plain name
     (`q_proj`) matches every module whose last name part it is, as in PEFT; `preset:<name>` stands for the names
-    of `LORA_PRESETS[name]`, each of which must match. A target matching nothing, a matched
-    module that is not an `nn.Linear`, or the model's `lm_head` is a `ConfigError` under `key[i]`.
+    the family's spec lists under that name (`entry.lora_presets[name]`), each of which must match. A target
+    matching nothing, a matched module that is not an `nn.Linear`, or the model's `lm_head` is a `ConfigError`
+    under `key[i]`.
     """
     from mmfsdp.parallel.patterns import match_module_names
 
     names = [name for name, _ in model.named_modules() if name]
     chosen: set[str] = set()
-    for target, item in _expand_presets(targets, key):
+    for target, item in _expand_presets(targets, key, entry):
         if _is_leaf_name(target):
             found = [name for name in names if name.rsplit(".", 1)[-1] == target]
             if not found:

@@ -8,9 +8,10 @@ torchtitan's `ModelSpec` is the example. A family declares one `ModelEntry` subc
   patterns, `build` and `init_non_persistent_buffers` — `mmfsdp.model.hf_family.HFFamilyEntry` has the last two
   for any HF model class, so an HF family writes four class attributes;
 - declared, with defaults that support nothing: the vision, expert and router modules, `capabilities` (context
-  parallel, packing, an expert layout, video) and `data` (the registry names of the `mmfsdp.data` pieces its
-  batches come from; this package never imports the data package), so the trainer's checks refuse an
-  unsupported or mismatched choice before any process starts (`mmfsdp.model.checks`);
+  parallel, packing, an expert layout, video), `data` (the registry names of the `mmfsdp.data` pieces its
+  batches come from; this package never imports the data package) and `lora_presets` (named LoRA targets), so
+  the trainer's checks refuse an unsupported or mismatched choice before any process starts
+  (`mmfsdp.model.checks`);
 - two facets apart from the declaration: `costs` (`FamilyCosts`: FLOPs and activation memory) and `testkit`
   (`FamilyTestKit`: tiny configs and batches for tests);
 - hooks with defaults: the state-dict adapter, `validate_parallel`, `step_terms` (what a family adds to a
@@ -21,7 +22,8 @@ torchtitan's `ModelSpec` is the example. A family declares one `ModelEntry` subc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -163,6 +165,9 @@ class ModelEntry:
     """What the family supports (context parallel, packing, expert layout, video); off unless declared."""
     data: DataNames = DataNames()
     """The templates, image plugins and collators (registry names of `mmfsdp.data`) that fit the family."""
+    lora_presets: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+    """Named LoRA target lists (`training.lora.target_modules: [preset:<name>]`, `mmfsdp.model.lora`): leaf names
+    or module patterns of this family's model, each of which must match a module."""
 
     # facets
     costs: FamilyCosts = FamilyCosts()

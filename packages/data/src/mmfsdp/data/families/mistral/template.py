@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mmfsdp.data.conversation import Conversation
-from mmfsdp.data.processor import MMProcessor
-from mmfsdp.data.templates import Part, Template, register_template
+from mmfsdp.data.templates import ControlTokens, Part, Template, register_template
 
 __all__ = ["MistralTemplate"]
 
@@ -27,25 +26,14 @@ class MistralTemplate(Template):
 
     name = "mistral"
     default_plugin = "pixtral"
-    bos = "<s>"
-    eos = "</s>"
-    system_prefix = "[SYSTEM_PROMPT]"
-    system_suffix = "[/SYSTEM_PROMPT]"
-    user_prefix = "[INST]"
-    user_suffix = "[/INST]"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        tid = processor.token_id
-        self.bos_id = tid(self.bos)
-        self.eos_id = tid(self.eos)
-        self.system_ids = (tid(self.system_prefix), tid(self.system_suffix))
-        self.user_ids = (tid(self.user_prefix), tid(self.user_suffix))
+    bos_id = ControlTokens("<s>")
+    eos_id = ControlTokens("</s>")
+    system_ids = ControlTokens("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+    user_ids = ControlTokens("[INST]", "[/INST]")
 
     def parts(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
     ) -> list[Part]:
-        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         parts: list[Part] = [("ids", [self.bos_id], prompt)]
         if conversation.system is not None:

@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mmfsdp.data.conversation import Conversation
-from mmfsdp.data.processor import MMProcessor
-from mmfsdp.data.templates import Part, Template, register_template
+from mmfsdp.data.templates import ControlTokens, Part, Template, register_template
 
 __all__ = ["Qwen3VLNoThinkTemplate", "Qwen3VLTemplate"]
 
@@ -34,18 +33,12 @@ class Qwen3VLNoThinkTemplate(Template):
 
     name = "qwen3_vl_nothink"
     default_plugin = "qwen3_vl"
-    im_start = "<|im_start|>"
-    im_end = "<|im_end|>"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        self.start_id = processor.token_id(self.im_start)
-        self.end_id = processor.token_id(self.im_end)
+    start_id = ControlTokens("<|im_start|>")
+    end_id = ControlTokens("<|im_end|>")
 
     def parts(
         self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
     ) -> list[Part]:
-        assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
         prompt = self.train_on_prompt
         start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
         newline = ("text", "\n", prompt)
@@ -73,10 +66,7 @@ class Qwen3VLTemplate(Qwen3VLNoThinkTemplate):
     name = "qwen3_vl"
     think_open = "<think>"
     think_close = "</think>"
-
-    def __init__(self, processor: MMProcessor, **options: bool):
-        super().__init__(processor, **options)
-        self.think_ids = (processor.token_id(self.think_open), processor.token_id(self.think_close))
+    think_ids = ControlTokens(think_open, think_close)
 
     def fingerprint(self) -> list[object]:
         return [*super().fingerprint(), self.enable_thinking]

@@ -193,5 +193,7 @@ class Mistral3Entry(HFFamilyEntry):
     vision_modules = ("model.vision_tower", "model.multi_modal_projector")
     capabilities = Capabilities(context_parallel=True, packing=True)
     data = DataNames(templates=("mistral",), image_plugins=("pixtral",), collators=("pixtral",))
+    lora_presets = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj")}
+    """`preset:attention`: the decoder's and Pixtral's attention projections (Pixtral's are named alike)."""
     costs = Mistral3Costs()
     testkit = Mistral3TestKit()

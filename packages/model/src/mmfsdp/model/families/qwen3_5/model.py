@@ -35,12 +35,17 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLTestKit, Qwen3VLTrainingMixin, mm_token_types
-from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+from mmfsdp.model.families.qwen3_vl.model import (
+    DECODER_FSDP_MODULES,
+    VISION_FSDP_MODULES,
+    Qwen3VLCosts,
+    Qwen3VLEntry,
+    Qwen3VLTestKit,
+    Qwen3VLTrainingMixin,
+)
 from mmfsdp.model.flops import FlopShape, TowerFlops
 from mmfsdp.model.gated_deltanet import use_packed_forward
-from mmfsdp.model.hf_family import HFFamilyEntry
-from mmfsdp.model.spec import Capabilities, DataNames, register_model
+from mmfsdp.model.spec import DataNames, register_model
 
 __all__ = [
     "Qwen3_5Costs",
@@ -144,27 +149,13 @@ def hybrid_decoder(text_config: PretrainedConfig, mlp_params: int) -> TowerFlops
 
 
 class Qwen3_5Costs(Qwen3VLCosts):
-    """The hybrid decoder (`hybrid_decoder`) and Qwen3-VL's vision tower without DeepStack mergers."""
+    """The hybrid decoder (`hybrid_decoder`) and Qwen3-VL's vision tower (`Qwen3VLCosts.vision_flops`: the config
+    has no DeepStack merger, so none is counted)."""
 
     def flop_shape(self, config: PretrainedConfig) -> FlopShape:
         text_config = config.text_config
         return FlopShape(
             decoder=hybrid_decoder(text_config, self.decoder_mlp_params(text_config)), vision=self.vision_flops(config)
-        )
-
-    def vision_flops(self, config: PretrainedConfig) -> TowerFlops:
-        """Qwen3-VL's blocks, patch convolution and merger (`Qwen3VLCosts.vision_flops`), no DeepStack merger."""
-        vision = config.vision_config
-        hidden, layers = vision.hidden_size, self.vision_num_layers(config)
-        merge = vision.spatial_merge_size**2
-        return TowerFlops(
-            num_layers=layers,
-            params_per_token=layers * (4 * hidden * hidden + 2 * hidden * vision.intermediate_size),
-            attention_dim=hidden,
-            causal=False,
-            params_outside=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * hidden,
-            params_per_merged_token=(merge * hidden) ** 2 + merge * hidden * vision.out_hidden_size,
-            merge=merge,
         )
 
     def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:
@@ -192,99 +183,57 @@ class Qwen3_5Costs(Qwen3VLCosts):
 
 
 class Qwen3_5TestKit(Qwen3VLTestKit):
-    """Tiny Qwen3.5 configs; the batches are Qwen3-VL's (`Qwen3VLTestKit.test_batch`, padded rows)."""
+    """Qwen3-VL's tiny configs and batches (`Qwen3VLTestKit`) with Qwen3.5's hybrid decoder and a tower without
+    DeepStack; rows of 64, 50 and 41 tokens, right-padded to 64: one whole chunk of the delta rule
+    (`DELTA_RULE_CHUNK`), where its FLOP count per token is exact."""
 
     config_class = Qwen3_5Config
+    row_lengths = (64, 50, 41)
 
-    def test_batch(self, config: Qwen3_5Config, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-        """`Qwen3VLTestKit.test_batch`'s rows (two images of different sizes in the first, one in the second,
-        none in the last) at 64, 50 and 41 tokens, right-padded to 64: one whole chunk of the delta rule
-        (`DELTA_RULE_CHUNK`), where its FLOP count per token is exact."""
-        grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
-        rows = [
-            [qwen3_vl_sample(config, length, row_grids, seed=seed * 3 + b)]
-            for b, (length, row_grids) in enumerate(zip((64, 50, 41), grids))
-        ]
-        batch = qwen3_vl_batch(rows, seq_len=64)
-        batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
-        return batch
-
-    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3_5Config:
-        """~0.25M parameters, fp32, untied `lm_head`: 3 decoder layers (Gated DeltaNet, Gated DeltaNet, full
-        attention: the released models' mix in small), partial rotary M-RoPE as the released configs have it,
-        a 2-block vision tower. `text_config` / `vision_config` overrides are merged into the tiny defaults;
-        the video, vision-start and vision-end tokens follow the image token id."""
-        text = dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=vocab_size,
-            max_position_embeddings=1024,
-            rms_norm_eps=1e-6,
-            layer_types=["linear_attention", "linear_attention", "full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            rope_parameters={
+    def tiny_text_config(self) -> dict[str, Any]:
+        """3 decoder layers (Gated DeltaNet, Gated DeltaNet, full attention: the released models' mix in small),
+        partial rotary M-RoPE as the released configs have it (~0.25M parameters in all)."""
+        return {
+            **super().tiny_text_config(),
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 1e6,
                 "partial_rotary_factor": 0.5,
                 "mrope_section": [2, 1, 1],
                 "mrope_interleaved": True,
             },
-        )
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            out_hidden_size=64,
-            num_position_embeddings=64,
-        )
-        text.update(overrides.pop("text_config", {}))
-        vision.update(overrides.pop("vision_config", {}))
-        settings = dict(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=image_token_id,
-            video_token_id=image_token_id + 1,
-            vision_start_token_id=image_token_id + 2,
-            vision_end_token_id=image_token_id + 3,
-            tie_word_embeddings=False,
-        )
-        settings.update(overrides)
-        return self.config_class(**settings)
+        }
+
+    def tiny_vision_config(self) -> dict[str, Any]:
+        """Qwen3-VL's tiny tower without DeepStack mergers."""
+        vision = super().tiny_vision_config()
+        del vision["deepstack_visual_indexes"]
+        return vision
 
 
 @register_model("qwen3_5")
-class Qwen3_5Entry(HFFamilyEntry):
-    """Qwen3-VL-like vision tower (no DeepStack) + Qwen3.5's hybrid decoder (Gated DeltaNet and gated attention)."""
+class Qwen3_5Entry(Qwen3VLEntry):
+    """Qwen3-VL's vision tower without DeepStack + Qwen3.5's hybrid decoder (Gated DeltaNet and gated attention);
+    the recompute and vision modules and the capabilities are Qwen3-VL's: packing and Ulysses / Ring / Hybrid
+    context parallel through the packed Gated DeltaNet (module docstring), video as Qwen3-VL."""
 
     config_class = Qwen3_5Config
     model_class = Qwen3_5ForConditionalGenerationFSDP
-    fsdp_modules = (
-        "model.visual.blocks.{*}",
-        "model.visual.merger",
-        "model.language_model.embed_tokens",
-        "model.language_model.layers.{*}",
-        "lm_head",
-    )
-    recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
-    vision_modules = ("model.visual",)
-    capabilities = Capabilities(context_parallel=True, packing=True, video=True)
-    """Packing and Ulysses / Ring / Hybrid context parallel through the packed Gated DeltaNet (module docstring);
-    video as Qwen3-VL."""
+    fsdp_modules = (*VISION_FSDP_MODULES, *DECODER_FSDP_MODULES)
     # qwen3_vl_nothink: what MindSpeed-MM's Qwen3.5 configs train with (with enable_thinking: false)
     data = DataNames(templates=("qwen3_5", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
     absent_modules = (("mtp", "the multi-token-prediction head is not part of HF's Qwen3.5 model class"),)
+    lora_presets = {
+        **Qwen3VLEntry.lora_presets,
+        "gated_deltanet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    }
+    """Qwen3-VL's presets and `preset:gated_deltanet`: the Gated DeltaNet projections (`linear_attn`)."""
     costs = Qwen3_5Costs()
     testkit = Qwen3_5TestKit()

@@ -51,6 +51,8 @@ __all__ = [
     "Qwen3VLCosts",
     "Qwen3VLEntry",
     "Qwen3VLTestKit",
+    "DECODER_FSDP_MODULES",
+    "VISION_FSDP_MODULES",
     "mm_token_types",
     "mrope_position_ids",
     "split_mrope_position_ids",
@@ -212,19 +214,20 @@ class Qwen3VLForConditionalGenerationFSDP(Qwen3VLTrainingMixin, Qwen3VLForCondit
 class Qwen3VLCosts(FamilyCosts):
     """The Qwen3-VL vision tower (with DeepStack mergers): its FLOPs and the patches of each image and video."""
 
-    def vision_flops(self, config: Qwen3VLConfig) -> TowerFlops:
+    def vision_flops(self, config: PretrainedConfig) -> TowerFlops:
         """Qwen3-VL vision blocks (fused qkv and proj of the hidden size; MLP fc1, fc2), the 3-D patch convolution,
-        and per merged token the merger and each DeepStack merger (fc1 `merge²·d → merge²·d`, fc2 to the decoder's
-        size)."""
+        and per merged token the merger and each DeepStack merger the config has (`deepstack_visual_indexes`; none
+        in Qwen3.5's tower) (fc1 `merge²·d → merge²·d`, fc2 to the decoder's size)."""
         vision = config.vision_config
         hidden, layers = vision.hidden_size, self.vision_num_layers(config)
         merge = vision.spatial_merge_size**2
         merger = (merge * hidden) ** 2 + merge * hidden * vision.out_hidden_size
+        num_mergers = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
         return TowerFlops(
             num_layers=layers, params_per_token=layers * (4 * hidden * hidden + 2 * hidden * vision.intermediate_size),
             attention_dim=hidden, causal=False,
             params_outside=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * hidden,
-            params_per_merged_token=(1 + len(vision.deepstack_visual_indexes or ())) * merger, merge=merge,
+            params_per_merged_token=num_mergers * merger, merge=merge,
         )
 
     def image_patches(self, config: Qwen3VLConfig, batch: dict[str, torch.Tensor]) -> list[int]:
@@ -238,13 +241,32 @@ class Qwen3VLCosts(FamilyCosts):
 
 
 class Qwen3VLTestKit(FamilyTestKit):
-    """Tiny Qwen3-VL configs and batches (`testing.qwen3_vl_batch`); the MoE family's kit builds on it."""
+    """Tiny Qwen3-VL configs and batches (`testing.qwen3_vl_batch`); the Qwen3-VL MoE and Qwen3.5 kits build on it
+    by their config class, tiny sub-configs and row lengths."""
 
     config_class: type[PretrainedConfig] = Qwen3VLConfig
     """The config class `tiny_config` makes."""
+    row_lengths: tuple[int, ...] = (30, 24, 17)
+    """Tokens of each row of `test_batch` (one sample a row), right-padded to the longest."""
 
-    def test_batch(self, config: Qwen3VLConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-        """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (30, 24, 17 tokens, right-padded), with
+    def tiny_text_config(self) -> dict[str, Any]:
+        """The tiny decoder's `text_config` fields: 2 layers of hidden size 64, 4 heads (2 key-value), M-RoPE."""
+        return dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+        )
+
+    def tiny_vision_config(self) -> dict[str, Any]:
+        """The tiny vision tower's `vision_config` fields: 2 blocks of hidden size 32, a DeepStack merger after each."""
+        return dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+            temporal_patch_size=2, in_channels=3, out_hidden_size=64, num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        )
+
+    def test_batch(self, config: PretrainedConfig, *, images: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        """`testing.qwen3_vl_batch`: 3 rows of 1 sample each (`row_lengths` tokens, right-padded), with
         the processor's `mm_token_type_ids`; with images, two of different sizes in the first row, one in the
         second, none in the last."""
         from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
@@ -252,31 +274,22 @@ class Qwen3VLTestKit(FamilyTestKit):
         grids = [[(4, 4), (2, 4)], [(4, 2)], []] if images else [[], [], []]
         rows = [
             [qwen3_vl_sample(config, length, row_grids, seed=seed * 3 + b)]
-            for b, (length, row_grids) in enumerate(zip((30, 24, 17), grids))
+            for b, (length, row_grids) in enumerate(zip(self.row_lengths, grids, strict=True))
         ]
-        batch = qwen3_vl_batch(rows, seq_len=30)
+        batch = qwen3_vl_batch(rows, seq_len=max(self.row_lengths))
         batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
         return batch
 
-    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLConfig:
-        """A config of the kit's `config_class`, ~0.2M parameters, for tests and examples (fp32, untied lm_head).
+    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> PretrainedConfig:
+        """A config of the kit's `config_class` from `tiny_text_config` and `tiny_vision_config`, for tests and
+        examples (fp32, untied lm_head; ~0.2M parameters for Qwen3-VL).
 
         `text_config` / `vision_config` overrides are dicts merged into the tiny
-        defaults; other keywords are top-level `Qwen3VLConfig` fields. The video,
+        defaults; other keywords are top-level config fields. The video,
         vision-start and vision-end tokens follow the image token id.
         """
-        text = dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-        )
-        vision = dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-            temporal_patch_size=2, in_channels=3, out_hidden_size=64, num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        )
-        text.update(overrides.pop("text_config", {}))
-        vision.update(overrides.pop("vision_config", {}))
+        text = {**self.tiny_text_config(), "vocab_size": vocab_size, **overrides.pop("text_config", {})}
+        vision = {**self.tiny_vision_config(), **overrides.pop("vision_config", {})}
         settings = dict(
             text_config=text, vision_config=vision, image_token_id=image_token_id, video_token_id=image_token_id + 1,
             vision_start_token_id=image_token_id + 2, vision_end_token_id=image_token_id + 3, tie_word_embeddings=False,
@@ -285,23 +298,27 @@ class Qwen3VLTestKit(FamilyTestKit):
         return self.config_class(**settings)
 
 
+VISION_FSDP_MODULES = ("model.visual.blocks.{*}", "model.visual.merger")
+"""The FSDP2 groups of the vision tower without its DeepStack mergers (Qwen3.5's tower is this one)."""
+DECODER_FSDP_MODULES = ("model.language_model.embed_tokens", "model.language_model.layers.{*}", "lm_head")
+"""The FSDP2 groups of the decoder and the output projection."""
+
+
 @register_model("qwen3_vl")
 class Qwen3VLEntry(HFFamilyEntry):
     """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 decoder with M-RoPE."""
 
     config_class = Qwen3VLConfig
     model_class = Qwen3VLForConditionalGenerationFSDP
-    fsdp_modules = (
-        "model.visual.blocks.{*}",
-        "model.visual.merger",
-        "model.visual.deepstack_merger_list.{*}",
-        "model.language_model.embed_tokens",
-        "model.language_model.layers.{*}",
-        "lm_head",
-    )
+    fsdp_modules = (*VISION_FSDP_MODULES, "model.visual.deepstack_merger_list.{*}", *DECODER_FSDP_MODULES)
     recompute_modules = ("model.visual.blocks.{*}", "model.language_model.layers.{*}")
     vision_modules = ("model.visual",)
     capabilities = Capabilities(context_parallel=True, packing=True, video=True)
     data = DataNames(templates=("qwen3_vl", "qwen3_vl_nothink"), image_plugins=("qwen3_vl",), collators=("qwen3_vl",))
+    lora_presets = {
+        "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "vision_attention": ("model.visual.blocks.{*}.attn.qkv", "model.visual.blocks.{*}.attn.proj"),
+    }
+    """`preset:attention`: the decoder's attention projections; `preset:vision_attention`: the vision blocks'."""
     costs = Qwen3VLCosts()
     testkit = Qwen3VLTestKit()

@@ -24,47 +24,106 @@ tower already attends per image). What the MoE adds:
 - Checkpoints: `adapter.Qwen3VLMoeAdapter` reads the hub's fused
   layout, transformers 5's `save_pretrained` layout and per-expert exports.
 
+What the two Qwen MoE families (`qwen3_vl_moe`, `qwen3_5_moe`) share is here, once: `QwenMoeModelMixin` (the model
+class's `__init__`: the training forward, then the router recorder over every sparse block) and
+`QwenMoeEntryMixin` (the expert and router patterns, `num_experts`, `step_terms`, `routed_mlp_params`); each
+is mixed in first, before the dense family's model class or spec.
+
 Shape legend: B batch, S tokens, H hidden size, E experts, I expert intermediate size, L MoE layers.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from torch import nn
 from transformers import PretrainedConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
 from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLEntry, Qwen3VLTestKit, Qwen3VLTrainingMixin
 from mmfsdp.model.router import RouterLoadForward, RouterStepTerms
-from mmfsdp.model.spec import Capabilities, register_model
+from mmfsdp.model.spec import register_model
 
 if TYPE_CHECKING:
     from mmfsdp.model.config import LossConfig
 
-__all__ = ["Qwen3VLMoeCosts", "Qwen3VLMoeEntry", "Qwen3VLMoeForConditionalGenerationFSDP", "Qwen3VLMoeTestKit"]
+__all__ = [
+    "Qwen3VLMoeCosts",
+    "Qwen3VLMoeEntry",
+    "Qwen3VLMoeForConditionalGenerationFSDP",
+    "Qwen3VLMoeTestKit",
+    "QwenMoeEntryMixin",
+    "QwenMoeModelMixin",
+    "routed_mlp_params",
+]
+
+
+class QwenMoeModelMixin(RouterLoadForward):
+    """A Qwen MoE model class's first base (before the family's training mixin and the HF class): builds the HF
+    model, its training forward, then the router recorder over every `sparse_moe_block` (`RouterLoadForward`:
+    `outputs.router_load`)."""
+
+    sparse_moe_block: ClassVar[type[nn.Module]]
+    """The HF sparse MLP block class, whose router is its `gate`."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        self.init_training_forward()
+        self.init_router_load(self.sparse_moe_block, top_k=config.text_config.num_experts_per_tok)
+
+
+class QwenMoeEntryMixin:
+    """A Qwen MoE spec's first base (before the dense family's spec): the sparse block `mlp` of the decoder layers,
+    its fused experts for expert parallel and its router, whose load-balancing loss joins each step. The
+    capabilities are the dense spec's with the experts' layout (`expert_layout`) added."""
+
+    expert_layout: ClassVar[str] = "hf_fused"
+    """The layout of the fused experts (`mmfsdp.parallel.expert_parallel.EXPERT_LAYOUTS`)."""
+
+    expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
+    """The fused routed experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel
+    shards along E."""
+    router_modules = ("model.language_model.layers.{*}.mlp.gate",)
+    """The routers (`weight` `[E, H]`), replicated over expert parallel."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" not in vars(cls):
+            cls.capabilities = replace(cls.capabilities, expert_layout=cls.expert_layout)
+
+    def num_experts(self, config: PretrainedConfig) -> int:
+        return int(config.text_config.num_experts)
+
+    def step_terms(self, loss_cfg: LossConfig) -> RouterStepTerms:
+        """The router load-balancing loss (× `router_aux_loss_coef`) and the expert load of each step."""
+        return RouterStepTerms(loss_cfg.router_aux_loss_coef)
+
+
+def routed_mlp_params(text_config: PretrainedConfig) -> int:
+    """Multiply-adds per token of one sparse block's router (`H·E`) and top-k routed experts (gate, up, down of
+    `moe_intermediate_size` each)."""
+    hidden = text_config.hidden_size
+    experts = text_config.num_experts_per_tok * 3 * hidden * text_config.moe_intermediate_size
+    return hidden * text_config.num_experts + experts
 
 
 class Qwen3VLMoeForConditionalGenerationFSDP(
-    RouterLoadForward, Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration
+    QwenMoeModelMixin, Qwen3VLTrainingMixin, Qwen3VLMoeForConditionalGeneration
 ):
     """HF `Qwen3VLMoeForConditionalGeneration` plus the Qwen3-VL training forward and `outputs.router_load`."""
 
-    def __init__(self, config: Qwen3VLMoeConfig):
-        super().__init__(config)
-        self.init_training_forward()
-        self.init_router_load(Qwen3VLMoeTextSparseMoeBlock, top_k=config.text_config.num_experts_per_tok)
+    sparse_moe_block = Qwen3VLMoeTextSparseMoeBlock
 
 
 class Qwen3VLMoeCosts(Qwen3VLCosts):
     """Qwen3-VL's costs with a sparse decoder: per token the router and the top-k experts."""
 
     def decoder_mlp_params(self, text_config: PretrainedConfig) -> int:
-        """Per sparse layer the router (`H·E`) and the top-k experts (gate, up, down of `moe_intermediate_size`);
-        a layer in `mlp_only_layers` or off the `decoder_sparse_step` has the dense MLP (HF's rule)."""
-        hidden = text_config.hidden_size
-        experts = text_config.num_experts_per_tok * 3 * hidden * text_config.moe_intermediate_size
-        sparse = hidden * text_config.num_experts + experts
-        dense = 3 * hidden * text_config.intermediate_size
+        """Per sparse layer the router and the top-k experts (`routed_mlp_params`); a layer in `mlp_only_layers`
+        or off the `decoder_sparse_step` has the dense MLP (HF's rule)."""
+        sparse = routed_mlp_params(text_config)
+        dense = 3 * text_config.hidden_size * text_config.intermediate_size
         only_mlp = set(getattr(text_config, "mlp_only_layers", None) or ())
         step = getattr(text_config, "decoder_sparse_step", 1) or 1
         return sum(
@@ -87,33 +146,20 @@ class Qwen3VLMoeTestKit(Qwen3VLTestKit):
 
     config_class = Qwen3VLMoeConfig
 
-    def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> Qwen3VLMoeConfig:
-        """`Qwen3VLTestKit.tiny_config` with a MoE decoder: 8 experts, top-2, expert size 48, every layer sparse."""
-        text = dict(
-            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-            router_aux_loss_coef=0.01, tie_word_embeddings=False,
-        )
-        text.update(overrides.pop("text_config", {}))
-        return super().tiny_config(vocab_size=vocab_size, image_token_id=image_token_id, text_config=text, **overrides)
+    def tiny_text_config(self) -> dict[str, Any]:
+        """Qwen3-VL's tiny decoder with every layer sparse: 8 experts, top-2, expert size 48."""
+        return {
+            **super().tiny_text_config(),
+            "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+        }
 
 
 @register_model("qwen3_vl_moe")
-class Qwen3VLMoeEntry(Qwen3VLEntry):
+class Qwen3VLMoeEntry(QwenMoeEntryMixin, Qwen3VLEntry):
     """Qwen3-VL vision tower (with DeepStack mergers) + Qwen3 MoE decoder with M-RoPE."""
 
     config_class = Qwen3VLMoeConfig
     model_class = Qwen3VLMoeForConditionalGenerationFSDP
-    expert_modules = ("model.language_model.layers.{*}.mlp.experts",)
-    """The fused experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`): what expert parallel shards along E."""
-    router_modules = ("model.language_model.layers.{*}.mlp.gate",)
-    """The routers (`weight` `[E, H]`), replicated over expert parallel."""
-    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
     costs = Qwen3VLMoeCosts()
     testkit = Qwen3VLMoeTestKit()
-
-    def num_experts(self, config: Qwen3VLMoeConfig) -> int:
-        return int(config.text_config.num_experts)
-
-    def step_terms(self, loss_cfg: LossConfig) -> RouterStepTerms:
-        """The router load-balancing loss (× `router_aux_loss_coef`) and the expert load of each step."""
-        return RouterStepTerms(loss_cfg.router_aux_loss_coef)

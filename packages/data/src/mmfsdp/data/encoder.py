@@ -1,0 +1,178 @@
+"""`SampleEncoder`: one raw row -> its tokenized sample (preprocessing), and a sample's media -> pixels (workers).
+
+`encode_row` parses the conversation, reads each image's header for its grid (an opaque tuple of ints from the
+plugin) and each video's headers for its sampled frames and grid, expands placeholders into the plugin's image and
+video tokens, applies the template and labels, and truncates at `cutoff_len`; a row that cannot be used raises
+`BadSample` with its reason (`encode_batch` keeps the reason instead of tokens). With `attr.ranking: true` a row is
+a preference pair, encoded with its prompt tokenized once (`encode_pair`). `fingerprint` hashes everything that
+changes the tokens: the key of the token cache (`mmfsdp.data.token_cache`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from mmfsdp.config import to_dict
+
+from mmfsdp.data.build import build_plugin
+from mmfsdp.data.config import DataConfig
+from mmfsdp.data.conversation import parse_pair, parse_row
+from mmfsdp.data.errors import BadSample
+from mmfsdp.data.json_rows import INVALID_ROW
+from mmfsdp.data.paths import media_path
+from mmfsdp.data.processor import MMProcessor
+from mmfsdp.data.templates import IGNORE_INDEX, get_template
+
+__all__ = ["SampleEncoder"]
+
+_PREPROCESS_VERSION = 4
+"""Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
+_EMPTY_SAMPLE = {
+    "input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [],
+    "absolute_images": 0,
+}
+"""The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
+_EMPTY_PAIR = {**_EMPTY_SAMPLE, "rejected_ids": [], "rejected_labels": [], "prompt_length": 0}
+"""The token columns of a bad row of preference data: the chosen sequence in `input_ids`/`labels`, the rejected
+one's tokens after the shared prompt (its first `prompt_length` tokens) in `rejected_ids`/`rejected_labels`."""
+
+
+class SampleEncoder:
+    """Turns a raw row into a tokenized sample (preprocessing) and a sample's image paths into pixels (workers)."""
+
+    def __init__(self, data_cfg: DataConfig, processor: MMProcessor):
+        pp = data_cfg.dataset_param.preprocess_parameters
+        template_cls = get_template(pp.template)
+        self.processor = processor
+        self.attr = data_cfg.dataset_param.attr
+        self.ranking = self.attr.ranking
+        """Preference data: a row is a pair (`encode_pair`)."""
+        self.cutoff_len = pp.cutoff_len
+        self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
+        self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
+        self.template = template_cls(
+            processor, train_on_prompt=pp.train_on_prompt, mask_history=pp.mask_history, enable_thinking=pp.enable_thinking,
+        )
+        self.plugin = build_plugin(data_cfg, processor)
+
+    def image_path(self, path: str) -> str:
+        """Where image `path` of a row is read from (`media_path`: no `..` escape, symlinks followed)."""
+        return media_path(path, self.dataset_dir, allow_outside=self.allow_outside)
+
+    def encode_row(self, row: Any) -> dict[str, Any]:
+        """Tokenize one row (a parsed JSON value); raises `BadSample`."""
+        if not isinstance(row, dict):
+            raise BadSample("bad_content", f"a row must be a JSON object, got {type(row).__name__}")
+        if INVALID_ROW in row:
+            raise BadSample(*row[INVALID_ROW])
+        pair = parse_pair(row, self.attr) if self.ranking else None
+        conversation = parse_row(row, self.attr) if pair is None else pair.conversation
+        if conversation.videos and not self.plugin.supports_video:
+            raise BadSample(
+                "video_not_supported",
+                f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} "
+                "(this model family) reads no video",
+            )
+        paths = [self.image_path(p) for p in conversation.images]
+        video_paths = [
+            media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir")
+            for p in conversation.videos
+        ]
+        grids = [self.plugin.read_grid(p) for p in paths]
+        video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
+        blocks = [self.plugin.image_tokens(grid) for grid in grids]
+        video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
+        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        media = {
+            "images": paths, "image_grids": [list(g) for g in grids],
+            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+        }
+        if pair is not None:
+            return {**self.encode_pair(conversation, pair.rejected, blocks, video_blocks), **media}
+        input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
+        input_ids, labels = self.truncate(input_ids, labels)
+        return {"input_ids": input_ids, "labels": labels, **media}
+
+    def encode_pair(
+        self, conversation: Any, rejected: str, blocks: list[list[int]], video_blocks: list[list[int]]
+    ) -> dict[str, Any]:
+        """The token columns of a pair (`_EMPTY_PAIR`): the prompt is tokenized once (`Template.encode_pair`); a
+        pair with a sequence over `cutoff_len` is `pair_too_long` (DPO's answers are never cut)."""
+        (ids, labels), (rejected_ids, rejected_labels) = self.template.encode_pair(
+            conversation, rejected, blocks, video_blocks
+        )
+        for name, n in (("chosen", len(ids)), ("rejected", len(rejected_ids))):
+            if n > self.cutoff_len:
+                raise BadSample("pair_too_long", f"the {name} sequence has {n} tokens > cutoff_len {self.cutoff_len}")
+        shared = next(
+            (k for k, (a, b) in enumerate(zip(zip(ids, labels), zip(rejected_ids, rejected_labels))) if a != b),
+            min(len(ids), len(rejected_ids)),
+        )
+        return {
+            "input_ids": ids, "labels": labels, "rejected_ids": rejected_ids[shared:],
+            "rejected_labels": rejected_labels[shared:], "prompt_length": shared,
+        }
+
+    def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+        """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
+        n = len(input_ids)
+        if n <= self.cutoff_len:
+            return input_ids, labels
+        image_ids = self.plugin.image_token_ids
+        last_image = max((i for i in range(n - 1, -1, -1) if input_ids[i] in image_ids), default=-1)
+        if last_image >= self.cutoff_len:
+            raise BadSample("too_long", f"{n} tokens > cutoff_len {self.cutoff_len} and the cut would go through image tokens (the last ends at {last_image + 1})")
+        input_ids, labels = input_ids[: self.cutoff_len], labels[: self.cutoff_len]
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            raise BadSample("too_long", f"{n} tokens > cutoff_len {self.cutoff_len} and nothing trained is left before the cut")
+        return input_ids, labels
+
+    def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
+        empty = _EMPTY_PAIR if self.ranking else _EMPTY_SAMPLE
+        keys = (*empty, "length", "bad_reason", "bad_detail")
+        out: dict[str, list[Any]] = {k: [] for k in keys}
+        for text in batch["row"]:
+            try:
+                sample = self.encode_row(json.loads(text))
+                bad_reason = bad_detail = ""
+            except BadSample as bad:
+                sample = dict(empty)
+                bad_reason, bad_detail = bad.reason, bad.detail
+            for key, value in sample.items():
+                out[key].append(value)
+            # a pair's length is both sequences': what batching, packing and the token budget plan with
+            length = len(sample["input_ids"])
+            if self.ranking and not bad_reason:
+                length += sample["prompt_length"] + len(sample["rejected_ids"])
+            out["length"].append(length)
+            out["bad_reason"].append(bad_reason)
+            out["bad_detail"].append(bad_detail)
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the tokens: tokenizer, image processor, template and options."""
+        tok = self.processor.tokenizer
+        h = hashlib.sha256()
+        h.update(type(tok).__name__.encode())
+        h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
+        probe = ["Hello, wörld! 12345  tabs\tand\nnew lines... ¿Qué tal? 日本語 [INST] <s>", " leading", "trailing "]
+        h.update(json.dumps(self.processor.encode_texts(probe)).encode())
+        h.update(json.dumps(self.processor.image_processor.to_dict(), sort_keys=True, default=str).encode())
+        h.update(
+            json.dumps(
+                [
+                    _PREPROCESS_VERSION,
+                    self.template.fingerprint(),
+                    self.plugin.fingerprint(),
+                    self.cutoff_len,
+                    str(self.dataset_dir),
+                    self.allow_outside,
+                    to_dict(self.attr),
+                ]
+            ).encode()
+        )
+        return h.hexdigest()
