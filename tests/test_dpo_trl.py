@@ -46,7 +46,7 @@ from mmfsdp.model.preference import PAIR_STATS, pair_objective
 from mmfsdp.model.testing import assert_close, model_pair, rel_diff
 from mmfsdp.train.config import DPOConfig as OurDPOConfig
 from mmfsdp.train.config import TrainingConfig
-from mmfsdp.train.objective import FrozenReference, PreferenceObjective
+from mmfsdp.train.dpo import FrozenReference, PreferenceObjective
 
 TOL = 1e-5
 DTYPE = torch.float64

@@ -1,5 +1,5 @@
 """One objective per stage (CONVENTIONS.md, "Stages are objectives"): what differs between training stages lives
-in the stage's objective class (`mmfsdp.train.objective`), looked up by name in `mmfsdp.train.stages`; the trainer,
+in the stage's objective class (`mmfsdp.train.objective`, one module per stage beside it), looked up by name in `mmfsdp.train.stages`; the trainer,
 config checks, memory plan, evaluator and checkpoints ask it.
 
 An AST scan of every source module of packages/ and apps/ finds code outside the objectives' module that branches on

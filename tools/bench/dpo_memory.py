@@ -88,7 +88,7 @@ def _measure(rank: int, world_size: int, args: dict) -> dict:
 
     from mmfsdp.parallel.tensor_memory import TensorMemory, state_tensors
     from mmfsdp.train.config import load_config
-    from mmfsdp.train.objective import FrozenReference
+    from mmfsdp.train.dpo import FrozenReference
     from mmfsdp.train.trainer import Trainer
 
     results = {}

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from mmfsdp.model.preference import pair_losses
-from mmfsdp.train.objective import PreferenceObjective
+from mmfsdp.train.dpo import PreferenceObjective
 
 
 class _Model:

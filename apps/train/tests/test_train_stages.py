@@ -13,7 +13,8 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model.loss import IGNORE_INDEX
 from mmfsdp.train.config import Config, TrainingConfig
 from mmfsdp.train.evaluate import Evaluator
-from mmfsdp.train.objective import Objective, PreferenceObjective, SFTObjective
+from mmfsdp.train.dpo import PreferenceObjective
+from mmfsdp.train.objective import Objective, SFTObjective
 from mmfsdp.train.stages import STAGE_NAMES, STAGES, objective_class
 
 

@@ -15,7 +15,7 @@ it), `num_samples` and `num_correct`.
 Preference data: the evaluation split holds pairs; `accuracy` is then the chosen answers' exact match (greedy
 decoding gives the chosen answer). A stage adds its own metrics to eval.json through `objective_metrics` (its
 objective's `eval_metrics`, `ObjectiveMetrics`; DPO: the held-out `reward_accuracy` and `reward_margin` against the
-run's reference, `mmfsdp.train.objective.PairRewards`).
+run's reference, `mmfsdp.train.dpo.PairRewards`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ allowed values of `training.stage` are these names.
 from __future__ import annotations
 
 from mmfsdp.config import ConfigError
-from mmfsdp.train.objective import Objective, PreferenceObjective, SFTObjective
+from mmfsdp.train.dpo import PreferenceObjective
+from mmfsdp.train.objective import Objective, SFTObjective
 
 __all__ = ["STAGES", "STAGE_NAMES", "objective_class"]
 
