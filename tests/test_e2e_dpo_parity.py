@@ -95,7 +95,7 @@ def test_dpo_layout_matches_one_process(results, case):
         for key, a, b in zip((*PAIR_STATS, "aux_loss"), ours, ref):
             assert (a is None) == (b is None), (case.name, step, key)
             if a is not None:
-                assert close(a, b, case.tol) or abs(a - b) <= case.tol, (case.name, step, key, a, b)
+                assert close(a, b, case.tol, f"{case.name} step {step} {key}") or abs(a - b) <= case.tol, (case.name, step, key, a, b)
 
 
 def test_dpo_references_start_where_they_should(results):
