@@ -7,6 +7,7 @@ Imported by the tests as `apprun` (the `tests` directory is on pytest's `pythonp
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mmfsdp.parallel.testing import record_margin
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "apps" / "train"
@@ -30,9 +32,13 @@ QWEN3_5 = EXAMPLES / "qwen3_5-tiny" / "config.yaml"
 QWEN3_5_ASSETS = EXAMPLES / "qwen3_5-tiny" / "assets"
 
 
-def close(value: float, reference: float, rel: float = 1e-5) -> bool:
-    """`value` within `rel` of `reference`, relative to the reference (the parity tolerance, fp32 on the CPU)."""
-    return abs(value - reference) <= rel * abs(reference)
+def close(value: float, reference: float, rel: float = 1e-5, what: str = "") -> bool:
+    """`value` within `rel` of `reference`, relative to the reference (the parity tolerance, fp32 on the CPU).
+
+    The relative difference is recorded against `rel` where `MMFSDP_RECORD_MARGINS` is set (`record_margin`)."""
+    difference = abs(value - reference)
+    record_margin(difference / abs(reference) if reference else (0.0 if difference == 0 else math.inf), rel, what)
+    return difference <= rel * abs(reference)
 
 
 def synthetic_items(tmp: Path, *, num_train: int = 32, num_eval: int = 4) -> dict:

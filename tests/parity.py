@@ -441,8 +441,8 @@ def assert_steps(name: str, got: list, expected: list, tol: float = 1e-5, what: 
     assert len(got) == len(expected), f"{name}: {len(got)} steps vs {len(expected)} {what}"
     for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(got, expected), 1):
         assert tokens == ref_tokens, f"{name}, step {step}: {tokens} tokens vs {ref_tokens} {what}"
-        assert close(loss, ref_loss, tol), f"{name}, step {step}: loss {loss} vs {ref_loss} {what}"
-        assert close(norm, ref_norm, tol), f"{name}, step {step}: grad norm {norm} vs {ref_norm} {what}"
+        assert close(loss, ref_loss, tol, f"{name} step {step} loss"), f"{name}, step {step}: loss {loss} vs {ref_loss} {what}"
+        assert close(norm, ref_norm, tol, f"{name} step {step} grad norm"), f"{name}, step {step}: grad norm {norm} vs {ref_norm} {what}"
 
 
 def assert_matches(results: dict, case: Case, reference_world: int = 1) -> None:
@@ -459,7 +459,7 @@ def assert_matches(results: dict, case: Case, reference_world: int = 1) -> None:
         assert got["val"].keys() == expected["val"].keys()
         for step, value in got["val"].items():
             reference = expected["val"][step]
-            assert close(value, reference, case.tol), f"{case.name}: val loss at {step} {value} vs {reference}"
+            assert close(value, reference, case.tol, f"{case.name} val loss at {step}"), f"{case.name}: val loss at {step} {value} vs {reference}"
 
 
 def learns(result: dict) -> bool:

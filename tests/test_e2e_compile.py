@@ -149,7 +149,7 @@ def test_compiled_expert_parallel_run_has_the_eager_aux_losses(results):
     assert len(got) == len(expected) == len(results["eager_ep2"]["steps"])
     for step, (aux, ref_aux) in enumerate(zip(got, expected), 1):
         assert ref_aux is not None and ref_aux > 0, f"step {step}: no router aux loss logged"
-        assert close(aux, ref_aux), f"step {step}: aux loss {aux} vs {ref_aux}"
+        assert close(aux, ref_aux, what=f"step {step} aux loss"), f"step {step}: aux loss {aux} vs {ref_aux}"
 
 
 def test_compile_covers_the_decoder_layers_only_when_asked(results):

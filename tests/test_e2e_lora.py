@@ -207,7 +207,7 @@ def test_lora_checkpoint_exports_give_the_trained_logits_and_are_small(results):
     from transformers import Mistral3ForConditionalGeneration
 
     from mmfsdp.ckpt.cli import main as mm_convert
-    from mmfsdp.model.testing import rel_diff
+    from mmfsdp.model.testing import assert_close
 
     tmp, shared, out = results
     hf = shared / "hf_tiny_seed3"
@@ -224,5 +224,5 @@ def test_lora_checkpoint_exports_give_the_trained_logits_and_are_small(results):
     peft_model = PeftModel.from_pretrained(Mistral3ForConditionalGeneration.from_pretrained(hf), tmp / "peft")
     merged = Mistral3ForConditionalGeneration.from_pretrained(tmp / "merged")
     with torch.no_grad():
-        assert rel_diff(peft_model.eval()(**trained["batch"]).logits, trained["logits"]) <= 1e-5
-        assert rel_diff(merged.eval()(**trained["batch"]).logits, trained["logits"]) <= 1e-5
+        assert_close(peft_model.eval()(**trained["batch"]).logits, trained["logits"], 1e-5, "PEFT logits")
+        assert_close(merged.eval()(**trained["batch"]).logits, trained["logits"], 1e-5, "merged logits")

@@ -40,6 +40,7 @@ import pytest
 from apprun import MOE, MOE_ASSETS, TINY, close
 from parity import STEPS, Case, HFFirstStep, Probe, assert_matches, full_tensor, run_cases, session_dir
 from mmfsdp.train.config import load_config
+from mmfsdp.parallel.testing import assert_within
 
 SAVE_AT = 3
 COEF = 0.5
@@ -211,7 +212,7 @@ def _assert_router_matches(name: str, got: dict, expected: dict, first: int = 0)
     step `first` + 1."""
     for step, ((aux, load), (ref_aux, ref_load)) in enumerate(zip(got["router"][0], expected["router"][0][first:]), 1):
         assert aux is not None and ref_aux > 0, f"{name}, step {step}: no router aux loss logged"
-        assert close(aux, ref_aux), f"{name}, step {step}: aux loss {aux} vs {ref_aux}"
+        assert close(aux, ref_aux, what=f"{name} step {step} aux loss"), f"{name}, step {step}: aux loss {aux} vs {ref_aux}"
         assert load == ref_load, f"{name}, step {step}: expert load {load} vs {ref_load}"
 
 
@@ -232,7 +233,7 @@ def test_expert_and_router_gradients_of_step_one_match_one_process(results, name
     for key, reference in expected.items():
         assert got[key].shape == reference.shape, key
         error = (got[key] - reference).norm() / reference.norm()
-        assert error <= 1e-5, f"{name}: {key} gradient differs by {error:.2e} (relative)"
+        assert_within(error.item(), 1e-5, f"{name}: {key} gradient")
         assert not torch.equal(reference, torch.zeros_like(reference)), key
 
 
@@ -259,15 +260,15 @@ def test_accumulation_reference_has_the_same_lm_loss(results):
     """Accumulating two micro-batches changes only the aux loss (HF's, per micro-batch), not the LM loss."""
     (loss, _, _), (ref_loss, _, _) = results["ref_ga2"]["steps"][0], results["ref"]["steps"][0]
     (aux, _), (ref_aux, _) = results["ref_ga2"]["router"][0][0], results["ref"]["router"][0][0]
-    assert close(loss, ref_loss) and aux != ref_aux
+    assert close(loss, ref_loss, what="loss") and aux != ref_aux
 
 
 def test_first_step_lm_plus_aux_loss_matches_plain_hf(results):
     loss, norm, _ = results["ref"]["steps"][0]
     aux, load = results["ref"]["router"][0][0]
     hf_loss, hf_norm = results["ref"]["hf_step1"][0]
-    assert close(loss + COEF * aux, hf_loss), f"step 1: {loss} + {COEF} x {aux} vs HF {hf_loss}"
-    assert close(norm, hf_norm), f"step 1: grad norm {norm} vs HF {hf_norm}"
+    assert close(loss + COEF * aux, hf_loss, what="step 1 loss + coef x aux vs HF"), f"step 1: {loss} + {COEF} x {aux} vs HF {hf_loss}"
+    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: grad norm {norm} vs HF {hf_norm}"
     assert load["max"] >= load["mean"] > 0
 
 

@@ -103,7 +103,7 @@ def test_two_nodes_equal_one_and_a_dead_node_ends_the_job_which_resumes_on_one_n
         ranks = [_ranks(n.pid) for n in nodes]
         assert [len(r) for r in ranks] == [2, 2], ranks
         for record in apprun.records(out):
-            assert apprun.close(record["loss"], reference[record["step"]]), (record, reference)
+            assert apprun.close(record["loss"], reference[record["step"]], what=f"step {record['step']} loss"), (record, reference)
 
         os.kill(nodes[1].pid, signal.SIGKILL)  # node 1's launcher, as a lost node would take it
         killed = time.time()
@@ -130,4 +130,4 @@ def test_two_nodes_equal_one_and_a_dead_node_ends_the_job_which_resumes_on_one_n
     records = apprun.records(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "each step once"
     for record in records:
-        assert apprun.close(record["loss"], reference[record["step"]]), (record, reference[record["step"]])
+        assert apprun.close(record["loss"], reference[record["step"]], what=f"step {record['step']} loss"), (record, reference[record["step"]])

@@ -20,7 +20,8 @@ from mmfsdp.config import ConfigError
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types
 from mmfsdp.model.spec import Capabilities
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair
+from mmfsdp.parallel.testing import assert_within
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 CONFIG = """\
@@ -157,7 +158,8 @@ def test_video_step1_loss_equals_hf_labels_loss(model_id):
     with torch.no_grad():
         expected = reference(**batch).loss
         loss = ours(**model_inputs(batch), shift_labels=targets, loss_weights=weights).loss
-    assert torch.isfinite(expected) and rel_diff(loss, expected) <= 1e-5, (loss.item(), expected.item())
+    assert torch.isfinite(expected)
+    assert_close(loss, expected, 1e-5, "loss")
 
 
 def _packed(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
@@ -200,10 +202,10 @@ def test_packed_rows_loss_and_grads_equal_padded(model_id):
         loss_weights=weights[keep][None],
     ).loss
     loss.backward()
-    assert rel_diff(loss, padded) <= 1e-5, (loss.item(), padded.item())
+    assert_close(loss, padded, 1e-5, "loss vs padded")
     params = dict(ours.named_parameters())
     got = torch.cat([params[name].grad.flatten() for name in expected])
-    assert rel_diff(got, torch.cat([grad.flatten() for grad in expected.values()])) <= 1e-5
+    assert_close(got, torch.cat([grad.flatten() for grad in expected.values()]), 1e-5, "gradients")
 
 
 @pytest.mark.parametrize("model_id", FAMILIES)
@@ -268,8 +270,8 @@ def test_moe_loss_plus_router_aux_loss_equals_hf():
     assert load.tokens_per_expert.shape == (text.num_hidden_layers, text.num_experts)
     assert float(load.num_tokens) == float(batch["attention_mask"].sum())
     aux = load_balancing_loss(load)
-    assert rel_diff(aux, hf.aux_loss) <= 1e-5
-    assert rel_diff(outputs.loss + text.router_aux_loss_coef * aux, hf.loss) <= 1e-5
+    assert_close(aux, hf.aux_loss, 1e-5, "aux loss")
+    assert_close(outputs.loss + text.router_aux_loss_coef * aux, hf.loss, 1e-5, "loss + coef x aux")
 
 
 def _ep_steps(rank: int, world_size: int) -> list[tuple[float, float]]:
@@ -313,7 +315,8 @@ def test_moe_expert_parallel_two_processes_equal_one():
 
     one, two = (run_distributed(_ep_steps, size)[0] for size in (1, 2))
     for (loss_1, norm_1), (loss_2, norm_2) in zip(one, two, strict=True):
-        assert abs(loss_2 - loss_1) <= 1e-5 * abs(loss_1) and abs(norm_2 - norm_1) <= 1e-5 * norm_1, (one, two)
+        assert_within(abs(loss_2 - loss_1) / abs(loss_1), 1e-5, f"EP 2 vs 1 loss {loss_1} vs {loss_2}")
+        assert_within(abs(norm_2 - norm_1) / norm_1, 1e-5, f"EP 2 vs 1 grad norm {norm_1} vs {norm_2}")
 
 
 PRESETS = ["preset:gated_deltanet", "preset:attention", "preset:vision_attention"]

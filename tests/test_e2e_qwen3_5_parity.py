@@ -110,5 +110,5 @@ def test_qwen3_5_packed_and_context_parallel_match_one_process(tmp_path_factory)
         if AuxLoss in case.probes and case.reference is not None:
             got, expected = results[case.name]["aux_loss"][0], results[case.reference]["aux_loss"][0]
             assert all(value is not None for value in expected), expected
-            assert all(close(a, b, 1e-5) for a, b in zip(got, expected, strict=True)), (case.name, got, expected)
+            assert all(close(a, b, 1e-5, f"{case.name} aux loss") for a, b in zip(got, expected, strict=True)), (case.name, got, expected)
     assert learns(results["single"]) and learns(results["moe_single"]), "the runs should learn"

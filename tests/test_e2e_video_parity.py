@@ -113,8 +113,8 @@ def test_layouts_are_what_they_say(results):
 def test_first_step_matches_plain_hf(results):
     loss, norm, _ = results["ref"]["steps"][0]
     hf_loss, hf_norm = results["ref"]["hf_step1"][0]
-    assert close(loss, hf_loss), f"step 1: trainer loss {loss} vs HF {hf_loss}"
-    assert close(norm, hf_norm), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
+    assert close(loss, hf_loss, what="step 1 loss vs HF"), f"step 1: trainer loss {loss} vs HF {hf_loss}"
+    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
 
 
 def test_the_data_really_mixes(shared, results):

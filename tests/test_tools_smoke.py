@@ -97,6 +97,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke",),
         {"wall_s": NUMBER, "pytest_exit": int, "files": int, "sum_s": NUMBER, "longest": dict},
     ),
+    "tools/tolerance_margins.py": (
+        ("--smoke",),
+        {"cpu": str, "torch": str, "pytest_exit": int, "records": int, "tests": int, "tightest": list},
+    ),
     "tools/data/llava_instruct_to_mllm.py": (
         ("--input", "{tmp}/llava.json", "--image-dir", "{tmp}/coco", "--dataset-dir", "{tmp}",
          "--output", "{tmp}/out.jsonl", "--check-images"),
@@ -164,12 +168,19 @@ def _check_cp_hybrid(result: dict, tmp: Path) -> None:
     assert set(result["targets"]) == {"mem_ratio_cp2", "saved_ratio_cp2", "time_ratio_cp2"}
 
 
+def _check_tolerance_margins(result: dict, tmp: Path) -> None:
+    assert result["pytest_exit"] == 0 and result["records"] > 0 and 0 < len(result["tightest"]) <= result["tests"]
+    margins = [row["margin"] for row in result["tightest"]]
+    assert all(m is None or m >= 1 for m in margins) and margins == sorted(margins, key=lambda m: math.inf if m is None else m)
+
+
 INPUTS = {"tools/data/llava_instruct_to_mllm.py": _llava_inputs}
 CHECKS = {
     "tools/bench/cp_hybrid.py": _check_cp_hybrid,
     "tools/data/llava_instruct_to_mllm.py": _check_llava,
     "tools/probe/vision_attention.py": _check_probe,
     "tools/suite_timings.py": _check_suite_timings,
+    "tools/tolerance_margins.py": _check_tolerance_margins,
 }
 
 

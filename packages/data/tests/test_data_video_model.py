@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from mmfsdp.data import SampleEncoder, build_dataset, get_collator
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair
 
 TOL = 1e-5
 
@@ -128,7 +128,7 @@ def test_training_forward_on_video_image_and_text_rows_equals_hf_labels_loss(qwe
     with torch.no_grad():
         expected = reference(**model_inputs(batch), labels=batch["labels"]).loss
         loss = _train_forward(ours, batch)
-    assert rel_diff(loss, expected) <= TOL
+    assert_close(loss, expected, TOL, "loss")
 
 
 @pytest.mark.timeout(300)
@@ -149,4 +149,4 @@ def test_packed_video_samples_equal_separate_runs(qwen_processor, pair, items):
             _train_forward(ours, alone, summed(alone))
             for alone in (collate(pad_token_id=qwen_processor.pad_token_id)([item]) for item in items)
         )
-    assert rel_diff(loss, expected) <= TOL
+    assert_close(loss, expected, TOL, "loss")

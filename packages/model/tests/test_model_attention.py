@@ -9,7 +9,7 @@ import mmfsdp.model.attention as attention
 from mmfsdp.config import ConfigError
 from mmfsdp.model import npu_layout, resolve_attention_backend
 from mmfsdp.model.attention import NpuLayout, varlen_block_mask
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair
 from mmfsdp.model.families.mistral3.testing import tiny_batch
 
 TOL = 1e-5
@@ -159,7 +159,7 @@ def test_dense_backends_match_hf_on_padded_multimodal_batches(tiny_config, ours_
     with torch.no_grad():
         mine, theirs = ours(**batch).logits, reference(**batch).logits
     keep = batch["attention_mask"].bool()
-    assert rel_diff(mine[keep], theirs[keep]) <= TOL
+    assert_close(mine[keep], theirs[keep], TOL, "attention output (kept rows)")
 
 
 def _packed_text(config, lengths, seed=0):
@@ -191,7 +191,7 @@ def test_packed_rows_do_not_attend_across_samples(tiny_config, fake_npu, backend
         packed = ours(input_ids=input_ids, position_ids=position_ids, cu_seq_lens=cu_seq_lens).logits
         for row, offset, index in placed:
             alone = reference(input_ids=samples[index][None]).logits[0]
-            assert rel_diff(packed[row, offset : offset + len(samples[index])], alone) <= TOL, (backend, index)
+            assert_close(packed[row, offset : offset + len(samples[index])], alone, TOL, f"{backend}: sample {index} packed vs alone")
     if backend == "mmfsdp_npu_fusion":
         # the text-only batch runs the vision placeholder (one whole image) first, then the packed decoder
         num_decoder = tiny_config.text_config.num_hidden_layers
@@ -203,7 +203,7 @@ def test_npu_backend_matches_sdpa_without_packing(tiny_config, fake_npu):
     ours, reference = model_pair(tiny_config, attn="mmfsdp_npu_fusion")
     batch = model_inputs(tiny_batch(tiny_config, seq_len=24))
     with torch.no_grad():
-        assert rel_diff(ours(**batch).logits, reference(**batch).logits) <= TOL
+        assert_close(ours(**batch).logits, reference(**batch).logits, TOL, "logits")
     # the text runs dense (BSND); the vision tower's two images of different sizes run in TND
     assert "BSND" in fake_npu.layouts and "TND" in fake_npu.layouts
 
@@ -223,7 +223,7 @@ def test_each_image_attends_only_within_itself(tiny_config, fake_npu, backend, s
         together = tower(pixel_values, image_sizes=image_sizes).last_hidden_state[0]
         alone = [tower(pixel_values[i : i + 1, :, :h, :w], image_sizes=image_sizes[i : i + 1]).last_hidden_state[0] for i, (h, w) in enumerate(sizes)]
     assert together.shape[0] == sum(a.shape[0] for a in alone)
-    assert rel_diff(together, torch.cat(alone)) <= TOL
+    assert_close(together, torch.cat(alone), TOL, "together vs alone")
     if backend == "mmfsdp_npu_fusion":
         expected = "BSND" if len(set(sizes)) == 1 else "TND"
         assert fake_npu.layouts[0] == expected
@@ -251,8 +251,8 @@ def test_sdpa_runs_each_packed_sequence_alone_as_the_block_mask_does(causal, bat
     mask = varlen_block_mask(cu_seq_lens, cu_seq_lens, batch_size, seq_len, seq_len, causal=causal)
     ref, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](Attn(), q, k, v, mask, is_causal=False)
     assert out.shape == ref.shape == (batch_size, seq_len, 4, 8)
-    assert rel_diff(out, ref) <= TOL
+    assert_close(out, ref, TOL, "output")
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for grad, ref_grad in zip(grads, ref_grads):
-        assert rel_diff(grad, ref_grad) <= TOL
+        assert_close(grad, ref_grad, TOL, "gradient")

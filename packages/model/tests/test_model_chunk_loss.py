@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair, rel_diff
+from mmfsdp.parallel.testing import assert_within
 from mmfsdp.model.families.mistral3.testing import tiny_batch
 
 TOL = 1e-5
@@ -43,7 +44,7 @@ def _assert_same_grads(ours, reference, tol=TOL):
             assert param.grad is None, name
             continue
         assert param.grad is not None, name
-        assert rel_diff(param.grad, ref.grad) <= tol, (name, rel_diff(param.grad, ref.grad))
+        assert_close(param.grad, ref.grad, tol, f"grad {name}")
         checked += 1
     assert checked > 0
 
@@ -58,7 +59,7 @@ def test_loss_and_all_gradients_match_plain_hf(tiny_config, chunk_size):
     expected = _reference(reference, batch, targets, weights)
     loss = _ours(ours, batch, targets, weights)
     assert loss.dtype == torch.float32
-    assert rel_diff(loss, expected) <= TOL
+    assert_close(loss, expected, TOL, "loss")
     _assert_same_grads(ours, reference)
 
 
@@ -69,7 +70,7 @@ def test_frozen_lm_head(tiny_config):
         model.lm_head.requires_grad_(False)
     batch, targets, weights = _batch(tiny_config)
     expected = _reference(reference, batch, targets, weights)
-    assert rel_diff(_ours(ours, batch, targets, weights), expected) <= TOL
+    assert_close(_ours(ours, batch, targets, weights), expected, TOL, "loss")
     assert ours.lm_head.weight.grad is None
     _assert_same_grads(ours, reference)
 
@@ -81,7 +82,7 @@ def test_tied_lm_head(tiny_config):
     ours.set_chunk_loss(7)
     batch, targets, weights = _batch(config)
     expected = _reference(reference, batch, targets, weights)
-    assert rel_diff(_ours(ours, batch, targets, weights), expected) <= TOL
+    assert_close(_ours(ours, batch, targets, weights), expected, TOL, "loss")
     _assert_same_grads(ours, reference)
 
 
@@ -161,4 +162,4 @@ def test_bf16_parameters_compute_the_loss_in_fp32(tiny_config):
     # Both run the same bf16 model; the chunked one must be as close to the fp32 result as the plain bf16 HF path.
     assert abs(chunked - expected) <= 1.5 * abs(plain - expected) + 1e-6
     for name, ref in reference.named_parameters():
-        assert rel_diff(chunked_grads[name], ref.grad) <= 1.5 * rel_diff(plain_grads[name], ref.grad), name
+        assert_within(rel_diff(chunked_grads[name], ref.grad), 1.5 * rel_diff(plain_grads[name], ref.grad), f"bf16 grad {name}")

@@ -25,7 +25,7 @@ from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGeneratio
 from mmfsdp.model.testing import model_inputs, rel_diff
 from mmfsdp.model.families.mistral3.testing import image_token_count, tiny_batch
 from mmfsdp.parallel import FSDPPlanConfig, MeshPlan, ParallelConfig, apply_activation_checkpointing, apply_fsdp, build_parallel_dims
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import record_margin, run_distributed
 
 TOL = 1e-5
 ADAM_EPS = 1e-4
@@ -221,6 +221,8 @@ def test_cp_training_equals_cp1(world_size):
             "step-1 gradient": max(rel_diff(got["grads"][n], g) for n, g in expected_grads.items()),
             "final parameter": max(rel_diff(got["params"][n], p) for n, p in expected_params.items()),
         }
+        for what, diff in diffs.items():
+            record_margin(diff, TOL, f"{case['name']}: {what}")
         if max(diffs.values()) > TOL:
             failures.append(f"{case['name']}: " + ", ".join(f"{what} rel diff {d:.3g}" for what, d in diffs.items()))
         if case.get("vision_dp"):

@@ -3,8 +3,9 @@
 Reference: transformers' `Qwen3_5GatedDeltaNet` (its torch fallback), batch 1, one
 sample at a time; the packed layer runs the whole row with `cu_seq_lens`. Outputs
 and the gradients of the input and of every parameter are compared by relative
-Frobenius error: ≤ 1e-6 for outputs and states, ≤ 2e-6 for gradients (or max absolute error within
-the same bound).
+Frobenius error: ≤ 1e-6 for outputs and states, ≤ 1e-5 for gradients against HF (the chunked delta rule's own
+fp32 noise, below), ≤ 1e-6 for every gradient against our own per-sample runs (or max absolute error within the
+same bound).
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from mmfsdp.model.gated_deltanet import (
     packed_causal_conv1d,
     use_packed_forward,
 )
+from mmfsdp.parallel.testing import record_margin
 
 TOLERANCE = 1e-6
-# parameter gradients sum hundreds of per-token terms in another order than HF's per-sample graphs; measured
-# worst case 1.1e-6 relative (dt_bias, 7 samples), so they get 2e-6
-GRAD_TOLERANCE = 2e-6
+# Gradients against HF's torch fallback compare two chunked delta-rule kernels, each with its own fp32 rounding.
+# Measured on each side (docs/testing.md, "Tolerances and their margins"; AMD EPYC, torch 2.14): the layer's
+# gradients with its kernel in fp32, as tested, against the same fp32 layer with only that kernel in fp64 differ by
+# up to 4.5e-6 relative (HF 4.4e-6, ours 4.5e-6: grad A_log / dt_bias / conv1d), while the two fp32 sides are
+# 1.0e-6 apart. Two kernels each within 4.5e-6 of their fp64 result may be 9e-6 apart: 1e-5. (2e-6 before: 2x
+# the difference measured on one machine, below either kernel's own noise.) Outputs: noise 4.1e-7, diff 3.3e-8.
+GRAD_TOLERANCE = 1e-5
 
 
 def tiny_gdn(seed: int = 0, key_heads: int = 2, conv_bias: bool = False) -> Qwen3_5GatedDeltaNet:
@@ -76,6 +82,7 @@ def grads(module, hidden, loss, state=None) -> dict[str, torch.Tensor]:
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float = TOLERANCE) -> None:
     err, absolute = rel(got, want), (got - want).abs().max().item()
+    record_margin(min(err, absolute), tolerance, f"{name} (relative or max absolute)")
     assert err <= tolerance or absolute <= tolerance, f"{name}: relative {err:.2e}, max abs {absolute:.2e}"
 
 

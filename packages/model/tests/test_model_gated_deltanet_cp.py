@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import record_margin, run_distributed
 
 TOLERANCE = 1e-5
 FP64_TOLERANCE = 1e-12
@@ -147,6 +147,8 @@ def _check(results: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
         for case, errors in per_case.items()
         for what, (err, tol) in errors.items()
     ]
+    for err, tol, rank, case, what in flat:
+        record_margin(err, tol, f"rank {rank} {case} {what}")
     bad = [f"rank {rank} {case} {what}: {err:.2e} > {tol:.0e}" for err, tol, rank, case, what in flat if not err <= tol]
     for tol in sorted({item[1] for item in flat}):
         err, _, rank, case, what = max(item for item in flat if item[1] == tol)

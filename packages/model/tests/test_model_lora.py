@@ -33,7 +33,7 @@ from mmfsdp.model.lora import (
 )
 from mmfsdp.model.meta_init import init_rotary_buffers
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types
-from mmfsdp.model.testing import model_inputs, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.model.families.mistral3.testing import tiny_batch
 
@@ -206,7 +206,7 @@ def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model
     )
     adapted = {name.removeprefix("base_model.model.") for name, m in peft_model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == set(names), sorted(adapted ^ set(names))
-    assert rel_diff(_logits(peft_model, inputs), ours) <= TOL
+    assert_close(_logits(peft_model, inputs), ours, TOL, "PEFT logits")
 
     assert (
         mm_convert(
@@ -224,7 +224,7 @@ def test_exports_give_our_logits_through_peft_and_merged_weights(tmp_path, model
         == 0
     )
     merged = hf.from_pretrained(tmp_path / "merged", attn_implementation="sdpa")
-    assert rel_diff(_logits(merged, inputs), ours) <= TOL
+    assert_close(_logits(merged, inputs), ours, TOL, "merged logits")
 
     again = _build(entry, tmp_path / "base")
     apply_lora(again, lora, entry)

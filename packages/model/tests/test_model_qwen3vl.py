@@ -14,7 +14,8 @@ from mmfsdp.model.chunk_loss import ChunkLossLinear
 from mmfsdp.model.context_parallel import CPBatch
 from mmfsdp.model.families.qwen3_vl.model import mm_token_types, split_mrope_position_ids, split_visual_embeds
 from mmfsdp.model.parallelize import fsdp_groups
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair, rel_diff
+from mmfsdp.parallel.testing import assert_within
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import CPLayout
@@ -46,7 +47,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _assert_same_grads(actual: dict, expected: dict):
     assert actual.keys() == expected.keys() and actual
     worst = max((rel_diff(actual[n], g), n) for n, g in expected.items())
-    assert worst[0] <= TOL, worst
+    assert_within(worst[0], TOL, f"grad {worst[1]}")
 
 
 def _train_forward(model, batch, weights=None):
@@ -76,7 +77,7 @@ def test_training_forward_equals_hf_loss_and_grads(config, with_types):
         batch["mm_token_type_ids"] = types
     loss, grads = _train_forward(ours, batch)
     assert loss.dtype == torch.float32
-    assert rel_diff(loss, expected) <= TOL
+    assert_close(loss, expected, TOL, "loss")
     _assert_same_grads(grads, _grads(reference))
 
 
@@ -88,7 +89,7 @@ def test_chunk_loss_equals_no_chunk_loss(config, chunk_size):
     plain_loss, plain_grads = _train_forward(ours, batch)
     ours.set_chunk_loss(chunk_size)
     loss, grads = _train_forward(ours, batch)
-    assert rel_diff(loss, plain_loss) <= TOL
+    assert_close(loss, plain_loss, TOL, "loss vs plain loss")
     _assert_same_grads(grads, plain_grads)
 
 
@@ -111,7 +112,7 @@ def test_packed_samples_equal_separate_runs(config):
         expected_loss += sample_loss
         for name, grad in sample_grads.items():
             expected_grads[name] = expected_grads.get(name, 0) + grad
-    assert rel_diff(loss, expected_loss) <= TOL
+    assert_close(loss, expected_loss, TOL, "loss")
     _assert_same_grads(grads, expected_grads)
 
     # the positions themselves: sample b's restart where it starts, equal to b's own
@@ -239,7 +240,7 @@ def test_build_loads_safetensors_and_meta_build_gives_the_hf_logits(saved, confi
     batch = model_inputs(qwen3_vl_batch([[a], [b]], seq_len=24))
     types = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
     with torch.no_grad():
-        assert rel_diff(model(**batch).logits, reference(**batch, mm_token_type_ids=types).logits) <= TOL
+        assert_close(model(**batch).logits, reference(**batch, mm_token_type_ids=types).logits, TOL, "logits")
 
 
 def test_a_mistral3_directory_is_refused(tmp_path):
@@ -274,4 +275,4 @@ def test_model_copies_keep_their_own_decoder_hook(config):
     twin = copy.deepcopy(ours)
     a, b, _ = _samples(config)
     batch = qwen3_vl_batch([[a, b]], seq_len=40, packing=True)
-    assert rel_diff(_train_forward(twin, batch)[0], _train_forward(ours, batch)[0]) <= TOL
+    assert_close(_train_forward(twin, batch)[0], _train_forward(ours, batch)[0], TOL, "copy vs original training forward")

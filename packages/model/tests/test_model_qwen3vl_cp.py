@@ -24,7 +24,7 @@ from mmfsdp.model.families.qwen3_vl.model import Qwen3VLForConditionalGeneration
 from mmfsdp.model.testing import model_inputs, rel_diff
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import record_margin, run_distributed
 
 TOL = 1e-5
 
@@ -118,6 +118,8 @@ def test_qwen3vl_cp_training_equals_one_process(world_size):
             "gradient": max(rel_diff(got["grads"][n], g) for n, g in expected_grads.items()),
             "evaluation logits (last rank)": rel_diff(per_rank[-1][case["name"]]["logits"], expected_logits),
         }
+        for what, diff in diffs.items():
+            record_margin(diff, TOL, f"{case['name']}: {what}")
         if max(diffs.values()) > TOL:
             failures.append(f"{case['name']}: " + ", ".join(f"{what} rel diff {d:.3g}" for what, d in diffs.items()))
         assert all(g.abs().max() > 0 for n, g in expected_grads.items() if "deepstack_merger_list" in n), "every deepstack merger trains"

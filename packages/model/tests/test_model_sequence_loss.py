@@ -9,7 +9,7 @@ from mmfsdp.model import shift_labels
 from mmfsdp.model.chunk_loss import chunked_linear_sequence_cross_entropy
 from mmfsdp.model.families.mistral3.testing import tiny_batch
 from mmfsdp.model.loss import sample_ids, segment_sum, sequence_cross_entropy
-from mmfsdp.model.testing import model_inputs, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_inputs, model_pair
 
 TOL = 1e-5
 
@@ -44,15 +44,15 @@ def test_chunked_sequence_sums_equal_logits_path(chunk_size, bias):
     ref_grads = torch.autograd.grad(_consumer(ref), [hidden, weight] + ([b] if bias else []))
     ours = chunked_linear_sequence_cross_entropy(hidden, weight, b, targets, weights, ids, K, chunk_size)
     grads = torch.autograd.grad(_consumer(ours), [hidden, weight] + ([b] if bias else []))
-    assert rel_diff(ours, ref) <= TOL
+    assert_close(ours, ref, TOL, "log-probabilities")
     for got, want in zip(grads, ref_grads):
-        assert rel_diff(got, want) <= TOL
+        assert_close(got, want, TOL, "gradient")
     # the sums are the negated log-probabilities of the trained tokens with weight 1
     ones = chunked_linear_sequence_cross_entropy(hidden, weight, b, targets, torch.ones(T), ids, K, chunk_size)
     logp = torch.log_softmax(F.linear(hidden, weight, b), -1)
     keep = (targets != -100) & (ids >= 0)
     logps = torch.zeros(K).index_add(0, ids[keep], logp[keep.nonzero().squeeze(1), targets[keep]])
-    assert rel_diff(-ones, logps) <= TOL
+    assert_close(-ones, logps, TOL, "log-probabilities")
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5])
@@ -68,13 +68,13 @@ def test_training_forward_sequence_sums_match_plain_hf(tiny_config, chunk_size):
     _consumer(out).backward()
     ref = sequence_cross_entropy(reference(**model_inputs(batch)).logits, targets, weights, ids, 2)
     _consumer(ref).backward()
-    assert rel_diff(out.detach(), ref.detach()) <= TOL
+    assert_close(out.detach(), ref.detach(), TOL, "loss")
     ref_params = dict(reference.named_parameters())
     checked = 0
     for name, param in ours.named_parameters():
         if ref_params[name].grad is None:
             assert param.grad is None, name
             continue
-        assert rel_diff(param.grad, ref_params[name].grad) <= TOL, name
+        assert_close(param.grad, ref_params[name].grad, TOL, f"grad {name}")
         checked += 1
     assert checked > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmfsdp.model import get_model_entry
-from mmfsdp.model.testing import rel_diff
+from mmfsdp.model.testing import assert_close
 from mmfsdp.model.training_forward import vision_features
 from mmfsdp.model.vision_dp import assign_media, media_costs
 
@@ -85,4 +85,4 @@ def test_a_share_of_the_media_encodes_to_the_same_features(family):
             assert len(kinds) == num_kinds
             for k, kind in enumerate(kinds):
                 for j, index in enumerate(indices):
-                    assert rel_diff(kind[j], whole[k * 3 + index]) <= 1e-6, (family, indices, k)
+                    assert_close(kind[j], whole[k * 3 + index], 1e-6, f"{family} {indices} image {k}")

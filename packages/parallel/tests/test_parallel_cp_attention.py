@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, gather_from_cp, split_for_cp
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import assert_within, run_distributed
 
 TOLERANCE = 1e-5
 
@@ -146,7 +146,7 @@ def errors_4():
 def _check(per_rank: list[dict], name: str) -> None:
     for rank, errors in enumerate(per_rank):
         for what, error in errors[name].items():
-            assert error <= TOLERANCE, f"{name} rank {rank} {what}: relative error {error:.2e} > {TOLERANCE}"
+            assert_within(error, TOLERANCE, f"{name} rank {rank} {what}")
 
 
 @pytest.mark.parametrize("name", list(CASES_2))

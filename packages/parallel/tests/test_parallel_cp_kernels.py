@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mmfsdp.parallel.cp import AttentionKernel, CPLayout, context_parallel_attention, get_ring_kernel, register_ring_kernel
+from mmfsdp.parallel.testing import assert_within
 
 TOLERANCE = 1e-5
 
@@ -59,11 +60,11 @@ def test_cpu_kernel_matches_sdpa(batch, cu_q, cu_k, heads, kv_heads, causal):
     out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=scale, cu_q=cu_q, cu_k=cu_k)
     dq, dk, dv = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal=causal, scale=scale, cu_q=cu_q, cu_k=cu_k)
     assert lse.dtype == torch.float32 and lse.shape == (batch, heads, S)
-    assert _relative(out, expected.detach()) <= TOLERANCE
-    assert _relative(lse, expected_lse.detach()) <= TOLERANCE
-    assert _relative(dq, q.grad) <= TOLERANCE
-    assert _relative(dk, k.grad) <= TOLERANCE
-    assert _relative(dv, v.grad) <= TOLERANCE
+    assert_within(_relative(out, expected.detach()), TOLERANCE, "output")
+    assert_within(_relative(lse, expected_lse.detach()), TOLERANCE, "log-sum-exp")
+    assert_within(_relative(dq, q.grad), TOLERANCE, "dq")
+    assert_within(_relative(dk, k.grad), TOLERANCE, "dk")
+    assert_within(_relative(dv, v.grad), TOLERANCE, "dv")
 
 
 def test_without_context_parallel_the_entry_point_is_plain_attention():
@@ -74,7 +75,7 @@ def test_without_context_parallel_the_entry_point_is_plain_attention():
     layout = CPLayout.create(12, [0, 5, 12])
     out = context_parallel_attention(q, k, v, layout)
     expected, _ = _reference(q, k, v, [(0, 5), (5, 7)], [(0, 5), (5, 7)], True, 8**-0.5)
-    assert _relative(out, expected) <= TOLERANCE
+    assert_within(_relative(out, expected), TOLERANCE, "output")
 
 
 def test_a_registered_kernel_replaces_the_default():

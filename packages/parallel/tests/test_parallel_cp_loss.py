@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, cp_loss_reduce, split_for_cp
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import assert_within, run_distributed
 
 TOLERANCE = 1e-5
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 16, 2, 1, 8
@@ -118,4 +118,4 @@ def errors():
 def test_cp_loss_and_gradients_equal_the_unsplit_model(errors, name):
     for rank, per_rank in enumerate(errors):
         for what, error in per_rank[name].items():
-            assert error <= TOLERANCE, f"{name} rank {rank} {what}: relative error {error:.2e} > {TOLERANCE}"
+            assert_within(error, TOLERANCE, f"{name} rank {rank} {what}")

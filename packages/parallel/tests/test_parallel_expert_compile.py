@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from mmfsdp.parallel.expert_parallel import experts_forward, grouped_mm_supported, local_experts, tokens_per_expert
+from mmfsdp.parallel.testing import assert_within
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 16, 8, 2
 TOLERANCE = 1e-5
@@ -81,7 +82,7 @@ def test_compiled_local_experts_in_fp32_match_eager():
     torch._dynamo.reset()
     compiled = run(torch.compile(local_experts, backend="aot_eager", dynamic=True))
     for got, expected in zip(compiled, run(local_experts)):
-        assert _relative(got, expected) <= TOLERANCE
+        assert_within(_relative(got, expected), TOLERANCE, "compiled vs eager")
 
 
 def test_compiled_grouped_request_names_compile_when_the_trace_cannot_take_it():
@@ -106,7 +107,7 @@ def test_compiled_block_with_experts_forward_matches_eager_without_recompiling()
         hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(10 + index))
         expected, got = _step(block, block.forward, hidden), _step(block, compiled, hidden)
         for what, value in expected.items():
-            assert _relative(got[what], value) <= TOLERANCE, f"call {index + 1}: {what}"
+            assert_within(_relative(got[what], value), TOLERANCE, f"call {index + 1}: {what}")
         graphs.append(int(counters["stats"]["unique_graphs"]))
         _, idx = F.linear(hidden, block.gate).topk(TOP_K, dim=-1)
         routings.add(tuple(tokens_per_expert(idx, NUM_EXPERTS).tolist()))

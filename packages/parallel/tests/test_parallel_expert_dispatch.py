@@ -27,7 +27,7 @@ from mmfsdp.parallel.expert_parallel import (
     shard_experts,
     tokens_per_expert,
 )
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import assert_within, run_distributed
 
 TOLERANCE = 1e-5
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 16, 8
@@ -186,14 +186,10 @@ def test_expert_parallel_matches_dense_reference(distributed_results, name, ep_s
         ours = [distributed_results[rank][(name, ep_size, implementation)] for rank in ranks]
         for ep_rank, (mine, expected) in enumerate(zip(ours, per_member)):
             for what, value in expected.items():
-                error = _relative(mine[what], value)
-                assert error <= TOLERANCE, (
-                    f"EP rank {ep_rank} of group {group_index}: {what} relative error {error:.2e}"
-                )
+                assert_within(_relative(mine[what], value), TOLERANCE, f"EP rank {ep_rank} of group {group_index}: {what}")
         for what, full in full_grads.items():
             gathered = torch.cat([mine[what] for mine in ours])
-            error = _relative(gathered, full)
-            assert error <= TOLERANCE, f"group {group_index}: gathered {what} gradient relative error {error:.2e}"
+            assert_within(_relative(gathered, full), TOLERANCE, f"group {group_index}: gathered {what} gradient")
 
 
 def test_expert_parallel_routing_cases_reach_the_edge_cases():
@@ -229,7 +225,7 @@ def test_ep1_without_process_group_matches_dense_reference(implementation, num_t
         ("gate_up_proj", gate_up.grad),
         ("down_proj", down.grad),
     ]:
-        assert _relative(ours[what], value) <= TOLERANCE, what
+        assert_within(_relative(ours[what], value), TOLERANCE, what)
     assert ours["gate_up_proj"][2].abs().max() == 0  # the expert nobody chose
 
 
@@ -247,7 +243,7 @@ def test_grouped_and_loop_local_experts_agree():
         (out * cotangent).sum().backward()
         values[implementation] = [out.detach()] + [leaf.grad for leaf in leaves]
     for loop, grouped in zip(values["loop"], values["grouped"]):
-        assert _relative(grouped, loop) <= 1e-6
+        assert_within(_relative(grouped, loop), 1e-6, "grouped vs loop")
     grouped_mm_supported.cache_clear()
     with torch.no_grad():  # a first probe during evaluation still finds the kernel
         assert grouped_mm_supported(torch.device("cpu"), torch.float32)
@@ -296,7 +292,7 @@ def test_matches_hf_qwen3_vl_moe_experts():
     expected = block.experts(hidden, idx, weight)
     for implementation in IMPLEMENTATIONS:
         out = experts_forward(block.experts, hidden, idx, weight, implementation=implementation)
-        assert _relative(out, expected) <= 1e-6
+        assert_within(_relative(out, expected), 1e-6, f"{implementation} vs the HF experts")
 
 
 def test_first_grouped_gemm_probe_inside_a_checkpointed_layer():

@@ -27,7 +27,7 @@ from mmfsdp.parallel import (
     clip_grad_norm,
     is_checkpointed,
 )
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import assert_within, run_distributed
 
 DIM, IN_DIM, OUT_DIM, BATCH, STEPS = 8, 6, 3, 8, 2
 DEFAULT_MODULES = ["blocks.{*}", "head"]
@@ -187,12 +187,12 @@ def _bf16_dtypes(dims, x, y):
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str):
     scale = expected.norm().item()
     diff = (actual - expected).norm().item()
-    assert diff <= 1e-5 * max(scale, 1e-12), f"{what}: relative difference {diff / max(scale, 1e-12):.2e}"
+    assert_within(diff / max(scale, 1e-12), 1e-5, what)
 
 
 def _assert_same_training(result: dict, reference: dict):
     for step, (loss, ref) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
-        assert abs(loss - ref) <= 1e-5 * abs(ref), f"loss at step {step}: {loss} vs {ref}"
+        assert_within(abs(loss - ref) / abs(ref), 1e-5, f"loss at step {step}: {loss} vs {ref}")
     assert result["grads"].keys() == reference["grads"].keys()
     for name, grad in reference["grads"].items():
         _assert_close(result["grads"][name], grad, f"grad {name}")
@@ -200,7 +200,7 @@ def _assert_same_training(result: dict, reference: dict):
     for name, param in reference["params"].items():
         _assert_close(result["params"][name], param, f"param {name}")
     for step, (norm, ref) in enumerate(zip(result["norms"], reference["norms"], strict=True)):
-        assert abs(norm - ref) <= 1e-5 * ref, f"grad norm at step {step}: {norm} vs {ref}"
+        assert_within(abs(norm - ref) / ref, 1e-5, f"grad norm at step {step}: {norm} vs {ref}")
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +242,7 @@ def test_parallel_clip_grad_norm_matches_torch_clip_grad_norm(two_rank_results):
     for result in two_rank_results:
         ours = result["clip"]
         for norm, ref in zip(ours["norms"], norms, strict=True):
-            assert abs(norm - ref) <= 1e-5 * ref
+            assert_within(abs(norm - ref) / ref, 1e-5, "clipped grad norm")
         for name, param in params.items():
             _assert_close(ours["params"][name], param, f"clipped param {name}")
 
@@ -253,7 +253,7 @@ def test_parallel_clip_norm_only_leaves_grads(two_rank_results):
     for name, grad in plain["grads"].items():
         _assert_close(norm_only["grads"][name], grad, f"grad {name}")
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in plain["grads"].values()])).item()
-    assert abs(norm_only["norms"][0] - expected) <= 1e-5 * expected
+    assert_within(abs(norm_only["norms"][0] - expected) / expected, 1e-5, "grad norm")
 
 
 def _hsdp_and_cp_layouts(rank, world_size):

@@ -20,7 +20,7 @@ from mmfsdp.parallel import (
     build_parallel_dims,
     is_offloaded,
 )
-from mmfsdp.parallel.testing import run_distributed
+from mmfsdp.parallel.testing import assert_within, run_distributed
 
 DIM, STEPS = 32, 3
 
@@ -85,8 +85,8 @@ def test_offload_equals_no_offload_with_and_without_recompute():
             assert offload.offloaded_bytes == STEPS * len(_Net().layers) * 8 * 16 * DIM * 4
         else:
             assert offload.offloaded_bytes > STEPS * len(_Net().layers) * 8 * 16 * DIM * 4
-        assert _rel(losses, ref_losses) <= 1e-6
-        assert max(_rel(p, q) for p, q in zip(params, ref_params)) <= 1e-6
+        assert_within(_rel(losses, ref_losses), 1e-6, "losses")
+        assert_within(max(_rel(p, q) for p, q in zip(params, ref_params)), 1e-6, "parameters")
 
 
 def test_offload_moves_activations_not_parameters():
@@ -121,4 +121,4 @@ def test_offload_under_fsdp2_with_and_without_recompute():
     for out in run_distributed(_fsdp_worker, 2):
         for recompute in (False, True):
             assert out[f"bytes_{recompute}"] > 0
-            assert _rel(out[f"off_{recompute}"], out[f"ref_{recompute}"]) <= 1e-6
+            assert_within(_rel(out[f"off_{recompute}"], out[f"ref_{recompute}"]), 1e-6, f"recompute {recompute}")

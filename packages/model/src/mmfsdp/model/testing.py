@@ -7,8 +7,8 @@ round-trip tests' helpers (`mm-convert GenericDCPConverter ...`, returning its e
 `config_class` the config is) and the plain HF model with the same random
 weights; `model_inputs(batch)` is every key of a batch but the labels; `rel_diff(a, b)` is the tensor-wise relative difference the
 parity tests bound (max |a − b| / max |b|); `assert_close(actual, expected, tol, what)` bounds it and records the
-measured value against its bound where `MMFSDP_RECORD_MARGINS` names a file (`tools/tolerance_margins.py` reads
-them: how close each test comes to its tolerance on this machine).
+measured value against its bound where `MMFSDP_RECORD_MARGINS` names a file (`mmfsdp.parallel.testing.record_margin`;
+`tools/tolerance_margins.py` reads them: how close each test comes to its tolerance on this machine).
 
 A family's own synthetic batches live with the family (`mmfsdp.model.families.<model_id>.testing`) and reach
 generic tests through its spec's test kit (`entry.testkit.tiny_config` / `entry.testkit.test_batch`).
@@ -17,8 +17,6 @@ generic tests through its spec's test kit (`entry.testkit.tiny_config` / `entry.
 from __future__ import annotations
 
 import copy
-import json
-import os
 
 import torch
 from torch import nn
@@ -27,6 +25,7 @@ from transformers import PretrainedConfig
 from mmfsdp.model.registry import registered_model_ids
 from mmfsdp.model.spec import get_model_entry
 from mmfsdp.model.training_forward import model_inputs
+from mmfsdp.parallel.testing import assert_within
 
 __all__ = [
     "model_pair",
@@ -46,23 +45,12 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0) if actual.numel() else 0.0
 
 
-MARGINS_ENV = "MMFSDP_RECORD_MARGINS"
-"""A JSON-lines file each `assert_close` appends its measured difference and bound to; unset: nothing recorded."""
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> float:
     """Assert `rel_diff(actual, expected) <= tol` (the message names `what` and both numbers); return the difference.
 
     Where `MMFSDP_RECORD_MARGINS` is set, the measurement is appended there with the running test's id, so that
     the margin between what a test measures and its bound is seen on every machine before it runs out."""
-    diff = rel_diff(actual, expected)
-    target = os.environ.get(MARGINS_ENV)
-    if target:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-        with open(target, "a") as out:
-            out.write(json.dumps({"test": test, "what": what, "diff": diff, "tol": tol}) + "\n")
-    assert diff <= tol, f"{what}: relative difference {diff:.3g} > {tol:.3g}"
-    return diff
+    return assert_within(rel_diff(actual, expected), tol, what)
 
 
 def read_safetensors(directory) -> dict[str, torch.Tensor]:

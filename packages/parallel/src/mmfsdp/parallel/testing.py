@@ -19,12 +19,19 @@ spawned child cannot import. `fn` must therefore be a module-level function;
 `args` must be picklable. Return values travel as `torch.save` bytes (tensors
 in a queue would be shared-memory handles that die with the child) and are read
 back with `weights_only=True`: tensors, numbers, strings and containers of them.
+
+`record_margin(diff, tol, what)` appends a parity check's measured difference and its bound to the JSON-lines file
+that `MMFSDP_RECORD_MARGINS` names (nothing where it is unset), with the running test's id: every numeric comparison
+of the suite goes through it (`assert_within(diff, tol, what)` here, `mmfsdp.model.testing.assert_close`, the end
+to end tests' `apprun.close`), so that `tools/tolerance_margins.py` shows how close each test comes to its tolerance
+on a machine. Spawned ranks inherit the variable and the test id, so a check made on a rank is recorded too.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -33,7 +40,27 @@ import sys
 import traceback
 from typing import Any, Callable
 
-__all__ = ["run_distributed", "free_port", "preload_for_ranks"]
+__all__ = ["run_distributed", "free_port", "preload_for_ranks", "record_margin", "assert_within", "MARGINS_ENV"]
+
+MARGINS_ENV = "MMFSDP_RECORD_MARGINS"
+"""A JSON-lines file each `record_margin` appends `{"test", "what", "diff", "tol"}` to; unset: nothing recorded."""
+
+
+def record_margin(diff: float, tol: float, what: str = "") -> None:
+    """Append the measured `diff` and its bound `tol` to the file `MMFSDP_RECORD_MARGINS` names, if any."""
+    target = os.environ.get(MARGINS_ENV)
+    if target:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        with open(target, "a") as out:
+            out.write(json.dumps({"test": test, "what": what, "diff": float(diff), "tol": float(tol)}) + "\n")
+
+
+def assert_within(diff: float, tol: float, what: str = "") -> float:
+    """Record `diff` against `tol` (`record_margin`), assert `diff <= tol` (the message names `what` and both
+    numbers); return `diff`."""
+    record_margin(diff, tol, what)
+    assert diff <= tol, f"{what}: relative difference {diff:.3g} > {tol:.3g}"
+    return diff
 
 
 def free_port() -> int:
