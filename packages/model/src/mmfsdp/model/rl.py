@@ -105,7 +105,9 @@ def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, num_generations)
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards = "group") -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards = "group"
+) -> torch.Tensor:
     """`[B]` advantages of `B` rewards in consecutive groups of `num_generations` (module docstring). For `batch`
     the std is over the rewards given: pass the whole generation batch (every rank's groups) to match TRL."""
     if scale_rewards not in SCALE_REWARDS:
