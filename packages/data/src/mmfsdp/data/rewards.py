@@ -319,7 +319,13 @@ class RewardSet:
             while pending and (idle or len(self._workers) < self._num_workers):
                 worker = idle.pop() if idle else self._start_worker()
                 f, n = pending.pop()
-                worker.conn.send((f, completions[n], ground_truths[n], prompts[n]))
+                try:
+                    worker.conn.send((f, completions[n], ground_truths[n], prompts[n]))
+                except (BrokenPipeError, OSError):  # an idle worker died (killed from outside): use a fresh one
+                    pending.append((f, n))
+                    worker.kill()
+                    self._workers.remove(worker)
+                    continue
                 worker.task, worker.deadline = (f, n), time.monotonic() + self.specs[f].timeout_s
             busy = [worker for worker in self._workers if worker.task]
             earliest = min(worker.deadline for worker in busy)
