@@ -11,6 +11,8 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
    batches (the batch contract: docs/data.md, "Batches").
 
+Reward functions for online RL are a registry too (`build_rewards`, `mmfsdp.data.rewards`).
+
 With `attr.ranking: true` the dataset is a `PreferenceDataset` (an item is a chosen/rejected pair) and the loader
 collates pairs with `PairCollator` (docs/data.md, "Preference data").
 
@@ -42,6 +44,7 @@ from mmfsdp.data.plugins import ImagePlugin, MediaSetting, VideoPlugin, get_plug
 from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
 from mmfsdp.data.build import build_plugin, build_processor, media_settings
 from mmfsdp.data.processor import MMProcessor
+from mmfsdp.data.rewards import RewardSet, RewardSpec, build_rewards, register_reward, reward_names
 from mmfsdp.data.templates import IGNORE_INDEX, Template, get_template, register_template
 
 __all__ = [
@@ -72,6 +75,8 @@ __all__ = [
     "PairCollator",
     "PreferenceDataset",
     "PreprocessParametersConfig",
+    "RewardSet",
+    "RewardSpec",
     "SFTDataset",
     "SampleEncoder",
     "StatefulDataLoader",
@@ -81,6 +86,9 @@ __all__ = [
     "build_dataset",
     "build_plugin",
     "build_processor",
+    "build_rewards",
+    "register_reward",
+    "reward_names",
     "media_settings",
     "dataset_files",
     "has_eval_data",
