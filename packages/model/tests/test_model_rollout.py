@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from mmfsdp.model import get_model_entry
+from mmfsdp.model import get_model_entry, registered_model_ids
 from mmfsdp.model.rollout import (
     HFRolloutEngine, Rollout, RolloutEngine, RolloutRequest, SamplingParams, gumbel_noise, row_keys, sample_tokens,
     warp_logits,
@@ -24,6 +24,7 @@ from mmfsdp.parallel.testing import run_distributed
 
 TOL = 1e-5
 FAMILIES = ("qwen3_vl", "mistral3")
+"""The families of the greedy and the FSDP2 tests; the log-prob parity runs over every registered family."""
 STOP = tuple(range(20, 60))
 """Stop tokens: 40 of the tiny vocabulary's 256, so that completions stop after different numbers of tokens."""
 
@@ -104,10 +105,14 @@ def _model(model_id: str):
     return entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
 
 
-def _request(model_id: str, config, index: int, length: int, images: tuple, seed: int) -> RolloutRequest:
-    """A prompt of `length` tokens ending in text, with `images` ((h, w): patches for qwen3_vl, pixels for
-    mistral3), as its family's test helpers lay it out."""
-    if model_id == "mistral3":
+def _pixtral(config) -> bool:
+    return hasattr(config, "image_token_index")
+
+
+def _request(config, index: int, length: int, images: tuple, seed: int) -> RolloutRequest:
+    """A prompt of `length` tokens ending in text, with `images` ((h, w): pixels for Pixtral, patches for the
+    Qwen-VL towers), as the family's test helpers lay it out."""
+    if _pixtral(config):
         from mmfsdp.model.families.mistral3.testing import tiny_batch
 
         sample = tiny_batch(config, batch_size=1, seq_len=length, image_sizes=images, seed=seed)
@@ -121,14 +126,14 @@ def _request(model_id: str, config, index: int, length: int, images: tuple, seed
     return RolloutRequest(prompt_index=index, prompt_ids=ids.tolist(), num_generations=2, media=media)
 
 
-def _requests(model_id: str, config) -> list[RolloutRequest]:
+def _requests(config) -> list[RolloutRequest]:
     """Two image prompts (one and two images of different sizes) and two text-only prompts, of different lengths."""
-    images = {"qwen3_vl": ((4, 4), (2, 4), (4, 2)), "mistral3": ((32, 32), (16, 48), (32, 16))}[model_id]
+    images = ((32, 32), (16, 48), (32, 16)) if _pixtral(config) else ((4, 4), (2, 4), (4, 2))
     return [
-        _request(model_id, config, 0, 14, images[:1], seed=1),
-        _request(model_id, config, 1, 9, (), seed=2),
-        _request(model_id, config, 2, 21, images[1:], seed=3),
-        _request(model_id, config, 3, 5, (), seed=4),
+        _request(config, 0, 14, images[:1], seed=1),
+        _request(config, 1, 9, (), seed=2),
+        _request(config, 2, 21, images[1:], seed=3),
+        _request(config, 3, 5, (), seed=4),
     ]
 
 
@@ -155,10 +160,10 @@ def _gather(logprobs_NV: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     return logprobs_NV.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("model_id", FAMILIES)
+@pytest.mark.parametrize("model_id", registered_model_ids())
 def test_sampling_logprobs_equal_the_training_forward(model_id):
     model = _model(model_id)
-    requests = _requests(model_id, model.config)
+    requests = _requests(model.config)
     engine = HFRolloutEngine(model)
     assert isinstance(engine, RolloutEngine)
     engine.sync_weights(model, 7)
@@ -189,7 +194,7 @@ def test_sampling_logprobs_equal_the_training_forward(model_id):
 @pytest.mark.parametrize("model_id", FAMILIES)
 def test_greedy_takes_the_argmax(model_id):
     model = _model(model_id)
-    requests = _requests(model_id, model.config)
+    requests = _requests(model.config)
     rollouts = HFRolloutEngine(model).generate(requests, SamplingParams(max_new_tokens=5, temperature=0), step=0)
     for rollout in rollouts:
         logits = _reference_logits(model, requests[rollout.prompt_index], rollout)
@@ -206,7 +211,7 @@ def _by_key(rollouts: list[Rollout]) -> dict[tuple[int, int], Rollout]:
 
 def test_completions_are_keyed_by_seed_step_prompt_and_generation():
     model = _model("qwen3_vl")
-    requests = _requests("qwen3_vl", model.config)
+    requests = _requests(model.config)
     engine = HFRolloutEngine(model)
     sampling = SamplingParams(max_new_tokens=6, stop_token_ids=STOP, seed=5)
     full = _by_key(engine.generate(requests, sampling, step=1))
@@ -251,7 +256,7 @@ def _fsdp_rollouts(rank: int, world_size: int) -> dict:
     out = {}
     for model_id in FAMILIES:
         model = _model(model_id)
-        requests = _requests(model_id, model.config)
+        requests = _requests(model.config)
         get_model_entry(model_id).parallelize(model, parallel_cfg, dims)
         forwards = []
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
@@ -274,7 +279,7 @@ def test_fsdp_ranks_with_different_prompts_generate_what_one_process_does():
     per_rank = run_distributed(_fsdp_rollouts, 2, timeout=300)
     for model_id in FAMILIES:
         model = _model(model_id)
-        requests = _requests(model_id, model.config)
+        requests = _requests(model.config)
         expected = _by_key(HFRolloutEngine(model).generate(requests, FSDP_SAMPLING, step=3))
         for name in ("split", "one rank"):
             ranks = [result[model_id, name] for result in per_rank]

@@ -36,7 +36,7 @@ shapes), so tokens agree unless a draw falls within rounding of a tie.
    the training forward runs its vision placeholder for each kind of media the call lacks (docs/model.md,
    "Text-only micro-batches"): a rank with text-only prompts makes the same vision-tower passes, hence the same
    FSDP2 all-gathers, as a rank with images.
-4. The cache rows are repeated per generation (`batch_select_indices`): a prompt is encoded once however many
+4. The cache rows are repeated per generation (`Cache.reorder_cache`, a row gather): a prompt is encoded once however many
    completions it gets.
 5. Decode: one forward per step for all rows (a row that stopped keeps stepping, its tokens discarded), sampling
    on the device. Under FSDP2 every forward all-gathers the parameters, so every rank must make the same number
@@ -357,7 +357,7 @@ class HFRolloutEngine:
         try:
             outputs = model(**batch, use_cache=True, logits_to_keep=1)
             cache = outputs.cache
-            cache.batch_select_indices(rows_P)
+            cache.reorder_cache(rows_P)
             logits = outputs.logits[:, -1].index_select(0, rows_P)
             del outputs, batch
             num_rows = len(prompt_of_row)
