@@ -36,15 +36,27 @@ shapes), so tokens agree unless a draw falls within rounding of a tie.
    the training forward runs its vision placeholder for each kind of media the call lacks (docs/model.md,
    "Text-only micro-batches"): a rank with text-only prompts makes the same vision-tower passes, hence the same
    FSDP2 all-gathers, as a rank with images.
-4. The cache rows are repeated per generation (`Cache.reorder_cache`, a row gather): a prompt is encoded once however many
-   completions it gets.
+4. The cache rows are repeated per generation (`Cache.reorder_cache`, a row gather for every kind of cache layer,
+   linear attention included): a prompt is encoded once however many completions it gets.
 5. Decode: one forward per step for all rows (a row that stopped keeps stepping, its tokens discarded), sampling
    on the device. Under FSDP2 every forward all-gathers the parameters, so every rank must make the same number
    of forwards: once per step the ranks all-reduce (MIN over the group) whether all their rows have stopped, and
    all stop together when every rank is done or at `max_new_tokens`. That one-element all-reduce and the `.item()`
    reading it are the loop's only host synchronisation, a small constant per step (generation, not a training
-   hot path); the tokens and log-probs reach the host once, at the end.
-A stop token ends its completion and is part of it (with its log-prob), as in TRL's completion mask.
+   hot path); before the loop, one more checks the requests on every rank (all raise together) and the prompts'
+   positions are computed on the host side of the family's hook; the tokens and log-probs reach the host once,
+   at the end.
+A stop token ends its completion and is part of it (with its log-prob), as in TRL's completion mask. Completion
+tokens are text: a trainer re-reading prompt + completion gives them token type 0 (Qwen3-VL's
+`mm_token_type_ids`, as transformers' generation extends them), whatever their id.
+
+Why a loop of our own rather than `model.generate`: transformers samples with the global generator over the whole
+batch (completions would depend on the batch and the rank), the log-probs would need its `[R, V]` scores kept per
+step, and `synced_gpus` reduces over the world group only. The loop uses the model's own pieces for what is
+family-specific: the family's `prepare_inputs` for the positions, the HF cache, media in the prefill only (as
+transformers' `prepare_inputs_for_generation`), and positions that continue by one per token (as its
+`_update_model_kwargs_for_generation`). Positions are always passed, so Qwen3-VL's stateful `rope_deltas` (its
+M-RoPE offset of generated tokens, implied here by the prompt's last position) is neither read nor left stale.
 
 FSDP2 and other parallelisms: the engine only calls the model's forward; the sharded parameters are gathered by
 FSDP2's hooks per module and call. Every rank of `group` (default: the world) calls `generate` with the same
