@@ -22,6 +22,9 @@
 - `freeze_modules(model, patterns)`; attention backends in `mmfsdp.model.attention`.
 - LoRA (`mmfsdp.model.lora`): `LoraConfig` (YAML `training.lora`), `apply_lora(model, lora_cfg, entry)` (PEFT's
   injection, before FSDP), `init_lora_adapters(model, lora_cfg, seed)`, `load_lora_adapter`, `lora_metadata`.
+- Rollouts for online RL (`mmfsdp.model.rollout`): the `RolloutEngine` interface (`generate(requests, sampling,
+  step)` → `Rollout`s with sampling log-probs; `sync_weights`, `weights_version`) and `HFRolloutEngine`, generation
+  inside the training processes from the (FSDP2-sharded) model, seeded per (seed, step, prompt, generation).
 - `model.enable_context_parallel(parallel_dims)`: the training forward splits the decoder's
   sequence over the CP group after the vision tower (`mmfsdp.model.context_parallel`);
   `entry.validate_parallel(model_cfg, plan)` checks the layout against `config.json`.
@@ -73,6 +76,11 @@ _LAZY = {
     "load_lora_adapter": "mmfsdp.model.lora",
     "lora_metadata": "mmfsdp.model.lora",
     "resolve_lora_targets": "mmfsdp.model.lora",
+    "HFRolloutEngine": "mmfsdp.model.rollout",
+    "Rollout": "mmfsdp.model.rollout",
+    "RolloutEngine": "mmfsdp.model.rollout",
+    "RolloutRequest": "mmfsdp.model.rollout",
+    "SamplingParams": "mmfsdp.model.rollout",
     "RouterLoad": "mmfsdp.model.router",
     "load_balancing_loss": "mmfsdp.model.router",
     "expert_load_summary": "mmfsdp.model.router",
@@ -120,6 +128,11 @@ __all__ = [
     "load_lora_adapter",
     "lora_metadata",
     "resolve_lora_targets",
+    "HFRolloutEngine",
+    "Rollout",
+    "RolloutEngine",
+    "RolloutRequest",
+    "SamplingParams",
     "RouterLoad",
     "load_balancing_loss",
     "expert_load_summary",
