@@ -14,7 +14,8 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from mmfsdp.model import get_model_entry, registered_model_ids
+from mmfsdp.model import get_model_entry
+from mmfsdp.model.registry import installed_model_ids
 from mmfsdp.model.rollout import (
     HFRolloutEngine, Rollout, RolloutEngine, RolloutRequest, SamplingParams, gumbel_noise, row_keys, sample_tokens,
     warp_logits,
@@ -160,7 +161,7 @@ def _gather(logprobs_NV: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     return logprobs_NV.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("model_id", registered_model_ids())
+@pytest.mark.parametrize("model_id", installed_model_ids())
 def test_sampling_logprobs_equal_the_training_forward(model_id):
     model = _model(model_id)
     requests = _requests(model.config)

@@ -16,7 +16,10 @@ from mmfsdp.config import Registry
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
-__all__ = ["FAMILY_ENTRY_POINT_GROUP", "add_family", "find_family", "load_all_families", "registered_model_ids"]
+__all__ = [
+    "FAMILY_ENTRY_POINT_GROUP", "add_family", "find_family", "installed_model_ids", "load_all_families",
+    "registered_model_ids",
+]
 
 FAMILY_ENTRY_POINT_GROUP = "mmfsdp.model_families"
 """Entry-point group declaring families: name = model id, value = the module whose import registers it."""
@@ -29,6 +32,11 @@ def _declared_families() -> dict[str, EntryPoint]:
     from importlib.metadata import entry_points
 
     return {point.name: point for point in entry_points(group=FAMILY_ENTRY_POINT_GROUP)}
+
+
+def installed_model_ids() -> list[str]:
+    """The model ids installed packages declare (entry points), without those a test or a script registered."""
+    return sorted(_declared_families())
 
 
 def registered_model_ids() -> list[str]:
