@@ -5,9 +5,9 @@
 Two ordinary runs of `uv run apps/train` (2 CPU processes each, as the configs say), one after the other. The
 overrides go to both stages, except `sft:KEY=VALUE` / `dpo:KEY=VALUE` (to that stage only: e.g. each stage's own
 `data.dataset_param.basic_parameters.dataset_dir`) and `training.output_dir=DIR` (default
-`outputs/qwen3vl-dpo-tiny`), which is the root of both: the SFT stage writes `DIR/sft` (its checkpoint in `DIR/sft/ckpt`, the HF export in
-`DIR/sft/ckpt/hf/iter_N`) and the DPO stage, which starts from that export (`training.load`), writes `DIR/dpo`
-(its checkpoint and HF export in `DIR/dpo/ckpt`).
+`outputs/qwen3vl-dpo-tiny`), which is the root of both: the SFT stage writes `DIR/sft` (its checkpoint in
+`DIR/sft/ckpt`, the HF export in `DIR/sft/ckpt/hf/iter_N`) and the DPO stage, which starts from that export
+(`training.load`), writes `DIR/dpo` (its checkpoint and HF export in `DIR/dpo/ckpt`).
 The end is `DIR/eval.json`: the DPO stage's eval.json (`accuracy`, `reward_accuracy`, `reward_margin` on the
 held-out pairs) with `sft_accuracy` (the SFT model's held-out accuracy on the same images: "before") and each
 stage's wall time. A stage that fails stops the script with its exit status. Run again, each stage does what
