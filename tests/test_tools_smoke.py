@@ -87,7 +87,8 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
     ),
     "tools/bench/train_throughput.py": (
         ("--smoke", "--out", "{tmp}"),
-        {"tiny": dict, "tiny_over_plain": NUMBER, "tiny_best_over_plain": NUMBER, "llamafactory": str},
+        {"tiny": dict, "tiny_over_plain": NUMBER, "tiny_best_over_plain": NUMBER, "tiny_no_direct_over_plain": NUMBER,
+         "tiny_direct_gain": NUMBER, "llamafactory": str},
     ),
     "tools/bench/vision_dp.py": (
         ("--smoke",),
