@@ -7,6 +7,8 @@ run twice in a row"), each time as the README gives it with tiny sizes as comman
 - `examples/qwen3vl-dpo-tiny/run.py` saves both stages without optimizer state (`no_save_optim`): run again, each
   finished stage says so and exits 0 (it used to resume the SFT checkpoint and fail for its missing optimizer
   state), and the script ends as the first run did.
+- `examples/magistral-2509/smoke.yaml` (the laptop command of its README) saves as it trains: run again, it says
+  it is finished.
 - A run with `training.save` that finished says so and starts no rank; raised `training.train_iters`, the same
   command resumes it (a half-finished run).
 """
@@ -79,6 +81,13 @@ def test_the_dpo_example_twice(tmp_path):
     assert "held-out accuracy" in second.stdout
     result = json.loads((out / "eval.json").read_text())
     assert {"accuracy", "reward_accuracy", "sft_accuracy"} <= set(result)
+
+
+def test_the_magistral_smoke_twice(tmp_path):
+    out = tmp_path / "out"  # its README's laptop command; it saves every 10 steps (here every step)
+    items = _tiny(tmp_path, out, **{"training.save": tmp_path / "ckpt", "training.save_interval": 1})
+    first, second = _twice(apprun.command(apprun.EXAMPLES / "magistral-2509" / "smoke.yaml", items))
+    assert FINISHED not in first.stdout and FINISHED in second.stdout
 
 
 def test_a_finished_run_says_so_and_a_longer_one_resumes_it(tmp_path):
