@@ -51,7 +51,9 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER, "time_ratio_cp2": NUMBER, "loss_rel_diff": NUMBER,
          "targets": dict, "targets_met": bool},
     ),
-    "tools/bench/cp_memory.py": (("--smoke",), {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER}),
+    "tools/bench/cp_memory.py": (
+        ("--smoke",), {"mem_ratio_cp2": NUMBER, "saved_ratio_cp2": NUMBER, "tensor_ratio_cp2": NUMBER}
+    ),
     "tools/bench/data_prep.py": (
         ("--smoke", "--work-dir", "{tmp}"),
         {"rows": list, "peak_rss_mib": list, "rows_per_s": list, "rss_ratio_1m_over_100k": NUMBER, "runs": dict},
@@ -87,7 +89,8 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
     ),
     "tools/bench/train_throughput.py": (
         ("--smoke", "--out", "{tmp}"),
-        {"tiny": dict, "tiny_over_plain": NUMBER, "tiny_best_over_plain": NUMBER, "llamafactory": str},
+        {"tiny": dict, "tiny_over_plain": NUMBER, "tiny_best_over_plain": NUMBER, "tiny_no_direct_over_plain": NUMBER,
+         "tiny_direct_gain": NUMBER, "llamafactory": str},
     ),
     "tools/bench/vision_dp.py": (
         ("--smoke",),

@@ -3,14 +3,16 @@
     uv run python examples/qwen3vl-dpo-tiny/run.py [KEY=VALUE ...]
 
 Two ordinary runs of `uv run apps/train` (2 CPU processes each, as the configs say), one after the other. The
-overrides go to both stages, except `training.output_dir=DIR` (default `outputs/qwen3vl-dpo-tiny`), which is the
-root of both: the SFT stage writes `DIR/sft` (its checkpoint in `DIR/sft/ckpt`, the HF export in
-`DIR/sft/ckpt/hf/iter_N`) and the DPO stage, which starts from that export (`training.load`), writes `DIR/dpo`
-(its checkpoint and HF export in `DIR/dpo/ckpt`).
+overrides go to both stages, except `sft:KEY=VALUE` / `dpo:KEY=VALUE` (to that stage only: e.g. each stage's own
+`data.dataset_param.basic_parameters.dataset_dir`) and `training.output_dir=DIR` (default
+`outputs/qwen3vl-dpo-tiny`), which is the root of both: the SFT stage writes `DIR/sft` (its checkpoint in
+`DIR/sft/ckpt`, the HF export in `DIR/sft/ckpt/hf/iter_N`) and the DPO stage, which starts from that export
+(`training.load`), writes `DIR/dpo` (its checkpoint and HF export in `DIR/dpo/ckpt`).
 The end is `DIR/eval.json`: the DPO stage's eval.json (`accuracy`, `reward_accuracy`, `reward_margin` on the
 held-out pairs) with `sft_accuracy` (the SFT model's held-out accuracy on the same images: "before") and each
-stage's wall time. A stage that fails stops the script with its exit status. An SFT checkpoint already in
-`DIR/sft/ckpt` is resumed (a finished one trains nothing and only evaluates again), as for any run.
+stage's wall time. A stage that fails stops the script with its exit status. Run again, each stage does what
+any run does (`mmfsdp.train.start`): a finished stage says so and exits 0 (its checkpoint, export and eval.json
+stay), a stage stopped half-way resumes from its last checkpoint, so the script can be run twice in a row.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ ROOT = HERE.parents[1]
 DEFAULT_OUT = "outputs/qwen3vl-dpo-tiny"
 
 
+STAGES = ("sft", "dpo")
+
+
 def split_overrides(overrides: list[str]) -> tuple[Path, list[str]]:
     """(the output root, the other overrides); an override without `=` is an error."""
     out, rest = Path(DEFAULT_OUT), []
@@ -42,10 +47,23 @@ def split_overrides(overrides: list[str]) -> tuple[Path, list[str]]:
     return out, rest
 
 
+def for_stage(overrides: list[str], stage: str) -> list[str]:
+    """The overrides of one stage: the shared ones and its own `<stage>:KEY=VALUE`, in order."""
+    mine = []
+    for item in overrides:
+        prefix, sep, rest = item.partition(":")
+        if sep and prefix in STAGES:
+            if prefix == stage:
+                mine.append(rest)
+        else:
+            mine.append(item)
+    return mine
+
+
 def sft_iters(overrides: list[str]) -> int:
     """The SFT stage's `training.train_iters` (its HF export is `<save>/hf/iter_<that>`)."""
     iters = yaml.safe_load((HERE / "sft.yaml").read_text())["training"]["train_iters"]
-    for item in overrides:
+    for item in for_stage(overrides, "sft"):
         key, _, value = item.partition("=")
         if key == "training.train_iters":
             iters = int(value)
@@ -57,8 +75,10 @@ def stage_commands(out: Path, overrides: list[str]) -> tuple[list[str], list[str
     sft_dir, dpo_dir = out / "sft", out / "dpo"
     export = sft_dir / "ckpt" / "hf" / f"iter_{sft_iters(overrides):07d}"
     app = ["uv", "run", "apps/train"]
-    sft = [*app, str(HERE / "sft.yaml"), *overrides, f"training.output_dir={sft_dir}", f"training.save={sft_dir}/ckpt"]
-    dpo = [*app, str(HERE / "dpo.yaml"), *overrides, f"training.output_dir={dpo_dir}", f"training.save={dpo_dir}/ckpt"]
+    sft = [*app, str(HERE / "sft.yaml"), *for_stage(overrides, "sft"), f"training.output_dir={sft_dir}",
+           f"training.save={sft_dir}/ckpt"]
+    dpo = [*app, str(HERE / "dpo.yaml"), *for_stage(overrides, "dpo"), f"training.output_dir={dpo_dir}",
+           f"training.save={dpo_dir}/ckpt"]
     return sft, [*dpo, f"training.load={export}"]
 
 
@@ -66,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     out, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     out = out if out.is_absolute() else ROOT / out
     result: dict = {}
-    for name, cmd in zip(("sft", "dpo"), stage_commands(out, overrides)):
+    for name, cmd in zip(STAGES, stage_commands(out, overrides)):
         print("$ " + " ".join(cmd), flush=True)
         start = time.monotonic()
         rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode

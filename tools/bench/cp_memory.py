@@ -14,12 +14,19 @@ its `S / CP` tokens, runs one forward and backward, and reports
   serve every allocation above 64 KiB with mmap, so freed tensors leave the
   resident set and the high-water mark tracks live memory;
 - `saved`: the bytes of the tensors autograd saves for backward (unique
-  storages, parameters excluded), i.e. activation memory at the end of forward.
+  storages, parameters excluded), i.e. activation memory at the end of forward;
+- `tensor`: the most tensor bytes alive at once during the step beyond those it
+  starts with (parameters, inputs), counted by `mmfsdp.parallel.tensor_memory.
+  TensorMemory` (the CPU stand-in for an accelerator's `max_memory_allocated`,
+  as `lora_memory.py` uses) in a second, identical step after the measured one
+  (the counter's own objects would add to the resident set): the same in every
+  run, where `peak` moves by a few MiB from run to run and also holds what the
+  process, not the step's tensors, adds to its resident set.
 
 `--mode` picks how CP ranks are used: `ring` (ring = CP), `ulysses`
 (Ulysses = CP) or `hybrid` (Ulysses 2 inside, ring = CP / 2 across). A table
 goes to stdout; the last line is one JSON object with `mem_ratio_cp<N>` (per-rank
-peak over the CP = 1 peak, worst rank) and `saved_ratio_cp<N>`.
+peak over the CP = 1 peak, worst rank), `saved_ratio_cp<N>` and `tensor_ratio_cp<N>`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch.nn.functional as F
 from _smoke import parse_args
 
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, cp_loss_reduce, split_for_cp
+from mmfsdp.parallel.tensor_memory import TensorMemory
 from mmfsdp.parallel.testing import run_distributed
 
 
@@ -144,21 +152,34 @@ def _measure(rank, world_size, mode, seq_len, hidden, heads, kv_heads, intermedi
     def attend(q, k, v):
         return context_parallel_attention(q, k, v, layout, ring_group=ring_group, ulysses_group=ulysses_group)
 
+    def step() -> tuple[torch.Tensor, int]:
+        """One forward and backward; the loss and the bytes autograd saved."""
+        with SavedTensorBytes(model.parameters()) as saved:
+            x = h
+            for block in model:
+                x = block(x, attend)
+            loss = cp_loss_reduce(x.float().pow(2).sum() / (seq_len * hidden), dist.group.WORLD)
+        loss.backward()
+        return loss, saved.nbytes
+
     dist.barrier()
     rss_before = proc_status_kb("VmRSS")
     reset_peak_rss()
     start = time.perf_counter()
-    with SavedTensorBytes(model.parameters()) as saved:
-        x = h
-        for block in model:
-            x = block(x, attend)
-        loss = cp_loss_reduce(x.float().pow(2).sum() / (seq_len * hidden), dist.group.WORLD)
-    saved_bytes = saved.nbytes
-    loss.backward()
+    loss, saved_bytes = step()
     seconds = time.perf_counter() - start
     peak_kb = proc_status_kb("VmHWM") - rss_before
     dist.barrier()
-    return {"peak_mib": peak_kb / 1024, "saved_mib": saved_bytes / 2**20, "seconds": seconds, "loss": loss.item()}
+    # the same step again, its tensors counted (after the RSS measure: the counter's own objects stay out of it)
+    model.zero_grad(set_to_none=True)
+    h.grad = None
+    with TensorMemory("cpu") as tensors:
+        tensors.hold([*model.parameters(), h])
+        held = tensors.current
+        again, _ = step()
+    assert again.item() == loss.item()
+    return {"peak_mib": peak_kb / 1024, "saved_mib": saved_bytes / 2**20, "tensor_mib": (tensors.peak - held) / 2**20,
+            "seconds": seconds, "loss": loss.item()}
 
 
 def main() -> None:
@@ -181,22 +202,24 @@ def main() -> None:
     rows = {}
     print(f"mode={args.mode} seq_len={args.seq_len} hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
           f"intermediate={args.intermediate} layers={args.layers}")
-    print(f"{'cp':>3} {'ring':>4} {'uly':>4} {'peak MiB/rank':>14} {'saved MiB/rank':>15} {'seconds':>8} {'loss':>12}")
+    print(f"{'cp':>3} {'ring':>4} {'uly':>4} {'peak MiB/rank':>14} {'saved MiB/rank':>15} {'tensor MiB/rank':>16} "
+          f"{'seconds':>8} {'loss':>12}")
     for cp in cp_sizes:
         ring, ulysses = ring_ulysses_sizes(args.mode, cp)
         per_rank = run_distributed(
             _measure, cp, args.mode, args.seq_len, args.hidden, args.heads, args.kv_heads, args.intermediate,
             args.layers, timeout=1800,
         )
-        worst = {key: max(r[key] for r in per_rank) for key in ("peak_mib", "saved_mib", "seconds")}
+        worst = {key: max(r[key] for r in per_rank) for key in ("peak_mib", "saved_mib", "tensor_mib", "seconds")}
         rows[cp] = worst
         print(f"{cp:>3} {ring:>4} {ulysses:>4} {worst['peak_mib']:>14.1f} {worst['saved_mib']:>15.1f} "
-              f"{worst['seconds']:>8.1f} {per_rank[0]['loss']:>12.6f}")
+              f"{worst['tensor_mib']:>16.1f} {worst['seconds']:>8.1f} {per_rank[0]['loss']:>12.6f}")
     base = rows[1]
     result = {}
     for cp in cp_sizes[1:]:
         result[f"mem_ratio_cp{cp}"] = round(rows[cp]["peak_mib"] / base["peak_mib"], 4)
         result[f"saved_ratio_cp{cp}"] = round(rows[cp]["saved_mib"] / base["saved_mib"], 4)
+        result[f"tensor_ratio_cp{cp}"] = round(rows[cp]["tensor_mib"] / base["tensor_mib"], 4)
     print(json.dumps(result))
 
 

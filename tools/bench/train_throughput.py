@@ -6,7 +6,7 @@
     uv run python tools/bench/train_throughput.py --smoke    # the smallest run (CI): tiny, 3 steps, no compile
 
 The same random-init Qwen3-VL, the same data and the same global batch (`--nproc` ranks × `--micro-batch` rows)
-run three ways, one after the other, each on `--nproc` gloo processes (fp32):
+run three ways (five with the `*_no_direct` runs), one after the other, each on `--nproc` gloo processes (fp32):
 
 - `plain`: what a user writes by hand (one thread per process, as torchrun sets for the other runs): HF
   `Qwen3VLForConditionalGeneration` (SDPA), `fully_shard` on every decoder layer and the root, AdamW (torch's default,
@@ -18,7 +18,12 @@ run three ways, one after the other, each on `--nproc` gloo processes (fp32):
 - `mmfsdp_best`: the same with the settings that make it fastest here (`--best-preset compile`, the default: each
   decoder layer compiled with inductor and `reshard_after_forward: false`; `balance`: each step's samples balanced
   over the ranks under a token budget; `packing`: rows packed to about a padded micro-batch's tokens — on the
-  padding-free defaults neither of the last two was faster here; `--best KEY=VALUE` adds overrides).
+  padding-free defaults neither of the last two was faster here; `--best KEY=VALUE` adds overrides);
+- `mmfsdp_no_direct`, `mmfsdp_best_no_direct` (`--without-direct`, default both): the same two runs with
+  `parallel.fsdp_plan.direct_cpu_comm: false`, i.e. FSDP2's own gloo collectives instead of the direct
+  point-to-point exchanges (`mmfsdp.parallel.direct_comm`). That path is on by default but exists only on gloo: no
+  GPU or NPU user runs it, so these runs show how much of the gain over the plain loop a GPU user would not see
+  (`--smoke` runs `mmfsdp_no_direct` only).
 
 Two sizes: `tiny` (the qwen3vl-tiny example's ~1 M-parameter model on its coloured-shapes rows, 16 × ~26 tokens)
 and `large` (the same vision tower, a `--large-hidden` × `--large-layers` decoder: ≥ 50 M parameters, where the
@@ -37,7 +42,9 @@ of (real tokens of the global batch) / (step time). FLOP/s are the model FLOPs o
 measured by `mmfsdp.parallel.peak.measure_gemm_tflops` (1024² fp32, one thread per process) on all ranks at the same
 time (mean of the ranks, best of 3 and of the repeats), the same peak for every run. The last line is one JSON object:
 each run's numbers and the ratios `tiny_over_plain`, `large_over_plain`, `large_best_over_plain` (and
-`tiny_best_over_plain`), each the median tokens/s of mmfsdp's run over the plain loop's; `ratio_ranges` gives each
+`tiny_best_over_plain`), each the median tokens/s of mmfsdp's run over the plain loop's; the same without the direct
+exchanges (`{size}_no_direct_over_plain`, `{size}_best_no_direct_over_plain`) and the direct exchanges' own factor
+(`{size}_direct_gain`, `{size}_best_direct_gain`: the run with them over the run without); `ratio_ranges` gives each
 ratio's `min`, `max` and `repeats`, the ratios of the repeats run back to back (repeat i of both systems). `targets`
 holds the issue's targets on the medians (`tiny_over_plain` ≥ 1.0, `large_over_plain` ≥ 1.3,
 `large_best_over_plain` ≥ 1.5) and `targets_met` whether each measured ratio meets its target (null: not measured).
@@ -75,6 +82,8 @@ LLAMAFACTORY_RUN = ROOT / "tools" / "bench" / "llamafactory_run.py"
 LLAMAFACTORY_VARIANTS = {"llamafactory": [], "llamafactory_nogc": ["--no-gradient-checkpointing"]}
 TARGETS = {"tiny_over_plain": 1.0, "large_over_plain": 1.3, "large_best_over_plain": 1.5}
 """The targets of the ratios, on the median of the repeats (issue 35)."""
+NO_DIRECT = "parallel.fsdp_plan.direct_cpu_comm=false"
+"""The override of the `*_no_direct` runs: FSDP2's own gloo collectives (issue 44)."""
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -358,7 +367,10 @@ def measure_size(size: str, args, out: Path) -> dict:
     # Each system runs `--repeats` times, the systems interleaved (plain, mmfsdp, best, [LLaMA-Factory], plain,
     # ...), so that a change of load on the machine meets all of them; each system's result is its repeats' median.
     lf_variants = list(LLAMAFACTORY_VARIANTS) if args.llamafactory else []
-    repeats: dict[str, list[dict]] = {name: [] for name in ("plain", "mmfsdp", "mmfsdp_best", *lf_variants)}
+    no_direct = [f"{name}_no_direct" for name in args.without_direct.split(",") if name]
+    repeats: dict[str, list[dict]] = {
+        name: [] for name in ("plain", "mmfsdp", "mmfsdp_best", *no_direct, *lf_variants)
+    }
     errors: dict[str, str] = {}
     started = time.perf_counter()
     for _ in range(args.repeats):
@@ -366,6 +378,14 @@ def measure_size(size: str, args, out: Path) -> dict:
         repeats["mmfsdp"].append(run_app(config_path, list(args.defaults_override), args, out / f"{size}_mmfsdp"))
         repeats["mmfsdp_best"].append(run_app(config_path, [f"training.output_dir={out / f'{size}_best'}", *best],
                                               args, out / f"{size}_best"))
+        if "mmfsdp_no_direct" in repeats:
+            repeats["mmfsdp_no_direct"].append(run_app(
+                config_path, [f"training.output_dir={out / f'{size}_no_direct'}", *args.defaults_override, NO_DIRECT],
+                args, out / f"{size}_no_direct"))
+        if "mmfsdp_best_no_direct" in repeats:
+            repeats["mmfsdp_best_no_direct"].append(run_app(
+                config_path, [f"training.output_dir={out / f'{size}_best_no_direct'}", *best, NO_DIRECT],
+                args, out / f"{size}_best_no_direct"))
         for variant in lf_variants:
             if variant in errors:
                 continue
@@ -433,12 +453,18 @@ def main() -> None:
     parser.add_argument("--defaults-override", action="append", default=[],
                         help="KEY=VALUE for the defaults run, e.g. parallel.fsdp_plan.min_group_params=0 (the plan "
                              "before grouping)")
+    parser.add_argument("--without-direct", default="mmfsdp,mmfsdp_best",
+                        help="comma-separated runs (mmfsdp, mmfsdp_best) also run with "
+                             "parallel.fsdp_plan.direct_cpu_comm: false, as <run>_no_direct (default: both; '' none)")
     parser.add_argument("--llamafactory", metavar="PYTHON", default=None,
                         help="python of a venv with llamafactory==0.9.5: also run LLaMA-Factory (tools/bench/"
                              "llamafactory_run.py), with and without its gradient checkpointing; default: not run")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_train_throughput"))
     args = parse_args(parser, sizes="tiny", micro_batch=2, warmup=1, steps=2, tiny_rows=32, repeats=1,
-                      best_preset="balance", plain_workers=0)
+                      best_preset="balance", plain_workers=0, without_direct="mmfsdp")
+    unknown = set(filter(None, args.without_direct.split(","))) - {"mmfsdp", "mmfsdp_best"}
+    if unknown:
+        parser.error(f"--without-direct: unknown runs {sorted(unknown)} (mmfsdp, mmfsdp_best)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -451,13 +477,21 @@ def main() -> None:
             size_args.steps, size_args.warmup = args.large_steps, args.large_warmup
         results[size] = measure_size(size, size_args, out)
         r = results[size]
-        for name in ("plain", "mmfsdp", "mmfsdp_best"):
+        measured = [name for name in ("plain", "mmfsdp", "mmfsdp_best", "mmfsdp_no_direct", "mmfsdp_best_no_direct")
+                    if name in r]
+        for name in measured:
             print_run(size, name, r[name])
-        for key, ours in ((f"{size}_over_plain", "mmfsdp"), (f"{size}_best_over_plain", "mmfsdp_best")):
-            ranges = ratio(r[ours], r["plain"])
-            results[key] = ranges.pop("median")
-            results["ratio_ranges"][key] = ranges
-        for name in ("plain", "mmfsdp", "mmfsdp_best"):
+        pairs = [(f"{size}_over_plain", "mmfsdp", "plain"), (f"{size}_best_over_plain", "mmfsdp_best", "plain"),
+                 (f"{size}_no_direct_over_plain", "mmfsdp_no_direct", "plain"),
+                 (f"{size}_best_no_direct_over_plain", "mmfsdp_best_no_direct", "plain"),
+                 (f"{size}_direct_gain", "mmfsdp", "mmfsdp_no_direct"),
+                 (f"{size}_best_direct_gain", "mmfsdp_best", "mmfsdp_best_no_direct")]
+        for key, ours, theirs in pairs:
+            if ours in r and theirs in r:
+                ranges = ratio(r[ours], r[theirs])
+                results[key] = ranges.pop("median")
+                results["ratio_ranges"][key] = ranges
+        for name in measured:
             results[f"gemm_peak_fraction_{size}_{name}"] = r[name]["gemm_peak_fraction"]
         if args.llamafactory is None:
             results["llamafactory"] = "not run"
@@ -486,7 +520,7 @@ def main() -> None:
 
 
 def print_run(size: str, name: str, run: dict, extra: str = "") -> None:
-    print(f"{size:5s} {name:17s} {run['tokens_per_s']:9.0f} tokens/s (median; {run['tokens_per_s_min']:.0f}–"
+    print(f"{size:5s} {name:21s} {run['tokens_per_s']:9.0f} tokens/s (median; {run['tokens_per_s_min']:.0f}–"
           f"{run['tokens_per_s_max']:.0f})  {run['step_ms']:8.1f} ms/step  {run['tokens_per_step']:6.0f} tokens/step  "
           f"GEMM-peak fraction {run['gemm_peak_fraction']:.3f}{extra}", flush=True)
 

@@ -50,6 +50,10 @@ def test_run_py_chains_the_stages_through_the_hf_export(tmp_path):
                         f"training.load={tmp_path / 'sft' / 'ckpt' / 'hf' / 'iter_0000007'}"]  # fmt: skip
     assert "training.seed=2" in sft and "training.seed=2" in dpo
     assert run.sft_iters([]) == 200  # sft.yaml's, the iteration dpo.yaml's training.load names
+    sft, dpo = run.stage_commands(out, ["sft:training.train_iters=5", "dpo:training.seed=3", "training.lr=1"])
+    assert "training.train_iters=5" in sft and "training.train_iters=5" not in dpo and dpo[-1].endswith("iter_0000005")
+    assert "training.seed=3" in dpo and "training.seed=3" not in sft
+    assert "training.lr=1" in sft and "training.lr=1" in dpo
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         run.split_overrides(["training.seed"])
 

@@ -4,7 +4,8 @@ Without a config path the embedded default run is used
 (`examples/tiny/config.yaml`). Outside torchrun the app launches its own ranks
 (one per accelerator, or 2 on a CPU-only host) through torch's elastic launcher;
 under torchrun every process is already a rank. The whole config is built and
-checked against the world size before any process group exists.
+checked against the world size before any process group exists. A finished run
+(`mmfsdp.train.start.finished_run`) says so and exits 0 without starting a rank.
 """
 
 from __future__ import annotations
@@ -136,10 +137,11 @@ def _world_size(args: argparse.Namespace, under_torchrun: bool) -> int:
 def _print_check_report(cfg, world_size: int, device_memory: int | None, image_token_share: float = 1.0) -> None:
     """`--check` with no problems: the resolved config, one summary line, and the memory plan when available."""
     from mmfsdp.config import dump_yaml
-    from mmfsdp.train.start import plan_start
+    from mmfsdp.train.start import finished_run, plan_start
 
     print(dump_yaml(cfg))
-    start = plan_start(cfg.training, cfg.model).describe().removeprefix("start: ")
+    start = finished_run(cfg.training, cfg.model) or plan_start(cfg.training, cfg.model).describe()
+    start = start.removeprefix("start: ")
     print(f"check passed: {world_size} processes, model {cfg.model.model_id}; {start}")
     from mmfsdp.train.check import media_setting_lines
 
@@ -259,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
         os.environ[supervise.SAVE_LOCKED_ENV] = "1"  # the ranks below run under this lock
+    if cfg.training.save:
+        from mmfsdp.config import get_logger
+        from mmfsdp.train.start import finished_run
+
+        finished = finished_run(cfg.training, cfg.model)
+        if finished is not None:  # nothing to train: no data to prepare, no rank to start
+            if _speaks_for_the_job(under_torchrun):
+                get_logger("mmfsdp.train").info(finished)
+            return 0
     from mmfsdp.data import DataError, prepare_dataset
 
     try:

@@ -23,6 +23,15 @@ checkpoint is an error naming the file, or with `training.resume_fallback` the
 newest whole older one (`mmfsdp.ckpt.find_resume_point`). The table is in
 docs/checkpoints.md ("Where a run starts").
 
+A run whose own `training.save` holds the checkpoint it would resume, at or past
+`training.train_iters`, is finished: `finished_run` says so in one line and the app
+exits 0 before it starts any rank (its checkpoint, HF export and eval.json are
+those of the run that finished). Raising `training.train_iters` trains on from that
+checkpoint; another `training.save` (or moving this one away) trains again from the
+start. So every command runs twice in a row: the second run resumes a half-finished
+run and says "finished" of a finished one, whatever it saved (`no_save_optim`
+included: a finished run is never loaded).
+
 `plan_start` is collective (checkpoint verification agrees across ranks) and
 runs before the model is built.
 """
@@ -45,7 +54,7 @@ from mmfsdp.ckpt import (
 from mmfsdp.config import ConfigError
 from mmfsdp.train.stages import objective_class
 
-__all__ = ["StartPlan", "plan_start"]
+__all__ = ["StartPlan", "finished_run", "plan_start"]
 
 WeightsSource = Literal["checkpoint", "hf", "release", "pretrained", "random"]
 
@@ -148,6 +157,23 @@ def plan_start(training, model) -> StartPlan:
         return StartPlan("checkpoint", str(point.path), point)
     base = _initial_weights(t, model)
     return StartPlan(base.weights, base.source, point)
+
+
+def finished_run(training, model) -> str | None:
+    """The `start:` line of a finished run — `plan_start` resumes a checkpoint of `training.save` (this run's own)
+    at or past `training.train_iters` — or None when there is training left. None too when `plan_start` raises:
+    the run's ranks report that error as they start."""
+    try:
+        point = plan_start(training, model).resume
+    except (ConfigError, CheckpointError):
+        return None
+    if point is None or not _from_save(point, training.save) or point.iteration < training.train_iters:
+        return None
+    return (
+        f"start: the run is finished: {point.path} is step {point.iteration} of training.train_iters "
+        f"{training.train_iters}; nothing to train. Raise training.train_iters to train on from it; give another "
+        f"training.save (or move {training.save} away) to train again from the start"
+    )
 
 
 def _initial_weights(t, model) -> StartPlan:

@@ -23,6 +23,16 @@ decoder) — and the root on `root_mesh`; `apply_fsdp` is its one-group case.
    would gather it again at once; torchtitan keeps it too). Their memory is one
    group's parameters, held across the short span from the end of forward to
    their backward; the values are the same.
+   FSDP2 keeps each forward all-gather's flat buffer until the next group's
+   copy-out, so that the two overlap on their streams. Two cases free it as
+   soon as the group's parameters are copied out of it instead
+   (`_free_all_gather_buffer`, a pre-forward hook after FSDP2's own): the last
+   group, whose "next" is the end of the root's forward — after the loss,
+   which the model computes inside its forward, so the buffer (a
+   vocabulary-sized `lm_head`'s) sat beside the logits with nothing left to
+   overlap; and every group on a CPU mesh, where there are no streams to
+   overlap (gloo runs each collective to its end), so holding a buffer only
+   adds its bytes to the next group's all-gather. The values are the same.
    Small modules are grouped first (`group_small_modules`, `fsdp_plan.min_group_params`): consecutive
    entries of a module list share one group, and a small module outside a list joins the root's group.
 4. With `num_to_forward_prefetch` / `num_to_backward_prefetch` > 0, each matched
@@ -144,9 +154,14 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
         modules = [model.get_submodule(name) for name in names]
         kept = {"reshard_after_forward": False} if names is last else {}
         fully_shard(modules[0] if len(modules) == 1 else modules, **{**options(mesh), **kept})
+        if names is last or mesh.device_type == "cpu":
+            for module in modules:  # after FSDP2's own pre-forward hook (prepended): the copy-out is done
+                module.register_forward_pre_hook(_free_all_gather_buffer)
         # a list of modules shares one FSDP2 state: its first module sets the group's collectives
         direct += plan.direct_cpu_comm and install_direct_comm(modules[0], mesh.get_group(mesh.ndim - 1))
     fully_shard(model, **{**options(root_mesh), "reshard_after_forward": False})
+    if root_mesh.device_type == "cpu":
+        model.register_forward_pre_hook(_free_all_gather_buffer)
     direct += plan.direct_cpu_comm and install_direct_comm(model, root_mesh.get_group(root_mesh.ndim - 1))
     firsts = [model.get_submodule(names[0]) for names, _ in sharded]  # a group's prefetch handle: its first module
     _set_prefetch(firsts, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch)
@@ -156,6 +171,20 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
         f", direct gloo exchanges on {direct} groups" if direct else "",
     )
     return model
+
+
+def _free_all_gather_buffer(module: nn.Module, args) -> None:
+    """Free the all-gather buffer FSDP2 keeps after `module`'s copy-out (its `all_gather_state`), as FSDP2 itself
+    does at the end of the root's forward: the streams that use it wait for the copy-out first."""
+    state = module._get_fsdp_state()
+    comm = getattr(state, "_comm_ctx", None)
+    kept = getattr(comm, "all_gather_state", None)
+    if kept is None:
+        return
+    if kept.event is not None:
+        comm.all_gather_copy_in_stream.wait_event(kept.event)
+        comm.all_gather_stream.wait_event(kept.event)
+    comm.all_gather_state = None
 
 
 def _list_parent(name: str) -> str | None:
