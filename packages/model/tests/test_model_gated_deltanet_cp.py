@@ -21,10 +21,11 @@ from mmfsdp.parallel.testing import record_margin, run_distributed
 
 # fp32: the same kernel on both sides, but Ring (and hybrid) CP re-chunks every sample (each rank piece of n/2R
 # tokens starts a new 64-token chunk) and applies the entering state after the scan (`S_inᵀ Aᵀ q`), so its sums
-# are not the unsplit layer's. Measured (docs/testing.md, "Tolerances and their margins"; AMD EPYC, torch 2.14),
-# each fp32 side against the same computation in fp64: split up to 3.2e-6 (ring2-long grad A_log), unsplit up to
-# 4.9e-6 (ring4-packed / hybrid2x2-packed grad A_log); per Ring case the two sum to at most 6.5e-6, and the sides
-# differ by up to 5.1e-6 (ring2-long grad A_log): 1e-5. Ulysses keeps the chunking (heads split): 1.0e-6.
+# are not the unsplit layer's. Measured in the Ring and hybrid cases (docs/testing.md, "Tolerances and their
+# margins"; AMD EPYC, torch 2.14), each fp32 side against the same computation in fp64: split up to 3.2e-6
+# (ring2-long grad A_log), unsplit up to 4.9e-6 (ring4-packed, hybrid2x2-packed grad A_log), summed per case at most
+# 6.5e-6; the sides differ by up to 5.1e-6 (ring2-long grad A_log): 1e-5. Ulysses keeps the chunking (heads split),
+# so its sides round alike: 1.0e-6 apart, though each is up to 9.9e-6 from fp64 (ulysses4-packed grad input).
 TOLERANCE = 1e-5
 FP64_TOLERANCE = 1e-12
 
