@@ -35,12 +35,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+from mmfsdp.config import warn_once
 from mmfsdp.model.families.qwen3_vl.model import Qwen3VLCosts, Qwen3VLTestKit, Qwen3VLTrainingMixin, mm_token_types
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
 from mmfsdp.model.flops import FlopShape, TowerFlops
-from mmfsdp.model.gated_deltanet import use_packed_forward
+from mmfsdp.model.gated_deltanet import plan_batch_layers, resolve_gdn_kernel, set_kernel, use_packed_forward
 from mmfsdp.model.hf_family import HFFamilyEntry
 from mmfsdp.model.spec import Capabilities, DataNames, register_model
+from mmfsdp.parallel.device import detect_device_type
 
 __all__ = [
     "Qwen3_5Costs",
@@ -81,6 +83,20 @@ class Qwen3_5TrainingMixin(Qwen3VLTrainingMixin):
         if self.packed_linear_attention:
             for module in gated_deltanet_layers(self.get_submodule(self.decoder_name)):
                 use_packed_forward(module)
+
+    def set_gdn_kernel(self, kernel: str) -> None:
+        """The delta rule's implementation (`model.gdn_kernel`); "fla" where it cannot run warns once and runs torch."""
+        runs, why = resolve_gdn_kernel(kernel, detect_device_type())
+        if kernel == "fla" and runs != "fla":
+            warn_once(f"model.gdn_kernel: fla, but {why}: the Gated DeltaNet runs its torch path")
+        for module in gated_deltanet_layers(self.get_submodule(self.decoder_name)):
+            set_kernel(module, kernel)
+
+    def plan_layers(self, plan, layout) -> None:
+        """The Gated DeltaNet's segments and index tensors (`mmfsdp.model.gated_deltanet.plan_batch_layers`)."""
+        super().plan_layers(plan, layout)
+        if self.packed_linear_attention:
+            plan_batch_layers(plan, layout, self.config.text_config.linear_conv_kernel_dim)
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         if cu_seq_lens is not None and not self.packed_linear_attention:
