@@ -175,19 +175,34 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
 
-class _Regroup(torch.autograd.Function):
-    """`x[index]` with `index` in `[0, len(x)]` (the end: a zero row), where `inverse` maps back: every row of `x`
-    appears exactly once in the result (`result[inverse] == x`). Forward and backward are both gathers."""
+class _ToSlots(torch.autograd.Function):
+    """Rows `[T, ...]` → slots `[n_slots, ...]`: row t to slot `inverse[t]` (distinct slots), zeros elsewhere. One
+    allocation and a scatter; the backward is the gather `_FromSlots` (no padded copy of the rows either way)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index, inverse)
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, index)
+    def forward(ctx, x: torch.Tensor, inverse: torch.Tensor, n_slots: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.new_zeros(n_slots, *x.shape[1:]).index_copy_(0, inverse, x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        index, inverse = ctx.saved_tensors
-        return _Regroup.apply(grad, inverse, index), None, None
+        (inverse,) = ctx.saved_tensors
+        return _FromSlots.apply(grad, inverse), None, None
+
+
+class _FromSlots(torch.autograd.Function):
+    """Slots → rows: `x[inverse]`; the backward scatters back into zeroed slots (`_ToSlots`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.n_slots = x.size(0)
+        return x.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _ToSlots.apply(grad, inverse, ctx.n_slots), None
 
 
 def _chunk_plan(seg_lens: Sequence[int], chunk: int):
@@ -201,9 +216,9 @@ def _chunk_plan(seg_lens: Sequence[int], chunk: int):
 
 
 def _chunk_indices(seg_starts: Sequence[int], seg_lens: Sequence[int], chunk: int) -> dict[str, Any]:
-    """Host side of `chunk_gated_delta_rule_packed`'s regrouping: the token of every (chunk, position) slot (T, a
-    zero row, after a segment's end) and its inverse, the scan order of the segments, the segments per scan step,
-    and where each segment's final state lands in the scan's output."""
+    """Host side of `chunk_gated_delta_rule_packed`'s regrouping: the (chunk, position) slot of every token, the
+    scan order of the segments, the segments per scan step, and where each segment's final state lands in the
+    scan's output."""
     T, n_seg = int(sum(seg_lens)), len(seg_starts)
     order, counts, chunk_seg, chunk_j = _chunk_plan(seg_lens, chunk)
     cs = torch.tensor(chunk_seg, dtype=torch.long)
@@ -223,7 +238,6 @@ def _chunk_indices(seg_starts: Sequence[int], seg_lens: Sequence[int], chunk: in
     return dict(
         counts=counts,
         n_chunks=len(chunk_seg),
-        chunk_index=index,
         chunk_inverse=inverse,
         order=torch.tensor(order, dtype=torch.long),
         final_where=where,
@@ -240,7 +254,7 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 class SegmentPlan:
     """Every index tensor the Gated DeltaNet needs for the segments of one flattened sequence, made on the host from
     their host bounds and moved to `device` once (pinned, non-blocking): the convolution's regrouping (`conv_index`,
-    `conv_keep`), the chunked rule's (`chunk_index`, `chunk_inverse`, `order`, `final_where`; the segments per scan
+    `conv_keep`), the chunked rule's (`chunk_inverse`, `order`, `final_where`; the segments per scan
     step, `counts`, stay on the host) and fla's `cu_seqlens` (int64). The layers of a micro-batch share one (built
     by `mmfsdp.model.batch_plan` before the forward); a call without one builds its own."""
 
@@ -302,10 +316,10 @@ def chunk_gated_delta_rule_packed(
     if plan is None:
         plan = SegmentPlan(seg_starts, seg_lens, 1, device, chunk=chunk)
     assert plan.chunk == chunk and plan.lens == tuple(seg_lens), "the plan is of other segments"
-    counts, n_chunks, index, inverse = plan.counts, plan.n_chunks, plan.chunk_index, plan.chunk_inverse
+    counts, n_chunks, inverse = plan.counts, plan.n_chunks, plan.chunk_inverse
 
     def grid(x):  # [T, H, ...] → [n_chunks, H, chunk, ...]
-        out = _Regroup.apply(x, index, inverse).reshape(n_chunks, chunk, *x.shape[1:])
+        out = _ToSlots.apply(x, inverse, n_chunks * chunk).reshape(n_chunks, chunk, *x.shape[1:])
         return out.transpose(1, 2)
 
     q, k, v, g, beta = grid(q), grid(k), grid(v), grid(g), grid(beta)
@@ -345,7 +359,7 @@ def chunk_gated_delta_rule_packed(
         for j, n in enumerate(counts):
             outs[j] = outs[j][..., :dv] + outs[j][..., dv:] @ state_in[:n]
     out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
-    return _Regroup.apply(out, inverse, index), finals
+    return _FromSlots.apply(out, inverse), finals
 
 
 def _fla_applies(q: torch.Tensor, kernel: str) -> bool:
