@@ -49,6 +49,14 @@ peak memory; every step logs, so every step is timed with the device synchronise
   after the warm-up (eager / compiled: above 1 is a speed-up; the first compiled steps are the warm-up), and the
   graphs dynamo compiled (`graphs_compiled`: a handful; many more would be recompilation for new lengths).
 
+- `gated_deltanet`: fla's Gated DeltaNet kernel (`model.gdn_kernel: fla`) against our torch operator
+  (`chunk_gated_delta_rule_packed`) on one packed row of 16,384 tokens in 8 samples, forward + backward: outputs
+  and input gradients compared (`GDN_FLA_RTOL`) and the median times; once with all heads (packed) and once with
+  half of them, what a Ulysses-2 rank runs after its all-to-all (the ring runs the torch operator). Then the host
+  round trips of one packed training micro-batch of each tiny family on the device
+  (`mmfsdp.model.host_syncs.probe_training_step`, device tensors only: 0 in the layers). Where fla cannot run
+  (the CPU, fla not installed) the section is skipped with the reason.
+
 Each section is guarded: an exception becomes `{"status": "error", "error": "..."}` in its entry and the next
 section runs. Once `--budget-s` seconds are spent the remaining sections are `{"status": "skipped", "reason":
 ...}`. Progress goes to stderr (the trainer's log too, at WARNING unless `--verbose`); the last line on stdout is
@@ -85,12 +93,14 @@ EXAMPLES = {
     "qwen3vl_tiny": ROOT / "examples" / "qwen3vl-tiny",
     "qwen3vl_moe_tiny": ROOT / "examples" / "qwen3vl-moe-tiny",
 }
-SECTIONS = ("attention", "moe_experts", "bf16_parity", "large_model", "memory_plan", "compile")
+SECTIONS = ("attention", "moe_experts", "bf16_parity", "large_model", "memory_plan", "compile", "gated_deltanet")
 BF16_RTOL = 2e-2
 """Relative per-step loss tolerance of a bf16-compute run against fp32 (module docstring)."""
 FP32_COMPILE_RTOL = 1e-4
 """Compiled vs eager in fp32 (the CPU mode): the same maths in another order."""
 MOE_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+GDN_FLA_RTOL = 1e-2
+"""fla's Triton kernel against our torch operator, fp32 inputs: its dots may run in TF32 (10 mantissa bits)."""
 GPU_RESERVE_S = {"large_model": 100.0, "large_model_run": 80.0, "compile": 120.0}
 """Seconds a part needs at least on a GPU (a 1.6 B model's CPU init and transfer; inductor's first compile): it
 is skipped rather than started when less of the budget is left, so the whole run stays within about 8 minutes."""
@@ -153,6 +163,7 @@ class Sizes:
         self.moe = (dict(experts=16, top_k=2, tokens=1024, hidden=128, intermediate=64, repeats=3)
                     if cpu else dict(experts=128, top_k=8, tokens=16384, hidden=2048, intermediate=768, repeats=10))
         self.moe["dtype"] = self.compute_dtype
+        self.gdn = dict(tokens=16384, samples=8, key_heads=16, value_heads=32, head_dim=128, repeats=5)
 
 
 # ---------------------------------------------------------------------------------------------- trainer runs
@@ -394,6 +405,79 @@ def section_moe_experts(ctx: "Context") -> dict[str, Any]:
         out["loop_over_grouped_time"] = round(out["ms"]["loop"] / out["ms"]["grouped"], 3)
     else:
         out["note"] = "grouped GEMM not available for this device and dtype: the loop fallback runs"
+    return out
+
+
+class SectionSkipped(Exception):
+    """A section that cannot run here: recorded as `{"status": "skipped", "reason": ...}`."""
+
+
+def section_gated_deltanet(ctx: "Context") -> dict[str, Any]:
+    import torch
+
+    from mmfsdp.model.gated_deltanet import (
+        SegmentPlan,
+        _fla_chunk,
+        _fla_gated_delta_rule,
+        chunk_gated_delta_rule_packed,
+        resolve_gdn_kernel,
+    )
+    from mmfsdp.model.host_syncs import probe_training_step
+
+    runs, why = resolve_gdn_kernel("fla", ctx.device.type)
+    if runs != "fla" or _fla_chunk() is None:
+        raise SectionSkipped(f"fla's Gated DeltaNet kernel cannot run here: {why}")
+    g = ctx.sizes.gdn
+    out: dict[str, Any] = {**g}
+    generator = torch.Generator().manual_seed(0)
+    layouts = {"packed": g["value_heads"], "ulysses2_local_heads": g["value_heads"] // 2}
+    for name, value_heads in layouts.items():
+        key_heads = value_heads * g["key_heads"] // g["value_heads"]
+        T, d = g["tokens"], g["head_dim"]
+        length = T // g["samples"]
+        plan = SegmentPlan([i * length for i in range(g["samples"])], [length] * g["samples"], 1, ctx.device)
+        inputs = [
+            torch.randn(T, key_heads, d, generator=generator), torch.randn(T, key_heads, d, generator=generator),
+            torch.randn(T, value_heads, d, generator=generator), -torch.rand(T, value_heads, generator=generator) * 0.5,
+            torch.rand(T, value_heads, generator=generator),
+        ]
+        inputs = [x.to(ctx.device).requires_grad_() for x in inputs]
+        cotangent = torch.randn(T, value_heads, d, generator=generator).to(ctx.device)
+
+        def step(kernel: str):
+            for x in inputs:
+                x.grad = None
+            if kernel == "fla":
+                y, _ = _fla_gated_delta_rule(*inputs, plan.cu_seqlens, None)
+            else:
+                y, _ = chunk_gated_delta_rule_packed(*inputs, plan.starts, plan.lens, plan=plan)
+            (y * cotangent).sum().backward()
+            return [y.detach(), *(x.grad for x in inputs)]
+
+        results = {kernel: step(kernel) for kernel in ("fla", "torch")}
+        diffs = [((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+                 for a, b in zip(results["fla"], results["torch"])]
+        times: dict[str, list[float]] = {"fla": [], "torch": []}
+        for _ in range(g["repeats"]):
+            for kernel in times:
+                ctx.synchronize()
+                started = time.perf_counter()
+                step(kernel)
+                ctx.synchronize()
+                times[kernel].append(time.perf_counter() - started)
+        ms = {kernel: round(1000 * statistics.median(t), 3) for kernel, t in times.items()}
+        out[name] = {
+            "value_heads": value_heads, "ms": ms, "torch_over_fla_time": round(ms["torch"] / ms["fla"], 3),
+            "max_rel_diff": dict(zip(("output", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta"), diffs)),
+            "within_tolerance": max(diffs) <= GDN_FLA_RTOL,
+        }
+    out["ring"] = "the ring chains each chunk's state transition through the torch operator: fla does not run there"
+    counts = {}
+    for model_id in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):
+        counter = probe_training_step(model_id, device=ctx.device, device_only=True)
+        counts[model_id] = {"total": counter.total, "in_layers": sum(counter.in_layers.values()),
+                            "report": counter.report()}
+    out["host_syncs_device"] = counts
     return out
 
 
@@ -680,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
             section_started = time.perf_counter()
             try:
                 result[name] = {"status": "ok", **functions[name](ctx)}
+            except SectionSkipped as skip:
+                result[name] = {"status": "skipped", "reason": str(skip)}
             except Exception as err:
                 _log(traceback.format_exc())
                 result[name] = {"status": "error", "error": _error_text(err)}

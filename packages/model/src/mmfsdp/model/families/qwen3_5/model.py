@@ -304,3 +304,15 @@ class Qwen3_5Entry(HFFamilyEntry):
     absent_modules = (("mtp", "the multi-token-prediction head is not part of HF's Qwen3.5 model class"),)
     costs = Qwen3_5Costs()
     testkit = Qwen3_5TestKit()
+
+    def build(self, model_cfg, features_cfg=None, **kwargs):
+        """The HF family's build, then the Gated DeltaNet's delta rule as `model.gdn_kernel` says."""
+        model = super().build(model_cfg, features_cfg, **kwargs)
+        model.set_gdn_kernel(model_cfg.gdn_kernel)
+        return model
+
+    def kernel_lines(self, model_cfg, device_type: str) -> list[str]:
+        """Which Gated DeltaNet delta rule runs (`model.gdn_kernel`), and why."""
+        runs, why = resolve_gdn_kernel(model_cfg.gdn_kernel, device_type)
+        ring = " (under ring context parallel: torch, which chains the ring's chunk states)" if runs == "fla" else ""
+        return [f"gated deltanet kernel: {runs}{ring} ({why})"]
