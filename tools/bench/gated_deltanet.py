@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens in the packed row")
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8], help="samples the row is cut into")
-    parser.add_argument("--key-heads", type=int, default=2, help="q/k heads (Qwen3.5-27B: 16; one TP/Ulysses shard here)")
+    parser.add_argument("--key-heads", type=int, default=2, help="q/k heads (Qwen3.5-27B: 16; a Ulysses shard here)")
     parser.add_argument("--value-heads", type=int, default=4, help="value heads (Qwen3.5-27B: 48)")
     parser.add_argument("--head-dim", type=int, default=128, help="q/k and value head size (Qwen3.5: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
@@ -111,7 +111,8 @@ def _case(args, tokens: int, samples: int, device: torch.device, dtype: torch.dt
     length = tokens // samples
     plan = SegmentPlan([i * length for i in range(samples)], [length] * samples, 1, device)
     inputs = _inputs(args, samples * length, device, dtype)
-    cotangent = torch.randn(samples * length, args.value_heads, args.head_dim, generator=torch.Generator().manual_seed(1)).to(device)
+    generator = torch.Generator().manual_seed(1)
+    cotangent = torch.randn(samples * length, args.value_heads, args.head_dim, generator=generator).to(device)
     results = {name: _step(fn, inputs, plan, cotangent) for name, fn in VARIANTS.items()}  # warm-up
     grads = {}
     for name, fn in VARIANTS.items():

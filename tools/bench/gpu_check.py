@@ -54,7 +54,7 @@ peak memory; every step logs, so every step is timed with the device synchronise
   and input gradients compared (`GDN_FLA_RTOL`) and the median times; once with all heads (packed) and once with
   half of them, what a Ulysses-2 rank runs after its all-to-all (the ring runs the torch operator). Then the host
   round trips of one packed training micro-batch of each tiny family on the device
-  (`mmfsdp.model.host_syncs.probe_training_step`, device tensors only: 0 in the layers). Where fla cannot run
+  (`mmfsdp.model.host_sync_probe.probe_training_step`, device tensors only: 0 in the layers). Where fla cannot run
   (the CPU, fla not installed) the section is skipped with the reason.
 
 Each section is guarded: an exception becomes `{"status": "error", "error": "..."}` in its entry and the next
@@ -422,7 +422,7 @@ def section_gated_deltanet(ctx: "Context") -> dict[str, Any]:
         chunk_gated_delta_rule_packed,
         resolve_gdn_kernel,
     )
-    from mmfsdp.model.host_syncs import probe_training_step
+    from mmfsdp.model.host_sync_probe import probe_training_step
 
     runs, why = resolve_gdn_kernel("fla", ctx.device.type)
     if runs != "fla" or _fla_chunk() is None:

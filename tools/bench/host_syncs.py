@@ -1,8 +1,7 @@
 """Host round trips of one packed training micro-batch, per model family, and with twice the decoder layers.
 
-For each family (`mmfsdp.model.host_syncs.PROBE_FAMILIES`: Qwen3-VL, Qwen3.5, Qwen3.5 MoE, tiny models) one packed
-row of three samples (text, and images of different sizes) is trained forward + backward as the trainer runs it,
-under `mmfsdp.model.host_syncs.HostSyncCounter`: the calls that make the host wait for the device (`.item()`,
+For each family (`FAMILIES`: Qwen3-VL, Qwen3.5, Qwen3.5 MoE, tiny models) one packed row of three samples (text,
+and images of different sizes) is trained forward + backward as the trainer runs it, under `mmfsdp.model.host_syncs.HostSyncCounter`: the calls that make the host wait for the device (`.item()`,
 `.tolist()`, `.cpu()`, `if tensor:`, `nonzero`, boolean-mask indexing, `torch.tensor(list)`, ...), by kind, by call
 site, and those made inside the decoder layers' forward (the goal: 0). The same with twice the layers must count the
 same. On the CPU every tensor counts (what a GPU would wait for); `--device cuda` counts device tensors only.
@@ -21,13 +20,16 @@ import json
 
 from _smoke import parse_args
 
+FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+"""The families counted (their test kits' `packed_test_batch`: a packed row of text and images)."""
+
 
 def main(argv: list[str] | None = None) -> dict:
     import mmfsdp.model.all_families  # noqa: F401  (registers the families)
-    from mmfsdp.model.host_syncs import PROBE_FAMILIES, probe_training_step
+    from mmfsdp.model.host_sync_probe import probe_training_step
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=list(PROBE_FAMILIES), choices=PROBE_FAMILIES)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--device", default="cpu")
     args = parse_args(parser, argv, families=["qwen3_5"])
     result = {}

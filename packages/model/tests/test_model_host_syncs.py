@@ -1,7 +1,7 @@
 """Host round trips of a packed training micro-batch do not grow with depth: the decoder layers make none.
 
-For Qwen3-VL, Qwen3.5 and Qwen3.5 MoE (`mmfsdp.model.host_syncs.probe_training_step`: one packed row of a text
-sample and two with images of different sizes, forward + backward as the trainer runs it), without context
+For Qwen3-VL, Qwen3.5 and Qwen3.5 MoE (`mmfsdp.model.host_sync_probe.probe_training_step`: one packed row of a
+text sample and two with images of different sizes, forward + backward as the trainer runs it), without context
 parallel and with Ulysses 2 and Ring 2 (2 gloo ranks): the `HostSyncCounter`'s count is the same for the model
 with twice the decoder layers, and the layers' own forward makes none. The counts are printed (`-s`), per family
 and layout; what remains is per micro-batch (the M-RoPE positions, HF's vision tower).
@@ -17,7 +17,7 @@ FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 def _counts(model_id: str, parallel_dims=None) -> dict[str, object]:
-    from mmfsdp.model.host_syncs import probe_training_step
+    from mmfsdp.model.host_sync_probe import probe_training_step
 
     result = {}
     for double in (False, True):

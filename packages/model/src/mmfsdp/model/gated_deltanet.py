@@ -697,13 +697,13 @@ def set_kernel(module: Any, kernel: str) -> None:
 
 def use_packed_forward(module: Any, kernel: str = "auto") -> None:
     """Make `module(hidden_states, cache=None, attention_mask=None, **kwargs)` (HF's call from its decoder layer)
-    run `gated_deltanet_forward` with `kernel` (`module.gdn_kernel`, `set_kernel`): the micro-batch's `GatedDeltaNetPlan` from the training forward's
-    `BatchPlan` (`mmfsdp.model.batch_plan.BATCH_PLAN_KEY`, built before the decoder runs), else the packed
-    boundaries from `cu_seq_lens_q`; the `CPContext` from the decoder's CP keyword (`CP_CONTEXT_KEY`, the one the
-    CP attention reads: the decoder layers pass their keywords to the token mixer). A call with a cache
-    (generation, decoding) runs the module's original forward; a 2-D padding mask zeroes the padded inputs as HF
-    does. Packed rows (`cu_seq_lens_q` over all `B·T` tokens, as the collator writes them; samples never cross
-    rows) run as one row of `B·T` tokens."""
+    run `gated_deltanet_forward` with `kernel` (`module.gdn_kernel`, `set_kernel`): the micro-batch's
+    `GatedDeltaNetPlan` from the training forward's `BatchPlan` (`mmfsdp.model.batch_plan.BATCH_PLAN_KEY`, built
+    before the decoder runs), else the packed boundaries from `cu_seq_lens_q`; the `CPContext` from the decoder's
+    CP keyword (`CP_CONTEXT_KEY`, the one the CP attention reads: the decoder layers pass their keywords to the
+    token mixer). A call with a cache (generation, decoding) runs the module's original forward; a 2-D padding
+    mask zeroes the padded inputs as HF does. Packed rows (`cu_seq_lens_q` over all `B·T` tokens, as the collator
+    writes them; samples never cross rows) run as one row of `B·T` tokens."""
     from mmfsdp.model.batch_plan import BATCH_PLAN_KEY
     from mmfsdp.model.context_parallel import CP_CONTEXT_KEY
 
@@ -715,7 +715,8 @@ def use_packed_forward(module: Any, kernel: str = "auto") -> None:
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None and attention_mask.dim() == 2:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        cu_seq_lens, cp, batch_plan = kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY), kwargs.get(BATCH_PLAN_KEY)
+        cu_seq_lens, cp = kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY)
+        batch_plan = kwargs.get(BATCH_PLAN_KEY)
         plan = None if batch_plan is None else batch_plan.layers.get(PLAN_NAME)
         kernel = module.gdn_kernel
         if cu_seq_lens is None or cp is not None:

@@ -15,7 +15,8 @@ a device (`device_only=True`, what `tools/bench/gpu_check.py` uses) the counter 
 counts blocking or pageable host-to-device copies.
 
 `count_host_syncs(step)` runs `step()` (a training forward + backward) under a counter and returns it;
-`HostSyncCounter.report()` is the one-line summary the tests, `tools/bench/host_syncs.py` and `--check` print.
+`HostSyncCounter.report()` is the one-line summary the tests and `tools/bench/host_syncs.py` print
+(`mmfsdp.model.host_sync_probe` trains one packed micro-batch of a tiny family under it).
 Calls made inside a module registered with `attribute_layers` are also counted apart (`in_layers`): the decoder
 layers' forward, where the goal is exactly zero.
 """
@@ -193,73 +194,3 @@ def count_host_syncs(
         counter.remove_hooks()
     return counter
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# one packed training micro-batch of a tiny model, counted (the tests, tools/bench/host_syncs.py)
-
-PROBE_FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
-"""The families `probe_training_step` builds (Qwen3-VL's samples: text, and images of different sizes)."""
-PROBE_SAMPLES = ((40, ((4, 4), (2, 4))), (24, ()), (36, ((4, 2),)))
-"""The packed micro-batch: samples `(tokens, image grids)`, one row of 100 tokens (the last 0 tokens padding): every
-length a multiple of 4 (Ring 2), none of the Gated DeltaNet chunk (64)."""
-
-
-def _probe_config(model_id: str, double_layers: bool):
-    from mmfsdp.model.spec import get_model_entry
-
-    kit = get_model_entry(model_id).testkit
-    config = kit.tiny_config()
-    if double_layers:
-        text = config.text_config.to_dict()
-        text["num_hidden_layers"] *= 2
-        if text.get("layer_types"):
-            text["layer_types"] = list(text["layer_types"]) * 2
-        config = kit.tiny_config(text_config=text)
-    return config
-
-
-def probe_training_step(
-    model_id: str,
-    *,
-    double_layers: bool = False,
-    parallel_dims: Any = None,
-    device: torch.device | str = "cpu",
-    device_only: bool = False,
-) -> HostSyncCounter:
-    """One packed micro-batch (`PROBE_SAMPLES`) of the family's tiny model, trained as the trainer does (experts
-    through `experts_forward`, context parallel over `parallel_dims` when given): forward + backward under a
-    `HostSyncCounter` whose `in_layers` are the decoder layers'. `double_layers`: twice the decoder layers."""
-    import copy
-
-    from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
-    from mmfsdp.model.loss import compute_loss_weights, shift_labels
-    from mmfsdp.model.spec import get_model_entry
-    from mmfsdp.model.training_forward import model_inputs
-    from mmfsdp.parallel import apply_expert_parallel
-
-    if model_id not in PROBE_FAMILIES:
-        raise ValueError(f"probe_training_step builds {', '.join(PROBE_FAMILIES)}, not {model_id!r}")
-    entry = get_model_entry(model_id)
-    config = _probe_config(model_id, double_layers)
-    torch.manual_seed(0)
-    model = entry.model_class._from_config(copy.deepcopy(config), attn_implementation="mmfsdp_sdpa")
-    if entry.expert_modules:
-        apply_expert_parallel(model, entry.expert_modules, None)
-    if parallel_dims is not None:
-        model.enable_context_parallel(parallel_dims)
-    device = torch.device(device)
-    model.to(device)
-    samples = [qwen3_vl_sample(config, n, grids, seed=i) for i, (n, grids) in enumerate(PROBE_SAMPLES)]
-    batch = qwen3_vl_batch([samples], seq_len=sum(n for n, _ in PROBE_SAMPLES), packing=True)
-    target = shift_labels(batch["labels"], batch["cu_seq_lens"])
-    (weights,) = compute_loss_weights([target], loss_type="default", cu_seq_lens=[batch["cu_seq_lens"]])
-    inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in model_inputs(batch).items()}
-    inputs["cu_seq_lens"] = batch["cu_seq_lens"]  # HOST_INPUT_KEYS: the trainer leaves the bounds on the host
-    target, weights = target.to(device), weights.to(device)
-    decoder = model.get_submodule(model.decoder_name)
-
-    def step() -> None:
-        out = model(**inputs, shift_labels=target, loss_weights=weights)
-        out.loss.backward()
-
-    return count_host_syncs(step, decoder.layers, device_only=device_only)

@@ -29,3 +29,9 @@ class FamilyTestKit:
         """A collated batch for the tiny `config`: rows of different lengths with right padding and `labels`;
         with `images`, images of different sizes in some rows and none in others; without, no vision input."""
         raise NotImplementedError(f"{type(self).__name__} has no test_batch")
+
+    def packed_test_batch(self, config: PretrainedConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+        """One packed row for the tiny `config`: samples of different lengths (text only, and with images of
+        different sizes), `labels`, `cu_seq_lens` and `max_length`; every sample length a multiple of 4 (Ring 2)
+        and none of 64 (the Gated DeltaNet's chunk). For families that declare packing."""
+        raise NotImplementedError(f"{type(self).__name__} has no packed_test_batch")
