@@ -311,13 +311,20 @@ MINDSPEED_COMMIT = "57069cd55a8ab16d5affe379a2e2c5f0a4d962b9"
 """MindSpeed-MM's own Qwen3.5 FSDP2 configs are kept byte for byte in `tests/mindspeed_mm/`: its
 `examples/qwen3_5/qwen3_5_27B_config.yaml` and `qwen3_5_35B_config.yaml` at this commit of
 github.com/Ascend/MindSpeed-MM (2026-08-08). Only their placeholder paths are replaced (`_MINDSPEED_PATHS`)."""
+MINDSPEED_TRITON_GDN_COMMIT = "88d984dce537f1f1e5fff7bd81294de9e56a1c5d"
+"""The same two files at this earlier commit (2026-04-08), kept byte for byte in `tests/mindspeed_mm/88d984d/`: their
+`features.use_triton_gdn: true` (fla's Gated DeltaNet kernel, `model.gdn_kernel: fla`), recompute under
+`parallel:`, and `training.load` naming the DCP conversion of the HF weights (`prepare` converts the tiny models as
+a user would with `mm-convert GenericDCPConverter hf_to_dcp`)."""
 _MINDSPEED_PATHS = [  # their placeholder → ours; the longer paths first
+    ("./ckpt/hf_path/Qwen35-xxB-dcp", "@MODEL@-dcp"),
     ("./ckpt/hf_path/Qwen35-xxB", "@MODEL@"),
     ("./data/COCO2017", "@DATA@"),
     ("./data/mllm_format_llava_instruct_data_val.json", "@DATA@/eval.jsonl"),
     ("./data/mllm_format_llava_instruct_data.json", "@DATA@/train.jsonl"),
     ("./cache_dir/", "@CACHE@/"),
     ("./save_path", "@SAVE@"),
+    ("./data", "@DATA@"),  # 88d984d's dataset_dir
 ]
 
 
@@ -334,6 +341,8 @@ CONFIGS = {
     "magistral": MAGISTRAL,
     "qwen3_5_27b": _mindspeed("qwen3_5_27B_config.yaml"),
     "qwen3_5_35b": _mindspeed("qwen3_5_35B_config.yaml"),
+    "qwen3_5_27b_88d984d": _mindspeed("88d984d/qwen3_5_27B_config.yaml"),
+    "qwen3_5_35b_88d984d": _mindspeed("88d984d/qwen3_5_35B_config.yaml"),
 }
 MODELS = {
     "qwen3vl_30b": "qwen3vl-moe-tiny",
@@ -341,6 +350,8 @@ MODELS = {
     "magistral": "tiny",
     "qwen3_5_27b": "qwen3_5-tiny",
     "qwen3_5_35b": "qwen3_5_moe-tiny",
+    "qwen3_5_27b_88d984d": "qwen3_5-tiny",
+    "qwen3_5_35b_88d984d": "qwen3_5_moe-tiny",
 }
 """Each config's tiny model: an example's assets, or `qwen3_5_moe-tiny`, the qwen3_5-tiny example's with a MoE
 decoder (`_qwen3_5_moe_config`)."""
@@ -394,7 +405,17 @@ def prepare(tmp: Path) -> dict[str, Path]:
     paths = {"data": tmp / "data", "cache": tmp / "cache"}
     for name in sorted(set(MODELS.values())):
         paths[name] = _weights(name, tmp / "models" / name)
+    for name in ("qwen3_5-tiny", "qwen3_5_moe-tiny"):  # 88d984d's configs load the DCP conversion
+        _dcp(paths[name], Path(f"{paths[name]}-dcp"))
     return paths
+
+
+def _dcp(hf_dir: Path, dcp_dir: Path) -> None:
+    """`mm-convert GenericDCPConverter hf_to_dcp` of the tiny model, as MindSpeed-MM's README has users do."""
+    from mmfsdp.ckpt.cli import main
+
+    if not (dcp_dir / "latest_checkpointed_iteration.txt").is_file():
+        assert main(["GenericDCPConverter", "hf_to_dcp", "--hf_dir", str(hf_dir), "--dcp_dir", str(dcp_dir)]) == 0
 
 
 def _qwen3_5_moe_config(dense: Path):

@@ -122,6 +122,9 @@ def test_the_magistral_layout_means_what_it_says(paths, tmp_path):
 
 # (their key, a value, our key, the value we expect): every `Alias` with a target of every section.
 ALIASES = [
+    # MindSpeed-MM's fla switch for the Gated DeltaNet (under model:, in its April 2026 configs under features:)
+    ("model.use_triton_gdn", True, "model.gdn_kernel", "fla"),
+    ("features.use_triton_gdn", False, "model.gdn_kernel", "torch"),
     # preference training: LLaMA-Factory's top-level keys, theirs and MindSpeed-LLM's under training:, TRL's
     ("stage", "dpo", "training.stage", "dpo"),
     *(

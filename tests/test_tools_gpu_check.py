@@ -54,6 +54,11 @@ def test_sections_report_their_numbers(summary):
     assert compiled["within_tolerance"] and compiled["speedup"] > 0
 
 
+def test_gated_deltanet_section_is_skipped_on_the_cpu_with_the_reason(summary):
+    section = summary["gated_deltanet"]
+    assert section["status"] == "skipped" and "CUDA" in section["reason"], section
+
+
 def _run(*args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True, text=True, timeout=300,

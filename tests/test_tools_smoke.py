@@ -70,6 +70,11 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
          "targets_met": bool},
     ),
     "tools/bench/fsdp_grouping.py": (("--smoke",), {"grouped": dict, "ungrouped": dict, "grouped_speedup": NUMBER}),
+    "tools/bench/gated_deltanet.py": (
+        ("--smoke",),
+        {"device": str, "cases": dict, "worst_time_ratio": NUMBER, "worst_mem_ratio": NUMBER},
+    ),
+    "tools/bench/host_syncs.py": (("--smoke",), {"qwen3_5": dict}),
     "tools/bench/llamafactory_run.py": (
         ("--smoke",),
         {"llamafactory": str, "command": list, "train_args": dict, "model_files": list, "dataset_info": dict},

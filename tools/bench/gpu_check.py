@@ -48,6 +48,13 @@ peak memory; every step logs, so every step is timed with the device synchronise
   (`BF16_RTOL` on CUDA, where it runs in bf16; 1e-4 in fp32 on the CPU) and the ratio of the median step times
   after the warm-up (eager / compiled: above 1 is a speed-up; the first compiled steps are the warm-up), and the
   graphs dynamo compiled (`graphs_compiled`: a handful; many more would be recompilation for new lengths).
+- `gated_deltanet`: fla's Gated DeltaNet kernel (`model.gdn_kernel: fla`) against our torch operator
+  (`chunk_gated_delta_rule_packed`) on one packed row of 16,384 tokens in 8 samples, forward + backward: outputs
+  and input gradients compared (`GDN_FLA_RTOL`) and the median times; once with all heads (packed) and once with
+  half of them, what a Ulysses-2 rank runs after its all-to-all (the ring runs the torch operator). Then the host
+  round trips of one packed training micro-batch of each tiny family on the device
+  (`mmfsdp.model.host_sync_probe.probe_training_step`, device tensors only: 0 in the layers). Where fla cannot run
+  (the CPU, fla not installed) the section is skipped with the reason (`SectionSkipped`).
 
 Each section is one function, `section_<name>(ctx)`, in its own module of `_gpu_check/` (`SECTIONS` lists them in
 order; `_gpu_check/common.py` and `_gpu_check/context.py` hold what they share). Each section is guarded: an
@@ -80,7 +87,9 @@ from typing import Any
 from _gpu_check.attention import section_attention
 from _gpu_check.bf16_parity import section_bf16_parity
 from _gpu_check.common import error_text, log, tidy
+from _gpu_check.common import SectionSkipped
 from _gpu_check.compile import section_compile
+from _gpu_check.gated_deltanet import section_gated_deltanet
 from _gpu_check.context import Context, Sizes
 from _gpu_check.large_model import section_large_model
 from _gpu_check.memory_plan import section_memory_plan
@@ -93,6 +102,7 @@ SECTIONS = {
     "large_model": section_large_model,
     "memory_plan": section_memory_plan,
     "compile": section_compile,
+    "gated_deltanet": section_gated_deltanet,
 }
 """Section name -> its function (`_gpu_check/<name>.py`), in the order they run."""
 
@@ -166,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             section_started = time.perf_counter()
             try:
                 result[name] = {"status": "ok", **SECTIONS[name](ctx)}
+            except SectionSkipped as skip:
+                result[name] = {"status": "skipped", "reason": str(skip)}
             except Exception as err:
                 log(traceback.format_exc())
                 result[name] = {"status": "error", "error": error_text(err)}

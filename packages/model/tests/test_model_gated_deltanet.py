@@ -268,3 +268,35 @@ def test_packed_layer_equals_its_own_per_sample_runs(lengths):
     assert_close("output", got, want)
     for name in want_grads:
         assert_close(f"grad {name}", got_grads[name], want_grads[name], TOLERANCE)
+
+
+def test_kernel_choice_says_what_runs_and_why(monkeypatch):
+    import mmfsdp.model.gated_deltanet as gdn
+
+    assert gdn.resolve_gdn_kernel("torch", "cuda") == ("torch", "model.gdn_kernel: torch")
+    runs, why = gdn.resolve_gdn_kernel("fla", "cpu")
+    assert runs == "torch" and "CUDA only" in why
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: None)
+    assert gdn.resolve_gdn_kernel("auto", "cuda")[0] == "torch"
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: object())
+    assert gdn.resolve_gdn_kernel("fla", "cuda")[0] == "fla"
+    with pytest.raises(ValueError, match="kernel must be one of auto, torch, fla"):
+        gdn.resolve_gdn_kernel("triton", "cuda")
+
+
+def test_a_micro_batch_plan_gives_the_same_layer():
+    """The layer reading the micro-batch's plan (`plan_gated_deltanet`, made once) equals the layer that makes its
+    own from `cu_seq_lens`, bit for bit, forward and backward; a plan of other segments is refused."""
+    from mmfsdp.model.gated_deltanet import plan_gated_deltanet
+
+    module = tiny_gdn(conv_bias=True)
+    lengths = [3, 70, 20]
+    hidden = torch.randn(1, sum(lengths), 32, requires_grad=True)
+    cu = [0, 3, 73, 93]
+    own = gated_deltanet_forward(module, hidden, cu_seq_lens=cu)
+    own_grad = torch.autograd.grad(own.sum(), hidden)[0]
+    plan = plan_gated_deltanet(1, 93, module.conv_kernel_size, "cpu", bounds=cu)
+    planned = gated_deltanet_forward(module, hidden, plan=plan)
+    assert torch.equal(planned, own) and torch.equal(torch.autograd.grad(planned.sum(), hidden)[0], own_grad)
+    with pytest.raises(ValueError, match="plan covers 93 tokens, the input 90"):
+        gated_deltanet_forward(module, hidden[:, :90], plan=plan)

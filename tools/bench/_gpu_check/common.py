@@ -19,6 +19,12 @@ BF16_RTOL = 2e-2
 FP32_COMPILE_RTOL = 1e-4
 """Compiled vs eager in fp32 (the CPU mode): the same maths in another order."""
 MOE_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+GDN_FLA_RTOL = 1e-2
+"""fla's Triton kernel against our torch operator, fp32 inputs: its dots may run in TF32 (10 mantissa bits)."""
+
+
+class SectionSkipped(Exception):
+    """A section that cannot run here: recorded as `{"status": "skipped", "reason": ...}`."""
 
 
 def log(message: str) -> None:

@@ -46,6 +46,7 @@ class Sizes:
         self.moe = (dict(experts=16, top_k=2, tokens=1024, hidden=128, intermediate=64, repeats=3)
                     if cpu else dict(experts=128, top_k=8, tokens=16384, hidden=2048, intermediate=768, repeats=10))
         self.moe["dtype"] = self.compute_dtype
+        self.gdn = dict(tokens=16384, samples=8, key_heads=16, value_heads=32, head_dim=128, repeats=5)
 
 
 # ---------------------------------------------------------------------------------------------- trainer runs

@@ -50,7 +50,7 @@ from pathlib import Path
 from mmfsdp.config import ConfigError
 from mmfsdp.train.config import Config, check_world
 
-__all__ = ["deep_check", "host_check", "media_setting_lines", "model_check"]
+__all__ = ["deep_check", "host_check", "kernel_setting_lines", "media_setting_lines", "model_check"]
 
 
 def media_setting_lines(cfg: Config) -> list[str]:
@@ -63,6 +63,16 @@ def media_setting_lines(cfg: Config) -> list[str]:
     except (ConfigError, DataError, OSError, ValueError) as err:  # transformers: OSError, ValueError for bad files
         return [f"media settings: not resolved ({err})"]
     return ["media settings (preprocess_parameters; value, and where it came from):", *(f"  {s}" for s in settings)]
+
+
+def kernel_setting_lines(cfg: Config) -> list[str]:
+    """The family's kernel choices on this host (`ModelEntry.kernel_lines`: e.g. which Gated DeltaNet kernel runs)."""
+    from mmfsdp.model import get_model_entry
+    from mmfsdp.parallel.device import detect_device_type
+
+    if cfg.model.model_id is None:
+        return []
+    return get_model_entry(cfg.model.model_id).kernel_lines(cfg.model, detect_device_type())
 
 
 def deep_check(cfg: Config, world_size: int) -> list[ConfigError]:

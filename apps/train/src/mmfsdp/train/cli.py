@@ -143,9 +143,9 @@ def _print_check_report(cfg, world_size: int, device_memory: int | None, image_t
     start = finished_run(cfg.training, cfg.model) or plan_start(cfg.training, cfg.model).describe()
     start = start.removeprefix("start: ")
     print(f"check passed: {world_size} processes, model {cfg.model.model_id}; {start}")
-    from mmfsdp.train.check import media_setting_lines
+    from mmfsdp.train.check import kernel_setting_lines, media_setting_lines
 
-    print("\n".join(media_setting_lines(cfg)))
+    print("\n".join([*kernel_setting_lines(cfg), *media_setting_lines(cfg)]))
     try:
         from mmfsdp.train.memory import memory_plan_lines
     except ImportError:

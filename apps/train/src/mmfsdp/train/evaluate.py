@@ -31,6 +31,7 @@ import torch.distributed as dist
 from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.data import build_dataset, dataset_files, get_collator
 from mmfsdp.model import model_inputs, shift_labels
+from mmfsdp.model.batch_plan import HOST_INPUT_KEYS
 from mmfsdp.train.supervise import LoopHeartbeat
 
 __all__ = [
@@ -41,8 +42,12 @@ log = get_logger("mmfsdp.train")
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The tensors of `batch` on `device` (non-blocking); other values as they are."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """The tensors of `batch` on `device` (non-blocking), but the sample bounds (`HOST_INPUT_KEYS`): the model's
+    batch plan reads them on the host; other values as they are."""
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k not in HOST_INPUT_KEYS else v
+        for k, v in batch.items()
+    }
 
 
 @torch.no_grad()

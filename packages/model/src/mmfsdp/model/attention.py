@@ -45,6 +45,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from mmfsdp.config import ConfigError
+from mmfsdp.model.batch_plan import BATCH_PLAN_KEY, host_bounds, row_segments
 from mmfsdp.model.config import ATTENTION_BACKEND_NAMES
 
 __all__ = [
@@ -108,6 +109,7 @@ def varlen_block_mask(
 
 
 def _pop_varlen(kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    kwargs.pop(BATCH_PLAN_KEY, None)
     cu_q = kwargs.pop("cu_seq_lens_q", None)
     cu_k = kwargs.pop("cu_seq_lens_k", None)
     kwargs.pop("max_length_q", None)
@@ -131,21 +133,13 @@ def _row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> l
     """The `[start, end)` token ranges of the packed sequences over the flattened `B·S` tokens (tokens after the
     last boundary form one more, as in `varlen_block_mask`); None when one would cross a row.
 
-    Every layer gets the same `cu_seq_lens` tensor: it is read to the host once, not once per layer."""
+    A call without the micro-batch's plan (`mmfsdp.model.batch_plan`): every layer gets the same `cu_seq_lens`
+    tensor, so it is read to the host once, not once per layer."""
     cached = _segments_of.get(cu_seq_lens)
     if cached is not None and cached[0] == (batch_size, seq_len, cu_seq_lens._version):
         return cached[1]
-    segments = _compute_row_segments(cu_seq_lens, batch_size, seq_len)
+    segments = row_segments(host_bounds(cu_seq_lens), batch_size, seq_len)
     _segments_of[cu_seq_lens] = ((batch_size, seq_len, cu_seq_lens._version), segments)
-    return segments
-
-
-def _compute_row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> list[tuple[int, int]] | None:
-    num_tokens = batch_size * seq_len
-    bounds = sorted({min(max(int(v), 0), num_tokens) for v in cu_seq_lens.tolist()} | {0, num_tokens})
-    segments = [(start, end) for start, end in zip(bounds, bounds[1:]) if end > start]
-    if any(start // seq_len != (end - 1) // seq_len for start, end in segments):
-        return None
     return segments
 
 
@@ -187,14 +181,18 @@ def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causa
 
 
 @torch.compiler.disable
-def _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs):
-    """Packed sdpa, eager under `torch.compile` (`features.compile`): it reads the sequence boundaries on the
-    host and loops over the lengths, which a traced graph would specialise on (a new graph for every new set
-    of lengths); left out, a compiled block runs one graph before and one after it whatever the lengths."""
+def _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs):
+    """Packed sdpa, eager under `torch.compile` (`features.compile`): it loops over the sequence lengths (host
+    numbers: the micro-batch plan's `attention_segments`), which a traced graph would specialise on (a new graph
+    for every new set of lengths); left out, a compiled block runs one graph before and one after it whatever
+    the lengths."""
     causal = _is_causal(module, kwargs)
     batch_size, _, q_len, _ = query.shape
     same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
-    segments = _row_segments(cu_q, batch_size, q_len) if same else None
+    if same and plan is not None and cu_q is plan.cu_seq_lens and (batch_size, q_len) == (plan.batch_size, plan.seq_len):
+        segments = plan.attention_segments
+    else:
+        segments = _row_segments(cu_q, batch_size, q_len) if same else None
     if segments is not None:
         return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
     attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
@@ -204,9 +202,10 @@ def _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs):
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention; packed self-attention runs per sequence, other packed inputs get a
     block-diagonal mask."""
+    plan = kwargs.get(BATCH_PLAN_KEY)
     cu_q, cu_k = _pop_varlen(kwargs)
     if cu_q is not None:
-        return _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs)
+        return _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -316,7 +315,10 @@ def _npu_causal_mask(device: torch.device) -> torch.Tensor:
 
 def npu_fusion_attention(module, query_BHSD, key_BKLD, value_BKLD, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Ascend fused attention; packed inputs go in the TND layout (or BSND when all lengths are equal)."""
+    plan = kwargs.get(BATCH_PLAN_KEY)
     cu_q, cu_k = _pop_varlen(kwargs)
+    if plan is not None and cu_q is plan.cu_seq_lens and cu_k is cu_q:
+        cu_q = cu_k = plan.bounds  # the host bounds: no read per layer
     causal = _is_causal(module, kwargs)
     op = _npu_fusion_attention()
     batch_size, num_heads, q_len, head_dim = query_BHSD.shape

@@ -25,6 +25,8 @@ from mmfsdp.parallel.config import DType
 
 ATTENTION_BACKEND_NAMES = ("sdpa", "eager", "flash_attention_2")
 """The values of `model.attn_implementation` (the backends of `mmfsdp.model.attention`)."""
+USE_TRITON_GDN = Alias("model.gdn_kernel", values={True: "fla", False: "torch"})
+"""MindSpeed-MM's switch for fla's Gated DeltaNet kernel (under `model:`, in older configs under `features:`)."""
 
 __all__ = [
     "ModelConfig", "FeaturesConfig", "ChunkLossPlanConfig", "LossConfig", "ActivationOffloadPlanConfig", "CompilePlanConfig",
@@ -69,6 +71,8 @@ class ModelConfig:
     """Passed to transformers when reading the config and weights."""
     dtype: DType = "fp32"
     """Storage dtype of the built model's parameters."""
+    gdn_kernel: Literal["auto", "torch", "fla"] = "auto"
+    """Gated DeltaNet delta rule (Qwen3.5 families): auto (fla's Triton kernel on CUDA where the `fla` extra is installed, else torch), torch, or fla (one warning and the torch path where it cannot run)."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         **{key: Alias(f"features.{key}") for key in ("loss_cfg", "enable_chunk_loss", "chunkloss_plan", "activation_offload_plan")},
@@ -77,11 +81,12 @@ class ModelConfig:
         # MindSpeed-MM's Qwen3.5 kernel switches: the numbers are the same whichever kernel runs
         **{
             key: Ignored(
-                "Gated DeltaNet runs through mmfsdp's packing-exact operator: fla's kernels on CUDA where installed, "
-                "torch elsewhere (docs/parallelism.md)"
+                "Gated DeltaNet runs through mmfsdp's packing-exact operator, its delta rule as model.gdn_kernel says "
+                "(docs/parallelism.md)"
             )
             for key in ("gdn_implementation", "causal_conv1d_implementation")
         },
+        "use_triton_gdn": USE_TRITON_GDN,
         **{
             key: Ignored("recompute re-runs every module of recompute_plan whole; no kernel's output is kept aside")
             for key in ("skip_gdn_recompute", "skip_flash_attn_recompute")
@@ -179,6 +184,10 @@ class FeaturesConfig:
         "enable_dynamic_chunk_loss": Ignored("chunk loss uses the fixed chunkloss_plan.chunk_size", allowed=(False,)),
         # torchtitan's `compile.enable`, HF TrainingArguments' (LLaMA-Factory's) `torch_compile`
         **{key: Alias("features.compile") for key in ("torch_compile", "use_torch_compile", "enable_compile")},
+        "use_triton_gdn": USE_TRITON_GDN,
+        "use_grouped_expert_matmul": Ignored(
+            "the experts use grouped GEMM wherever the device runs it (probed once), else a loop over the experts"
+        ),
         "enable_ep_balance": Ignored("duplicating busy experts on other ranks is not implemented", allowed=(False,)),
         "ep_balance_plan": Ignored("read only with enable_ep_balance"),
         "enable_chunk_mbs": Ignored(

@@ -71,7 +71,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from mmfsdp.model.attention import VARLEN_KEYS
-from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, split_for_cp
+from mmfsdp.model.batch_plan import BATCH_PLAN_KEY
+from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, split_for_cp, to_device_async
 
 __all__ = [
     "CP_CONTEXT_KEY",
@@ -101,10 +102,12 @@ class CPContext:
 
 @dataclass(frozen=True, slots=True)
 class CPBatch:
-    """How one batch is split: its layout, and whether its rows are flattened into one (packed)."""
+    """How one batch is split: its layout, whether its rows are flattened into one (packed), and this rank's token
+    indices on the batch's device (made once per batch; None: `split` copies the layout's there each time)."""
 
     layout: CPLayout
     flatten: bool
+    index: torch.Tensor | None = None
 
     def split(self, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a tensor whose dims `seq_dim - 1, seq_dim` are `B, S` (`[B, S, ...]` by
@@ -112,7 +115,8 @@ class CPBatch:
         if self.flatten:
             shape = tensor.shape
             tensor = tensor.reshape(*shape[: seq_dim - 1], 1, shape[seq_dim - 1] * shape[seq_dim], *shape[seq_dim + 1 :])
-        return split_for_cp(tensor, self.layout, dim=seq_dim)
+        index = self.index if self.index is not None and self.index.device == tensor.device else None
+        return split_for_cp(tensor, self.layout, dim=seq_dim, index=index)
 
 
 def _cp_attention(original: str):
@@ -120,6 +124,7 @@ def _cp_attention(original: str):
         context = kwargs.pop(CP_CONTEXT_KEY, None)
         if context is None:
             return ALL_ATTENTION_FUNCTIONS[original](module, query_BHSD, key_BKSD, value_BKSD, attention_mask, *args, **kwargs)
+        plan = kwargs.pop(BATCH_PLAN_KEY, None)
         if kwargs.get("dropout") or kwargs.get("sliding_window") is not None:
             raise NotImplementedError("context parallel attention supports neither attention dropout nor a sliding window")
         out_BSHD = context_parallel_attention(
@@ -131,6 +136,7 @@ def _cp_attention(original: str):
             ulysses_group=context.ulysses_group,
             causal=True,
             scale=kwargs.get("scaling"),
+            halves=None if plan is None else plan.ring_halves,
         )
         return out_BSHD, None
 
@@ -155,7 +161,7 @@ def _optional_group(size: int, group: dist.ProcessGroup) -> dist.ProcessGroup | 
 
 SplitDecoderKwargs = Callable[[dict[str, Any], CPBatch], dict[str, Any]]
 """A family's CP hook: the decoder's keyword arguments (full sequence) → this rank's (`split_sequence_kwargs`)."""
-_NOT_SPLIT = frozenset(("attention_mask", CP_CONTEXT_KEY, *VARLEN_KEYS))
+_NOT_SPLIT = frozenset(("attention_mask", CP_CONTEXT_KEY, BATCH_PLAN_KEY, *VARLEN_KEYS))
 
 
 def split_sequence_kwargs(kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
@@ -205,24 +211,27 @@ class ContextParallel:
             raise RuntimeError("context parallel is already enabled on this model")
         config._attn_implementation = cp_attention_name(config._attn_implementation)
 
-    def plan_batch(self, batch_size: int, seq_len: int, cu_seq_lens: torch.Tensor | None) -> CPBatch:
-        """The split of a `[batch_size, seq_len]` batch, packed when `cu_seq_lens` (over the `B·S` tokens) is given."""
-        flatten = cu_seq_lens is not None
+    def plan_batch(
+        self, batch_size: int, seq_len: int, bounds: tuple[int, ...] | None, device: torch.device | str = "cpu"
+    ) -> CPBatch:
+        """The split of a `[batch_size, seq_len]` batch, packed when `bounds` (host sample bounds over the `B·S`
+        tokens) are given; this rank's token indices go to `device` once (pinned, non-blocking)."""
+        flatten = bounds is not None
         layout = CPLayout.create(
             batch_size * seq_len if flatten else seq_len,
-            None if cu_seq_lens is None else cu_seq_lens.reshape(-1),
+            bounds,
             ring_size=self.ring_size, ring_rank=self.ring_rank,
             ulysses_size=self.ulysses_size, ulysses_rank=self.ulysses_rank,
         )
-        return CPBatch(layout, flatten)
+        return CPBatch(layout, flatten, to_device_async(layout.token_indices(), device))
 
-    def plan_training_batch(self, model_kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> CPBatch:
-        """The split of a training batch (its `input_ids` or `inputs_embeds` give `B, S`)."""
+    def plan_training_batch(self, model_kwargs: dict[str, Any], bounds: tuple[int, ...] | None) -> CPBatch:
+        """The split of a training batch (its `input_ids` or `inputs_embeds` give `B, S` and the device)."""
         tokens = model_kwargs.get("input_ids")
         tokens = model_kwargs["inputs_embeds"] if tokens is None else tokens
-        if cu_seq_lens is None:
+        if bounds is None:
             check_right_padding(model_kwargs.get("attention_mask"))
-        return self.plan_batch(tokens.shape[0], tokens.shape[1], cu_seq_lens)
+        return self.plan_batch(tokens.shape[0], tokens.shape[1], bounds, tokens.device)
 
     def split_decoder_inputs(self, kwargs: dict[str, Any], batch: CPBatch, split_kwargs: SplitDecoderKwargs) -> dict[str, Any]:
         """The decoder's keywords for this rank: split by the family's hook, CP attention context added."""

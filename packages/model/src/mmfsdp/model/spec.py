@@ -198,6 +198,11 @@ class ModelEntry:
         refuse what `capabilities` does not declare (`Capabilities.check_parallel`)."""
         self.capabilities.check_parallel(self.model_id, plan)
 
+    def kernel_lines(self, model_cfg: ModelConfig, device_type: str) -> list[str]:
+        """`--check`'s lines on the family's own kernel choices: which implementation runs on `device_type` and
+        why. Default: none."""
+        return []
+
     def step_terms(self, loss_cfg: LossConfig) -> StepTerms:
         """A fresh `StepTerms` for one optimizer step (`loss_cfg`: `features.loss_cfg`). Default: none."""
         return StepTerms()

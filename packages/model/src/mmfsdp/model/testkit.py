@@ -36,3 +36,9 @@ class FamilyTestKit:
         they compute the same maths (which attention calls a vision tower makes), so that a comparison with our
         wrapper measures what it means to (a loss, a stage), not kernel rounding (`testing.model_pair`'s
         `same_kernels`). Nothing by default: the family's HF model already runs our path."""
+
+    def packed_test_batch(self, config: PretrainedConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+        """One packed row for the tiny `config`: samples of different lengths (text only, and with images of
+        different sizes), `labels`, `cu_seq_lens` and `max_length`; every sample length a multiple of 4 (Ring 2)
+        and none of 64 (the Gated DeltaNet's chunk). For families that declare packing."""
+        raise NotImplementedError(f"{type(self).__name__} has no packed_test_batch")

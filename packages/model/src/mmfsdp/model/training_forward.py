@@ -19,10 +19,14 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
 2. `prepare_inputs(kwargs, cu_seq_lens)` — the family's hook, before any split —
    completes inputs computed on the whole sample (Qwen3-VL: M-RoPE positions,
    restarted per packed sample). The default changes nothing.
-3. With `cu_seq_lens` the attention mask is dropped and the decoder receives the
-   HF varlen keywords `cu_seq_lens_q/k`, `max_length_q/k`: the cumulative lengths
-   alone say which tokens attend to which. They go to the decoder only — the
-   vision tower keeps its own per-image lengths.
+3. The micro-batch's plan (`mmfsdp.model.batch_plan.BatchPlan`): the sample bounds read on the host once
+   (`cu_seq_lens` stays on the host in the trainer), and from them, before the decoder runs, every index tensor
+   the layers need (attention segments, under context parallel the shard map and the ring's halves, the
+   family's own: `plan_layers`), moved to the device without waiting. With `cu_seq_lens` the attention mask is
+   dropped and the decoder receives the HF varlen keywords `cu_seq_lens_q/k`, `max_length_q/k` (the plan's):
+   the cumulative lengths alone say which tokens attend to which; and the plan itself (`BATCH_PLAN_KEY`), so no
+   layer reads a boundary from the device. They go to the decoder only — the vision tower keeps its own
+   per-image lengths.
 4. The HF forward runs the vision tower once per kind of media in the call
    (`vision_inputs`: Qwen3-VL's images and videos are two passes). For each
    kind a call lacks (a micro-batch of text-only samples, or of images but no
@@ -69,8 +73,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from mmfsdp.model.batch_plan import BatchPlan
 from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
+from mmfsdp.parallel.cp import CPLayout
 from mmfsdp.model.loss import sequence_cross_entropy, weighted_cross_entropy
 from mmfsdp.model.vision_dp import VisionDataParallel
 
@@ -162,6 +168,10 @@ class TrainingForwardMixin:
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """Inputs computed on the whole (unsplit) sample before the forward; the default changes nothing."""
         return kwargs
+
+    def plan_layers(self, plan: BatchPlan, layout: CPLayout | None) -> None:
+        """Add what the family's own layers read to the micro-batch's plan (`plan.layers`, by name), from its
+        host bounds and, under context parallel, this rank's `layout`; the default adds nothing."""
 
     def split_decoder_kwargs(self, kwargs: dict[str, Any], batch: CPBatch) -> dict[str, Any]:
         """This CP rank's decoder keywords; the default splits `[B, S, ...]` tensors along S."""
@@ -279,10 +289,13 @@ class TrainingForwardMixin:
     ):
         if isinstance(loss_weights, _Uncast):
             loss_weights = loss_weights.tensor
+        if cu_seq_lens is not None and len(args) > 2:
+            raise TypeError("with cu_seq_lens pass the inputs by keyword (the attention mask is replaced)")
+        plan = self._batch_plan(args, kwargs, cu_seq_lens, max_length)
         decoder_kwargs: dict[str, Any] = {}
-        if cu_seq_lens is not None:
-            if len(args) > 2:
-                raise TypeError("with cu_seq_lens pass the inputs by keyword (the attention mask is replaced)")
+        if plan is not None:
+            decoder_kwargs = plan.decoder_kwargs()
+        elif cu_seq_lens is not None:
             decoder_kwargs = packed_attention_kwargs(cu_seq_lens, max_length)
         if not args:
             kwargs = self.prepare_inputs(kwargs, cu_seq_lens)
@@ -292,6 +305,8 @@ class TrainingForwardMixin:
         if loss_weights is None:
             if shift_labels is not None:
                 kwargs["shift_labels"] = shift_labels
+            if plan is not None:
+                self.plan_layers(plan, None)
             with self._calling_decoder(decoder_kwargs, vision_placeholder=placeholder):
                 return super().forward(*args, **kwargs)
         if args:
@@ -306,10 +321,15 @@ class TrainingForwardMixin:
             raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
         cp_batch = None
         if self._context_parallel is not None:
-            cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
+            if plan is None:
+                raise ValueError("the training forward under context parallel needs input_ids or inputs_embeds")
+            cp_batch = self._context_parallel.plan_training_batch(kwargs, plan.bounds)
+            plan.plan_context_parallel(cp_batch.layout)
             shift_labels, loss_weights = cp_batch.split(shift_labels), cp_batch.split(loss_weights)
             if sequence_ids is not None:
                 sequence_ids = cp_batch.split(sequence_ids)
+        if plan is not None:
+            self.plan_layers(plan, None if cp_batch is None else cp_batch.layout)
         vision_dp = contextlib.nullcontext()
         if self._vision_dp is not None and placeholder < len(self.vision_input_keys):  # the call has media
             vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
@@ -330,6 +350,17 @@ class TrainingForwardMixin:
         if sequence_ids is not None:
             loss = self._whole_sequences(loss)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _batch_plan(self, args: tuple, kwargs: dict[str, Any], cu_seq_lens, max_length) -> BatchPlan | None:
+        """The micro-batch's plan (step 3); None for a decoding step (a filled cache) or a call without tokens."""
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return None
+        tokens = kwargs.get("input_ids")
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        tokens = args[0] if tokens is None and args and torch.is_tensor(args[0]) else tokens
+        if tokens is None:
+            return None
+        return BatchPlan(tokens.shape[0], tokens.shape[1], tokens.device, cu_seq_lens, max_length)
 
     def _whole_sequences(self, local_sums: torch.Tensor) -> torch.Tensor:
         """Per-sequence sums of this CP rank's shard -> the whole sequences' sums on every CP rank (step 7)."""

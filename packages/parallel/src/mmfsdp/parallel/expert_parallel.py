@@ -133,11 +133,15 @@ def shard_experts(
 
 
 def tokens_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64: how many (token, slot) pairs chose each expert."""
-    counts_E = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
-    if counts_E.numel() != num_experts:
-        raise ValueError(f"topk_idx holds expert id {counts_E.numel() - 1}, but the model has {num_experts} experts")
-    return counts_E
+    """[E] int64: how many (token, slot) pairs chose each expert. A scatter-add into `E` counters, not `bincount`,
+    whose output size depends on the data (the largest id), which on an accelerator waits for the device. An id
+    outside `[0, E)` fails the scatter (on an accelerator, as a device-side assert)."""
+    index = topk_idx.reshape(-1).to(torch.int64)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
+    try:
+        return counts_E.scatter_add_(0, index, torch.ones_like(index))
+    except (RuntimeError, IndexError):
+        raise ValueError(f"topk_idx holds expert id {int(index.max())}, but the model has {num_experts} experts") from None
 
 
 def expert_major_order(counts_PL: torch.Tensor) -> torch.Tensor:
@@ -253,7 +257,9 @@ def _gated(gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn):
-    offsets = torch.tensor(counts_L, device=x_NH.device).cumsum(0).to(torch.int32)
+    if not torch.is_tensor(counts_L):
+        counts_L = torch.tensor(counts_L, device=x_NH.device)
+    offsets = counts_L.cumsum(0).to(torch.int32)
     hidden_NI = _gated(_GROUPED_MM(x_NH, gate_up_proj.transpose(-2, -1), offs=offsets), act_fn)
     return _GROUPED_MM(hidden_NI, down_proj.transpose(-2, -1), offs=offsets)
 
@@ -268,14 +274,20 @@ def _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn):
 
 def local_experts(
     x_NH: torch.Tensor,
-    counts_L: list[int],
+    counts_L: list[int] | torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
     implementation: Implementation = "auto",
 ) -> torch.Tensor:
-    """[N, H] in the weights' dtype: rows sorted by local expert (`counts_L[l]` rows for expert `l`) through their expert."""
-    if len(counts_L) != gate_up_proj.shape[0] or sum(counts_L) != x_NH.shape[0]:
+    """[N, H] in the weights' dtype: rows sorted by local expert (`counts_L[l]` rows for expert `l`) through their expert.
+
+    `counts_L` on the device (a tensor) stays there on the grouped GEMM path (its offsets are a cumulative sum on the
+    device): no host round trip; the loop reads it to the host (its splits are host sizes)."""
+    if torch.is_tensor(counts_L):
+        if counts_L.numel() != gate_up_proj.shape[0]:
+            raise ValueError(f"{counts_L.numel()} counts for {gate_up_proj.shape[0]} experts")
+    elif len(counts_L) != gate_up_proj.shape[0] or sum(counts_L) != x_NH.shape[0]:
         raise ValueError(
             f"{len(counts_L)} counts summing to {sum(counts_L)} for {gate_up_proj.shape[0]} experts "
             f"and {x_NH.shape[0]} rows"
@@ -293,6 +305,9 @@ def local_experts(
     if implementation == "grouped":
         return _local_experts_grouped(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
     if implementation == "loop":
+        counts_L = counts_L.tolist() if torch.is_tensor(counts_L) else counts_L
+        if sum(counts_L) != x_NH.shape[0]:
+            raise ValueError(f"counts summing to {sum(counts_L)} for {x_NH.shape[0]} rows")
         return _local_experts_loop(x_NH, counts_L, gate_up_proj, down_proj, act_fn)
     raise ValueError(f"implementation must be 'auto', 'grouped' or 'loop', got {implementation!r}")
 
@@ -331,7 +346,7 @@ def expert_parallel_forward(
     token_S = order_S // top_k
     x_SH = hidden_TH.index_select(0, token_S)  # backward: index_add (advanced indexing's index_put is slower)
     if ep_size == 1:
-        y_SH = local_experts(x_SH, counts_E.tolist(), gate_up_proj, down_proj, act_fn, implementation)
+        y_SH = local_experts(x_SH, counts_E, gate_up_proj, down_proj, act_fn, implementation)
     else:
         counts_PL = torch.empty_like(counts_E)
         dist.all_to_all_single(counts_PL, counts_E, group=group)

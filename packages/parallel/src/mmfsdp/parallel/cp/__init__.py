@@ -10,7 +10,7 @@ weights with one `CPLayout`; every decoder attention calls
 `cp_loss_reduce`.
 """
 
-from mmfsdp.parallel.cp.attention import context_parallel_attention
+from mmfsdp.parallel.cp.attention import context_parallel_attention, ring_halves
 from mmfsdp.parallel.cp.kernels import AttentionKernel, get_ring_kernel, register_ring_kernel
 from mmfsdp.parallel.cp.layout import (
     CPLayout,
@@ -18,16 +18,18 @@ from mmfsdp.parallel.cp.layout import (
     merge_cp_shards,
     required_multiple,
     split_for_cp,
+    to_device_async,
     zigzag_chunks,
 )
 from mmfsdp.parallel.cp.loss import cp_loss_reduce
-from mmfsdp.parallel.cp.ring import ring_attention
+from mmfsdp.parallel.cp.ring import RingHalves, ring_attention
 from mmfsdp.parallel.cp.ulysses import heads_to_seq, repeat_kv_for_ulysses, seq_to_heads, ulysses_attention
 from mmfsdp.parallel.cp.validate import validate_cp_world_size, validate_sequence_multiple, validate_ulysses_heads
 
 __all__ = [
     "AttentionKernel",
     "CPLayout",
+    "RingHalves",
     "context_parallel_attention",
     "cp_loss_reduce",
     "gather_from_cp",
@@ -38,8 +40,10 @@ __all__ = [
     "repeat_kv_for_ulysses",
     "required_multiple",
     "ring_attention",
+    "ring_halves",
     "seq_to_heads",
     "split_for_cp",
+    "to_device_async",
     "ulysses_attention",
     "validate_cp_world_size",
     "validate_sequence_multiple",

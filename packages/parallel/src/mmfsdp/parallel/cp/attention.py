@@ -24,14 +24,21 @@ import torch.distributed as dist
 
 from mmfsdp.parallel.cp.kernels import AttentionKernel
 from mmfsdp.parallel.cp.layout import CPLayout
-from mmfsdp.parallel.cp.ring import ring_attention
+from mmfsdp.parallel.cp.ring import RingHalves, ring_attention
 from mmfsdp.parallel.cp.ulysses import ulysses_attention
 
-__all__ = ["context_parallel_attention"]
+__all__ = ["context_parallel_attention", "ring_halves"]
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def ring_halves(layout: CPLayout, device: torch.device) -> RingHalves | None:
+    """The `RingHalves` every ring attention call of a batch with this layout reads (None without a ring)."""
+    if layout.ring_size == 1:
+        return None
+    return RingHalves(layout.seq_len // layout.ring_size, layout.local_cu_seq_lens(), device)
 
 
 def context_parallel_attention(
@@ -45,8 +52,10 @@ def context_parallel_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: AttentionKernel | None = None,
+    halves: RingHalves | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's tokens over the whole (per-sample) sequence; returns this rank's output shard."""
+    """Attention of this rank's tokens over the whole (per-sample) sequence; returns this rank's output shard.
+    `halves`: the ring's `RingHalves` of `layout` (`ring_halves(layout, device)`), made once per micro-batch."""
     assert _group_size(ring_group) == layout.ring_size and _group_size(ulysses_group) == layout.ulysses_size, (
         _group_size(ring_group), _group_size(ulysses_group), layout,
     )
@@ -55,7 +64,9 @@ def context_parallel_attention(
     ring = ring_group if layout.ring_size > 1 else None
 
     def attend(q, k, v):
-        return ring_attention(q, k, v, ring, cu_seq_lens=cu_seq_lens, causal=causal, scale=scale, kernel=kernel)
+        return ring_attention(
+            q, k, v, ring, cu_seq_lens=cu_seq_lens, causal=causal, scale=scale, kernel=kernel, halves=halves
+        )
 
     if layout.ulysses_size > 1:
         return ulysses_attention(q_BSHD, k_BSKD, v_BSKD, attend, ulysses_group)

@@ -30,11 +30,11 @@ heads, D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["AttentionKernel", "get_ring_kernel", "register_ring_kernel"]
+__all__ = ["AttentionKernel", "get_ring_kernel", "prepare_kernel_bounds", "register_ring_kernel"]
 
 CuSeqLens = tuple[int, ...] | None
 
@@ -156,9 +156,29 @@ def _cpu_kernel() -> AttentionKernel:
 # --- cuda (not exercised by the CPU tests) -------------------------------------
 
 
+_DEVICE_BOUNDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_DEVICE_BOUNDS_KEPT = 16
+
+
+def prepare_kernel_bounds(bounds: Sequence[tuple[int, ...] | None], device: torch.device) -> None:
+    """Put these sample boundaries on the device for the varlen kernels (CUDA's take int32 tensors), from pinned
+    memory without waiting: done once per micro-batch before the layers, whose calls then find them (the last
+    `_DEVICE_BOUNDS_KEPT` kept)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    for cu in bounds:
+        if cu is not None and (cu, device) not in _DEVICE_BOUNDS:
+            while len(_DEVICE_BOUNDS) >= _DEVICE_BOUNDS_KEPT:
+                del _DEVICE_BOUNDS[next(iter(_DEVICE_BOUNDS))]
+            host = torch.tensor(cu, dtype=torch.int32).pin_memory()
+            _DEVICE_BOUNDS[(cu, device)] = host.to(device, non_blocking=True)
+
+
 def _cuda_cu(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
     lengths = [end - start for start, end in zip(cu[:-1], cu[1:])]
-    return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths)
+    prepare_kernel_bounds((cu,), device)  # found when the batch plan made them
+    return _DEVICE_BOUNDS[(cu, torch.device(device))], max(lengths)
 
 
 def _cuda_lse_to_BHS(lse: torch.Tensor, cu_q: CuSeqLens) -> torch.Tensor:

@@ -38,6 +38,7 @@ __all__ = [
     "merge_cp_shards",
     "required_multiple",
     "split_for_cp",
+    "to_device_async",
     "zigzag_chunks",
 ]
 
@@ -154,11 +155,23 @@ class CPLayout:
         return tuple(bounds)
 
 
-def split_for_cp(tensor: torch.Tensor, layout: CPLayout, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of `tensor` along `dim` (inputs, position_ids, labels, loss weights)."""
+def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; on an accelerator copied from pinned memory without waiting (the host goes on,
+    the copy is ordered before later work on the device's stream)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def split_for_cp(tensor: torch.Tensor, layout: CPLayout, dim: int = 1, index: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's tokens of `tensor` along `dim` (inputs, position_ids, labels, loss weights). `index`: the
+    layout's `token_indices()` already on `tensor`'s device (made once per batch); None: copied there here."""
     if tensor.size(dim) != layout.seq_len:
         raise ValueError(f"dimension {dim} has {tensor.size(dim)} tokens, the layout expects {layout.seq_len}")
-    return tensor.index_select(dim, layout.token_indices().to(tensor.device))
+    if index is None:
+        index = layout.token_indices().to(tensor.device)
+    return tensor.index_select(dim, index)
 
 
 def merge_cp_shards(shards: Sequence[torch.Tensor], layout: CPLayout, dim: int = 1) -> torch.Tensor:

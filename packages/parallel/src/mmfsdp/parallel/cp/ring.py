@@ -35,13 +35,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mmfsdp.parallel.cp.kernels import AttentionKernel, get_ring_kernel
+from mmfsdp.parallel.cp.kernels import AttentionKernel, get_ring_kernel, prepare_kernel_bounds
+from mmfsdp.parallel.cp.layout import to_device_async
 
-__all__ = ["ring_attention"]
+__all__ = ["RingHalves", "ring_attention"]
 
 
-class _Halves:
-    """Front/back half token indices and boundaries of a ring-local sequence."""
+class RingHalves:
+    """Front/back half token indices (on the device) and boundaries of a ring-local sequence: what every ring
+    attention call of one micro-batch reads. Made on the host once per micro-batch (the training forward's batch
+    plan) and moved to the device from pinned memory without waiting; a call given none makes its own."""
+
+    __slots__ = ("seq_len", "cu_seq_lens", "front", "back", "cu_half")
 
     def __init__(self, seq_len: int, cu_seq_lens: tuple[int, ...] | None, device: torch.device):
         bounds = cu_seq_lens or (0, seq_len)
@@ -52,9 +57,12 @@ class _Halves:
             front.append(torch.arange(start, start + half))
             back.append(torch.arange(start + half, end))
             half_bounds.append(half_bounds[-1] + half)
-        self.front = torch.cat(front).to(device)
-        self.back = torch.cat(back).to(device)
+        self.seq_len, self.cu_seq_lens = seq_len, cu_seq_lens
+        self.front = to_device_async(torch.cat(front), device)
+        self.back = to_device_async(torch.cat(back), device)
         self.cu_half = tuple(half_bounds) if cu_seq_lens is not None else None
+        if cu_seq_lens is not None:
+            prepare_kernel_bounds((cu_seq_lens, self.cu_half), device)
 
 
 class _Exchange:
@@ -95,9 +103,13 @@ def _ring_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BSHD, k_BSKD, v_BSKD, group, kernel: AttentionKernel, causal: bool, scale: float, cu_seq_lens):
+    def forward(ctx, q_BSHD, k_BSKD, v_BSKD, group, kernel: AttentionKernel, causal: bool, scale: float, cu_seq_lens,
+                halves: RingHalves | None):
         rank, size = _ring_position(group)
-        halves = _Halves(q_BSHD.size(1), cu_seq_lens, q_BSHD.device) if causal and size > 1 else None
+        if not (causal and size > 1):
+            halves = None
+        elif halves is None:
+            halves = RingHalves(q_BSHD.size(1), cu_seq_lens, q_BSHD.device)
         full = dict(scale=scale, cu_q=cu_seq_lens, cu_k=cu_seq_lens)
         kv = torch.stack([k_BSKD, v_BSKD])
         out = lse = None
@@ -174,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_exchange.wait()
         if dkv_exchange is not None:
             dkv = dkv_exchange.wait()
-        return dq.to(q.dtype), dkv[0].to(k_own.dtype), dkv[1].to(v_own.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k_own.dtype), dkv[1].to(v_own.dtype), None, None, None, None, None, None
 
 
 def ring_attention(
@@ -187,11 +199,13 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: AttentionKernel | None = None,
+    halves: RingHalves | None = None,
 ) -> torch.Tensor:
     """Attention of the ring-local q over the whole ring's k/v; returns the local output.
 
     `group` is the ring process group (`None` or size 1: plain local attention).
     `cu_seq_lens` are the ring-local sample boundaries of a packed batch (B = 1).
+    `halves`: the `RingHalves` of this sequence and `cu_seq_lens`, made once per micro-batch (None: made here).
     """
     B, S, H, D = q_BSHD.shape
     assert k_BSKD.shape == v_BSKD.shape and k_BSKD.shape[:2] == (B, S) and H % k_BSKD.size(2) == 0, (
@@ -199,4 +213,6 @@ def ring_attention(
     )
     assert cu_seq_lens is None or (B == 1 and cu_seq_lens[-1] == S), (B, S, cu_seq_lens)
     kernel = kernel or get_ring_kernel(q_BSHD.device.type)
-    return _RingAttention.apply(q_BSHD, k_BSKD, v_BSKD, group, kernel, causal, D**-0.5 if scale is None else scale, cu_seq_lens)
+    assert halves is None or (halves.seq_len == S and halves.cu_seq_lens == cu_seq_lens), "halves of another sequence"
+    scale = D**-0.5 if scale is None else scale
+    return _RingAttention.apply(q_BSHD, k_BSKD, v_BSKD, group, kernel, causal, scale, cu_seq_lens, halves)

@@ -46,6 +46,9 @@ from mmfsdp.model.families.qwen3_vl.model import (
 from mmfsdp.model.flops import FlopShape, TowerFlops
 from mmfsdp.model.gated_deltanet import use_packed_forward
 from mmfsdp.model.spec import DataNames, register_model
+from mmfsdp.config import warn_once
+from mmfsdp.model.gated_deltanet import plan_batch_layers, resolve_gdn_kernel, set_kernel
+from mmfsdp.parallel.device import detect_device_type
 
 __all__ = [
     "Qwen3_5Costs",
@@ -86,6 +89,20 @@ class Qwen3_5TrainingMixin(Qwen3VLTrainingMixin):
         if self.packed_linear_attention:
             for module in gated_deltanet_layers(self.get_submodule(self.decoder_name)):
                 use_packed_forward(module)
+
+    def set_gdn_kernel(self, kernel: str) -> None:
+        """The delta rule's implementation (`model.gdn_kernel`); "fla" where it cannot run warns once and runs torch."""
+        runs, why = resolve_gdn_kernel(kernel, detect_device_type())
+        if kernel == "fla" and runs != "fla":
+            warn_once(f"model.gdn_kernel: fla, but {why}: the Gated DeltaNet runs its torch path")
+        for module in gated_deltanet_layers(self.get_submodule(self.decoder_name)):
+            set_kernel(module, kernel)
+
+    def plan_layers(self, plan, layout) -> None:
+        """The Gated DeltaNet's segments and index tensors (`mmfsdp.model.gated_deltanet.plan_batch_layers`)."""
+        super().plan_layers(plan, layout)
+        if self.packed_linear_attention:
+            plan_batch_layers(plan, layout, self.config.text_config.linear_conv_kernel_dim)
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         if cu_seq_lens is not None and not self.packed_linear_attention:
@@ -237,3 +254,15 @@ class Qwen3_5Entry(Qwen3VLEntry):
     """Qwen3-VL's presets and `preset:gated_deltanet`: the Gated DeltaNet projections (`linear_attn`)."""
     costs = Qwen3_5Costs()
     testkit = Qwen3_5TestKit()
+
+    def build(self, model_cfg, features_cfg=None, **kwargs):
+        """The HF family's build, then the Gated DeltaNet's delta rule as `model.gdn_kernel` says."""
+        model = super().build(model_cfg, features_cfg, **kwargs)
+        model.set_gdn_kernel(model_cfg.gdn_kernel)
+        return model
+
+    def kernel_lines(self, model_cfg, device_type: str) -> list[str]:
+        """Which Gated DeltaNet delta rule runs (`model.gdn_kernel`), and why."""
+        runs, why = resolve_gdn_kernel(model_cfg.gdn_kernel, device_type)
+        ring = " (under ring context parallel: torch, which chains the ring's chunk states)" if runs == "fla" else ""
+        return [f"gated deltanet kernel: {runs}{ring} ({why})"]

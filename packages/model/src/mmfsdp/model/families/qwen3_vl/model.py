@@ -280,6 +280,14 @@ class Qwen3VLTestKit(FamilyTestKit):
         batch["mm_token_type_ids"] = mm_token_types(batch["input_ids"], config.image_token_id, config.video_token_id)
         return batch
 
+    def packed_test_batch(self, config: Qwen3VLConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+        """One packed row of 100 tokens: 40 with two images (4x4 and 2x4 patches), 24 of text, 36 with one (4x2)."""
+        from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+
+        shapes = ((40, [(4, 4), (2, 4)]), (24, []), (36, [(4, 2)]))
+        samples = [qwen3_vl_sample(config, n, grids, seed=seed * 3 + i) for i, (n, grids) in enumerate(shapes)]
+        return qwen3_vl_batch([samples], seq_len=sum(n for n, _ in shapes), packing=True)
+
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> PretrainedConfig:
         """A config of the kit's `config_class` from `tiny_text_config` and `tiny_vision_config`, for tests and
         examples (fp32, untied lm_head; ~0.2M parameters for Qwen3-VL).
