@@ -127,8 +127,8 @@ HELPERS = {
     **{
         f"tools/bench/_gpu_check/{name}.py": "imported by tools/bench/gpu_check.py: its sections and their helpers"
         for name in (
-            "__init__", "attention", "bf16_parity", "common", "compile", "context", "large_model", "memory_plan",
-            "moe_experts",
+            "__init__", "attention", "bf16_parity", "common", "compile", "context", "gated_deltanet", "large_model",
+            "memory_plan", "moe_experts",
         )
     },
 }

@@ -4,7 +4,7 @@ Both compute the Gated DeltaNet's delta rule (l2-normalised q/k, chunk 64, fp32 
 `--tokens` tokens cut into `--samples` samples of equal length, forward + backward (the gradients of q, k, v, g,
 β), from zero states:
 
-    ours  mmfsdp.model.gated_deltanet.chunk_gated_delta_rule_packed over the whole row, with the micro-batch's
+    ours  mmfsdp.model.gated_delta_rule.chunk_gated_delta_rule_packed over the whole row, with the micro-batch's
           `SegmentPlan` (made once, as the training forward does, outside the timed region)
     hf    transformers' `torch_chunk_gated_delta_rule` (what HF's Qwen3.5 layer runs without fla) on each sample
           alone: HF's fallback ignores sample boundaries, so per sample is how it computes a packed row exactly
@@ -32,7 +32,7 @@ import time
 import torch
 from _smoke import parse_args
 
-from mmfsdp.model.gated_deltanet import SegmentPlan, chunk_gated_delta_rule_packed
+from mmfsdp.model.gated_delta_rule import SegmentPlan, chunk_gated_delta_rule_packed
 from mmfsdp.parallel.device import synchronize
 from mmfsdp.parallel.tensor_memory import TensorMemory
 

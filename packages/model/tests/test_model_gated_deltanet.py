@@ -212,6 +212,7 @@ def test_moe_twin_module_is_exact_too():
 def test_fla_call_plumbing(monkeypatch):
     """The fla path's arguments (one row, `cu_seqlens`, per-sample initial state), checked on the CPU with a
     stand-in that has fla's signature; fla's kernel itself runs only on CUDA and is not tested here."""
+    import mmfsdp.model.gated_delta_rule as rule
     import mmfsdp.model.gated_deltanet as gdn
 
     calls = []
@@ -230,7 +231,7 @@ def test_fla_call_plumbing(monkeypatch):
     hidden = torch.randn(1, sum(lengths), 32)
     with torch.no_grad():
         want = hf_per_sample(module, hidden, lengths)
-        monkeypatch.setattr(gdn, "_fla_chunk", lambda: fake_fla)
+        monkeypatch.setattr(rule, "_fla_chunk", lambda: fake_fla)
         monkeypatch.setattr(gdn, "_fla_applies", lambda q, kernel: kernel != "torch")
         got = gated_deltanet_forward(module, hidden, cu_seq_lens=[0, 3, 73, 93])
     assert calls == [[0, 3, 73, 93]]
@@ -271,7 +272,7 @@ def test_packed_layer_equals_its_own_per_sample_runs(lengths):
 
 
 def test_kernel_choice_says_what_runs_and_why(monkeypatch):
-    import mmfsdp.model.gated_deltanet as gdn
+    import mmfsdp.model.gated_delta_rule as gdn
 
     assert gdn.resolve_gdn_kernel("torch", "cuda") == ("torch", "model.gdn_kernel: torch")
     runs, why = gdn.resolve_gdn_kernel("fla", "cpu")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def section_gated_deltanet(ctx: Context) -> dict[str, Any]:
     import torch
 
-    from mmfsdp.model.gated_deltanet import (
+    from mmfsdp.model.gated_delta_rule import (
         SegmentPlan,
         _fla_chunk,
         _fla_gated_delta_rule,

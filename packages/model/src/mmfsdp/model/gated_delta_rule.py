@@ -1,0 +1,339 @@
+"""The packed chunked gated delta rule and the packed causal convolution: the Gated DeltaNet's kernels over
+samples laid end to end (`cu_seq_lens`), each sample's state starting from zero (or its given initial state).
+
+`chunk_gated_delta_rule_packed` runs the delta rule of every sample of one packed row in chunks of `CHUNK` tokens
+(the WY transform of HF / fla over segments with a per-segment initial state and final state), from a
+`SegmentPlan` made once per micro-batch on the host; `resolve_gdn_kernel` says which implementation runs
+(`model.gdn_kernel`: this torch operator, or fla's Triton kernel on CUDA); `packed_causal_conv1d` is the causal
+convolution that sees no input of the previous sample. The layer that uses them, its context-parallel paths and
+its micro-batch plan are `mmfsdp.model.gated_deltanet`.
+
+Shape legend: T tokens, Hk key heads, Hv value heads, dk/dv head dims, C conv channels, K conv kernel,
+N samples/segments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+__all__ = [
+    "CHUNK",
+    "GDN_KERNELS",
+    "SegmentPlan",
+    "chunk_gated_delta_rule_packed",
+    "packed_causal_conv1d",
+    "resolve_gdn_kernel",
+]
+
+CHUNK = 64
+_L2_EPS = 1e-6
+GDN_KERNELS = ("auto", "torch", "fla")
+"""The chunked delta rule's implementations: "torch" (this module), "fla" (fla's Triton kernel, CUDA), "auto" (fla
+where it can run, else torch)."""
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - any import failure means: no fla kernel
+        return None
+    return chunk_gated_delta_rule
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convolution
+
+
+def _conv_indices(seg_starts: Sequence[int], seg_lens: Sequence[int], K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host index tensors of `packed_causal_conv1d`: the rows of `[tokens; halos]` in extended order (each segment's
+    halo, then its tokens) and, of the convolution's outputs, those of the tokens."""
+    T, n_seg = int(sum(seg_lens)), len(seg_starts)
+    starts = torch.tensor(list(seg_starts), dtype=torch.long)
+    lens = torch.tensor(list(seg_lens), dtype=torch.long)
+    ext_lens = lens + K - 1
+    seg_of_ext = torch.repeat_interleave(torch.arange(n_seg), ext_lens, output_size=T + n_seg * (K - 1))
+    ext_starts = torch.cumsum(ext_lens, 0) - ext_lens
+    pos = torch.arange(seg_of_ext.numel()) - ext_starts[seg_of_ext] - (K - 1)  # < 0: halo row
+    is_tok = pos >= 0
+    index = torch.where(is_tok, starts[seg_of_ext] + pos, T + seg_of_ext * (K - 1) + pos + (K - 1))
+    # output j covers ext rows j .. j+K-1, i.e. the token at ext row j+K-1
+    keep = torch.arange(seg_of_ext.numel())[is_tok] - (K - 1)
+    return index, keep
+
+
+def packed_causal_conv1d(
+    x_TC: torch.Tensor,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    activation: str | None,
+    seg_starts: Sequence[int],
+    seg_lens: Sequence[int],
+    halo_NKC: torch.Tensor | None = None,
+    *,
+    plan: SegmentPlan | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv of `x_TC` over contiguous segments covering `[0, T)`.
+
+    Segment n sees, before its first token, `halo_NKC[n]` (`K − 1` inputs, oldest first;
+    zeros when None), never the tokens of the segment before it. Returns `[T, C]`.
+    `plan`: the segments' index tensors on `x_TC`'s device (`SegmentPlan`); without one they are built here.
+    """
+    C = x_TC.size(1)
+    K = weight_CK.size(-1)
+    if plan is None:
+        plan = SegmentPlan(seg_starts, seg_lens, K, x_TC.device)
+    assert plan.conv_kernel == K and plan.lens == tuple(seg_lens), "the plan is of other segments"
+    if halo_NKC is None:
+        halo_NKC = x_TC.new_zeros(len(seg_starts), K - 1, C)
+    # source rows: the tokens, then the halos; ext = for each segment, its halo then its tokens
+    src = torch.cat([x_TC, halo_NKC.reshape(-1, C).to(x_TC.dtype)])
+    ext = src.index_select(0, plan.conv_index)  # [E, C]
+    out = F.conv1d(ext.t().unsqueeze(0).to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)[0]
+    out = out.index_select(1, plan.conv_keep).t().contiguous()
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x_TC.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chunked gated delta rule
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32 and narrower inputs (as HF and fla), fp64 for fp64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
+
+
+class _ToSlots(torch.autograd.Function):
+    """Rows `[T, ...]` → slots `[n_slots, ...]`: row t to slot `inverse[t]` (distinct slots), zeros elsewhere. One
+    allocation and a scatter; the backward is the gather `_FromSlots` (no padded copy of the rows either way)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, inverse: torch.Tensor, n_slots: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.new_zeros(n_slots, *x.shape[1:]).index_copy_(0, inverse, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _FromSlots.apply(grad, inverse), None, None
+
+
+class _FromSlots(torch.autograd.Function):
+    """Slots → rows: `x[inverse]`; the backward scatters back into zeroed slots (`_ToSlots`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.n_slots = x.size(0)
+        return x.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _ToSlots.apply(grad, inverse, ctx.n_slots), None
+
+
+def _chunk_plan(seg_lens: Sequence[int], chunk: int):
+    """Step-major order of all chunks: step j holds chunk j of the segments with more than j chunks (longest first)."""
+    n_chunks = [max(1, math.ceil(n / chunk)) for n in seg_lens]
+    order = sorted(range(len(seg_lens)), key=lambda s: (-n_chunks[s], s))
+    counts = [sum(1 for n in n_chunks if n > j) for j in range(max(n_chunks, default=0))]
+    chunk_seg = [order[i] for j, n in enumerate(counts) for i in range(n)]
+    chunk_j = [j for j, n in enumerate(counts) for _ in range(n)]
+    return order, counts, chunk_seg, chunk_j
+
+
+def _chunk_indices(seg_starts: Sequence[int], seg_lens: Sequence[int], chunk: int) -> dict[str, Any]:
+    """Host side of `chunk_gated_delta_rule_packed`'s regrouping: the (chunk, position) slot of every token, the
+    scan order of the segments, the segments per scan step, and where each segment's final state lands in the
+    scan's output."""
+    T, n_seg = int(sum(seg_lens)), len(seg_starts)
+    order, counts, chunk_seg, chunk_j = _chunk_plan(seg_lens, chunk)
+    cs = torch.tensor(chunk_seg, dtype=torch.long)
+    cj = torch.tensor(chunk_j, dtype=torch.long)
+    starts = torch.tensor(list(seg_starts), dtype=torch.long)
+    lens = torch.tensor(list(seg_lens), dtype=torch.long)
+    within = cj[:, None] * chunk + torch.arange(chunk)[None, :]
+    valid = within < lens[cs][:, None]
+    index = torch.where(valid, starts[cs][:, None] + within, T).reshape(-1)
+    slot = torch.arange(valid.numel())[valid.reshape(-1)]
+    inverse = torch.empty(T, dtype=torch.long)
+    inverse[index[slot]] = slot
+    # the scan's step j ends the segments order[n_{j+1}:n_j]
+    seg_of_final = [s for j, n in enumerate(counts) for s in order[(counts[j + 1] if j + 1 < len(counts) else 0) : n]]
+    where = torch.empty(n_seg, dtype=torch.long)
+    where[torch.tensor(seg_of_final, dtype=torch.long)] = torch.arange(n_seg)
+    return dict(
+        counts=counts,
+        n_chunks=len(chunk_seg),
+        chunk_inverse=inverse,
+        order=torch.tensor(order, dtype=torch.long),
+        final_where=where,
+    )
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: from pinned memory, without waiting for the copy, on an accelerator."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class SegmentPlan:
+    """Every index tensor the Gated DeltaNet needs for the segments of one flattened sequence, made on the host from
+    their host bounds and moved to `device` once (pinned, non-blocking): the convolution's regrouping (`conv_index`,
+    `conv_keep`), the chunked rule's (`chunk_inverse`, `order`, `final_where`; the segments per scan
+    step, `counts`, stay on the host) and fla's `cu_seqlens` (int64). The layers of a micro-batch share one (built
+    by `mmfsdp.model.batch_plan` before the forward); a call without one builds its own."""
+
+    def __init__(
+        self, seg_starts: Sequence[int], seg_lens: Sequence[int], conv_kernel: int, device: torch.device,
+        *, chunk: int = CHUNK,
+    ):
+        self.starts, self.lens = tuple(int(x) for x in seg_starts), tuple(int(x) for x in seg_lens)
+        self.conv_kernel, self.chunk = conv_kernel, chunk
+        host = _chunk_indices(self.starts, self.lens, chunk)
+        self.counts: list[int] = host.pop("counts")
+        self.n_chunks: int = host.pop("n_chunks")
+        host["conv_index"], host["conv_keep"] = _conv_indices(self.starts, self.lens, conv_kernel)
+        host["cu_seqlens"] = torch.tensor([*self.starts, self.starts[-1] + self.lens[-1]], dtype=torch.long)
+        for name, tensor in host.items():
+            setattr(self, name, upload(tensor, device))
+
+
+def chunk_gated_delta_rule_packed(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    seg_starts: Sequence[int],
+    seg_lens: Sequence[int],
+    initial_state_NHKV: torch.Tensor | None = None,
+    *,
+    use_qk_l2norm: bool = True,
+    chunk: int = CHUNK,
+    entering: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    plan: SegmentPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over contiguous segments of one packed sequence, each from its own initial state.
+
+    `q/k`: `[T, Hk, dk]`, `v`: `[T, Hv, dv]` (value head h reads key head h // (Hv/Hk)), `g`, `beta`: `[T, Hv]`.
+    Returns the outputs `[T, Hv, dv]` and every segment's final state `[N, Hv, dk, dv]`, in fp32 (fp64 for fp64
+    inputs).
+
+    `entering` (ring CP): called with the final states, returns every segment's true entering state
+    `[N, Hv, dk, dv']`; then `v` carries `dv'` value columns and `dk` more whose outputs are `A_tᵀ q_t`
+    (values zero, initial state `[0 | I]`), and the outputs returned are the first `dv'` columns plus
+    `S_inᵀ A_tᵀ q_t` (chunk by chunk, batched like the scan).
+
+    `plan`: the segments' index tensors on the inputs' device (`SegmentPlan`); without one they are built here.
+    """
+    T, Hk, dk = q_THK.shape
+    Hv, dv = v_THV.shape[1:]
+    if Hv != Hk:
+        q_THK = q_THK.repeat_interleave(Hv // Hk, dim=1)
+        k_THK = k_THK.repeat_interleave(Hv // Hk, dim=1)
+    dtype = _compute_dtype(v_THV)
+    q, k, v, g, beta = (x.to(dtype) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * dk**-0.5
+    device = q.device
+    n_seg = len(seg_starts)
+    if plan is None:
+        plan = SegmentPlan(seg_starts, seg_lens, 1, device, chunk=chunk)
+    assert plan.chunk == chunk and plan.lens == tuple(seg_lens), "the plan is of other segments"
+    counts, n_chunks, inverse = plan.counts, plan.n_chunks, plan.chunk_inverse
+
+    def grid(x):  # [T, H, ...] → [n_chunks, H, chunk, ...]
+        out = _ToSlots.apply(x, inverse, n_chunks * chunk).reshape(n_chunks, chunk, *x.shape[1:])
+        return out.transpose(1, 2)
+
+    q, k, v, g, beta = grid(q), grid(k), grid(v), grid(g), grid(beta)
+    # intra-chunk (all chunks at once)
+    cum = g.cumsum(-1)  # [n, H, c]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    # scan over chunk steps, batched over the segments still running
+    if initial_state_NHKV is None:
+        state = q.new_zeros(n_seg, Hv, dk, dv)
+    else:
+        state = initial_state_NHKV.to(dtype).index_select(0, plan.order)
+    outs, finals = [], []
+    # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
+    # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
+    per_step = zip(counts, *(x.split(counts) for x in (u, w, q_dec, intra, k_dec, chunk_decay)))
+    for j, (n, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j) in enumerate(per_step):
+        state = state[:n]
+        v_new = u_j - w_j @ state
+        outs.append(q_dec_j @ state + intra_j @ v_new)
+        state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
+        n_next = counts[j + 1] if j + 1 < len(counts) else 0
+        finals.append(state[n_next:])
+    finals = torch.cat(finals).index_select(0, plan.final_where)
+    if entering is not None:
+        dv = dv - dk
+        state_in = entering(finals).index_select(0, plan.order)  # sorted like the scan
+        for j, n in enumerate(counts):
+            outs[j] = outs[j][..., :dv] + outs[j][..., dv:] @ state_in[:n]
+    out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
+    return _FromSlots.apply(out, inverse), finals
+
+
+def _fla_applies(q: torch.Tensor, kernel: str) -> bool:
+    return kernel != "torch" and q.is_cuda and _fla_chunk() is not None
+
+
+def resolve_gdn_kernel(kernel: str, device_type: str) -> tuple[str, str]:
+    """The implementation that runs for `model.gdn_kernel: kernel` on `device_type` ("fla" or "torch") and why.
+    Under ring context parallel the torch path runs whatever this says (the ring chains the chunks' states)."""
+    if kernel not in GDN_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(GDN_KERNELS)}, got {kernel!r}")
+    if kernel == "torch":
+        return "torch", "model.gdn_kernel: torch"
+    if device_type != "cuda":
+        return "torch", f"fla's Triton kernels run on CUDA only, this is {device_type}"
+    if _fla_chunk() is None:
+        return "torch", "fla is not installed (the `fla` extra of mmfsdp-model: flash-linear-attention)"
+    return "fla", f"model.gdn_kernel: {kernel}, fla is installed"
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
+    """fla's chunk kernel over whole samples (CUDA; `cu_seqlens` int64 on the device): same contract as
+    `chunk_gated_delta_rule_packed`."""
+    fla_chunk = _fla_chunk()
+    Hk, Hv = q.size(1), v.size(1)
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+    out, final = fla_chunk(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.float().unsqueeze(0),
+        beta.unsqueeze(0),
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[0].float(), final.float()
