@@ -36,6 +36,7 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_config_error_under_the_apps_launcher_is_printed_once(tmp_path):
     proc = subprocess.run(apprun.command(TINY, {"bad.key": 1, "training.output_dir": tmp_path / "out"}),
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

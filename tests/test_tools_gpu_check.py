@@ -1,13 +1,14 @@
 """tools/bench/gpu_check.py --cpu: every section runs on the CPU at tiny sizes (the same code paths the GPU run
-takes), the process exits 0 and its last stdout line is the JSON object with every section's key."""
+takes), the process exits 0 and its last stdout line is the JSON object with every section's key. The script runs
+as `python SCRIPT --cpu` would, in a process forked with its imports done (`tests/toolrun.py`)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "bench" / "gpu_check.py"
@@ -17,9 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def summary():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=580,
-                         cwd=ROOT, env=env)
+    run = run_tool(SCRIPT, ["--cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=580)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -60,9 +59,7 @@ def test_gated_deltanet_section_is_skipped_on_the_cpu_with_the_reason(summary):
 
 
 def _run(*args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env=env)
+    run = run_tool(SCRIPT, ["--cpu", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

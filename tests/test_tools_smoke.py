@@ -1,9 +1,10 @@
 """Every script under tools/ runs in CI, in its smallest mode.
 
 `SMOKE` names each script's smallest command: a bench script's `--smoke` (the same code as its full run at tiny
-sizes, 2 processes where it spawns ranks), the others on tiny generated inputs. Each runs as a subprocess from the
-repository root with one thread; it must exit 0 and print one JSON line last holding the listed keys with values of
-the listed types. A new script under tools/ fails `test_every_tool_has_a_smoke_case` until it is given a row here
+sizes, 2 processes where it spawns ranks), the others on tiny generated inputs. Each runs as `python SCRIPT ARGS`
+from the repository root with one thread, in its own process forked with torch and transformers already imported
+(`tests/toolrun.py`); it must exit 0 and print one JSON line last holding the listed keys with values of the listed
+types. A new script under tools/ fails `test_every_tool_has_a_smoke_case` until it is given a row here
 (or is listed as an imported helper, or as covered by a named test elsewhere). The vision-attention probe keeps its
 own checks: its CPU backends agree with the reference, and it catches a backend that attends across images.
 """
@@ -15,11 +16,12 @@ import json
 import math
 import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from toolrun import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = (int, float)
@@ -207,17 +209,16 @@ def _check_types(result: dict, keys: dict) -> None:
         assert kind is not NUMBER or math.isfinite(value), f"{key}: {value!r}"
 
 
-@pytest.mark.slow  # ~150 CPU-seconds in all, mostly torch and transformers imports; ~50 in train_throughput
+@pytest.mark.slow  # ~200 CPU-seconds in all (forked: no imports each); ~50 in train_throughput
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_smoke(script, tmp_path):
     args, keys = SMOKE[script]
     if script in INPUTS:
         INPUTS[script](tmp_path)
-    command = [sys.executable, script, *(arg.format(tmp=tmp_path) for arg in args)]
-    run = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=TIMEOUT_S)
+    run = run_tool(script, [arg.format(tmp=tmp_path) for arg in args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   timeout=TIMEOUT_S)
     output = f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
-    assert run.returncode == 0, f"{' '.join(command)} exited {run.returncode}:\n{output}"
+    assert run.returncode == 0, f"{' '.join(run.args)} exited {run.returncode}:\n{output}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     _check_types(result, keys)
     if script in CHECKS:

@@ -1,7 +1,7 @@
 """Peak memory and rows/s of dataset preparation (`mm-data stats`' path) at two sizes: memory must not grow with rows.
 
     uv run python tools/bench/data_prep.py [--rows 100000 1000000] [--work-dir DIR]
-    uv run python tools/bench/data_prep.py --smoke     # the smallest run (CI): 2,000 and 20,000 rows
+    uv run python tools/bench/data_prep.py --smoke     # the smallest run (CI): 500 and 2,000 rows
 
 Writes the tiny Mistral processor (`examples/tiny/assets`' kind: the synthetic words, Pixtral image settings), four
 small shared PNGs and, per size, a JSONL file of the project's row format (`messages` + `images`): 40 % text-only
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs=2, default=[100_000, 1_000_000], help="the two sizes (rows)")
     parser.add_argument("--work-dir", default=None, help="where inputs and caches go (default: a temporary directory)")
     parser.add_argument("--child", nargs=3, metavar=("WORK", "FILE", "ROWS"), help=argparse.SUPPRESS)
-    args = parse_args(parser, argv, rows=[2_000, 20_000])
+    args = parse_args(parser, argv, rows=[500, 2_000])
     if args.child:
         work, data_file, num_rows = Path(args.child[0]), Path(args.child[1]), int(args.child[2])
         print(json.dumps(child(work, data_file, work / f"rows_{WARM_ROWS}.jsonl", num_rows)))

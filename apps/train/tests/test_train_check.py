@@ -138,6 +138,7 @@ def test_nan_float(capsys, tmp_path):
     assert "nan" in _only(capsys, tmp_path, "training.lr", "training.lr=.nan")
 
 
+@pytest.mark.slow  # the app as a subprocess
 def test_several_problems_reported_together(tmp_path):
     out = subprocess.run(
         [sys.executable, "apps/train", str(TINY), "model.freeze=[model.visual]", "--check", "training.adam_eps=0",
@@ -199,6 +200,7 @@ def test_eta_counts_the_steps_done_since_the_timer_started(tmp_path, monkeypatch
     assert resumed.eta_s(60) == pytest.approx(20.0 / 10 * 40)
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_gen_config_reference_help_and_check():
     script = ROOT / "tools" / "gen_config_reference.py"
     doc = ROOT / "docs" / "configuration.md"

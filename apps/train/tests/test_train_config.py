@@ -71,6 +71,7 @@ def test_meta_init_needs_a_load_path(tmp_path):
         load_config(_write(tmp_path, "training:\n  init_model_with_meta_device: true\n"))
 
 
+@pytest.mark.slow  # the app as a subprocess
 def test_cli_prints_one_line_and_no_traceback(tmp_path):
     bad = _write(tmp_path, "training:\n  micro_batch_sise: 2\n")
     proc = subprocess.run(

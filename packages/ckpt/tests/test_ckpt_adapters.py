@@ -306,6 +306,7 @@ def test_unknown_model_type_is_refused_by_the_cli(tmp_path, toy_adapters, capsys
     assert "no state-dict adapter for model id 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_console_script_finds_entry_points_in_a_fresh_process(tmp_path, toy_adapters):
     hf = _write(tmp_path / "hf", _moe_files(), {"model_type": "toy_moe"})
     script = Path(sys.executable).with_name("mm-convert")
@@ -324,6 +325,7 @@ def test_console_script_finds_entry_points_in_a_fresh_process(tmp_path, toy_adap
     )
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_ckpt_names_no_model_family_and_imports_no_model_package():
     code = (
         "import sys, mmfsdp.ckpt, mmfsdp.ckpt.convert, mmfsdp.ckpt.cli; "

@@ -257,6 +257,7 @@ def test_help_documents_every_flag(capsys):
     assert {"--load_dir", "--save_dir", "--model_assets_dir", "--max_shard_size", "--force"} <= dcp_to_hf_flags
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_console_script_reports_errors_without_traceback(tmp_path):
     script = Path(sys.executable).with_name("mm-convert")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mmfsdp.ckpt.cli"]

@@ -267,7 +267,8 @@ def _video_lines(cfg: Config) -> list[str]:
 
 
 def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = None, *,
-                image_token_share: float = 1.0, _suggest: bool = True) -> MemoryPlan:
+                image_token_share: float = 1.0, _suggest: bool = True,
+                _meta: tuple[torch.nn.Module, ModelEntry] | None = None) -> MemoryPlan:
     """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json).
 
     `image_token_share` is the part of a micro-batch's tokens that are image tokens, which sets the vision
@@ -275,7 +276,7 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
     if not 0.0 <= image_token_share <= 1.0:
         raise ValueError(f"image_token_share must be within [0, 1], got {image_token_share}")
     mesh = check_world(cfg, world_size)
-    model, entry = _build_meta(cfg)
+    model, entry = _meta or _build_meta(cfg)
     shard = mesh.fully_shard
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -303,12 +304,15 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
         activations=activations, host=host, device_memory=device_memory_bytes, stage_terms=stage_terms,
     )
     if _suggest and plan.fits is False:
-        plan.suggestions = _suggestions(cfg, world_size, device_memory_bytes, image_token_share)
+        plan.suggestions = _suggestions(cfg, plan, image_token_share, (model, entry))
     return plan
 
 
-def _suggestions(cfg: Config, world_size: int, device_memory: int, image_token_share: float) -> list[str]:
-    """Single changes under which the plan fits `device_memory`, in the order a user would try them."""
+def _suggestions(cfg: Config, current: MemoryPlan, image_token_share: float,
+                 meta: tuple[torch.nn.Module, ModelEntry]) -> list[str]:
+    """Single changes under which `cfg`'s plan (`current`, with its meta model `meta`) fits its device memory, in the
+    order a user would try them. A change that leaves the model and its adapters as they are is planned on `meta`."""
+    world_size, device_memory = current.world_size, current.device_memory
     p, f, t = cfg.parallel, cfg.features, cfg.training
     layers = [f"{(cfg.parallel.recompute_plan.apply_modules or ['model.language_model.layers.{*}'])[0]}"]
     candidates: list[tuple[str, Config, int]] = [
@@ -332,11 +336,12 @@ def _suggestions(cfg: Config, world_size: int, device_memory: int, image_token_s
     for text, changed, size in candidates:
         if changed is cfg and size == world_size:
             continue
+        same_model = changed.model is cfg.model and changed.training.lora is cfg.training.lora
         try:
-            plan = memory_plan(changed, size, device_memory, image_token_share=image_token_share, _suggest=False)
+            plan = memory_plan(changed, size, device_memory, image_token_share=image_token_share, _suggest=False,
+                               _meta=meta if same_model else None)
         except Exception:  # a change the mesh rules out (e.g. CP sizes) is simply not suggested
             continue
-        current = memory_plan(cfg, world_size, device_memory, image_token_share=image_token_share, _suggest=False)
         if plan.fits and plan.total < current.total:
             fitting.append(f"{text} ({plan.total / GiB:.1f} GiB)")
     return fitting

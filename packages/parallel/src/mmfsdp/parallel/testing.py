@@ -40,7 +40,10 @@ import sys
 import traceback
 from typing import Any, Callable
 
-__all__ = ["run_distributed", "free_port", "preload_for_ranks", "record_margin", "assert_within", "MARGINS_ENV"]
+__all__ = [
+    "run_distributed", "free_port", "preload_for_ranks", "forkserver_context", "record_margin", "assert_within",
+    "MARGINS_ENV",
+]
 
 MARGINS_ENV = "MMFSDP_RECORD_MARGINS"
 """A JSON-lines file each `record_margin` appends `{"test", "what", "diff", "tol"}` to; unset: nothing recorded."""
@@ -97,7 +100,8 @@ def preload_for_ranks(*modules: str) -> None:
     _PRELOAD.extend(module for module in modules if module not in _PRELOAD)
 
 
-def _context() -> mp.context.BaseContext:
+def forkserver_context() -> mp.context.BaseContext:
+    """The multiprocessing context whose forkserver has imported `_PRELOAD` (one per process, started on first use)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process first starts its forkserver
     return ctx
@@ -138,7 +142,7 @@ def run_distributed(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's value."""
-    ctx = _context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
     path = fn.__code__.co_filename

@@ -1,0 +1,74 @@
+"""Run a script under tools/ as `python SCRIPT ARGS` runs it, without starting an interpreter for it.
+
+`run_tool(script, args)` forks the script's process from the forkserver that `run_distributed`'s ranks fork from
+(`mmfsdp.parallel.testing.forkserver_context`: it has imported torch, transformers, the families, data and ckpt
+once per test process, conftest.py), and runs the file there as `__main__` (`runpy.run_path`) with `sys.argv`,
+`sys.path[0]` (the script's directory), the working directory and the environment a fresh `python SCRIPT` would
+have. The process is the script's own: its exit status (`SystemExit`, or 1 for an uncaught exception with the
+traceback on stderr), its stdout and stderr (at the descriptor level, so its own subprocesses' output too), its
+atexit handlers; what it spawns (ranks through `run_distributed`, subprocesses) it spawns as before. What this
+saves is the interpreter start and the imports: about 4-8 CPU-seconds per run on the 2-core machine.
+
+Imported by the tests as `toolrun` (the `tests` directory is on pytest's `pythonpath`, which the forked process
+inherits, so it can unpickle `_run_script`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
+    """The forked process: descriptors 1 and 2 to the files, then the script as `__main__`."""
+    import atexit
+    import runpy
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing ends its processes with os._exit, which skips them
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_tool(script: str | Path, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
+             cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`script` (a path, relative to `cwd` or absolute) with `args`, as a `subprocess.run(..., capture_output=True,
+    text=True)` would give it; `env` defaults to this process's environment. A run past `timeout` is killed and
+    raises `subprocess.TimeoutExpired`, as `subprocess.run` does."""
+    from mmfsdp.parallel.testing import forkserver_context
+
+    path = str(Path(cwd, script).resolve())
+    command = [sys.executable, str(script), *args]
+    with tempfile.TemporaryDirectory(prefix="toolrun_") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        process = forkserver_context().Process(
+            target=_run_script,
+            args=(path, list(args), str(cwd), dict(os.environ if env is None else env), str(out), str(err)),
+            daemon=False,  # the script may start processes of its own
+        )
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(command, timeout, out.read_bytes(), err.read_bytes())
+        return subprocess.CompletedProcess(command, process.exitcode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
