@@ -149,6 +149,7 @@ class GRPOObjective(Objective):
         self._suppressed = torch.tensor(self.sampling.suppress_token_ids, dtype=torch.long, device=self.device)
         self.rewards = build_rewards(self._reward_specs(self.g), key="training.grpo.reward_funcs",
                                      num_workers=self.g.reward_workers)
+        self.reward_names = [_metric_name(name) for name in self.rewards.names]
         self._plans: list[_Plan] = []
         self._stats: dict[str, torch.Tensor] = {}
         self._num_sequences = torch.ones((), device=self.device)
@@ -285,7 +286,7 @@ class GRPOObjective(Objective):
             "completions/max_length": lengths.max(),
             "completions/clipped_ratio": truncated.mean(),
         }
-        for name, values in zip(self.rewards.names, functions):
+        for name, values in zip(self.reward_names, functions):
             stats[f"rewards/{name}/mean"] = values.mean()
             stats[f"rewards/{name}/std"] = values.std() if values.numel() > 1 else values.new_zeros(())
         return {k: v.float().to(self.device) for k, v in stats.items()}
@@ -340,7 +341,14 @@ class GRPOObjective(Objective):
                 f.write(json.dumps({
                     "step": self.step, "prompt_index": item["prompt_index"], "prompt": item["prompt_text"],
                     "completion": text, "solution": item["solution"], "reward": float(totals[k]),
-                    **{f"rewards/{name}": float(per_function[f, k]) for f, name in enumerate(self.rewards.names)},
+                    **{f"rewards/{name}": float(per_function[f, k]) for f, name in enumerate(self.reward_names)},
                     "advantage": float(advantages[k]),
                 }) + "\n")
 
+
+
+def _metric_name(name: str) -> str:
+    """A reward function's name in the metrics: a user function's own name (`file.py:fn` -> `fn`, TRL's
+    `__name__`), a registered one's name."""
+    path, _, function = name.rpartition(":")
+    return function if path.endswith(".py") else name
