@@ -99,6 +99,9 @@ class GRPOObjective(Objective):
         for key, on, what in refused:
             if on:
                 raise ConfigError(key, f"{what} is not done yet for training.stage: grpo")
+        if cfg.data.dataset_param.attr.ranking:
+            raise ConfigError("data.dataset_param.attr.ranking", "grpo reads prompts (attr.prompt_only), not pairs; "
+                                                                 "set it false")
         if cfg.data.dataset_param.preprocess_parameters.train_on_prompt:
             raise ConfigError("data.dataset_param.preprocess_parameters.train_on_prompt",
                               "grpo trains on completions only; set it false")
