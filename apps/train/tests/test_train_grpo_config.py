@@ -58,3 +58,12 @@ def test_prompts_and_pairs_exclude_each_other():
     with pytest.raises(ConfigError) as err:
         _cfg("data.dataset_param.attr.ranking=true")
     assert err.value.key == "data.dataset_param.attr.ranking"
+
+
+def test_memory_plan_counts_a_frozen_reference_only_with_beta():
+    from mmfsdp.train.memory import memory_plan
+
+    lora = ["training.lora.enable=true", "training.lora.target_modules=[q_proj]"]
+    runs = ([], ["training.grpo.beta=0.04"], ["training.grpo.beta=0.04", *lora])
+    names = [[term.name for term in memory_plan(_cfg(*extra), 2, 64 * 2**30).stage_terms] for extra in runs]
+    assert names == [[], ["reference"], []]

@@ -72,14 +72,16 @@ def test_prompt_tokens_are_the_sft_encoding_before_the_answer(template, option, 
         assert want["labels"][n] != IGNORE_INDEX and all(label == IGNORE_INDEX for label in want["labels"][n - 3 : n])
         assert out["solution"] == '"a red circle"' and out["prompt_text"] == "<image>What shape is this?"
         assert out["image_grids"] == want["image_grids"] and out["images"] == [image]
-    assert encoder.answer_end_ids()[0] == want["input_ids"][max(i for i, x in enumerate(want["labels"]) if x != IGNORE_INDEX)]
+    last_trained = max(i for i, label in enumerate(want["labels"]) if label != IGNORE_INDEX)
+    assert encoder.answer_end_ids() == [want["input_ids"][last_trained]]
 
 
 def test_prompt_dataset_and_loader(qwen_processor, tmp_path, h):
     h.write_image(tmp_path / "a.png", 40, 70, seed=1)
     rows = [
         {"messages": [{"role": "user", "content": "<image>What shape?"}], "images": ["a.png"], "solution": "circle"},
-        {"messages": [{"role": "user", "content": "What colour is a banana?"}, {"role": "assistant", "content": "yellow"}]},
+        {"messages": [{"role": "user", "content": "What colour is a banana?"},
+                      {"role": "assistant", "content": "yellow"}]},
         {"messages": [{"role": "user", "content": "No truth here"}]},
     ]
     h.write_jsonl(tmp_path / "prompts.jsonl", rows)

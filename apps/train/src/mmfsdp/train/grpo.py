@@ -44,7 +44,8 @@ from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
 from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from mmfsdp.train.objective import Objective, ObjectiveContext
+from mmfsdp.parallel.dtypes import DTYPES
+from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, live_reference_kind
 
 __all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
@@ -109,6 +110,13 @@ class GRPOObjective(Objective):
             if isinstance(spec, dict) and "name" not in spec:
                 raise ConfigError(f"training.grpo.reward_funcs[{i}].name", "missing")
         build_rewards(cls._reward_specs(g), key="training.grpo.reward_funcs").close()
+
+    @classmethod
+    def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
+        if not cfg.training.grpo.beta or live_reference_kind(cfg.training) != "frozen":
+            return []  # no reference, or the policy's own weights
+        size = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
+        return [MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
 
     @staticmethod
     def _reward_specs(g) -> list[Any]:

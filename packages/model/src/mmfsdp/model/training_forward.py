@@ -312,8 +312,11 @@ class TrainingForwardMixin:
         kwargs.setdefault("use_cache", False)
         if (sequence_ids is None) != (num_sequences is None):
             raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
-        if per_token and (sequence_ids is not None or self.chunk_loss_size is not None or self._context_parallel is not None):
-            raise ValueError("per_token log-probabilities are not done yet with sequence_ids, chunk loss or context parallel")
+        if per_token and (sequence_ids is not None or self.chunk_loss_size is not None
+                          or self._context_parallel is not None):
+            raise ValueError(
+                "per_token log-probabilities are not done yet with sequence_ids, chunk loss or context parallel"
+            )
         cp_batch = None
         if self._context_parallel is not None:
             cp_batch = self._context_parallel.plan_training_batch(kwargs, cu_seq_lens)
