@@ -6,7 +6,8 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   log-probabilities of the same tokens on the same weights (`rollout/logprob_diff_max` <= 1e-5);
 - FSDP2 on 2 processes (one prompt per micro-batch and rank, the same global batch) gives the 1-process run's
   per-step loss, gradient norm, tokens and statistics within 1e-5: the completions are keyed by (seed, step, prompt
-  index, generation), not by the layout (`mmfsdp.model.rollout`).
+  index, generation), not by the layout (`mmfsdp.model.rollout`); with TRL's defaults (`dapo`, group std), and with
+  the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -81,10 +82,19 @@ def _first_weights(trainer):
     return full_tensor(next(p for p in trainer.model.parameters() if p.requires_grad)).detach().clone()
 
 
+VARIANTS = {  # the KL to a frozen FSDP2 reference, the batch std (gathered over ranks), GSPO, per-sequence means
+    "training.grpo.beta": 0.04,
+    "training.grpo.scale_rewards": "batch",
+    "training.grpo.importance_sampling_level": "sequence",
+    "training.grpo.loss_type": "grpo",
+}
 CASES = [
     Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
          probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_variants_ref", 1, QWEN, {**BASE, **VARIANTS}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_variants_fsdp2", 2, QWEN, {**BASE, **VARIANTS, "training.micro_batch_size": 1}, "grpo_variants_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
 ]
 
 
@@ -108,12 +118,14 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_grpo_fsdp2_matches_one_process(tmp_path_factory):
+@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2"])
+def test_grpo_fsdp2_matches_one_process(tmp_path_factory, name):
     """The loss is compared in absolute terms: with `num_iterations: 1` its value is Σ −A·n / N over advantages that
     sum to 0 within each group (completions of equal length give exactly 0), rounding noise on terms of size 1;
     the gradient norm, tokens and statistics are compared as the other parity tests do."""
-    results = run_cases(CASES, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))
-    case = CASES[1]
+    case = next(c for c in CASES if c.name == name)
+    cases = [c for c in CASES if c.name in (name, case.reference)]
+    results = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))
     got_run, ref_run = results[case.name], results[case.reference]
     assert got_run["layout"]["world"] == 2 and got_run["layout"]["dp"] == 2
     assert len(got_run["steps"]) == len(ref_run["steps"]) == 3
@@ -122,6 +134,7 @@ def test_grpo_fsdp2_matches_one_process(tmp_path_factory):
     ):
         assert tokens == ref_tokens, f"step {step}: {tokens} tokens vs {ref_tokens}"
         assert_within(abs(loss - ref_loss), case.tol, f"step {step} loss (absolute): {loss} vs {ref_loss}")
+        assert ref_norm > 0, f"step {step} trains nothing"
         assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
     got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
     for step, (ours, ref) in enumerate(zip(got, expected), start=1):

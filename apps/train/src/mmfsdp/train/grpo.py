@@ -170,6 +170,7 @@ class GRPOObjective(Objective):
         self._extremes = torch.zeros(len(POLICY_EXTREME_STATS), device=self.device)
         self._diff_max = torch.zeros((), device=self.device)
         self._names: tuple[str, ...] = ()
+        self._any_trained = True
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _media(self, item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -225,7 +226,9 @@ class GRPOObjective(Objective):
         mine = advantages[offset : offset + len(rollouts)]
         trains = torch.ones_like(all_truncated) if not self.g.mask_truncated_completions else 1 - all_truncated
         self._num_sequences = torch.tensor(float(all_totals.numel()), device=self.device)
-        self._num_tokens = torch.tensor(float((all_lengths * trains).sum()), device=self.device)
+        trained_tokens = float((all_lengths * trains).sum())
+        self._any_trained = trained_tokens > 0
+        self._num_tokens = torch.tensor(trained_tokens, device=self.device)
         self._num_batches = len(micro_batches) * self.dims.dp_size
         self._stats = self._reward_stats(all_totals, all_functions, all_lengths, all_truncated)
 
@@ -334,6 +337,8 @@ class GRPOObjective(Objective):
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []
         low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
+        if not self._any_trained and self.g.importance_sampling_level == "token":
+            low.fill_(float("nan")), high.fill_(float("nan"))  # no sequence with a trained token anywhere: TRL's NaN
         if self.dims.dp_size > 1:
             group = self.dims.dp_group
             reductions += [dist.all_reduce(self._policy, group=group, async_op=True),
