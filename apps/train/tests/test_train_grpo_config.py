@@ -67,3 +67,10 @@ def test_memory_plan_counts_a_frozen_reference_only_with_beta():
     runs = ([], ["training.grpo.beta=0.04"], ["training.grpo.beta=0.04", *lora])
     names = [[term.name for term in memory_plan(_cfg(*extra), 2, 64 * 2**30).stage_terms] for extra in runs]
     assert names == [[], ["reference"], []]
+
+
+def test_a_continued_adapter_has_no_live_reference_with_it(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _cfg("training.grpo.beta=0.04", "training.lora.enable=true", "training.lora.target_modules=[q_proj]",
+             f"training.lora.pretrained_lora_path={tmp_path}")
+    assert err.value.key == "training.grpo.beta"

@@ -25,7 +25,6 @@ from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.model import model_inputs, shift_labels
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, segment_sum, sequence_cross_entropy
 from mmfsdp.model.preference import PAIR_STATS, pair_losses, pair_objective
-from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import (
     LIVE_REFERENCES,
@@ -33,6 +32,7 @@ from mmfsdp.train.references import (
     LoraReference,
     ReferenceKind,
     adapters_disabled,
+    frozen_copy_bytes,
     live_reference_kind,
     sequence_logps,
 )
@@ -223,7 +223,7 @@ class PreferenceObjective(Objective):
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
         if cls.reference_kind(cfg.training) != "frozen":
             return []  # the policy's own weights, or a table of numbers
-        size = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
+        size = frozen_copy_bytes(cfg, model, shard_size)
         return [MemoryTerm("reference", "DPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
 
     @classmethod

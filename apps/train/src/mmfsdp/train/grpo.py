@@ -44,9 +44,8 @@ from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
 from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
-from mmfsdp.train.references import LIVE_REFERENCES, live_reference_kind
+from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
 
 __all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
 
@@ -106,6 +105,13 @@ class GRPOObjective(Objective):
         if cfg.data.dataset_param.preprocess_parameters.train_on_prompt:
             raise ConfigError("data.dataset_param.preprocess_parameters.train_on_prompt",
                               "grpo trains on completions only; set it false")
+        if g.beta and live_reference_kind(t) == "lora" and t.lora.pretrained_lora_path:
+            raise ConfigError(
+                "training.grpo.beta",
+                "a run that continues a trained adapter (training.lora.pretrained_lora_path) with LoRA has the base "
+                "model without that adapter as its live reference; a reference with the adapter is not done yet: set "
+                "beta: 0",
+            )
         for i, spec in enumerate(g.reward_funcs):
             if isinstance(spec, dict) and "name" not in spec:
                 raise ConfigError(f"training.grpo.reward_funcs[{i}].name", "missing")
@@ -115,7 +121,7 @@ class GRPOObjective(Objective):
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
         if not cfg.training.grpo.beta or live_reference_kind(cfg.training) != "frozen":
             return []  # no reference, or the policy's own weights
-        size = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
+        size = frozen_copy_bytes(cfg, model, shard_size)
         return [MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
 
     @staticmethod

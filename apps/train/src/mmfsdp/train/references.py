@@ -25,6 +25,7 @@ __all__ = [
     "LoraReference",
     "ReferenceKind",
     "adapters_disabled",
+    "frozen_copy_bytes",
     "live_reference_kind",
     "sequence_logps",
 ]
@@ -38,6 +39,14 @@ def live_reference_kind(training) -> ReferenceKind:
     """The live reference of a run of the `training` section (the one rule): with LoRA the policy with its adapters
     off, else a frozen copy of the initial model."""
     return "lora" if training.lora.enable else "frozen"
+
+
+def frozen_copy_bytes(cfg, model: torch.nn.Module, shard_size: int) -> int:
+    """Device bytes per rank of a `FrozenReference` of `model` (the policy on the meta device): its parameters in
+    `model.dtype`, sharded over `shard_size` ranks."""
+    from mmfsdp.parallel.dtypes import DTYPES
+
+    return sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
 
 
 def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
