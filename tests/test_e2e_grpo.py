@@ -7,7 +7,8 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
 - FSDP2 on 2 processes (one prompt per micro-batch and rank, the same global batch) gives the 1-process run's
   per-step loss, gradient norm, tokens and statistics within 1e-5: the completions are keyed by (seed, step, prompt
   index, generation), not by the layout (`mmfsdp.model.rollout`); with TRL's defaults (`dapo`, group std), and with
-  the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`.
+  the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`;
+- padded training micro-batches (`padding_free: false`) give the padding-free run's steps and statistics.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -92,6 +93,8 @@ CASES = [
     Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
          probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_padded", 1, QWEN, {**BASE, "data.dataloader_param.padding_free": "false"}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_variants_ref", 1, QWEN, {**BASE, **VARIANTS}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_variants_fsdp2", 2, QWEN, {**BASE, **VARIANTS, "training.micro_batch_size": 1}, "grpo_variants_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
@@ -118,8 +121,8 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2"])
-def test_grpo_fsdp2_matches_one_process(tmp_path_factory, name):
+@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2", "grpo_padded"])
+def test_grpo_layout_matches_one_process(tmp_path_factory, name):
     """The loss is compared in absolute terms: with `num_iterations: 1` its value is Σ −A·n / N over advantages that
     sum to 0 within each group (completions of equal length give exactly 0), rounding noise on terms of size 1;
     the gradient norm, tokens and statistics are compared as the other parity tests do."""
@@ -127,7 +130,7 @@ def test_grpo_fsdp2_matches_one_process(tmp_path_factory, name):
     cases = [c for c in CASES if c.name in (name, case.reference)]
     results = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))
     got_run, ref_run = results[case.name], results[case.reference]
-    assert got_run["layout"]["world"] == 2 and got_run["layout"]["dp"] == 2
+    assert all(got_run["layout"][key] == value for key, value in (case.layout or {}).items())
     assert len(got_run["steps"]) == len(ref_run["steps"]) == 3
     for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(
         zip(got_run["steps"], ref_run["steps"]), start=1
