@@ -19,13 +19,13 @@ from mmfsdp.train.stages import STAGE_NAMES, STAGES, objective_class
 
 
 def test_training_stage_accepts_the_registered_names():
-    assert get_args(get_type_hints(TrainingConfig)["stage"]) == STAGE_NAMES == ("sft", "dpo")
+    assert get_args(get_type_hints(TrainingConfig)["stage"]) == STAGE_NAMES == ("sft", "dpo", "grpo")
     assert TrainingConfig().stage == STAGE_NAMES[0]
     for name, cls in STAGES.items():
         assert issubclass(cls, Objective) and cls.stage == name and objective_class(name) is cls
     with pytest.raises(ConfigError) as err:
         objective_class("ppo")
-    assert err.value.key == "training.stage" and "'sft', 'dpo'" in str(err.value)
+    assert err.value.key == "training.stage" and "'sft', 'dpo', 'grpo'" in str(err.value)
 
 
 def _training(precompute: bool, lora: bool, pretrained: str | None = None):

@@ -6,18 +6,17 @@ rejected_0, chosen_1, ...), whole on every CP rank; the reference's log-probabil
 from a reference, chosen by one rule (`PreferenceObjective.reference_kind`): `PrecomputedReference`
 (`training.dpo.precompute_ref_logps`, computed once before the first step and saved to
 `<output_dir>/ref_logps.safetensors`), else `LoraReference` (the policy with its adapters switched off), else
-`FrozenReference` (a frozen copy of the initial model sharded like the policy). `PairRewards` are its held-out
-metrics. The module docstring of `mmfsdp.train.objective` says how a stage's objective is called.
+`FrozenReference` (a frozen copy of the initial model sharded like the policy; the live references and their rule
+are `mmfsdp.train.references`, shared with GRPO). `PairRewards` are its held-out metrics. The module docstring of `mmfsdp.train.objective` says how a stage's objective is called.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +25,17 @@ from mmfsdp.config import ConfigError, get_logger
 from mmfsdp.model import model_inputs, shift_labels
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, segment_sum, sequence_cross_entropy
 from mmfsdp.model.preference import PAIR_STATS, pair_losses, pair_objective
-from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
+from mmfsdp.train.references import (
+    LIVE_REFERENCES,
+    FrozenReference,
+    LoraReference,
+    ReferenceKind,
+    adapters_disabled,
+    frozen_copy_bytes,
+    live_reference_kind,
+    sequence_logps,
+)
 
 __all__ = [
     "PreferenceObjective",
@@ -48,76 +56,11 @@ REF_LOGPS_FILE = "ref_logps.safetensors"
 # -- the reference's log-probabilities ---------------------------------------------------------------------------
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The model without its LoRA adapters (PEFT's `enable_adapters`), restored on exit."""
-    layers = _lora_layers(model)
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-
-
-def _sequence_logps(model, inputs: dict[str, Any], seq: dict[str, Any]) -> torch.Tensor:
-    with torch.no_grad():
-        return -model(**inputs, **seq).loss.detach()
-
-
 def pairs_with_targets(counts: torch.Tensor) -> torch.Tensor:
     """bool `[P]` from the sequences' trained-token counts `[2P]`: the real pairs. A token-budget step pads its
     micro-batches with filler pairs whose labels are all -100 (`pair_index`: the pair they copy); they count
     nowhere."""
     return (counts[0::2] + counts[1::2]) > 0
-
-
-class LoraReference:
-    """The policy with its LoRA adapters off: the base model, without a second copy."""
-
-    def __init__(self, model: torch.nn.Module):
-        if not _lora_layers(model):
-            raise ConfigError("training.lora.enable", "a LoRA reference needs LoRA adapters in the model")
-        self.model = model
-
-    @classmethod
-    def build(cls, ctx: ObjectiveContext) -> LoraReference:
-        return cls(ctx.model)
-
-    def for_split(self, split: str) -> LoraReference:
-        """A live model: the same reference for every split."""
-        return self
-
-    def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
-        with adapters_disabled(self.model):
-            return _sequence_logps(self.model, inputs, seq)
-
-
-class FrozenReference:
-    """A frozen copy of the initial model, built and sharded like the policy (`ObjectiveContext.frozen_copy`)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    @classmethod
-    def build(cls, ctx: ObjectiveContext) -> FrozenReference:
-        model = ctx.frozen_copy()
-        log.info(f"reference model: a frozen copy of the initial {ctx.cfg.model.model_id}")
-        return cls(model)
-
-    def for_split(self, split: str) -> FrozenReference:
-        """A live model: the same reference for every split."""
-        return self
-
-    def logps(self, inputs: dict[str, Any], seq: dict[str, Any], pair_index: torch.Tensor) -> torch.Tensor:
-        return _sequence_logps(self.model, inputs, seq)
 
 
 class PrecomputedReference:
@@ -241,9 +184,7 @@ class _PairTable:
 
 # -- the preference objective -------------------------------------------------------------------------------------
 
-ReferenceKind = Literal["precomputed", "lora", "frozen"]
-
-REFERENCES: dict[str, Any] = {"precomputed": PrecomputedReference, "lora": LoraReference, "frozen": FrozenReference}
+REFERENCES: dict[str, Any] = {"precomputed": PrecomputedReference, **LIVE_REFERENCES}
 """The reference of each kind (`PreferenceObjective.reference_kind`), built by its `build(ctx)`."""
 
 
@@ -257,10 +198,10 @@ class PreferenceObjective(Objective):
     @staticmethod
     def reference_kind(training) -> ReferenceKind:
         """Which reference a run of the `training` section has (the one rule): the precomputed log-probabilities
-        when `dpo.precompute_ref_logps` asks, else with LoRA the policy with its adapters off, else a frozen copy."""
+        when `dpo.precompute_ref_logps` asks, else the live reference (`mmfsdp.train.references.live_reference_kind`)."""
         if training.dpo.precompute_ref_logps:
             return "precomputed"
-        return "lora" if training.lora.enable else "frozen"
+        return live_reference_kind(training)
 
     @classmethod
     def configure(cls, cfg) -> None:
@@ -282,7 +223,7 @@ class PreferenceObjective(Objective):
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
         if cls.reference_kind(cfg.training) != "frozen":
             return []  # the policy's own weights, or a table of numbers
-        size = sum(p.numel() * DTYPES[cfg.model.dtype].itemsize for p in model.parameters()) // shard_size
+        size = frozen_copy_bytes(cfg, model, shard_size)
         return [MemoryTerm("reference", "DPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
 
     @classmethod
@@ -335,7 +276,7 @@ class PreferenceObjective(Objective):
             "num_sequences": 2 * pairs,
         }
 
-    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         self._plans = []
         local = torch.zeros(2, dtype=torch.float64)
         for mb in micro_batches:
@@ -351,6 +292,7 @@ class PreferenceObjective(Objective):
             dist.all_reduce(reduced, group=self.dims.dp_group)
         self._pairs_global, self._chosen_tokens_global = reduced[0].float(), reduced[1].float()
         self._stat_sums = torch.zeros(len(PAIR_STATS), dtype=torch.float32, device=self.device)
+        return micro_batches
 
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         plan = self._plans[index]
@@ -438,7 +380,7 @@ def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, n
         for mb, needed in zip(micro_batches, todo.tolist()):
             if needed:
                 seq = PreferenceObjective.sequences(mb, device)
-                logps = _sequence_logps(model, to_device(model_inputs(mb)), seq)
+                logps = sequence_logps(model, to_device(model_inputs(mb)), seq)
                 train.add(mb["pair_index"], logps, _valid_pairs(seq))
         if (step + 1) % every == 0 or step + 1 == steps:
             log.info(f"reference log-probabilities: step {step + 1}/{steps}, {int(train.known.sum())} of {num_pairs} pairs")
@@ -447,7 +389,7 @@ def precompute_reference(model, loader, *, steps: int, num_micro_batches: int, n
         held_out = _PairTable(num_eval_pairs)
         for batch, counted in eval_batches:
             seq = PreferenceObjective.sequences(batch, device)
-            logps = _sequence_logps(model, to_device(model_inputs(batch)), seq)
+            logps = sequence_logps(model, to_device(model_inputs(batch)), seq)
             if counted:
                 held_out.add(batch["pair_index"], logps, _valid_pairs(seq))
         splits["eval"] = held_out.merged(dims, device)

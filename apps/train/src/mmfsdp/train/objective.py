@@ -5,7 +5,8 @@ A stage is its objective. Each class declares, for the stage it is registered un
 - its models (`build`, from an `ObjectiveContext` the trainer fills): the policy is the trainer's; a stage adds what
   it needs beside it (DPO: a reference; a stage with generation would add its rollout engine);
 - its step: the loop (`Trainer.train_step`) is the same for every stage: it hands the step's micro-batches to
-  `objective.start_step` (before any forward: the global normalisers), then for each micro-batch calls
+  `objective.start_step` (before any forward: the global normalisers), which returns the micro-batches to train on
+  (the same ones; GRPO's: the completions it generates from the loader's prompts), then for each micro-batch calls
   `objective.micro_batch(model, i, inputs)`, which runs the forward(s) and returns the model output and this rank's
   share of the step objective (the shares of all ranks and micro-batches add up to the global objective; the loop
   backpropagates `share × world_size`, docs/parallelism.md), and at the end reads `objective.stats()` (device
@@ -16,7 +17,7 @@ A stage is its objective. Each class declares, for the stage it is registered un
   `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`).
 
 No other module compares `training.stage` (tests/test_stage_isolation.py). This module holds the base and the
-SFT objective; each other stage is a module of its own beside it (`mmfsdp.train.dpo`).
+SFT objective; each other stage is a module of its own beside it (`mmfsdp.train.dpo`, `mmfsdp.train.grpo`).
 
 - `SFTObjective` (`stage: sft`): the weighted cross-entropy of `mmfsdp.model.loss`.
 - `PreferenceObjective` (`stage: dpo`, `mmfsdp.train.dpo`): a preference loss on per-sequence log-probabilities (`mmfsdp.model.preference`,
@@ -69,6 +70,8 @@ class ObjectiveContext:
     """The run's `Evaluator` (`evaluates`, `dataset`, `batches`: the evaluation split)."""
     frozen_copy: Callable[[], torch.nn.Module]
     """Builds a frozen copy of the initial model, sharded like the policy."""
+    train_collator: Any
+    """The training loader's collator (GRPO collates its generated sequences with the family collator inside)."""
     fresh_loader: Callable[[], Any]
     """Builds a training loader in the run's current data state (the micro-batches the run will train on next)."""
     to_device: Callable[[dict[str, Any]], dict[str, Any]]
@@ -140,8 +143,10 @@ class Objective(abc.ABC):
         """The objective of a run, with the models it holds beside the policy."""
 
     @abc.abstractmethod
-    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
-        """Before the step's first forward: what the step needs from all its micro-batches (global normalisers)."""
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Before the step's first forward: what the step needs from all the loader's micro-batches (global
+        normalisers); returns the micro-batches the step trains on (the loader's, or, for a stage that generates,
+        the ones it builds from them)."""
 
     @abc.abstractmethod
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
@@ -180,13 +185,14 @@ class SFTObjective(Objective):
     def build(cls, ctx: ObjectiveContext) -> SFTObjective:
         return cls(ctx.cfg, ctx.dims, ctx.device)
 
-    def start_step(self, micro_batches: list[dict[str, Any]]) -> None:
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         # on the device before the loss weights: their normaliser then stays there (no host wait)
         self._targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")).to(self.device) for mb in micro_batches]
         self._weights = compute_loss_weights(
             self._targets, loss_type=self.loss_type, cu_seq_lens=[mb.get("cu_seq_lens") for mb in micro_batches],
             group=self.dims.dp_group, num_micro_batches=len(micro_batches),
         )
+        return micro_batches
 
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         out = model(**inputs, shift_labels=self._targets[index], loss_weights=self._weights[index])

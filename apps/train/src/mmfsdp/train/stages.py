@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from mmfsdp.config import ConfigError
 from mmfsdp.train.dpo import PreferenceObjective
+from mmfsdp.train.grpo import GRPOObjective
 from mmfsdp.train.objective import Objective, SFTObjective
 
 __all__ = ["STAGES", "STAGE_NAMES", "objective_class"]
 
-STAGES: dict[str, type[Objective]] = {cls.stage: cls for cls in (SFTObjective, PreferenceObjective)}
+STAGES: dict[str, type[Objective]] = {cls.stage: cls for cls in (SFTObjective, PreferenceObjective, GRPOObjective)}
 """`training.stage` → its objective class, the default (`sft`) first."""
 
 STAGE_NAMES: tuple[str, ...] = tuple(STAGES)

@@ -216,7 +216,8 @@ class Trainer:
         return objective_class(self.cfg.training.stage).build(ObjectiveContext(
             cfg=self.cfg, dims=self.dims, device=self.device, rank=self.rank, output_dir=self.output_dir,
             step=self.step, model=self.model, train_dataset=self.train_dataset, evaluator=self.evaluator,
-            frozen_copy=self._frozen_copy, fresh_loader=self._build_loader, to_device=self._to_device,
+            frozen_copy=self._frozen_copy, train_collator=self.loader.collator, fresh_loader=self._build_loader,
+            to_device=self._to_device,
         ))
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -332,8 +333,7 @@ class Trainer:
         """One optimizer step; its numbers stay on the device (`StepResult.pending`)."""
         t = self.cfg.training
         step = self.step + 1
-        micro_batches = self.loader.next_step(t.gradient_accumulation_steps)
-        self.objective.start_step(micro_batches)
+        micro_batches = self.objective.start_step(self.loader.next_step(t.gradient_accumulation_steps))
         terms = self.entry.step_terms(self.cfg.features.loss_cfg)
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         num_tokens = 0

@@ -14,7 +14,9 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
 Reward functions for online RL are a registry too (`build_rewards`, `mmfsdp.data.rewards`).
 
 With `attr.ranking: true` the dataset is a `PreferenceDataset` (an item is a chosen/rejected pair) and the loader
-collates pairs with `PairCollator` (docs/data.md, "Preference data").
+collates pairs with `PairCollator` (docs/data.md, "Preference data"). With `attr.prompt_only: true` it is a
+`PromptDataset` (an item is a prompt with its ground truth, for online RL) and the loader hands the items on
+uncollated (`PromptCollator`).
 
 Each of templates, image plugins, collators and dataset types (`huggingface`, `synthetic_shapes`,
 `synthetic_shapes_pairs`; `mmfsdp.data.dataset_types`) is a registry
@@ -23,7 +25,7 @@ keyed by the name written in YAML. A family's template(s), plugin and collator l
 See docs/data.md.
 """
 
-from mmfsdp.data.collators import PAIR_KEYS, Collator, PairCollator, get_collator, register_collator
+from mmfsdp.data.collators import PAIR_KEYS, Collator, PairCollator, PromptCollator, get_collator, register_collator
 from mmfsdp.data.config import (
     AttrConfig,
     BasicParametersConfig,
@@ -35,7 +37,7 @@ from mmfsdp.data.config import (
     SyntheticConfig,
 )
 from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, Pair, parse_pair, parse_row
-from mmfsdp.data.dataset import PreferenceDataset, SFTDataset, build_dataset, prepare_dataset
+from mmfsdp.data.dataset import PreferenceDataset, PromptDataset, SFTDataset, build_dataset, prepare_dataset
 from mmfsdp.data.dataset_types import DatasetType, dataset_files, has_eval_data, register_dataset_type
 from mmfsdp.data.encoder import SampleEncoder
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
@@ -74,6 +76,8 @@ __all__ = [
     "Pair",
     "PairCollator",
     "PreferenceDataset",
+    "PromptCollator",
+    "PromptDataset",
     "PreprocessParametersConfig",
     "RewardSet",
     "RewardSpec",

@@ -26,6 +26,7 @@ __all__ = [
     "Collator",
     "PAIR_KEYS",
     "PairCollator",
+    "PromptCollator",
     "collator_names",
     "get_collator",
     "register_collator",
@@ -163,3 +164,20 @@ class PairCollator:
         batch = self.collator(sequences)
         batch["pair_index"] = torch.tensor([pair["pair_index"] for pair in pairs], dtype=torch.long)
         return batch
+
+
+class PromptCollator:
+    """Prompt micro-batches (online RL): rows of prompts -> `{"prompts": [item, ...]}`, the `PromptDataset` items in
+    row-major order, uncollated. The stage generates completions from each prompt and collates its training
+    sequences (prompt + completion) itself, with the wrapped family collator (`collator`)."""
+
+    def __init__(self, collator: Any):
+        self.collator = collator
+
+    @property
+    def packing(self) -> bool:
+        return self.collator.packing
+
+    def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
+        rows = [[r] if isinstance(r, dict) else list(r) for r in rows]
+        return {"prompts": [item for row in rows for item in row]}

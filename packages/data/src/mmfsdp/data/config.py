@@ -43,6 +43,12 @@ class AttrConfig:
     ranking: bool = False
     """Preference (pairwise) data for DPO: each row is a prompt with a chosen and a rejected answer, and a dataset
     item is one pair (docs/data.md, "Preference data"). LLaMA-Factory's `ranking` of dataset_info."""
+    prompt_only: bool = False
+    """Prompts for online RL (`training.stage: grpo` sets it): a row is a prompt without its answer and a ground truth
+    for the rewards (docs/data.md, "Prompt data")."""
+    solution: str = "solution"
+    """Column of a prompt row's ground truth (any JSON value); `answer` is read when the row has no such column, and
+    a row whose messages end with the answer has that answer as its ground truth."""
     chosen: str = "chosen"
     """Column of a pair's chosen answer (a string or one message) when the messages end with the user turn."""
     rejected: str = "rejected"
@@ -81,12 +87,14 @@ class AttrConfig:
     }
 
     def __post_init__(self) -> None:
-        columns = ("chosen", "rejected", "prompt", "query", "response")
+        columns = ("chosen", "rejected", "prompt", "query", "response", "solution")
         for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag", *columns):
             if not getattr(self, key):
                 raise ConfigError(key, "must be a non-empty string")
         if self.user_tag == self.assistant_tag or self.system_tag in (self.user_tag, self.assistant_tag):
             raise ConfigError("assistant_tag", "user_tag, assistant_tag and system_tag must all differ")
+        if self.prompt_only and self.ranking:
+            raise ConfigError("prompt_only", "prompt rows (online RL) and preference pairs (ranking) exclude each other")
         if self.chosen == self.rejected:
             raise ConfigError("rejected", f"must differ from chosen (both are {self.chosen!r})")
 

@@ -4,7 +4,8 @@ Rows are role-tagged message lists; `AttrConfig` names the columns and role valu
 so the mllm format (`messages` / `role` / `content`) and sharegpt
 (`conversations` / `from` / `value`) are the same code; an alpaca row (`formatting: alpaca`) becomes the same
 one-turn message list. With `attr.ranking: true` a row is a preference `Pair` (`parse_pair`: the conversation with
-the chosen answer, and the rejected answer). Every structural problem
+the chosen answer, and the rejected answer); with `attr.prompt_only: true` a `Prompt` for online RL (`parse_prompt`:
+the conversation with an empty last answer, and the ground truth). Every structural problem
 raises `BadSample` with its reason; image files are checked later by the plugin.
 """
 
@@ -17,7 +18,8 @@ from mmfsdp.data.config import AttrConfig
 from mmfsdp.data.errors import BadSample
 
 __all__ = [
-    "IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "parse_pair", "parse_row",
+    "IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "Prompt", "parse_pair",
+    "parse_prompt", "parse_row",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -125,6 +127,45 @@ def parse_pair(row: dict[str, Any], attr: AttrConfig) -> Pair:
             raise BadSample(f"{kind}_in_wrong_turn", detail)
     conversation = _parse_messages([*messages, {**assistant, attr.content_tag: chosen}], row, attr)
     return Pair(conversation, rejected)
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A prompt of online RL: the conversation whose last answer is empty (the completion goes there), and the
+    ground truth the rewards compare completions with."""
+
+    conversation: Conversation
+    ground_truth: Any
+    """Any JSON value (a string, a number, a box)."""
+
+
+SOLUTION_FALLBACK = "answer"
+"""The ground-truth column read when a prompt row has no `attr.solution` column (LLaMA-Factory / ms-swift rows)."""
+
+
+def parse_prompt(row: dict[str, Any], attr: AttrConfig) -> Prompt:
+    """Check one prompt row and return its prompt (raises `BadSample`). The messages (or alpaca's prompt) end with
+    the user turn, or with an answer, which is dropped; the ground truth is the `attr.solution` column, else
+    `answer`, else the dropped answer (so SFT rows, the synthetic shapes among them, are prompts as they are)."""
+    if attr.formatting == "alpaca":
+        messages: Any = [_alpaca_user(row, attr)]
+        answer = row.get(attr.response)
+    else:
+        messages = row.get(attr.messages)
+        if not isinstance(messages, list) or not messages:
+            parse_row(row, attr)  # raises the conversation's own reason (missing, empty or not a list)
+        answer = None
+        last = messages[-1]
+        if isinstance(last, dict) and last.get(attr.role_tag) == attr.assistant_tag:
+            answer = last.get(attr.content_tag)
+            messages = messages[:-1]
+    column = attr.solution if attr.solution in row else SOLUTION_FALLBACK
+    truth = row.get(column, answer)
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+        raise BadSample("missing_solution", f"no ground truth: column {attr.solution!r} is missing or empty and the "
+                                            "messages end without an answer")
+    empty = {attr.role_tag: attr.assistant_tag, attr.content_tag: ""}
+    return Prompt(_parse_messages([*messages, empty], row, attr), truth)
 
 
 def parse_row(row: dict[str, Any], attr: AttrConfig) -> Conversation:

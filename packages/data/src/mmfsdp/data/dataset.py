@@ -14,7 +14,9 @@ The flow for one file, each step in its own module:
    `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
    `pixel_values`, a list of `[3, h, w]`, and `image_sizes`). With `attr.ranking: true` a row is a preference
    pair, encoded with its prompt tokenized once (`SampleEncoder.encode_pair`), and the dataset is a
-   `PreferenceDataset`, whose item is the pair's two sequences (docs/data.md, "Preference data").
+   `PreferenceDataset`, whose item is the pair's two sequences (docs/data.md, "Preference data"). With
+   `attr.prompt_only: true` a row is a prompt for online RL (`SampleEncoder.encode_prompt`) and the dataset is a
+   `PromptDataset`, whose item is the prompt's tokens and media with its ground truth (docs/data.md, "Prompt data").
 
 Where the files come from is the dataset type (`mmfsdp.data.dataset_types`, the registry keyed by
 `dataset_param.dataset_type`; the synthetic types generate theirs, `mmfsdp.data.synthetic`).
@@ -27,6 +29,7 @@ importable from here too.
 from __future__ import annotations
 
 import bisect
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -57,6 +60,7 @@ from mmfsdp.data.token_cache import mapped_table, raw_rows, stream_batches, toke
 __all__ = [
     "DatasetType",
     "PreferenceDataset",
+    "PromptDataset",
     "SFTDataset",
     "SampleEncoder",
     "build_dataset",
@@ -290,6 +294,27 @@ class PreferenceDataset(SFTDataset):
         }
 
 
+class PromptDataset(SFTDataset):
+    """The usable prompts of a split (`attr.prompt_only: true`, online RL): `dataset[i]` is what `SFTDataset` returns
+    for the prompt's tokens (labels all ignored: nothing of a prompt is trained) and media, with `prompt_index` (i),
+    `solution` (the ground truth, decoded from its JSON) and `prompt_text` (the last user message). The collator
+    (`PromptCollator`) keeps the items as they are: the stage generates from them and builds its own batches."""
+
+    is_prompt = True
+    """Whether an item is a prompt to generate from (`PromptDataset`)."""
+    _table_columns = (*SFTDataset._table_columns, "solution", "prompt_text")
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self.record(index)
+        media = self._media(index, record)
+        if "bad_reason" in media:
+            return media
+        return {
+            **self._sequence(record["input_ids"], record["labels"]), **media, "prompt_index": int(index) % len(self),
+            "solution": json.loads(record["solution"]), "prompt_text": record["prompt_text"],
+        }
+
+
 def _first_bad_row(files: list[Path], cache_files: list[str], reason: str | None) -> tuple[str, int, str] | None:
     """(file, row, detail) of the first row skipped for `reason`, for the all-bad error's example."""
     for path, cache_file in zip(files, cache_files):
@@ -309,7 +334,7 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
     encoder_fp = encoder.fingerprint()
     cache_files = [tokenized_rows(path, data_cfg, encoder, encoder_fp) for path in files]
     strict = data_cfg.dataset_param.basic_parameters.strict
-    dataset_cls = PreferenceDataset if encoder.ranking else SFTDataset
+    dataset_cls = PreferenceDataset if encoder.ranking else PromptDataset if encoder.prompt_only else SFTDataset
     dataset = dataset_cls(cache_files, files, encoder, strict=strict)
     if strict and dataset.first_bad_row is not None:
         source, row, reason, detail = dataset.first_bad_row
@@ -327,7 +352,7 @@ def build_dataset(data_cfg: DataConfig, processor: MMProcessor, split: str = "tr
         "data: %s: %d %s from %s (%d rows%s%s), %d tokens, longest %d",
         split,
         len(dataset),
-        "pairs" if dataset.is_preference else "samples",
+        "pairs" if dataset.is_preference else "prompts" if getattr(dataset, "is_prompt", False) else "samples",
         names,
         dataset.num_rows,
         f"; skipped {skipped}: {format_counts(dataset.bad_row_counts)}" if skipped else "",

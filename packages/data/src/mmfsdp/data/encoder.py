@@ -4,7 +4,8 @@
 plugin) and each video's headers for its sampled frames and grid, expands placeholders into the plugin's image and
 video tokens, applies the template and labels, and truncates at `cutoff_len`; a row that cannot be used raises
 `BadSample` with its reason (`encode_batch` keeps the reason instead of tokens). With `attr.ranking: true` a row is
-a preference pair, encoded with its prompt tokenized once (`encode_pair`). `fingerprint` hashes everything that
+a preference pair, encoded with its prompt tokenized once (`encode_pair`); with `attr.prompt_only: true` a prompt
+for online RL (`encode_prompt`: the tokens a completion follows, and the ground truth). `fingerprint` hashes everything that
 changes the tokens: the key of the token cache (`mmfsdp.data.token_cache`).
 """
 
@@ -19,14 +20,14 @@ from mmfsdp.config import to_dict
 
 from mmfsdp.data.build import build_plugin
 from mmfsdp.data.config import DataConfig
-from mmfsdp.data.conversation import parse_pair, parse_row
+from mmfsdp.data.conversation import Conversation, parse_pair, parse_prompt, parse_row
 from mmfsdp.data.errors import BadSample
 from mmfsdp.data.json_rows import INVALID_ROW
 from mmfsdp.data.paths import media_path
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.templates import IGNORE_INDEX, get_template
 
-__all__ = ["SampleEncoder"]
+__all__ = ["SampleEncoder", "answer_start"]
 
 _PREPROCESS_VERSION = 4
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
@@ -38,6 +39,21 @@ _EMPTY_SAMPLE = {
 _EMPTY_PAIR = {**_EMPTY_SAMPLE, "rejected_ids": [], "rejected_labels": [], "prompt_length": 0}
 """The token columns of a bad row of preference data: the chosen sequence in `input_ids`/`labels`, the rejected
 one's tokens after the shared prompt (its first `prompt_length` tokens) in `rejected_ids`/`rejected_labels`."""
+_EMPTY_PROMPT = {**_EMPTY_SAMPLE, "solution": "null", "prompt_text": ""}
+"""The token columns of a bad row of prompt data: the prompt's tokens in `input_ids` (`labels` all ignored), the
+ground truth as JSON in `solution`, the last user message in `prompt_text` (what reward functions get as prompt)."""
+
+
+def answer_start(labels: list[int]) -> int:
+    """Where the last answer's trained tokens start: the start of the last run of trained labels (an empty last
+    answer's run is its end token(s), a thinking template's empty think block with them)."""
+    trained = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+    if not trained:
+        raise BadSample("no_assistant_turn", "the template trains no token of the last answer")
+    start = trained[-1]
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start
 
 
 class SampleEncoder:
@@ -50,6 +66,8 @@ class SampleEncoder:
         self.attr = data_cfg.dataset_param.attr
         self.ranking = self.attr.ranking
         """Preference data: a row is a pair (`encode_pair`)."""
+        self.prompt_only = self.attr.prompt_only
+        """Prompt data (online RL): a row is a prompt and its ground truth (`encode_prompt`)."""
         self.cutoff_len = pp.cutoff_len
         self.dataset_dir = Path(data_cfg.dataset_param.basic_parameters.dataset_dir).expanduser().resolve()
         self.allow_outside = data_cfg.dataset_param.basic_parameters.allow_paths_outside_dataset_dir
@@ -69,7 +87,11 @@ class SampleEncoder:
         if INVALID_ROW in row:
             raise BadSample(*row[INVALID_ROW])
         pair = parse_pair(row, self.attr) if self.ranking else None
-        conversation = parse_row(row, self.attr) if pair is None else pair.conversation
+        prompt = parse_prompt(row, self.attr) if self.prompt_only else None
+        if pair is not None:
+            conversation = pair.conversation
+        else:
+            conversation = parse_row(row, self.attr) if prompt is None else prompt.conversation
         if conversation.videos and not self.plugin.supports_video:
             raise BadSample(
                 "video_not_supported",
@@ -92,6 +114,8 @@ class SampleEncoder:
         }
         if pair is not None:
             return {**self.encode_pair(conversation, pair.rejected, blocks, video_blocks), **media}
+        if prompt is not None:
+            return {**self.encode_prompt(conversation, prompt.ground_truth, blocks, video_blocks), **media}
         input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
         return {"input_ids": input_ids, "labels": labels, **media}
@@ -116,6 +140,27 @@ class SampleEncoder:
             "rejected_labels": rejected_labels[shared:], "prompt_length": shared,
         }
 
+    def encode_prompt(
+        self, conversation: Conversation, ground_truth: Any, blocks: list[list[int]], video_blocks: list[list[int]]
+    ) -> dict[str, Any]:
+        """The token columns of a prompt (`_EMPTY_PROMPT`): the conversation (its last answer empty) encoded by the
+        template, up to where the last answer's trained tokens start (`answer_start`); over `cutoff_len` is
+        `too_long` (a prompt is never cut)."""
+        ids, labels = self.template.encode(conversation, blocks, video_blocks)
+        ids = ids[: answer_start(labels)]
+        if len(ids) > self.cutoff_len:
+            raise BadSample("too_long", f"the prompt has {len(ids)} tokens > cutoff_len {self.cutoff_len}")
+        return {
+            "input_ids": ids, "labels": [IGNORE_INDEX] * len(ids), "solution": json.dumps(ground_truth),
+            "prompt_text": conversation.turns[-1][0],
+        }
+
+    def answer_end_ids(self) -> list[int]:
+        """The token(s) that end an answer in this template (the last trained token of an empty answer): the stop
+        tokens of generation."""
+        ids, labels = self.template.encode(Conversation(system=None, turns=[("?", "")], images=[]), [], [])
+        return [ids[max(i for i, label in enumerate(labels) if label != IGNORE_INDEX)]]
+
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
         n = len(input_ids)
@@ -132,7 +177,7 @@ class SampleEncoder:
 
     def encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """`datasets.map` function: raw JSON rows -> token columns plus `bad_reason`/`bad_detail`."""
-        empty = _EMPTY_PAIR if self.ranking else _EMPTY_SAMPLE
+        empty = _EMPTY_PAIR if self.ranking else _EMPTY_PROMPT if self.prompt_only else _EMPTY_SAMPLE
         keys = (*empty, "length", "bad_reason", "bad_detail")
         out: dict[str, list[Any]] = {k: [] for k in keys}
         for text in batch["row"]:

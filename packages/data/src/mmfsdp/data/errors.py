@@ -25,6 +25,7 @@ BAD_REASONS = (
     "missing_chosen",
     "missing_rejected",
     "identical_pair",
+    "missing_solution",
     "image_count_mismatch",
     "image_in_wrong_turn",
     "video_count_mismatch",
@@ -66,6 +67,10 @@ BAD_REASON_ADVICE = {
     ),
     "missing_rejected": (
         "check dataset_param.attr.rejected (the column of the rejected answer; ms-swift: rejected_response)"
+    ),
+    "missing_solution": (
+        "check dataset_param.attr.solution (the column of a prompt's ground truth; `answer` is read too) or end the "
+        "messages with the answer"
     ),
     "identical_pair": "remove pairs whose chosen and rejected answers are the same: they teach nothing",
     "image_count_mismatch": (

@@ -43,7 +43,7 @@ import torch
 from mmfsdp.config import get_logger, warn_once
 
 from mmfsdp.data.balance import CostModel, SampleStats, StepPlan, is_filler, plan_step, sample_stats
-from mmfsdp.data.collators import PairCollator, get_collator
+from mmfsdp.data.collators import PairCollator, PromptCollator, get_collator
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.errors import BAD_REASON_ADVICE, BAD_REASONS, DataError, format_counts, top_reason
 
@@ -511,6 +511,7 @@ def build_dataloader(
     A preference dataset (`is_preference`) is planned in pairs (`micro_batch_size` counts pairs; a packed row
     holds up to 2 × `cutoff_len` tokens of whole pairs) and collated by `PairCollator` (docs/data.md,
     "Preference data").
+    A prompt dataset (`is_prompt`, online RL) gives micro-batches `{"prompts": [item, ...]}` (`PromptCollator`).
     """
     basic = data_cfg.dataset_param.basic_parameters
     loader_cfg = data_cfg.dataloader_param
@@ -525,6 +526,8 @@ def build_dataloader(
     preference = getattr(dataset, "is_preference", False)
     if preference:
         collator = PairCollator(collator)
+    elif getattr(dataset, "is_prompt", False):
+        collator = PromptCollator(collator)
     return StatefulDataLoader(
         dataset,
         collator,

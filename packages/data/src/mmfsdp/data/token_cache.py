@@ -59,7 +59,7 @@ def raw_rows(path: Path, data_cfg: DataConfig) -> Any:
         raise
 
 
-def _features(ranking: bool = False) -> Any:
+def _features(ranking: bool = False, prompt_only: bool = False) -> Any:
     import datasets
 
     seq = getattr(datasets, "List", None) or datasets.Sequence
@@ -68,9 +68,11 @@ def _features(ranking: bool = False) -> Any:
         "rejected_labels": seq(datasets.Value("int32")),
         "prompt_length": datasets.Value("int32"),
     }
+    prompt_columns = {"solution": datasets.Value("string"), "prompt_text": datasets.Value("string")}
     return datasets.Features(
         {
             **(pair_columns if ranking else {}),
+            **(prompt_columns if prompt_only else {}),
             "input_ids": seq(datasets.Value("int32")),
             "labels": seq(datasets.Value("int32")),
             "images": seq(datasets.Value("string")),
@@ -154,7 +156,7 @@ def tokenized_rows(path: Path, data_cfg: DataConfig, encoder: SampleEncoder, enc
             tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
             try:
                 with tqdm(total=len(raw), unit=" examples", desc=f"tokenizing {path.name}") as progress:
-                    with ArrowWriter(features=_features(encoder.ranking), path=str(tmp)) as writer:
+                    with ArrowWriter(features=_features(encoder.ranking, encoder.prompt_only), path=str(tmp)) as writer:
                         for out in _encoded_batches(raw, encoder, basic.num_proc or 1):
                             writer.write_batch(out)
                             progress.update(len(out["length"]))

@@ -57,6 +57,7 @@ __all__ = [
     "compute_loss_weights",
     "weighted_cross_entropy",
     "sequence_cross_entropy",
+    "token_cross_entropy",
     "segment_sum",
     "LossType",
 ]
@@ -128,6 +129,26 @@ def sequence_cross_entropy(
     of sequence k's trained tokens (what preference losses compare)."""
     per_token = _per_token_cross_entropy(logits, shift_labels)
     return segment_sum(per_token * loss_weights.reshape(-1).to(per_token.dtype), sequence_ids, num_sequences)
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor, temperature: float = 1.0,
+    suppress_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, `[B, S]` fp32 (fp64 for fp64 logits): `w_t · CE(logits_t / T, y_t)` (targets -100 add 0; with
+    `w_t = 1` on the completion tokens, minus it is each token's log-probability under the policy sampled at
+    temperature T, TRL's `selective_log_softmax(logits / T)`), and the detached entropy of `softmax(logits_t / T)`
+    (TRL's `entropy_from_logits`; online RL's `entropy` statistic). `suppress_token_ids`: tokens the policy never
+    samples (`mmfsdp.model.rollout.SamplingParams`), their logits −inf first."""
+    scaled = logits.to(loss_dtype(logits.dtype))
+    if suppress_token_ids is not None and suppress_token_ids.numel():
+        scaled = scaled.index_fill(-1, suppress_token_ids.to(scaled.device), float("-inf"))
+    scaled = scaled / temperature
+    per_token = _per_token_cross_entropy(scaled, shift_labels) * loss_weights.reshape(-1).to(scaled.dtype)
+    with torch.no_grad():
+        logps = scaled.detach().log_softmax(dim=-1)
+        entropy = -torch.where(logps > float("-inf"), logps.exp() * logps, 0.0).sum(dim=-1)
+    return per_token.reshape(shift_labels.shape), entropy.reshape(shift_labels.shape)
 
 
 def segment_sum(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:

@@ -110,6 +110,10 @@ class SamplingParams:
     """The template's end token(s): generating one ends the completion (it is included)."""
     seed: int = 0
     """With the RL step, prompt index and generation index, it keys every draw (module docstring)."""
+    suppress_token_ids: tuple[int, ...] = ()
+    """Tokens never sampled: their logits are −inf before anything else (transformers' `suppress_tokens`). An RL
+    stage suppresses the media placeholder tokens (a completion is text; a placeholder without its image would break
+    the training forward) and computes its own log-probabilities with the same tokens masked."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -123,6 +127,7 @@ class SamplingParams:
         if self.seed < 0:
             raise ValueError(f"seed: {self.seed} must be >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(token) for token in self.stop_token_ids))
+        object.__setattr__(self, "suppress_token_ids", tuple(sorted({int(token) for token in self.suppress_token_ids})))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -228,8 +233,11 @@ def gumbel_noise(keys_R: torch.Tensor, position: int, vocab_size: int) -> torch.
 def warp_logits(logits_RV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """The scores sampled from: `logits / T`, then −inf outside the top-k, then outside the top-p set (transformers'
     `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`; vLLM's `apply_top_k_top_p`). T = 0: the raw
-    logits (greedy)."""
+    logits (greedy). `suppress_token_ids` are −inf first, at any temperature."""
     scores = logits_RV.float()
+    if sampling.suppress_token_ids:
+        suppressed = torch.tensor(sampling.suppress_token_ids, device=scores.device)
+        scores = scores.index_fill(-1, suppressed, float("-inf"))
     if sampling.temperature == 0:
         return scores
     scores = scores / sampling.temperature

@@ -58,6 +58,11 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    parallel the shards' sums are all-reduced over the CP group with autograd (its backward sums the gradients
    over the group), so every CP rank holds the whole sequences' sums; a consumer that adds up the ranks'
    losses scales its loss by `1 / cp_size` (`mmfsdp.train.objective`).
+8. Per-token values (online RL): with `per_token=True` (and `temperature`, default 1, and the tokens the policy
+   never samples, `suppress_token_ids`), `.loss` is the fp32 `[B, S]`
+   tensor `w_t · CE(logits_t / T, y_t)` (`token_cross_entropy`: with unit weights on the completion tokens, minus
+   the policy's per-token log-probabilities, TRL's) and `.entropy` the detached per-token entropies of
+   `softmax(logits / T)`. Not done yet with chunk loss or context parallel (both refuse it).
 
 `forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
 so evaluation and generation see the HF model.
@@ -76,8 +81,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mmfsdp.model.batch_plan import BatchPlan
 from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
+from mmfsdp.model.loss import sequence_cross_entropy, token_cross_entropy, weighted_cross_entropy
 from mmfsdp.parallel.cp import CPLayout
-from mmfsdp.model.loss import sequence_cross_entropy, weighted_cross_entropy
 from mmfsdp.model.vision_dp import VisionDataParallel
 
 __all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs", "vision_features"]
@@ -285,6 +290,9 @@ class TrainingForwardMixin:
         max_length: int | torch.Tensor | None = None,
         sequence_ids: torch.Tensor | None = None,
         num_sequences: int | None = None,
+        per_token: bool = False,
+        temperature: float = 1.0,
+        suppress_token_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         if isinstance(loss_weights, _Uncast):
@@ -319,6 +327,11 @@ class TrainingForwardMixin:
         kwargs.setdefault("use_cache", False)
         if (sequence_ids is None) != (num_sequences is None):
             raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
+        if per_token and (sequence_ids is not None or self.chunk_loss_size is not None
+                          or self._context_parallel is not None):
+            raise ValueError(
+                "per_token log-probabilities are not done yet with sequence_ids, chunk loss or context parallel"
+            )
         cp_batch = None
         if self._context_parallel is not None:
             if plan is None:
@@ -336,7 +349,11 @@ class TrainingForwardMixin:
         with self._calling_decoder(decoder_kwargs, cp_batch, placeholder), vision_dp:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
-                if sequence_ids is None:
+                if per_token:
+                    outputs.loss, outputs.entropy = token_cross_entropy(
+                        outputs.logits, shift_labels, loss_weights, temperature, suppress_token_ids
+                    )
+                elif sequence_ids is None:
                     outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
                 else:
                     outputs.loss = self._whole_sequences(

@@ -1,0 +1,376 @@
+"""`stage: grpo`: online RL with the GRPO family of losses, an objective of `mmfsdp.train.objective`.
+
+The loader hands each rank `micro_batch_size` whole prompts per micro-batch (`mmfsdp.data.PromptDataset`: prompt
+tokens, media, ground truth); a group (a prompt's `num_generations` completions) is therefore whole on one rank.
+`GRPOObjective.start_step` turns the step's prompt micro-batches into its training micro-batches:
+
+1. generation: every rank calls the rollout engine (`mmfsdp.model.rollout`, `training.grpo.rollout.engine`) with its
+   prompts, in lockstep (the engine's collectives); the draws are keyed by (seed, step, prompt index, generation), the
+   prompt index being the prompt's dataset index, so the completions do not depend on the layout;
+2. rewards: this rank's completions (decoded, special tokens skipped) are scored against their ground truths by the
+   run's `RewardSet` (`mmfsdp.data.rewards`, `training.grpo.reward_funcs`);
+3. the step's table: every rank's per-completion rewards (total and per function), lengths and truncation flags are
+   all-gathered (a few numbers per completion), so advantages (`mmfsdp.model.rl.group_advantages`, TRL's, with the
+   batch std over the global batch for `scale_rewards: batch`), the global normalisers (sequences, trained tokens)
+   and the reward and length statistics are computed from the same global numbers on every rank;
+4. training micro-batches: micro-batch i holds the completions of the prompts of prompt micro-batch i, each
+   sequence prompt + completion with labels on the completion (zeroed for a truncated completion with
+   `mask_truncated_completions`), collated by the family's collator as the run's layout says (padded or
+   padding-free); the host works out, once, where each completion's tokens lie in the batch (`_Plan.index`).
+
+`micro_batch` runs the policy forward in its per-token mode (`mmfsdp.model.training_forward`, step 8: log-probs of
+`logits / temperature`, TRL's, and entropies), the reference's the same way when β > 0 (`mmfsdp.train.references`:
+the one live-reference rule, DPO's), and returns its share of `mmfsdp.model.rl.policy_objective`. With
+`num_iterations: 1` the old log-probabilities are the detached current ones (TRL's shortcut). `stats()` gives TRL's
+metric names, and `rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob| over the
+step's trained tokens, both from the weights before the update (the engine's are of the processed distribution:
+with top-k / top-p on they differ by the log of the kept mass, docs/rl_rollout.md).
+
+Not done yet (refused by `check_config`): context parallel, chunk loss, a token budget (`micro_batch_tokens`),
+validation, `num_iterations > 1`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.data.rewards import build_rewards
+from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
+from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
+from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
+from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
+from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
+
+__all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
+
+log = get_logger("mmfsdp.train")
+
+COMPLETIONS_FILE = "completions.jsonl"
+PROMPT_META = ("prompt_index", "solution", "prompt_text")
+"""Keys of a `PromptDataset` item that are not the family's sample keys."""
+POLICY_MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One training micro-batch: its batch, targets, unit weights on the trained tokens, and per completion
+    (rows in the order of `rows`) where its tokens lie in the flattened batch and the engine's log-probs."""
+
+    batch: dict[str, Any]
+    targets: torch.Tensor
+    weights: torch.Tensor
+    index: torch.Tensor
+    """int64 `[n, T]`: the flattened positions of completion k's trained tokens, 0-padded (see `mask`)."""
+    mask: torch.Tensor
+    """fp32 `[n, T]`: 1 on completion tokens that train."""
+    engine_logps: torch.Tensor
+    """fp32 `[n, T]`: the engine's sampling log-probs of the same tokens."""
+    advantages: torch.Tensor
+    """fp32 `[n]`."""
+
+
+class GRPOObjective(Objective):
+    """`stage: grpo` (module docstring)."""
+
+    stage = "grpo"
+
+    @classmethod
+    def configure(cls, cfg) -> None:
+        # a GRPO run reads prompts: a row is a prompt and its ground truth
+        cfg.data.dataset_param.attr.prompt_only = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        t, g = cfg.training, cfg.training.grpo
+        refused = (
+            ("parallel.ulysses_parallel_size", cfg.parallel.ulysses_parallel_size > 1, "context parallel"),
+            ("parallel.ring_attention_size", cfg.parallel.ring_attention_size > 1, "context parallel"),
+            ("features.enable_chunk_loss", cfg.features.enable_chunk_loss, "chunk loss"),
+            ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
+            ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
+            ("training.val_interval", bool(t.val_interval), "validation"),
+        )
+        for key, on, what in refused:
+            if on:
+                raise ConfigError(key, f"{what} is not done yet for training.stage: grpo")
+        if cfg.data.dataset_param.attr.ranking:
+            raise ConfigError("data.dataset_param.attr.ranking", "grpo reads prompts (attr.prompt_only), not pairs; "
+                                                                 "set it false")
+        if cfg.data.dataset_param.preprocess_parameters.train_on_prompt:
+            raise ConfigError("data.dataset_param.preprocess_parameters.train_on_prompt",
+                              "grpo trains on completions only; set it false")
+        if g.beta and live_reference_kind(t) == "lora" and t.lora.pretrained_lora_path:
+            raise ConfigError(
+                "training.grpo.beta",
+                "a run that continues a trained adapter (training.lora.pretrained_lora_path) with LoRA has the base "
+                "model without that adapter as its live reference; a reference with the adapter is not done yet: set "
+                "beta: 0",
+            )
+        for i, spec in enumerate(g.reward_funcs):
+            if isinstance(spec, dict) and "name" not in spec:
+                raise ConfigError(f"training.grpo.reward_funcs[{i}].name", "missing")
+        build_rewards(cls._reward_specs(g), key="training.grpo.reward_funcs").close()
+
+    @classmethod
+    def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
+        if not cfg.training.grpo.beta or live_reference_kind(cfg.training) != "frozen":
+            return []  # no reference, or the policy's own weights
+        size = frozen_copy_bytes(cfg, model, shard_size)
+        return [MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
+
+    @staticmethod
+    def _reward_specs(g) -> list[Any]:
+        specs = [dict(spec) if isinstance(spec, dict) else {"name": spec} for spec in g.reward_funcs]
+        if g.reward_weights is not None:
+            for spec, weight in zip(specs, g.reward_weights):
+                spec["weight"] = weight
+        return specs
+
+    @classmethod
+    def build(cls, ctx: ObjectiveContext) -> GRPOObjective:
+        if not getattr(ctx.train_dataset, "is_prompt", False):
+            raise ConfigError("training.stage", "grpo needs prompt data (data.dataset_param.attr.prompt_only: true)")
+        g = ctx.cfg.training.grpo
+        reference = LIVE_REFERENCES[live_reference_kind(ctx.cfg.training)].build(ctx) if g.beta else None
+        processor = ctx.train_dataset.processor
+        engine = HFRolloutEngine(ctx.model, pad_token_id=processor.pad_token_id)  # every rank generates together
+        return cls(ctx, engine, reference)
+
+    def __init__(self, ctx: ObjectiveContext, engine, reference):
+        self.g = ctx.cfg.training.grpo
+        self.dims = ctx.dims
+        self.device = ctx.device
+        self.rank = ctx.rank
+        self.output_dir = ctx.output_dir
+        self.model = ctx.model
+        self.engine = engine
+        self.reference = reference
+        self.step = ctx.step
+        encoder = ctx.train_dataset.encoder
+        self.tokenizer = encoder.processor.tokenizer
+        self.plugin = encoder.plugin
+        self.collator = ctx.train_collator.collator
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        stop = [*encoder.answer_end_ids(), *([eos] if eos is not None else [])]
+        self.sampling = SamplingParams(
+            max_new_tokens=self.g.max_completion_length, temperature=self.g.temperature, top_p=self.g.top_p,
+            top_k=self.g.top_k, stop_token_ids=tuple(dict.fromkeys(stop)), seed=ctx.cfg.training.seed,
+            suppress_token_ids=tuple(self.plugin.image_token_ids),  # completions are text (rollout.SamplingParams)
+        )
+        self._suppressed = torch.tensor(self.sampling.suppress_token_ids, dtype=torch.long, device=self.device)
+        self.rewards = build_rewards(self._reward_specs(self.g), key="training.grpo.reward_funcs",
+                                     num_workers=self.g.reward_workers)
+        self.reward_names = [_metric_name(name) for name in self.rewards.names]
+        self._plans: list[_Plan] = []
+        self._stats: dict[str, torch.Tensor] = {}
+        self._num_sequences = torch.ones((), device=self.device)
+        self._num_tokens = torch.ones((), device=self.device)
+        self._num_batches = 1
+        self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
+        self._extremes = torch.zeros(len(POLICY_EXTREME_STATS), device=self.device)
+        self._diff_max = torch.zeros((), device=self.device)
+        self._names: tuple[str, ...] = ()
+        self._any_trained = True
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _media(self, item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(the item's sample keys, the rollout request's media: the family collator's media keys of it alone)."""
+        sample = {k: v for k, v in item.items() if k not in PROMPT_META}
+        token_keys = set(self.plugin.token_inputs(item["input_ids"][:1]))
+        media_keys = set(sample) - {"input_ids", "labels", *token_keys}
+        if not media_keys:
+            return sample, {}
+        batch = self.collator([[sample]])
+        return sample, {k: batch[k] for k in batch if k in media_keys}
+
+    def _gather(self, local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's columns `[K, n_r]` of a float64 table, in rank order, and this rank's first column."""
+        if self.dims.dp_size == 1:
+            return local, 0
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.dims.dp_size)]
+        dist.all_gather(sizes, torch.tensor([local.shape[1]], device=self.device), group=self.dims.dp_group)
+        sizes_h = [int(s) for s in torch.cat(sizes).tolist()]
+        padded = torch.zeros(local.shape[0], max(sizes_h), dtype=local.dtype, device=self.device)
+        padded[:, : local.shape[1]] = local.to(self.device)
+        parts = [torch.zeros_like(padded) for _ in sizes_h]
+        dist.all_gather(parts, padded, group=self.dims.dp_group)
+        table = torch.cat([part[:, :n] for part, n in zip(parts, sizes_h)], dim=1).cpu()
+        return table, sum(sizes_h[: self.dims.dp_rank])
+
+    def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.step += 1
+        G = self.g.num_generations
+        prompts = [[self._media(item) + (item,) for item in mb["prompts"]] for mb in micro_batches]
+        requests = [
+            RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
+                           num_generations=G, media=media)
+            for mb in prompts for _, media, item in mb
+        ]
+        self.engine.sync_weights(self.model, self.step - 1)
+        rollouts = self.engine.generate(requests, self.sampling, self.step)
+        items = [item for mb in prompts for _, _, item in mb for _ in range(G)]
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
+        totals, per_function, counters = self.rewards.score(
+            texts, [item["solution"] for item in items], [item["prompt_text"] for item in items])
+        for name, counts in counters.items():
+            if counts["errors"] or counts["timeouts"]:
+                log.warning(f"reward {name}: {counts['errors']} errors, {counts['timeouts']} timeouts this step "
+                            f"(scored 0); last: {self.rewards.last_errors.get(name)}")
+        lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float64)
+        truncated = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.float64)
+        local = torch.cat([totals[None].double(), per_function.double(), lengths[None], truncated[None]])
+        table, offset = self._gather(local.reshape(local.shape[0], -1))
+        F = per_function.shape[0]
+        all_totals, all_functions, all_lengths, all_truncated = table[0], table[1 : 1 + F], table[1 + F], table[2 + F]
+        advantages = group_advantages(all_totals.float(), G, self.g.scale_rewards)
+        mine = advantages[offset : offset + len(rollouts)]
+        trains = torch.ones_like(all_truncated) if not self.g.mask_truncated_completions else 1 - all_truncated
+        self._num_sequences = torch.tensor(float(all_totals.numel()), device=self.device)
+        trained_tokens = float((all_lengths * trains).sum())
+        self._any_trained = trained_tokens > 0
+        self._num_tokens = torch.tensor(trained_tokens, device=self.device)
+        self._num_batches = len(micro_batches) * self.dims.dp_size
+        self._stats = self._reward_stats(all_totals, all_functions, all_lengths, all_truncated)
+
+        samples = [sample for mb in prompts for sample, _, _ in mb]
+        out, self._plans, start = [], [], 0
+        for mb in prompts:
+            count = len(mb) * G
+            sequences = [
+                self._sequence(samples[k // G], rollouts[k].completion_ids, bool(trains[offset + k]))
+                for k in range(start, start + count)
+            ]
+            engine = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts[start : start + count]]
+            self._plans.append(self._plan(sequences, engine, mine[start : start + count]))
+            out.append(self._plans[-1].batch)
+            start += count
+        self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
+        self._extremes = torch.tensor([float("inf"), float("-inf")], device=self.device)
+        self._diff_max = torch.zeros((), device=self.device)
+        if self.g.log_completions_interval and self.step % self.g.log_completions_interval == 0 and self.rank == 0:
+            self._write_completions(items, texts, totals, per_function, mine)
+        return out
+
+    def _sequence(self, sample: dict[str, Any], completion: list[int], trains: bool) -> dict[str, Any]:
+        """Prompt + completion as a sample of the family collator: labels on the completion (none when it does not
+        train), the plugin's per-token inputs 0 on it (completion tokens are text), the prompt's media."""
+        prompt_ids = sample["input_ids"]
+        ids = torch.cat([prompt_ids, torch.tensor(completion, dtype=prompt_ids.dtype)])
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        if trains:
+            labels[len(prompt_ids) :] = ids[len(prompt_ids) :]
+        out = {**sample, "input_ids": ids, "labels": labels}
+        for key in self.plugin.token_inputs(prompt_ids[:1]):
+            values = torch.as_tensor(sample[key])
+            out[key] = torch.cat([values, values.new_zeros(len(completion))])
+        return out
+
+    def _plan(self, sequences: list[dict[str, Any]], engine: list[torch.Tensor], advantages: torch.Tensor) -> _Plan:
+        rows = [sequences] if self.collator.packing else [[s] for s in sequences]
+        batch = self.collator(rows)
+        cu = batch.get("cu_seq_lens")
+        targets = shift_labels(batch["labels"], cu)
+        ids = sample_ids(targets.shape, cu).reshape(-1)
+        trained = (targets.reshape(-1) != IGNORE_INDEX)
+        width = max([len(e) for e in engine] + [1])
+        index = torch.zeros(len(sequences), width, dtype=torch.int64)
+        mask = torch.zeros(len(sequences), width)
+        engine_logps = torch.zeros(len(sequences), width)
+        for k, logps in enumerate(engine):
+            positions = torch.nonzero((ids == k) & trained).reshape(-1)
+            index[k, : len(positions)] = positions
+            mask[k, : len(positions)] = 1.0
+            engine_logps[k, : len(logps)] = logps
+        to = self.device
+        return _Plan(batch=batch, targets=targets.to(to), weights=trained.reshape(targets.shape).float().to(to),
+                     index=index.to(to), mask=mask.to(to), engine_logps=engine_logps.to(to),
+                     advantages=advantages.float().to(to))
+
+    def _reward_stats(self, totals, functions, lengths, truncated) -> dict[str, torch.Tensor]:
+        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars)."""
+        G = self.g.num_generations
+        grouped = totals.view(-1, G)
+        group_std = grouped.std(dim=1) if G > 1 else torch.zeros(grouped.shape[0], dtype=totals.dtype)
+        stats = {
+            "reward": totals.mean(),
+            "reward_std": group_std.mean(),
+            "frac_reward_zero_std": zero_std_groups(totals.float(), G).double().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": truncated.mean(),
+        }
+        for name, values in zip(self.reward_names, functions):
+            stats[f"rewards/{name}/mean"] = values.mean()
+            stats[f"rewards/{name}/std"] = values.std() if values.numel() > 1 else values.new_zeros(())
+        return {k: v.float().to(self.device) for k, v in stats.items()}
+
+    def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+        plan = self._plans[index]
+        keywords = {"shift_labels": plan.targets, "loss_weights": plan.weights, "per_token": True,
+                    "temperature": self.g.temperature, "suppress_token_ids": self._suppressed}
+        ref = None
+        if self.reference is not None:
+            ref = self.reference.logps(inputs, keywords, None).reshape(-1)[plan.index]
+        out = model(**inputs, **keywords)
+        logps = (-out.loss).reshape(-1)[plan.index] * plan.mask
+        entropies = out.entropy.reshape(-1)[plan.index]
+        loss, terms = policy_objective(
+            logps, plan.advantages, plan.mask, loss_type=self.g.loss_type, num_sequences_global=self._num_sequences,
+            num_tokens_global=self._num_tokens, num_batches_global=self._num_batches,
+            max_completion_length=self.g.max_completion_length, ref_logps=ref, entropies=entropies, beta=self.g.beta,
+            epsilon=self.g.epsilon, epsilon_high=self.g.epsilon_high, delta=self.g.delta,
+            importance_sampling_level=self.g.importance_sampling_level,
+        )
+        with torch.no_grad():
+            self._names = terms.names
+            per_sequence = self.g.importance_sampling_level == "sequence"
+            for name, value in zip(terms.names, terms.sums):
+                count = self._num_sequences if per_sequence and name.startswith("clip_ratio/") else self._num_tokens
+                self._policy[POLICY_MEANS.index(name)] += value / count.clamp(min=1.0)
+            self._extremes = torch.stack([torch.minimum(self._extremes[0], terms.extremes[0]),
+                                          torch.maximum(self._extremes[1], terms.extremes[1])])
+            gap = ((logps.detach() - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
+            self._diff_max = torch.maximum(self._diff_max, torch.as_tensor(gap, device=self.device))
+        return out, loss
+
+    def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        reductions = []
+        low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
+        if not self._any_trained and self.g.importance_sampling_level == "token":
+            low.fill_(float("nan")), high.fill_(float("nan"))  # no sequence with a trained token anywhere: TRL's NaN
+        if self.dims.dp_size > 1:
+            group = self.dims.dp_group
+            reductions += [dist.all_reduce(self._policy, group=group, async_op=True),
+                           dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group, async_op=True),
+                           dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                           dist.all_reduce(self._diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+        policy = {name: self._policy[POLICY_MEANS.index(name)] for name in self._names}
+        return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
+                "rollout/logprob_diff_max": self._diff_max}, reductions
+
+    def _write_completions(self, items, texts, totals, per_function, advantages) -> None:
+        path = self.output_dir / COMPLETIONS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for k, (item, text) in enumerate(zip(items, texts)):
+                f.write(json.dumps({
+                    "step": self.step, "prompt_index": item["prompt_index"], "prompt": item["prompt_text"],
+                    "completion": text, "solution": item["solution"], "reward": float(totals[k]),
+                    **{f"rewards/{name}": float(per_function[f, k]) for f, name in enumerate(self.reward_names)},
+                    "advantage": float(advantages[k]),
+                }) + "\n")
+
+
+
+def _metric_name(name: str) -> str:
+    """A reward function's name in the metrics: a user function's own name (`file.py:fn` -> `fn`, TRL's
+    `__name__`), a registered one's name."""
+    path, _, function = name.rpartition(":")
+    return function if path.endswith(".py") else name

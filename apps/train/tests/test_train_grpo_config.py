@@ -1,0 +1,76 @@
+"""`training.stage: grpo` in the config: it reads prompts, TRL's keys load, every mistake names its key before any
+process group, and what is not done yet is refused by name."""
+
+from pathlib import Path
+
+import pytest
+
+from mmfsdp.config import ConfigError
+from mmfsdp.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+QWEN = ROOT / "examples" / "qwen3vl-tiny" / "config.yaml"
+
+
+def _cfg(*overrides):
+    return load_config(str(QWEN), ["training.stage=grpo", *overrides])
+
+
+def test_grpo_reads_prompts_with_trl_keys():
+    cfg = _cfg("training.grpo.num_generations=4", "training.grpo.epsilon_high=0.28", "training.grpo.loss_type=grpo",
+               "training.grpo.scale_rewards=batch", "training.grpo.importance_sampling_level=sequence",
+               "training.grpo.reward_funcs=[accuracy, {name: format, weight: 0.5}]", "training.grpo.beta=0.04")
+    g = cfg.training.grpo
+    assert cfg.data.dataset_param.attr.prompt_only is True and g.rollout.engine == "hf"
+    assert (g.num_generations, g.epsilon_high, g.loss_type, g.scale_rewards) == (4, 0.28, "grpo", "batch")
+    assert g.reward_funcs == ["accuracy", {"name": "format", "weight": 0.5}]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("training.grpo.num_generations=1", "training.grpo.num_generations"),
+        ("training.grpo.temperature=0", "training.grpo.temperature"),
+        ("training.grpo.top_p=0", "training.grpo.top_p"),
+        ("training.grpo.delta=0.5", "training.grpo.delta"),
+        ("training.grpo.loss_type=ppo", "training.grpo.loss_type"),
+        ("training.grpo.num_iterations=2", "training.grpo.num_iterations"),
+        ("training.grpo.reward_funcs=[]", "training.grpo.reward_funcs"),
+        ("training.grpo.reward_weights=[1.0, 2.0]", "training.grpo.reward_weights"),
+        ("training.grpo.reward_funcs=[acuracy]", "training.grpo.reward_funcs[0].name"),
+        ("training.grpo.reward_funcs=[{name: format, options: {pattern: '('}}]",
+         "training.grpo.reward_funcs[0].options.pattern"),
+        ("training.grpo.rollout.engine=vllm", "training.grpo.rollout.engine"),
+        ("features.enable_chunk_loss=true", "features.enable_chunk_loss"),
+        ("parallel.ulysses_parallel_size=2", "parallel.ulysses_parallel_size"),
+        ("training.micro_batch_tokens=256", "training.micro_batch_tokens"),
+        ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
+         "data.dataset_param.preprocess_parameters.train_on_prompt"),
+    ],
+)
+def test_mistakes_name_their_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        _cfg(override)
+    assert err.value.key == key or str(err.value).startswith(key), str(err.value)
+
+
+def test_prompts_and_pairs_exclude_each_other():
+    with pytest.raises(ConfigError) as err:
+        _cfg("data.dataset_param.attr.ranking=true")
+    assert err.value.key == "data.dataset_param.attr.ranking"
+
+
+def test_memory_plan_counts_a_frozen_reference_only_with_beta():
+    from mmfsdp.train.memory import memory_plan
+
+    lora = ["training.lora.enable=true", "training.lora.target_modules=[q_proj]"]
+    runs = ([], ["training.grpo.beta=0.04"], ["training.grpo.beta=0.04", *lora])
+    names = [[term.name for term in memory_plan(_cfg(*extra), 2, 64 * 2**30).stage_terms] for extra in runs]
+    assert names == [[], ["reference"], []]
+
+
+def test_a_continued_adapter_has_no_live_reference_with_it(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _cfg("training.grpo.beta=0.04", "training.lora.enable=true", "training.lora.target_modules=[q_proj]",
+             f"training.lora.pretrained_lora_path={tmp_path}")
+    assert err.value.key == "training.grpo.beta"

@@ -1,0 +1,148 @@
+"""GRPO (`training.stage: grpo`) through the real trainer on the synthetic shapes as prompts (question -> prompt,
+answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp32 on gloo, 3 steps:
+
+- one process: every step generates, scores and trains (a non-zero gradient, the weights move), logs TRL's metric
+  names, writes `completions.jsonl`, and the rollout engine's sampling log-probabilities equal the trainer's
+  log-probabilities of the same tokens on the same weights (`rollout/logprob_diff_max` <= 1e-5);
+- FSDP2 on 2 processes (one prompt per micro-batch and rank, the same global batch) gives the 1-process run's
+  per-step loss, gradient norm, tokens and statistics within 1e-5: the completions are keyed by (seed, step, prompt
+  index, generation), not by the layout (`mmfsdp.model.rollout`); with TRL's defaults (`dapo`, group std), and with
+  the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`;
+- padded training micro-batches (`padding_free: false`) give the padding-free run's steps and statistics.
+
+The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
+within a group. The cases are a table run by `tests/parity.py`.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from apprun import QWEN, ROOT
+from parity import QWEN_SETTINGS, Case, Probe, run_cases, session_dir
+
+from mmfsdp.parallel.testing import assert_within
+
+pytestmark = [pytest.mark.timeout(1800)]
+REWARD_FILE = ROOT / "tests" / "grpo_rewards.py"
+USER_REWARD = f"{REWARD_FILE}:shared_letters"
+BASE = {
+    **QWEN_SETTINGS,
+    "training.stage": "grpo",
+    "training.train_iters": 3,
+    "training.lr": 1.0e-2,
+    "training.micro_batch_size": 2,
+    "training.gradient_accumulation_steps": 2,
+    "training.grpo.num_generations": 4,
+    "training.grpo.max_completion_length": 6,
+    "training.grpo.reward_funcs": f"[accuracy, '{USER_REWARD}']",
+    "training.grpo.log_completions_interval": 1,
+}
+TRL_NAMES = (
+    "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+    "completions/max_length", "completions/clipped_ratio", "rewards/accuracy/mean", "rewards/accuracy/std",
+    "rewards/shared_letters/mean", "rewards/shared_letters/std", "entropy", "clip_ratio/low_mean",
+    "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+)
+
+
+class GRPORecord(Probe):
+    """Every step's statistics, the first trained parameter before and after, and the completions file's rows.
+
+    The harness's ranks are daemonic processes, which `multiprocessing` forbids to start children; the reward
+    workers (`mmfsdp.data.rewards`, forked per call batch) are children that exit with their pipe, so the rank is
+    marked non-daemonic while the case runs (a rank under torchrun is not daemonic)."""
+
+    name = "grpo"
+
+    def __init__(self, case: dict, rank: int):
+        import multiprocessing
+
+        super().__init__(case, rank)
+        self.config = multiprocessing.current_process()._config
+        self.daemon = self.config.pop("daemon", None)
+
+    def detach(self) -> None:
+        if self.daemon is not None:
+            self.config["daemon"] = self.daemon
+
+    def attach(self, trainer) -> None:
+        self.before = _first_weights(trainer)
+
+    def result(self, trainer) -> dict:
+        path = Path(trainer.output_dir) / "completions.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        moved = float((_first_weights(trainer) - self.before).abs().max())
+        return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows}
+
+
+def _first_weights(trainer):
+    from parity import full_tensor
+
+    return full_tensor(next(p for p in trainer.model.parameters() if p.requires_grad)).detach().clone()
+
+
+VARIANTS = {  # the KL to a frozen FSDP2 reference, the batch std (gathered over ranks), GSPO, per-sequence means
+    "training.grpo.beta": 0.04,
+    "training.grpo.scale_rewards": "batch",
+    "training.grpo.importance_sampling_level": "sequence",
+    "training.grpo.loss_type": "grpo",
+}
+CASES = [
+    Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_padded", 1, QWEN, {**BASE, "data.dataloader_param.padding_free": "false"}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_variants_ref", 1, QWEN, {**BASE, **VARIANTS}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_variants_fsdp2", 2, QWEN, {**BASE, **VARIANTS, "training.micro_batch_size": 1}, "grpo_variants_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+]
+
+
+def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
+    result = run_cases(CASES[:1], tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))["grpo_ref"]
+    record = result["grpo"][0]
+    assert len(result["steps"]) == 3
+    for step, stats in enumerate(record["stats"], start=1):
+        missing = [name for name in TRL_NAMES if name not in stats]
+        assert not missing, f"step {step} lacks {missing}"
+        assert_within(stats["rollout/logprob_diff_max"], 1e-5, f"step {step} rollout/logprob_diff_max")
+        assert stats["frac_reward_zero_std"] < 1.0, "the user reward varies within some group"
+        assert stats["completions/max_length"] <= 6
+    assert all(grad_norm > 0 for _, grad_norm, _ in result["steps"])
+    assert record["moved"] > 0
+    rows = record["completions"]
+    assert len(rows) == 3 * 4 * 4  # steps x prompts x generations
+    assert {"step", "prompt", "completion", "solution", "reward", "advantage"} <= set(rows[0])
+    assert any(row["prompt"].startswith("<image>") for row in rows)
+    assert any("<image>" not in row["prompt"] for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2", "grpo_padded"])
+def test_grpo_layout_matches_one_process(tmp_path_factory, name):
+    """The loss is compared in absolute terms: with `num_iterations: 1` its value is Σ −A·n / N over advantages that
+    sum to 0 within each group (completions of equal length give exactly 0), rounding noise on terms of size 1;
+    the gradient norm, tokens and statistics are compared as the other parity tests do."""
+    case = next(c for c in CASES if c.name == name)
+    cases = [c for c in CASES if c.name in (name, case.reference)]
+    results = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))
+    got_run, ref_run = results[case.name], results[case.reference]
+    assert all(got_run["layout"][key] == value for key, value in (case.layout or {}).items())
+    assert len(got_run["steps"]) == len(ref_run["steps"]) == 3
+    for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(
+        zip(got_run["steps"], ref_run["steps"]), start=1
+    ):
+        assert tokens == ref_tokens, f"step {step}: {tokens} tokens vs {ref_tokens}"
+        assert_within(abs(loss - ref_loss), case.tol, f"step {step} loss (absolute): {loss} vs {ref_loss}")
+        assert ref_norm > 0, f"step {step} trains nothing"
+        assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
+    got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
+    for step, (ours, ref) in enumerate(zip(got, expected), start=1):
+        assert ours.keys() == ref.keys()
+        for key in ref:
+            a, b = ours[key], ref[key]
+            relative = abs(a - b) / abs(b) if b else abs(a - b)
+            assert_within(min(relative, abs(a - b)), case.tol, f"step {step} {key}: {a} vs {b}")
