@@ -67,7 +67,7 @@ class DPOConfig:
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["hf"] = "hf"
-    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`, docs/rl_rollout.md)."""
+    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`, docs/rl.md ("Rollout engines"))."""
 
 
 @dataclass(kw_only=True, slots=True)

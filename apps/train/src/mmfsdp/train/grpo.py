@@ -24,7 +24,7 @@ the one live-reference rule, DPO's), and returns its share of `mmfsdp.model.rl.p
 `num_iterations: 1` the old log-probabilities are the detached current ones (TRL's shortcut). `stats()` gives TRL's
 metric names, and `rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob| over the
 step's trained tokens, both from the weights before the update (the engine's are of the processed distribution:
-with top-k / top-p on they differ by the log of the kept mass, docs/rl_rollout.md).
+with top-k / top-p on they differ by the log of the kept mass, docs/rl.md ("Rollout engines")).
 
 Not done yet (refused by `check_config`): context parallel, chunk loss, a token budget (`micro_batch_tokens`),
 validation, `num_iterations > 1`.
