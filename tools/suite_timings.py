@@ -11,7 +11,7 @@ file and writes them out. conftest.py collects files longest first from that tab
 first and the two workers finish together. The last line printed is one JSON object: the wall time, pytest's exit
 code, the number of files, the summed seconds and the five longest files.
 
-It also records the run's test count, wall time, date and CPU in `tests/suite_summary.json` (`--tier full`, the
+It also records the run's test count (and failures, if any), wall time, date and CPU in `tests/suite_summary.json` (`--tier full`, the
 default, or `quick`) and rewrites the README's "Tests" block from that file, so the count and time the README
 shows are measured, never typed (`tests/test_readme.py` checks that the block is what the file renders).
 """
@@ -83,7 +83,9 @@ def render_block(summary: dict) -> str:
         run = summary.get(tier)
         if run:
             minutes, seconds = divmod(round(run["wall_s"]), 60)
-            lines.append(f"- {label}: {run['tests']} tests in {minutes} min {seconds:02d} s on {run['cpu']} "
+            failed = run.get("failed", 0) + run.get("error", 0) + run.get("errors", 0)
+            outcome = f", {failed} failed" if failed else ""
+            lines.append(f"- {label}: {run['tests']} tests{outcome} in {minutes} min {seconds:02d} s on {run['cpu']} "
                          f"({run['date']}, measured by `tools/suite_timings.py`).")
     return "\n".join([BLOCK_START, *lines, BLOCK_END])
 
@@ -115,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             pytest_args = SMOKE_ARGS + pytest_args
         code, wall, table, counts = measure(TIERS[args.tier] + pytest_args, out)
-    if not args.smoke and not args.pytest_args and code == 0:
+    if not args.smoke and not args.pytest_args and counts:
         summary = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else {}
-        summary[args.tier] = {"tests": sum(counts.get(k, 0) for k in ("passed", "skipped")), **counts,
+        summary[args.tier] = {"tests": sum(counts.values()), **counts,
                               "wall_s": round(wall, 1), "date": datetime.date.today().isoformat(), "cpu": cpu_model()}
         SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
         rewrite_readme(summary)
