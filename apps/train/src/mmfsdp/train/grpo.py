@@ -19,11 +19,13 @@ tokens, media, ground truth); a group (a prompt's `num_generations` completions)
    padding-free); the host works out, once, where each completion's tokens lie in the batch (`_Plan.index`).
 
 `micro_batch` runs the policy forward in its per-token mode (`mmfsdp.model.training_forward`, step 8: log-probs of
-`logits / temperature`, TRL's, and entropies), the reference's the same way when β > 0 (`mmfsdp.train.references`:
-the one live-reference rule, DPO's), and returns its share of `mmfsdp.model.rl.policy_objective`. `stats()` gives
-TRL's metric names, and `rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob| over
-the step's trained tokens, both from the weights before the update (the engine's are of the processed distribution:
-with top-k / top-p on they differ by the log of the kept mass, docs/rl.md ("Rollout engines")).
+`logits / temperature` over the whole vocabulary, TRL's, and entropies), the reference's the same way when β > 0
+(`mmfsdp.train.references`: the one live-reference rule, DPO's), and returns its share of
+`mmfsdp.model.rl.policy_objective`. `stats()` gives TRL's metric names and definitions, and
+`rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob of the sampled distribution|
+over the step's trained tokens, both from the weights before the update (the sampled distribution never draws a
+media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / top-p on they still differ by the log
+of the mass those keep, docs/rl.md ("Rollout engines")).
 
 `num_iterations` (TRL's μ): each generation batch (`_Generation`) trains `num_iterations` optimizer steps. Step s
 generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step itself when
@@ -400,13 +402,12 @@ class GRPOObjective(Objective):
                      advantages=advantages.float().to(to))
 
     def _reward_stats(self, totals, functions, lengths, truncated) -> dict[str, torch.Tensor]:
-        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars)."""
+        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars);
+        `reward_std` is TRL's: the std of the whole batch's rewards (not of each group's)."""
         G = self.g.num_generations
-        grouped = totals.view(-1, G)
-        group_std = grouped.std(dim=1) if G > 1 else torch.zeros(grouped.shape[0], dtype=totals.dtype)
         stats = {
             "reward": totals.mean(),
-            "reward_std": group_std.mean(),
+            "reward_std": totals.std(),
             "frac_reward_zero_std": zero_std_groups(totals.float(), G).double().mean(),
             "completions/mean_length": lengths.mean(),
             "completions/min_length": lengths.min(),
@@ -421,13 +422,13 @@ class GRPOObjective(Objective):
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         plan = self._plans[index]
         keywords = {"shift_labels": plan.targets, "loss_weights": plan.weights, "per_token": True,
-                    "temperature": self.g.temperature, "suppress_token_ids": self._suppressed}
+                    "temperature": self.g.temperature}
         generation, keep = self._generation, self.g.num_iterations > 1
         ref = generation.ref_logps[index]
         if self.reference is not None and ref is None:
             ref = self.reference.logps(inputs, keywords, None).reshape(-1)[plan.index]
             generation.ref_logps[index] = ref if keep else None
-        out = model(**inputs, **keywords)
+        out = model(**inputs, **keywords, suppress_token_ids=self._suppressed)
         logps = (-out.loss).reshape(-1)[plan.index] * plan.mask
         entropies = out.entropy.reshape(-1)[plan.index]
         old = generation.old_logps[index]  # None: the first iteration, on the weights that generated the batch
@@ -449,8 +450,10 @@ class GRPOObjective(Objective):
                 self._policy[POLICY_MEANS.index(name)] += value / count.clamp(min=1.0)
             self._extremes = torch.stack([torch.minimum(self._extremes[0], terms.extremes[0]),
                                           torch.maximum(self._extremes[1], terms.extremes[1])])
-            if old is None:
-                gap = ((logps.detach() - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
+            if old is None:  # the sampler's log-probabilities: the engine never draws a media placeholder
+                kept = out.kept_logmass
+                sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
+                gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
         return out, loss
 
