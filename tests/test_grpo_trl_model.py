@@ -51,7 +51,6 @@ from mmfsdp.train.grpo import GRPOObjective
 from mmfsdp.train.objective import ObjectiveContext
 from mmfsdp.train.references import FrozenReference
 
-pytestmark = pytest.mark.slow  # 20 cases of two models through both trainers: about a minute on two cores
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 G = 4
