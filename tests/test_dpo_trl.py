@@ -43,7 +43,7 @@ from mmfsdp.model.families.mistral3.testing import image_token_count
 from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_sample
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids
 from mmfsdp.model.preference import PAIR_STATS, pair_objective
-from mmfsdp.model.testing import assert_close, model_pair, rel_diff
+from mmfsdp.model.testing import assert_close, model_pair, perturb, to_dtype
 from mmfsdp.train.config import DPOConfig as OurDPOConfig
 from mmfsdp.train.config import TrainingConfig
 from mmfsdp.train.dpo import FrozenReference, PreferenceObjective
@@ -222,22 +222,6 @@ def trl_batch(family, pairs: list[Pair]) -> dict[str, torch.Tensor]:
 
 
 # -- the models and TRL's trainer -----------------------------------------------------------------------------------
-
-
-def perturb(models: list[torch.nn.Module], seed: int = 3, scale: float = 0.2) -> None:
-    """The same noise, scale · N(0, 1) (drawn in fp32), added to every parameter of each model (same names)."""
-    generator = torch.Generator().manual_seed(seed)
-    named = [dict(model.named_parameters()) for model in models]
-    with torch.no_grad():
-        for name, param in named[0].items():
-            noise = scale * torch.randn(param.shape, generator=generator)
-            for params in named:
-                params[name].add_(noise.to(params[name].dtype))
-
-
-def to_dtype(batch: dict, dtype: torch.dtype) -> dict:
-    """The batch with its floating-point tensors (pixel inputs) in `dtype`."""
-    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
 
 
 def trl_trainer(policy, reference, trl_loss: dict, tmp_path):

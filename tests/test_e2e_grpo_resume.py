@@ -1,8 +1,14 @@
-"""GRPO kill-and-resume through the real app: a 2-process qwen3vl-tiny GRPO run SIGKILLed after its step-2
-checkpoint and restarted with the same command continues bitwise — per-step loss, gradient norm, tokens and every
-logged GRPO statistic (rewards, lengths, entropy, clip ratios, `rollout/logprob_diff_max`) equal the uninterrupted
-run's. The completions of a step are keyed by (seed, step, prompt index, generation), so the restart generates
-exactly what the uninterrupted run generated after the checkpoint."""
+"""GRPO kill-and-resume through the real app: a 2-process qwen3vl-tiny GRPO run SIGKILLed after a checkpoint and
+restarted with the same command continues bitwise — per-step loss, gradient norm, tokens and every logged GRPO
+statistic (rewards, lengths, entropy, clip ratios, `rollout/logprob_diff_max`) equal the uninterrupted run's.
+
+- `num_iterations: 1`, killed after its step-2 checkpoint: the completions of a step are keyed by (seed, step,
+  prompt index, generation), so the restart generates exactly what the uninterrupted run generated after it.
+- `num_iterations: 2`, killed after its step-3 checkpoint, taken inside a generation batch (generated at step 3,
+  trained again at step 4): each rank's checkpoint holds the batch and the first iteration's log-probabilities
+  (`GRPOObjective.state_dict`), so the restart's step 4 trains on the same batch with the same old policy, and its
+  step 5 generates the next batch from the loader position after the step-3 prompts.
+"""
 
 import json
 from pathlib import Path
@@ -12,21 +18,25 @@ import pytest
 import apprun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-STEPS = 4
 STATS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "rewards/shared_letters/mean",
          "entropy", "clip_ratio/region_mean", "rollout/logprob_diff_max")
+RUNS = {  # name: (num_iterations, steps, the checkpoint the run is killed after)
+    "one_iteration": (1, 4, 2),
+    "two_iterations": (2, 5, 3),
+}
 
 
-def _items(data: Path, out: Path) -> dict:
+def _items(data: Path, out: Path, num_iterations: int, steps: int, save_interval: int) -> dict:
     return {
         **apprun.synthetic_items(data, num_train=32, num_eval=4),
-        **apprun.run_items(out, steps=STEPS, micro_batch_size=1, accumulation=2),
+        **apprun.run_items(out, steps=steps, micro_batch_size=1, accumulation=2),
         "training.stage": "grpo",
         "training.lr": 1.0e-2,
         "training.grpo.num_generations": 4,
         "training.grpo.max_completion_length": 6,
+        "training.grpo.num_iterations": num_iterations,
         "training.grpo.reward_funcs": f"[accuracy, '{apprun.ROOT / 'tests' / 'grpo_rewards.py'}:shared_letters']",
-        "training.save_interval": 2,
+        "training.save_interval": save_interval,
         "training.save": out / "ckpt",
         "training.load": out / "ckpt",
     }
@@ -40,15 +50,22 @@ def _rows(out: Path) -> dict[int, tuple]:
     return rows
 
 
-def test_grpo_kill_and_restart_continues_bitwise(tmp_path):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_grpo_kill_and_restart_continues_bitwise(tmp_path, run):
+    num_iterations, steps, kill_at = RUNS[run]
     reference_out = tmp_path / "reference"
-    apprun.run(apprun.command(apprun.QWEN, _items(tmp_path, reference_out)))
+    apprun.run(apprun.command(apprun.QWEN, _items(tmp_path, reference_out, num_iterations, steps, kill_at)))
     reference = _rows(reference_out)
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    assert sorted(reference) == list(range(1, steps + 1))
     out = tmp_path / "killed"
-    restart, _ = apprun.kill_and_restart(apprun.command(apprun.QWEN, _items(tmp_path, out)), out, 2, STEPS)
-    first = next(line for line in restart.stdout.splitlines() if f"/{STEPS} |" in line)
-    assert f"step 3/{STEPS}" in first, f"the restart's first logged step is not 3: {first}"
+    restart, _ = apprun.kill_and_restart(
+        apprun.command(apprun.QWEN, _items(tmp_path, out, num_iterations, steps, kill_at)), out, kill_at, steps)
+    first = next(line for line in restart.stdout.splitlines() if f"/{steps} |" in line)
+    assert f"step {kill_at + 1}/{steps}" in first, f"the restart's first logged step is not {kill_at + 1}: {first}"
+    assert "generates a new batch" not in restart.stdout + restart.stderr, "the restart did not restore its batch"
     rows = _rows(out)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         assert rows[step] == reference[step], f"step {step}: {rows[step]} vs the uninterrupted run's {reference[step]}"
+    if num_iterations > 1:  # a reused batch: the same rewards, trained on again by moved weights
+        assert reference[kill_at + 1][3:7] == reference[kill_at][3:7]
+        assert reference[kill_at + 2][3:7] != reference[kill_at][3:7]

@@ -34,7 +34,7 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.top_p=0", "training.grpo.top_p"),
         ("training.grpo.delta=0.5", "training.grpo.delta"),
         ("training.grpo.loss_type=ppo", "training.grpo.loss_type"),
-        ("training.grpo.num_iterations=2", "training.grpo.num_iterations"),
+        ("training.grpo.num_iterations=0", "training.grpo.num_iterations"),
         ("training.grpo.reward_funcs=[]", "training.grpo.reward_funcs"),
         ("training.grpo.reward_weights=[1.0, 2.0]", "training.grpo.reward_weights"),
         ("training.grpo.reward_funcs=[acuracy]", "training.grpo.reward_funcs[0].name"),
@@ -52,6 +52,12 @@ def test_mistakes_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
         _cfg(override)
     assert err.value.key == key or str(err.value).startswith(key), str(err.value)
+
+
+def test_several_iterations_per_generation_batch_load():
+    """TRL's `num_iterations` (μ): a batch is generated every μ steps and trained on μ times (docs/rl.md)."""
+    cfg = _cfg("training.grpo.num_iterations=3", "training.grpo.epsilon_high=0.28")
+    assert cfg.training.grpo.num_iterations == 3
 
 
 def test_prompts_and_pairs_exclude_each_other():

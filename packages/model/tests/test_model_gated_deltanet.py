@@ -169,6 +169,19 @@ def test_use_packed_forward_takes_hf_call_keywords():
     assert_close("output", got, want)
 
 
+def test_a_deep_copy_of_a_routed_module_runs_its_own_weights():
+    """`copy.deepcopy` of a model (a test's policy beside its reference) copies the routing with the weights."""
+    import copy
+
+    module = tiny_gdn()
+    use_packed_forward(module)
+    twin = copy.deepcopy(module)
+    with torch.no_grad():
+        twin.out_proj.weight.mul_(2.0)
+        hidden = torch.randn(1, 9, 32)
+        assert torch.allclose(twin(hidden), 2 * module(hidden), rtol=1e-5, atol=1e-6)
+
+
 def test_ulysses_needs_whole_key_heads_per_rank():
     from mmfsdp.model.context_parallel import CPContext
     from mmfsdp.parallel.cp import CPLayout

@@ -1,7 +1,9 @@
 """The training forward's per-token mode (online RL, `mmfsdp.model.training_forward` step 8): minus `.loss` is each
-completion token's log-probability under `softmax(logits / T)` with the suppressed tokens removed, as TRL's
+completion token's log-probability under `softmax(logits / T)` over the whole vocabulary, TRL's
 `selective_log_softmax(logits / T)` on plain HF logits, and `.entropy` the distribution's entropy; the gradients
-are plain HF's. The rollout's sampling log-probabilities use the same suppression (`warp_logits`)."""
+are plain HF's. Given the tokens the rollout never samples, `.kept_logmass` is the log of the other tokens' mass:
+the token's log-probability minus it is its log-probability under the sampler's distribution, the one the
+rollout's sampling log-probabilities are of (`warp_logits` with the same suppression)."""
 
 import pytest
 import torch
@@ -26,12 +28,15 @@ def test_per_token_logps_match_plain_hf(tiny_config, temperature):
                temperature=temperature, suppress_token_ids=suppressed)
     assert out.loss.shape == targets.shape and out.entropy.shape == targets.shape
     logits = reference(**model_inputs(batch)).logits.float()
-    logits[..., suppressed] = float("-inf")
     logps_V = (logits / temperature).log_softmax(-1)
     want = torch.where(targets != -100, logps_V.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1), 0.0)
     assert_close(-out.loss.detach(), want.detach(), TOL, "log-probabilities")
-    entropy = -torch.where(logps_V > float("-inf"), logps_V.exp() * logps_V, 0.0).sum(-1)
+    entropy = -(logps_V.exp() * logps_V).sum(-1)
     assert_close(out.entropy, entropy.detach(), TOL, "entropy")
+    sampler_V = (logits.index_fill(-1, suppressed, float("-inf")) / temperature).log_softmax(-1)
+    sampled = sampler_V.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    trained = targets != -100
+    assert_close((-out.loss - out.kept_logmass)[trained], sampled[trained].detach(), TOL, "sampler log-probabilities")
     (out.loss * torch.linspace(0.5, 1.5, out.loss.numel()).reshape(out.loss.shape)).sum().backward()
     (-want * torch.linspace(0.5, 1.5, want.numel()).reshape(want.shape)).sum().backward()
     ref_params = dict(reference.named_parameters())

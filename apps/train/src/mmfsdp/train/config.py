@@ -97,7 +97,7 @@ class GRPOConfig:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """One ratio per token, or one per sequence (GSPO)."""
     num_iterations: int = 1
-    """Optimizer steps on each generation batch (TRL's μ); > 1 computes the old policy's log-probabilities once per batch."""
+    """Optimizer steps on each generation batch (TRL's μ): a batch is generated every `num_iterations` steps and the steps between take no new prompts; > 1 keeps the log-probabilities of the weights that generated it as the old policy's (clipped importance ratios, docs/rl.md)."""
     mask_truncated_completions: bool = False
     """A completion cut at `max_completion_length` trains nothing (DAPO's overlong filtering)."""
     reward_funcs: list[str | dict[str, Any]] = field(default_factory=lambda: ["accuracy"])
@@ -117,8 +117,6 @@ class GRPOConfig:
         for key in ("max_completion_length", "num_iterations", "reward_workers"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        if self.num_iterations > 1:
-            raise ConfigError("num_iterations", f"{self.num_iterations}: more than one optimizer step per generation batch is not done yet; use 1")
         if not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0 (the trainer divides the logits by it), got {self.temperature}")
         if not 0 < self.top_p <= 1:

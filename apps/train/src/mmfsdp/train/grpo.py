@@ -5,8 +5,8 @@ tokens, media, ground truth); a group (a prompt's `num_generations` completions)
 `GRPOObjective.start_step` turns the step's prompt micro-batches into its training micro-batches:
 
 1. generation: every rank calls the rollout engine (`mmfsdp.model.rollout`, `training.grpo.rollout.engine`) with its
-   prompts, in lockstep (the engine's collectives); the draws are keyed by (seed, step, prompt index, generation), the
-   prompt index being the prompt's dataset index, so the completions do not depend on the layout;
+   prompts, in lockstep (the engine's collectives); the draws are keyed by (seed, generation index, prompt index,
+   generation), the prompt index being the prompt's dataset index, so the completions do not depend on the layout;
 2. rewards: this rank's completions (decoded, special tokens skipped) are scored against their ground truths by the
    run's `RewardSet` (`mmfsdp.data.rewards`, `training.grpo.reward_funcs`);
 3. the step's table: every rank's per-completion rewards (total and per function), lengths and truncation flags are
@@ -19,15 +19,29 @@ tokens, media, ground truth); a group (a prompt's `num_generations` completions)
    padding-free); the host works out, once, where each completion's tokens lie in the batch (`_Plan.index`).
 
 `micro_batch` runs the policy forward in its per-token mode (`mmfsdp.model.training_forward`, step 8: log-probs of
-`logits / temperature`, TRL's, and entropies), the reference's the same way when β > 0 (`mmfsdp.train.references`:
-the one live-reference rule, DPO's), and returns its share of `mmfsdp.model.rl.policy_objective`. With
-`num_iterations: 1` the old log-probabilities are the detached current ones (TRL's shortcut). `stats()` gives TRL's
-metric names, and `rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob| over the
-step's trained tokens, both from the weights before the update (the engine's are of the processed distribution:
-with top-k / top-p on they differ by the log of the kept mass, docs/rl.md ("Rollout engines")).
+`logits / temperature` over the whole vocabulary, TRL's, and entropies), the reference's the same way when β > 0
+(`mmfsdp.train.references`: the one live-reference rule, DPO's), and returns its share of
+`mmfsdp.model.rl.policy_objective`. `stats()` gives TRL's metric names and definitions, and
+`rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob of the sampled distribution|
+over the step's trained tokens, both from the weights before the update (the sampled distribution never draws a
+media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / top-p on they still differ by the log
+of the mass those keep, docs/rl.md ("Rollout engines")).
+
+`num_iterations` (TRL's μ): each generation batch (`_Generation`) trains `num_iterations` optimizer steps. Step s
+generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step itself when
+μ = 1); the following μ − 1 steps take nothing from the loader
+(`needs_batch`) and train on the same micro-batches, advantages and normalisers. The old policy's log-probabilities
+are those of the weights that generated the batch: TRL computes them with an extra no-grad forward before the first
+update; here the first iteration's forward runs on exactly those weights, so its log-probabilities, detached, are
+kept per micro-batch (`_Generation.old_logps`; on that iteration the ratio is 1, TRL's shortcut for μ = 1) and the
+later iterations' ratios use them; the reference's log-probabilities are kept the same way (TRL computes them once
+per generation batch too). A checkpoint taken inside a generation batch holds it in this rank's state
+(`state_dict`: prompts, completions, rewards table, the kept log-probabilities; the micro-batches are rebuilt from
+them), so a resumed run continues bitwise; with another world size it cannot be restored and the next step
+generates a new batch (a warning).
 
 Not done yet (refused by `check_config`): context parallel, chunk loss, a token budget (`micro_batch_tokens`),
-validation, `num_iterations > 1`.
+validation.
 """
 
 from __future__ import annotations
@@ -73,6 +87,34 @@ class _Plan:
     """fp32 `[n, T]`: the engine's sampling log-probs of the same tokens."""
     advantages: torch.Tensor
     """fp32 `[n]`."""
+
+
+@dataclass(slots=True)
+class _Generation:
+    """One generation batch, trained on for `num_iterations` steps: what the training micro-batches are built from
+    (`GRPOObjective._build`) and what a checkpoint taken before its last step keeps (`GRPOObjective.state_dict`)."""
+
+    number: int
+    """The rollout's key: the generation index (step - 1) // num_iterations + 1 (the step when num_iterations is 1)."""
+    prompts: list[list[dict[str, Any]]]
+    """The loader's prompt items, per micro-batch."""
+    completions: list[list[int]]
+    """This rank's completions, prompt by prompt, generation by generation."""
+    engine_logps: list[torch.Tensor]
+    """The engine's sampling log-prob of each completion's tokens (fp32, CPU)."""
+    table: torch.Tensor
+    """float64 `[3 + F, N]` of every rank's completions: reward totals, each function's rewards, lengths, truncation
+    flags (`_gather`)."""
+    offset: int
+    """This rank's first column of `table`."""
+    old_logps: list[torch.Tensor | None]
+    """Per micro-batch, the policy's log-probs `[n, T]` on the weights that generated the batch: the first iteration's
+    own (detached), the old policy of the later ones (`num_iterations > 1` only)."""
+    ref_logps: list[torch.Tensor | None]
+    """Per micro-batch, the reference's log-probs `[n, T]` (β > 0), computed by the first iteration (`num_iterations
+    > 1` only: the reference does not change)."""
+    diff_max: torch.Tensor
+    """This rank's `rollout/logprob_diff_max` of the first iteration (device scalar)."""
 
 
 class GRPOObjective(Objective):
@@ -174,20 +216,59 @@ class GRPOObjective(Objective):
         self._num_batches = 1
         self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
         self._extremes = torch.zeros(len(POLICY_EXTREME_STATS), device=self.device)
-        self._diff_max = torch.zeros((), device=self.device)
         self._names: tuple[str, ...] = ()
         self._any_trained = True
+        self._generation: _Generation | None = None
+        if self.step % self.g.num_iterations:  # resumed inside a generation batch
+            self._generation = self._restore((ctx.state or {}).get("generation"))
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The generation batch while steps remain on it (after step s with s % num_iterations != 0): its prompts,
+        completions, rewards table and the first iteration's log-probs, on the CPU; else nothing."""
+        g = self._generation
+        if g is None or self.step % self.g.num_iterations == 0:
+            return {}
+        return {"generation": {
+            "number": g.number, "num_generations": self.g.num_generations, "prompts": g.prompts,
+            "completions": g.completions, "engine_logps": g.engine_logps, "table": g.table, "offset": g.offset,
+            "old_logps": [_moved(t, "cpu") for t in g.old_logps], "ref_logps": [_moved(t, "cpu") for t in g.ref_logps],
+            "diff_max": g.diff_max.cpu(),
+        }}
+
+    def _restore(self, saved: dict[str, Any] | None) -> _Generation | None:
+        """The generation batch of a checkpoint taken inside it, with its training micro-batches rebuilt; None (a
+        warning: the next step generates a new batch) when the checkpoint has none for this rank."""
+        if not saved or saved["num_generations"] != self.g.num_generations:
+            log.warning(f"the checkpoint of step {self.step} was taken inside a generation batch "
+                        f"(num_iterations: {self.g.num_iterations}) but does not hold it for this rank (another world "
+                        "size or num_generations, or a run with fewer iterations): step "
+                        f"{self.step + 1} generates a new batch")
+            return None
+        generation = _Generation(
+            number=saved["number"], prompts=saved["prompts"], completions=saved["completions"],
+            engine_logps=saved["engine_logps"], table=saved["table"], offset=saved["offset"],
+            old_logps=[_moved(t, self.device) for t in saved["old_logps"]],
+            ref_logps=[_moved(t, self.device) for t in saved["ref_logps"]], diff_max=saved["diff_max"].to(self.device),
+        )
+        self._build(generation)
+        return generation
 
     # -- the step ------------------------------------------------------------------------------------------------
-    def _media(self, item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """(the item's sample keys, the rollout request's media: the family collator's media keys of it alone)."""
-        sample = {k: v for k, v in item.items() if k not in PROMPT_META}
+    @staticmethod
+    def _sample(item: dict[str, Any]) -> dict[str, Any]:
+        """A prompt item's keys of the family's samples."""
+        return {k: v for k, v in item.items() if k not in PROMPT_META}
+
+    def _media(self, item: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The rollout request's media: the family collator's media keys of the item alone."""
+        sample = self._sample(item)
         token_keys = set(self.plugin.token_inputs(item["input_ids"][:1]))
         media_keys = set(sample) - {"input_ids", "labels", *token_keys}
         if not media_keys:
-            return sample, {}
+            return {}
         batch = self.collator([[sample]])
-        return sample, {k: batch[k] for k in batch if k in media_keys}
+        return {k: batch[k] for k in batch if k in media_keys}
 
     def _gather(self, local: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every rank's columns `[K, n_r]` of a float64 table, in rank order, and this rank's first column."""
@@ -203,18 +284,39 @@ class GRPOObjective(Objective):
         table = torch.cat([part[:, :n] for part, n in zip(parts, sizes_h)], dim=1).cpu()
         return table, sum(sizes_h[: self.dims.dp_rank])
 
+    def needs_batch(self) -> bool:
+        """A new generation batch every `num_iterations` steps (steps 1, 1 + μ, ...), or when none is held (a
+        resume that could not restore one)."""
+        return self._generation is None or self.step % self.g.num_iterations == 0
+
     def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        fresh = self.needs_batch()
         self.step += 1
+        if fresh:
+            self._generation, log_rows = self._generate(micro_batches)
+            advantages = self._build(self._generation)
+            interval = self.g.log_completions_interval
+            if interval and self.rank == 0 and any((self.step + k) % interval == 0
+                                                   for k in range(self.g.num_iterations)):
+                self._write_completions(*log_rows, advantages)
+        self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
+        self._extremes = torch.tensor([float("inf"), float("-inf")], device=self.device)
+        return [plan.batch for plan in self._plans]
+
+    def _generate(self, micro_batches: list[dict[str, Any]]) -> tuple[_Generation, tuple]:
+        """Steps 1-3 of the module docstring: this rank's completions, every rank's rewards, lengths and flags; and
+        the rows of the completions log (items, texts, totals, per-function rewards)."""
         G = self.g.num_generations
-        prompts = [[self._media(item) + (item,) for item in mb["prompts"]] for mb in micro_batches]
+        prompts = [list(mb["prompts"]) for mb in micro_batches]
         requests = [
             RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
-                           num_generations=G, media=media)
-            for mb in prompts for _, media, item in mb
+                           num_generations=G, media=self._media(item))
+            for mb in prompts for item in mb
         ]
+        number = (self.step - 1) // self.g.num_iterations + 1
         self.engine.sync_weights(self.model, self.step - 1)
-        rollouts = self.engine.generate(requests, self.sampling, self.step)
-        items = [item for mb in prompts for _, _, item in mb for _ in range(G)]
+        rollouts = self.engine.generate(requests, self.sampling, number)
+        items = [item for mb in prompts for item in mb for _ in range(G)]
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         totals, per_function, counters = self.rewards.score(
             texts, [item["solution"] for item in items], [item["prompt_text"] for item in items])
@@ -226,36 +328,43 @@ class GRPOObjective(Objective):
         truncated = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.float64)
         local = torch.cat([totals[None].double(), per_function.double(), lengths[None], truncated[None]])
         table, offset = self._gather(local.reshape(local.shape[0], -1))
-        F = per_function.shape[0]
+        generation = _Generation(
+            number=number, prompts=prompts, completions=[list(r.completion_ids) for r in rollouts],
+            engine_logps=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], table=table,
+            offset=offset, old_logps=[None] * len(prompts), ref_logps=[None] * len(prompts),
+            diff_max=torch.zeros((), device=self.device),
+        )
+        return generation, (items, texts, totals, per_function)
+
+    def _build(self, generation: _Generation) -> torch.Tensor:
+        """Steps 4-5 of the module docstring, from a generation batch alone (also a restored one): advantages,
+        global normalisers, reward statistics and the training micro-batches (`_plans`). Returns this rank's
+        advantages."""
+        G = self.g.num_generations
+        table, offset, count = generation.table, generation.offset, len(generation.completions)
+        F = table.shape[0] - 3
         all_totals, all_functions, all_lengths, all_truncated = table[0], table[1 : 1 + F], table[1 + F], table[2 + F]
         advantages = group_advantages(all_totals.float(), G, self.g.scale_rewards)
-        mine = advantages[offset : offset + len(rollouts)]
+        mine = advantages[offset : offset + count]
         trains = torch.ones_like(all_truncated) if not self.g.mask_truncated_completions else 1 - all_truncated
         self._num_sequences = torch.tensor(float(all_totals.numel()), device=self.device)
         trained_tokens = float((all_lengths * trains).sum())
         self._any_trained = trained_tokens > 0
         self._num_tokens = torch.tensor(trained_tokens, device=self.device)
-        self._num_batches = len(micro_batches) * self.dims.dp_size
+        self._num_batches = len(generation.prompts) * self.dims.dp_size
         self._stats = self._reward_stats(all_totals, all_functions, all_lengths, all_truncated)
 
-        samples = [sample for mb in prompts for sample, _, _ in mb]
-        out, self._plans, start = [], [], 0
-        for mb in prompts:
-            count = len(mb) * G
+        self._plans, start = [], 0
+        for mb in generation.prompts:
+            samples = [self._sample(item) for item in mb]
+            end = start + len(mb) * G
             sequences = [
-                self._sequence(samples[k // G], rollouts[k].completion_ids, bool(trains[offset + k]))
-                for k in range(start, start + count)
+                self._sequence(samples[(k - start) // G], generation.completions[k], bool(trains[offset + k]))
+                for k in range(start, end)
             ]
-            engine = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts[start : start + count]]
-            self._plans.append(self._plan(sequences, engine, mine[start : start + count]))
-            out.append(self._plans[-1].batch)
-            start += count
-        self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
-        self._extremes = torch.tensor([float("inf"), float("-inf")], device=self.device)
-        self._diff_max = torch.zeros((), device=self.device)
-        if self.g.log_completions_interval and self.step % self.g.log_completions_interval == 0 and self.rank == 0:
-            self._write_completions(items, texts, totals, per_function, mine)
-        return out
+            self._plans.append(self._plan(sequences, generation.engine_logps[start:end], mine[start:end]))
+            start = end
+        return mine
 
     def _sequence(self, sample: dict[str, Any], completion: list[int], trains: bool) -> dict[str, Any]:
         """Prompt + completion as a sample of the family collator: labels on the completion (none when it does not
@@ -293,13 +402,12 @@ class GRPOObjective(Objective):
                      advantages=advantages.float().to(to))
 
     def _reward_stats(self, totals, functions, lengths, truncated) -> dict[str, torch.Tensor]:
-        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars)."""
+        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars);
+        `reward_std` is TRL's: the std of the whole batch's rewards (not of each group's)."""
         G = self.g.num_generations
-        grouped = totals.view(-1, G)
-        group_std = grouped.std(dim=1) if G > 1 else torch.zeros(grouped.shape[0], dtype=totals.dtype)
         stats = {
             "reward": totals.mean(),
-            "reward_std": group_std.mean(),
+            "reward_std": totals.std(),
             "frac_reward_zero_std": zero_std_groups(totals.float(), G).double().mean(),
             "completions/mean_length": lengths.mean(),
             "completions/min_length": lengths.min(),
@@ -314,15 +422,21 @@ class GRPOObjective(Objective):
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         plan = self._plans[index]
         keywords = {"shift_labels": plan.targets, "loss_weights": plan.weights, "per_token": True,
-                    "temperature": self.g.temperature, "suppress_token_ids": self._suppressed}
-        ref = None
-        if self.reference is not None:
+                    "temperature": self.g.temperature}
+        generation, keep = self._generation, self.g.num_iterations > 1
+        ref = generation.ref_logps[index]
+        if self.reference is not None and ref is None:
             ref = self.reference.logps(inputs, keywords, None).reshape(-1)[plan.index]
-        out = model(**inputs, **keywords)
+            generation.ref_logps[index] = ref if keep else None
+        out = model(**inputs, **keywords, suppress_token_ids=self._suppressed)
         logps = (-out.loss).reshape(-1)[plan.index] * plan.mask
         entropies = out.entropy.reshape(-1)[plan.index]
+        old = generation.old_logps[index]  # None: the first iteration, on the weights that generated the batch
+        if old is None and keep:
+            generation.old_logps[index] = logps.detach()
         loss, terms = policy_objective(
-            logps, plan.advantages, plan.mask, loss_type=self.g.loss_type, num_sequences_global=self._num_sequences,
+            logps, plan.advantages, plan.mask, old_logps=old, loss_type=self.g.loss_type,
+            num_sequences_global=self._num_sequences,
             num_tokens_global=self._num_tokens, num_batches_global=self._num_batches,
             max_completion_length=self.g.max_completion_length, ref_logps=ref, entropies=entropies, beta=self.g.beta,
             epsilon=self.g.epsilon, epsilon_high=self.g.epsilon_high, delta=self.g.delta,
@@ -336,13 +450,17 @@ class GRPOObjective(Objective):
                 self._policy[POLICY_MEANS.index(name)] += value / count.clamp(min=1.0)
             self._extremes = torch.stack([torch.minimum(self._extremes[0], terms.extremes[0]),
                                           torch.maximum(self._extremes[1], terms.extremes[1])])
-            gap = ((logps.detach() - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
-            self._diff_max = torch.maximum(self._diff_max, torch.as_tensor(gap, device=self.device))
+            if old is None:  # the sampler's log-probabilities: the engine never draws a media placeholder
+                kept = out.kept_logmass
+                sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
+                gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
+                generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
         return out, loss
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []
         low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
+        diff_max = self._generation.diff_max.clone()  # the generation's: kept (unreduced) for its later steps
         if not self._any_trained and self.g.importance_sampling_level == "token":
             low.fill_(float("nan")), high.fill_(float("nan"))  # no sequence with a trained token anywhere: TRL's NaN
         if self.dims.dp_size > 1:
@@ -350,10 +468,10 @@ class GRPOObjective(Objective):
             reductions += [dist.all_reduce(self._policy, group=group, async_op=True),
                            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group, async_op=True),
                            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                           dist.all_reduce(self._diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+                           dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         policy = {name: self._policy[POLICY_MEANS.index(name)] for name in self._names}
         return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
-                "rollout/logprob_diff_max": self._diff_max}, reductions
+                "rollout/logprob_diff_max": diff_max}, reductions
 
     def _write_completions(self, items, texts, totals, per_function, advantages) -> None:
         path = self.output_dir / COMPLETIONS_FILE
@@ -367,6 +485,10 @@ class GRPOObjective(Objective):
                     "advantage": float(advantages[k]),
                 }) + "\n")
 
+
+
+def _moved(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _metric_name(name: str) -> str:

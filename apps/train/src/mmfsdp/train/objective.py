@@ -6,7 +6,9 @@ A stage is its objective. Each class declares, for the stage it is registered un
   it needs beside it (DPO: a reference; a stage with generation would add its rollout engine);
 - its step: the loop (`Trainer.train_step`) is the same for every stage: it hands the step's micro-batches to
   `objective.start_step` (before any forward: the global normalisers), which returns the micro-batches to train on
-  (the same ones; GRPO's: the completions it generates from the loader's prompts), then for each micro-batch calls
+  (the same ones; GRPO's: the completions it generates from the loader's prompts; none are taken from the loader
+  for a step whose `objective.needs_batch()` says no: GRPO's later iterations on one batch), then for each
+  micro-batch calls
   `objective.micro_batch(model, i, inputs)`, which runs the forward(s) and returns the model output and this rank's
   share of the step objective (the shares of all ranks and micro-batches add up to the global objective; the loop
   backpropagates `share × world_size`, docs/parallelism.md), and at the end reads `objective.stats()` (device
@@ -14,7 +16,8 @@ A stage is its objective. Each class declares, for the stage it is registered un
 - its config rules (`configure`, `check_config`: called by `mmfsdp.train.config` before any process group), its
   memory-plan terms (`sequences_per_sample`, `memory_terms`, `memory_savings`: `mmfsdp.train.memory`), its
   held-out metrics (`eval_metrics`: `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
-  `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`).
+  `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`; `state_dict`: this rank's state between steps,
+  saved with the trainer's per-rank state and given back to `build` as `ObjectiveContext.state`).
 
 No other module compares `training.stage` (tests/test_stage_isolation.py). This module holds the base and the
 SFT objective; each other stage is a module of its own beside it (`mmfsdp.train.dpo`, `mmfsdp.train.grpo`).
@@ -75,6 +78,9 @@ class ObjectiveContext:
     fresh_loader: Callable[[], Any]
     """Builds a training loader in the run's current data state (the micro-batches the run will train on next)."""
     to_device: Callable[[dict[str, Any]], dict[str, Any]]
+    state: dict[str, Any] | None = None
+    """This rank's stage state saved with the checkpoint the run resumes (`Objective.state_dict`); None: a fresh
+    start, a checkpoint of another world size (per-rank state is not restored) or none saved."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +148,16 @@ class Objective(abc.ABC):
     def build(cls, ctx: ObjectiveContext) -> Objective:
         """The objective of a run, with the models it holds beside the policy."""
 
+    def needs_batch(self) -> bool:
+        """Whether the next step takes its micro-batches from the loader; a stage that trains several steps on one
+        batch (GRPO's `num_iterations`) says no in between, and its `start_step` then gets none."""
+        return True
+
     @abc.abstractmethod
     def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Before the step's first forward: what the step needs from all the loader's micro-batches (global
         normalisers); returns the micro-batches the step trains on (the loader's, or, for a stage that generates,
-        the ones it builds from them)."""
+        the ones it builds from them; `[]` from the trainer when `needs_batch` said no)."""
 
     @abc.abstractmethod
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
@@ -155,6 +166,11 @@ class Objective(abc.ABC):
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         """The step's statistics (device tensors) and the collectives still writing into them."""
         return {}, []
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state that a checkpoint after the current step must keep for the run to continue bitwise
+        (given back as `ObjectiveContext.state`); plain tensors, numbers, strings and containers."""
+        return {}
 
     def eval_metrics(self) -> Any | None:
         """The stage's own held-out metrics (`mmfsdp.train.evaluate.ObjectiveMetrics`), or None."""

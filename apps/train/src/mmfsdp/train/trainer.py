@@ -19,7 +19,8 @@ loop and its components"):
   step's loss and statistics, the models it holds beside the policy (DPO's reference), its held-out metrics;
 - the family's `StepTerms` (`entry.step_terms`): extra loss terms and step statistics (a MoE's router loss).
 
-One optimizer step (`train_step`) takes `gradient_accumulation_steps` micro-batches from the loader. Before any
+One optimizer step (`train_step`) takes `gradient_accumulation_steps` micro-batches from the loader (none when the
+objective trains this step on the batch it already holds: `Objective.needs_batch`). Before any
 forward, the loss weights of every token of the step are computed from the labels of all its micro-batches,
 with the normalisers reduced over the data-parallel group (`mmfsdp.model.compute_loss_weights`), so the summed
 loss is the global-batch loss whatever the split into ranks and micro-batches; docs/parallelism.md explains the
@@ -145,6 +146,8 @@ class Trainer:
         self.loader = self._build_loader()
         self.balance_meter = BalanceMeter(self.device)
         self.step = 0
+        self.objective_state: dict[str, Any] | None = None
+        """The resumed checkpoint's stage state of this rank (`ObjectiveContext.state`)."""
         self.heartbeat = LoopHeartbeat()
         self.evaluator = Evaluator(
             cfg, model=self.model, processor=self.processor, dims=self.dims, device=self.device,
@@ -217,7 +220,7 @@ class Trainer:
             cfg=self.cfg, dims=self.dims, device=self.device, rank=self.rank, output_dir=self.output_dir,
             step=self.step, model=self.model, train_dataset=self.train_dataset, evaluator=self.evaluator,
             frozen_copy=self._frozen_copy, train_collator=self.loader.collator, fresh_loader=self._build_loader,
-            to_device=self._to_device,
+            to_device=self._to_device, state=self.objective_state,
         ))
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -294,13 +297,15 @@ class Trainer:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": loader}
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict()}
+        """This rank's data position and its stage's state between steps (`Objective.state_dict`)."""
+        return {"loader": self.loader.state_dict(), "objective": self.objective.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
         self.step = int(state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         if rank_state is not None:
             self.loader.load_state_dict(rank_state["loader"])
+            self.objective_state = rank_state.get("objective")
         else:
             # Different world size: keep the global sample offset of the epoch (see docs/checkpoints.md).
             self.loader.load_state_dict(state["loader"])
@@ -333,7 +338,8 @@ class Trainer:
         """One optimizer step; its numbers stay on the device (`StepResult.pending`)."""
         t = self.cfg.training
         step = self.step + 1
-        micro_batches = self.objective.start_step(self.loader.next_step(t.gradient_accumulation_steps))
+        drawn = self.loader.next_step(t.gradient_accumulation_steps) if self.objective.needs_batch() else []
+        micro_batches = self.objective.start_step(drawn)
         terms = self.entry.step_terms(self.cfg.features.loss_cfg)
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         num_tokens = 0

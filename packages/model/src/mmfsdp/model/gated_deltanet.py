@@ -68,6 +68,7 @@ K conv kernel, N samples/segments.
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -414,24 +415,25 @@ def use_packed_forward(module: Any, kernel: str = "auto") -> None:
     from mmfsdp.model.context_parallel import CP_CONTEXT_KEY
 
     set_kernel(module, kernel)
-    original = module.forward
+    original = type(module).forward
 
-    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
         if cache is not None or kwargs.get("cache_params") is not None:
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return original(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None and attention_mask.dim() == 2:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         cu_seq_lens, cp = kwargs.get("cu_seq_lens_q"), kwargs.get(CP_CONTEXT_KEY)
         batch_plan = kwargs.get(BATCH_PLAN_KEY)
         plan = None if batch_plan is None else batch_plan.layers.get(PLAN_NAME)
-        kernel = module.gdn_kernel
+        kernel = self.gdn_kernel
         if cu_seq_lens is None or cp is not None:
-            return gated_deltanet_forward(module, hidden_states, cu_seq_lens, cp, kernel=kernel, plan=plan)
+            return gated_deltanet_forward(self, hidden_states, cu_seq_lens, cp, kernel=kernel, plan=plan)
         B, T, D = hidden_states.shape
-        out = gated_deltanet_forward(module, hidden_states.reshape(1, B * T, D), cu_seq_lens, kernel=kernel, plan=plan)
+        out = gated_deltanet_forward(self, hidden_states.reshape(1, B * T, D), cu_seq_lens, kernel=kernel, plan=plan)
         return out.reshape(B, T, -1)
 
-    module.forward = forward
+    # bound to the module, not a closure over it: a deep copy of the model runs its own weights
+    module.forward = types.MethodType(forward, module)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -134,21 +134,24 @@ def sequence_cross_entropy(
 def token_cross_entropy(
     logits: torch.Tensor, shift_labels: torch.Tensor, loss_weights: torch.Tensor, temperature: float = 1.0,
     suppress_token_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per token, `[B, S]` fp32 (fp64 for fp64 logits): `w_t · CE(logits_t / T, y_t)` (targets -100 add 0; with
     `w_t = 1` on the completion tokens, minus it is each token's log-probability under the policy sampled at
-    temperature T, TRL's `selective_log_softmax(logits / T)`), and the detached entropy of `softmax(logits_t / T)`
-    (TRL's `entropy_from_logits`; online RL's `entropy` statistic). `suppress_token_ids`: tokens the policy never
-    samples (`mmfsdp.model.rollout.SamplingParams`), their logits −inf first."""
-    scaled = logits.to(loss_dtype(logits.dtype))
-    if suppress_token_ids is not None and suppress_token_ids.numel():
-        scaled = scaled.index_fill(-1, suppress_token_ids.to(scaled.device), float("-inf"))
-    scaled = scaled / temperature
+    temperature T over the whole vocabulary, TRL's `selective_log_softmax(logits / T)`), the detached entropy of
+    `softmax(logits_t / T)` (TRL's `entropy_from_logits`; online RL's `entropy` statistic) and, given the tokens a
+    sampler never draws (`suppress_token_ids`, `mmfsdp.model.rollout.SamplingParams`), the detached log of the
+    mass of the others, `log Σ_{v ∉ suppressed} softmax(logits_t / T)_v`: minus it, added to a token's
+    log-probability, gives its log-probability under the sampler's distribution (None without them)."""
+    scaled = logits.to(loss_dtype(logits.dtype)) / temperature
     per_token = _per_token_cross_entropy(scaled, shift_labels) * loss_weights.reshape(-1).to(scaled.dtype)
+    kept = None
     with torch.no_grad():
         logps = scaled.detach().log_softmax(dim=-1)
         entropy = -torch.where(logps > float("-inf"), logps.exp() * logps, 0.0).sum(dim=-1)
-    return per_token.reshape(shift_labels.shape), entropy.reshape(shift_labels.shape)
+        if suppress_token_ids is not None and suppress_token_ids.numel():
+            dropped = logps.index_select(-1, suppress_token_ids.to(logps.device)).logsumexp(dim=-1)
+            kept = torch.log1p(-dropped.exp()).reshape(shift_labels.shape)
+    return per_token.reshape(shift_labels.shape), entropy.reshape(shift_labels.shape), kept
 
 
 def segment_sum(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:

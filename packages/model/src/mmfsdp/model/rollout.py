@@ -113,7 +113,8 @@ class SamplingParams:
     suppress_token_ids: tuple[int, ...] = ()
     """Tokens never sampled: their logits are −inf before anything else (transformers' `suppress_tokens`). An RL
     stage suppresses the media placeholder tokens (a completion is text; a placeholder without its image would break
-    the training forward) and computes its own log-probabilities with the same tokens masked."""
+    the training forward); its trainer's log-probabilities are over the whole vocabulary (TRL's), those of the
+    sampled distribution are lower by the log of the kept mass (`training_forward` step 8, `.kept_logmass`)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -5,7 +5,9 @@ round-trip tests' helpers (`mm-convert GenericDCPConverter ...`, returning its e
 
 `model_pair(config)` builds our wrapper (the registered family whose
 `config_class` the config is) and the plain HF model with the same random
-weights; `model_inputs(batch)` is every key of a batch but the labels; `rel_diff(a, b)` is the tensor-wise relative difference the
+weights, `perturb(models)` adds the same noise to each (a policy moved away from its reference, a stand-in for an
+optimizer step), `to_dtype(batch, dtype)` casts a batch's floating-point tensors; `model_inputs(batch)` is every
+key of a batch but the labels; `rel_diff(a, b)` is the tensor-wise relative difference the
 parity tests bound (max |a − b| / max |b|); `assert_close(actual, expected, tol, what)` bounds it and records the
 measured value against its bound where `MMFSDP_RECORD_MARGINS` names a file (`mmfsdp.parallel.testing.record_margin`;
 `tools/tolerance_margins.py` reads them: how close each test comes to its tolerance on this machine).
@@ -29,6 +31,8 @@ from mmfsdp.parallel.testing import assert_within
 
 __all__ = [
     "model_pair",
+    "perturb",
+    "to_dtype",
     "rel_diff",
     "assert_close",
     "model_inputs",
@@ -36,6 +40,22 @@ __all__ = [
     "assert_bit_exact",
     "mm_convert",
 ]
+
+
+def perturb(models: list[nn.Module], seed: int = 3, scale: float = 0.2) -> None:
+    """The same noise, scale · N(0, 1) (drawn in fp32), added to every parameter of each model (same names)."""
+    generator = torch.Generator().manual_seed(seed)
+    named = [dict(model.named_parameters()) for model in models]
+    with torch.no_grad():
+        for name, param in named[0].items():
+            noise = scale * torch.randn(param.shape, generator=generator)
+            for params in named:
+                params[name].add_(noise.to(params[name].dtype))
+
+
+def to_dtype(batch: dict, dtype: torch.dtype) -> dict:
+    """The batch with its floating-point tensors (pixel inputs) in `dtype`."""
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:

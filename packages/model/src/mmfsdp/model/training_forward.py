@@ -58,11 +58,13 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    parallel the shards' sums are all-reduced over the CP group with autograd (its backward sums the gradients
    over the group), so every CP rank holds the whole sequences' sums; a consumer that adds up the ranks'
    losses scales its loss by `1 / cp_size` (`mmfsdp.train.objective`).
-8. Per-token values (online RL): with `per_token=True` (and `temperature`, default 1, and the tokens the policy
-   never samples, `suppress_token_ids`), `.loss` is the fp32 `[B, S]`
-   tensor `w_t · CE(logits_t / T, y_t)` (`token_cross_entropy`: with unit weights on the completion tokens, minus
-   the policy's per-token log-probabilities, TRL's) and `.entropy` the detached per-token entropies of
-   `softmax(logits / T)`. Not done yet with chunk loss or context parallel (both refuse it).
+8. Per-token values (online RL): with `per_token=True` (and `temperature`, default 1), `.loss` is the fp32
+   `[B, S]` tensor `w_t · CE(logits_t / T, y_t)` (`token_cross_entropy`: with unit weights on the completion
+   tokens, minus the policy's per-token log-probabilities over the whole vocabulary, TRL's) and `.entropy` the
+   detached per-token entropies of `softmax(logits / T)`; given the tokens the rollout never samples
+   (`suppress_token_ids`), `.kept_logmass` is the detached log of the other tokens' mass (the sampler's
+   log-probability of a token is its log-probability minus it). Not done yet with chunk loss or context parallel
+   (both refuse it).
 
 `forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
 so evaluation and generation see the HF model.
@@ -350,7 +352,7 @@ class TrainingForwardMixin:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 if per_token:
-                    outputs.loss, outputs.entropy = token_cross_entropy(
+                    outputs.loss, outputs.entropy, outputs.kept_logmass = token_cross_entropy(
                         outputs.logits, shift_labels, loss_weights, temperature, suppress_token_ids
                     )
                 elif sequence_ids is None:

@@ -234,6 +234,12 @@ class Qwen3_5TestKit(Qwen3VLTestKit):
         del vision["deepstack_visual_indexes"]
         return vision
 
+    def same_kernels(self, reference: nn.Module) -> None:
+        """HF's Gated DeltaNet layers run its torch fallback of the delta rule, which orders the same sums otherwise
+        than ours (`mmfsdp.model.gated_deltanet`): the HF model's layers are routed through ours too."""
+        for module in gated_deltanet_layers(reference.model.language_model):
+            use_packed_forward(module)
+
 
 @register_model("qwen3_5")
 class Qwen3_5Entry(Qwen3VLEntry):
