@@ -17,9 +17,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports torch
 
 from mmfsdp.parallel.testing import preload_for_ranks  # noqa: E402
+from mmfsdp.train.cli import RANK_PRELOAD  # noqa: E402
 
-# what the ranks of `run_distributed` import once, in the forkserver they fork from
-preload_for_ranks("transformers", "mmfsdp.model.all_families", "mmfsdp.data", "mmfsdp.ckpt")
+# what the ranks of `run_distributed` import once, in the forkserver they fork from: what the app's launcher
+# imports before it forks its ranks, and every model family
+preload_for_ranks(*RANK_PRELOAD, "mmfsdp.model.all_families", "mmfsdp.ckpt")
 
 FILE_SECONDS = Path(__file__).resolve().parent / "tests" / "file_seconds.json"
 RECORD_ENV = "MMFSDP_RECORD_FILE_SECONDS"

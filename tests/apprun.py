@@ -1,5 +1,5 @@
-"""Helpers for end-to-end tests that drive the real app as a subprocess (`python apps/train CONFIG ...`), and the
-paths every end-to-end test names (the repository root, the app, the tiny examples' configs and model directories).
+"""Helpers for end-to-end tests that drive the real app as its command line runs it (`python apps/train CONFIG ...`,
+forked with its imports done: `toolrun`), and the paths every end-to-end test names (the repository root, the app, the tiny examples' configs and model directories).
 
 Imported by the tests as `apprun` (the `tests` directory is on pytest's `pythonpath`).
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from mmfsdp.parallel.testing import record_margin
+from toolrun import run_tool, start_script
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "apps" / "train"
@@ -73,10 +74,23 @@ def command(config: Path, items: dict, nproc: int = 2) -> list[str]:
     return [sys.executable, str(APP), str(config), *overrides(items), "--nproc-per-node", str(nproc)]
 
 
-def run(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _script(cmd: list[str]) -> tuple[str, list[str]] | None:
+    """`cmd`'s script and arguments where it is `python SCRIPT ARGS...` (the app, an example's script), else None."""
+    if len(cmd) > 1 and cmd[0] == sys.executable and not cmd[1].startswith("-"):
+        return cmd[1], cmd[2:]
+    return None
+
+
+def run(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+        fresh: bool = False) -> subprocess.CompletedProcess:
     """Run the app to its end (in `env`, default this process's environment); a non-zero exit fails the test with
-    the output's tail."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    the output's tail. `python SCRIPT ...` runs forked from the test ranks' forkserver, its imports done
+    (`toolrun.run_tool`: the same process but for the interpreter start); `fresh` starts an interpreter for it."""
+    script = None if fresh else _script(cmd)
+    if script is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    else:
+        proc = run_tool(*script, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -168,8 +182,14 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(cmd: list[str]):
+    """Start `cmd` in a session of its own, its output discarded (`python SCRIPT ...` forked as `run` does); a
+    `subprocess.Popen` or its like (`toolrun.start_script`)."""
+    script = _script(cmd)
+    if script is None:
+        return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    return start_script(*script)
 
 
 def kill_when(proc: subprocess.Popen, ready, what: str, deadline_s: float = 600, poll_s: float = 0.05) -> None:

@@ -53,7 +53,7 @@ def test_the_launcher_writes_its_console_and_every_ranks_to_one_log(tmp_path_fac
     run_items = {**items(data, out), "training.train_iters": 2, "training.save_interval": 0}
     # as a user starts it: OMP_NUM_THREADS unset (the suite's conftest sets it for the tests' own processes)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = apprun.run(apprun.command(TINY, run_items), timeout=300, env=env)
+    proc = apprun.run(apprun.command(TINY, run_items), timeout=300, env=env, fresh=True)  # a fresh interpreter
     logs = sorted((out / "logs").iterdir())
     assert len(logs) == 1 and re.fullmatch(r"train_\d{8}_\d{6}\.log", logs[0].name), logs
     text = logs[0].read_text()

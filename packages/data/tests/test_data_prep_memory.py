@@ -1,10 +1,11 @@
 """Dataset preparation keeps no Python object per row: its memory does not grow with the rows.
 
 The whole path that `mm-data stats` and the trainer's set-up run — raw rows (JSONL and a JSON list), the tokenizing
-pass, the good rows' index, `sample_stats`, `media_kinds`, `vision_token_stats` — runs twice on 2,000 and twice on
-8,000 synthetic rows (text-only, one and two images, bad rows) under `tracemalloc`. Python's allocations and
-numpy's are traced (Arrow's buffers are not; they are one batch at a time, read as a stream, and
-`tools/bench/data_prep.py` measures the process's RSS).
+pass, the good rows' index, `sample_stats`, `media_kinds`, `vision_token_stats` — runs twice on 500 and twice on
+4,000 synthetic rows (text-only, one and two images, bad rows) under `tracemalloc`, with Arrow record batches of 125
+rows (HF datasets' default is 1,000; the sizes scale with it). Python's allocations and numpy's are traced (Arrow's
+buffers are not; they are one batch at a time, read as a stream, and `tools/bench/data_prep.py` measures the
+process's RSS).
 
 Each size's peak is the lower of its two runs: now and then one run also holds a one-off reallocation of Python's
 table of interned strings (~7 MiB in a process with torch imported; pathlib interns each path's parts, so the
@@ -14,7 +15,8 @@ The bound: the larger size's traced peak may exceed the smaller one's by at most
 extra row: what is inherently kept per sample — the dataset's int32 (row, length) index, 8 bytes (16 while it grows
 by doubling), and `sample_stats`' three int64 arrays, 24 — fits in it; `mm-data stats`' two int32 counts and a
 sorted copy for the percentiles, 12, exist only while it runs. Measured (2026-12-05): 2 (JSON list) and -7 (JSONL)
-bytes per row (the peak is the tokenizing pass's batch buffers, flat in the rows). Before the pass streamed,
+bytes per row (the peak is the tokenizing pass's batch buffers, flat in the rows); with 125-row batches
+(2026-12-06) 4.5 (JSON list) and 9 (JSONL) between 500 and 4,000 rows. Before the pass streamed,
 `mm-data stats` kept each row's tokens and paths as Python objects: about 3 KB per row; the previous bound was 200.
 """
 
@@ -30,9 +32,11 @@ from mmfsdp.data import build_dataset, prepare_dataset
 from mmfsdp.data import json_rows
 from mmfsdp.data.cli import vision_token_stats
 
-SIZES = (2_000, 8_000)
-"""Both large enough that both runs hold the same batch-sized buffers at their peak (at 1,000 rows they are still
-smaller: the traced peak is flat from about 2,000 rows on)."""
+SIZES = (500, 4_000)
+"""Both large enough that both runs hold the same batch-sized buffers at their peak (with `BATCH_ROWS` rows per
+batch; at 1,000-row batches the traced peak is flat from about 2,000 rows on)."""
+BATCH_ROWS = 125
+"""Rows per Arrow record batch of the raw and tokenized files (`datasets.config.DEFAULT_MAX_BATCH_SIZE`)."""
 BYTES_PER_ROW = 32
 
 
@@ -67,9 +71,12 @@ def _prepare(cfg, processor) -> tuple[int, int]:
     return peak, dataset.num_rows
 
 
-@pytest.mark.slow  # ~60 CPU-seconds: 40,000 rows tokenized under tracemalloc
+@pytest.mark.slow  # ~25 CPU-seconds: 18,000 rows tokenized under tracemalloc
 def test_preparation_memory_does_not_grow_with_rows(tiny_dir, tiny_processor, tmp_path, h, monkeypatch):
-    monkeypatch.setattr(json_rows, "_READ_BYTES", 1 << 16)  # a JSON list is read in several pieces
+    import datasets
+
+    monkeypatch.setattr(json_rows, "_READ_BYTES", 1 << 14)  # a JSON list is read in several pieces
+    monkeypatch.setattr(datasets.config, "DEFAULT_MAX_BATCH_SIZE", BATCH_ROWS)
     for k in range(2):
         h.write_image(tmp_path / "img" / f"{k}.png", 16 + 16 * k, 16, seed=k)
     for kind in ("jsonl", "json"):

@@ -312,18 +312,24 @@ def _launch(world_size: int, worker_args: list[str]) -> int:
     return _run_agent(lambda: torchrun_main(launch_args))
 
 
-# What the launcher imports before it forks ranks: what every rank imports anyway, so it is paid once.
-_RANK_PRELOAD = (
+RANK_PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.tensor",
     "transformers",
-    "datasets",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.processing_auto",
+    "transformers.models.auto.image_processing_auto",
+    "datasets",  # the token cache's arrow files (and pandas, which it imports)
     "mmfsdp.data",
+    "mmfsdp.data.all_families",
     "mmfsdp.train.trainer",
     "mmfsdp.train.check",
     "mmfsdp.train.evaluate",
 )
+"""What the launcher imports before it forks ranks: what every rank imports anyway (its first lookups of a
+tokenizer, processor, template and token cache import these lazily), so it is paid once, not once per rank; the
+test suite's rank forkserver preloads the same (conftest.py)."""
 
 
 def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> int:
@@ -345,7 +351,7 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> in
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch's OpenMP runtime loads, which reads it once
     family = _family_module(model_id)
-    for name in (*_RANK_PRELOAD, *([family] if family else [])):
+    for name in (*RANK_PRELOAD, *([family] if family else [])):
         importlib.import_module(name)
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     config = LaunchConfig(
