@@ -50,22 +50,19 @@ TRL_NAMES = (
 class GRPORecord(Probe):
     """Every step's statistics, the first trained parameter before and after, and the completions file's rows.
 
-    The harness's ranks are daemonic processes, which `multiprocessing` forbids to start children; the reward
-    workers (`mmfsdp.data.rewards`, forked per call batch) are children that exit with their pipe, so the rank is
-    marked non-daemonic while the case runs (a rank under torchrun is not daemonic)."""
+    The reward workers are child processes of the rank: `rank_may_start_processes` while the case runs."""
 
     name = "grpo"
 
     def __init__(self, case: dict, rank: int):
-        import multiprocessing
+        from mmfsdp.parallel.testing import rank_may_start_processes
 
         super().__init__(case, rank)
-        self.config = multiprocessing.current_process()._config
-        self.daemon = self.config.pop("daemon", None)
+        self.children = rank_may_start_processes()
+        self.children.__enter__()
 
     def detach(self) -> None:
-        if self.daemon is not None:
-            self.config["daemon"] = self.daemon
+        self.children.__exit__(None, None, None)
 
     def attach(self, trainer) -> None:
         self.before = _first_weights(trainer)

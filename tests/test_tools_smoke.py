@@ -76,6 +76,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke",),
         {"device": str, "cases": dict, "worst_time_ratio": NUMBER, "worst_mem_ratio": NUMBER},
     ),
+    "tools/bench/grpo_step.py": (
+        ("--smoke",),
+        {"grpo": dict, "sft": dict, "grpo_over_sft_peak": NUMBER},
+    ),
     "tools/bench/host_syncs.py": (("--smoke",), {"qwen3_5": dict}),
     "tools/bench/llamafactory_run.py": (
         ("--smoke",),

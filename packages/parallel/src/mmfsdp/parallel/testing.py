@@ -29,6 +29,7 @@ on a machine. Spawned ranks inherit the variable and the test id, so a check mad
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -41,6 +42,7 @@ import traceback
 from typing import Any, Callable
 
 __all__ = [
+    "rank_may_start_processes",
     "run_distributed", "free_port", "preload_for_ranks", "forkserver_context", "record_margin", "assert_within",
     "MARGINS_ENV",
 ]
@@ -64,6 +66,20 @@ def assert_within(diff: float, tol: float, what: str = "") -> float:
     record_margin(diff, tol, what)
     assert diff <= tol, f"{what}: relative difference {diff:.3g} > {tol:.3g}"
     return diff
+
+
+@contextlib.contextmanager
+def rank_may_start_processes():
+    """Within it, a rank of `run_distributed` (a daemonic process, so that it ends with the test) may start child
+    processes, as a rank under torchrun may (`multiprocessing` forbids a daemonic process children): e.g. GRPO's
+    reward workers, which end with their pipe."""
+    config = mp.current_process()._config
+    daemon = config.pop("daemon", None)
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
 
 
 def free_port() -> int:
