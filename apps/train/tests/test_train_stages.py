@@ -146,3 +146,40 @@ def test_the_evaluator_adds_the_dpo_reward_metrics(one_process_group, tmp_path):
 
     evaluator.objective_metrics = None  # a stage without metrics of its own (SFT)
     assert set(evaluator.accuracy(step=7)) == {"accuracy", "chance", "num_samples", "num_correct", "step"}
+
+
+@pytest.mark.parametrize("example", ["qwen3vl-tiny", "qwen3_5-tiny"])
+def test_the_grpo_plan_counts_every_completion_and_the_rollout_cache(example):
+    """GRPO's micro-batch holds `num_generations` sequences of prompt + completion per prompt; the hf engine's KV
+    cache (every prompt of the rank's step, each row per generation) is alive before the training forwards only,
+    so the plan counts the larger of it and the activations."""
+    from transformers import AutoConfig
+
+    from mmfsdp.train.config import load_config
+    from mmfsdp.train.grpo import GRPOObjective
+    from mmfsdp.train.memory import memory_plan, micro_batch_tokens
+
+    root = __file__.rsplit("/apps/", 1)[0]
+    items = ["training.stage=grpo", "training.micro_batch_size=2", "training.gradient_accumulation_steps=3",
+             "training.grpo.num_generations=8", "training.grpo.max_completion_length=40"]
+    cfg = load_config(f"{root}/examples/{example}/config.yaml", items)
+    cutoff = cfg.data.dataset_param.preprocess_parameters.cutoff_len
+    assert GRPOObjective.sequence_shape(cfg) == (8, cutoff + 40)
+    assert micro_batch_tokens(cfg) == 2 * 8 * (cutoff + 40)
+
+    text = AutoConfig.from_pretrained(cfg.model.model_name_or_path).text_config
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    rows, tokens = 2 * 3 * 8, cutoff + 40
+    expected = rows * tokens * 2 * kinds.count("full_attention") * text.num_key_value_heads * head_dim * 4  # fp32
+    if "linear_attention" in kinds:
+        key_dim, value_dim = (text.linear_num_key_heads * text.linear_key_head_dim,
+                              text.linear_num_value_heads * text.linear_value_head_dim)
+        per_row = (text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
+                   + (2 * key_dim + value_dim) * text.linear_conv_kernel_dim * 4)
+        expected += rows * kinds.count("linear_attention") * per_row
+    plan = memory_plan(cfg, 2)
+    (cache,) = [term for term in plan.stage_terms if term.name == "kv_cache"]
+    assert cache.phase == "generation" and cache.bytes == expected
+    assert plan.generation == expected and plan.before_activations == plan.parameters + plan.gradients + plan.optimizer_states
+    assert plan.total == plan.before_activations + plan.compute_copies + max(plan.activations, expected)

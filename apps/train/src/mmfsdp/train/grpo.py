@@ -58,6 +58,7 @@ from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
 from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
+from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
 
@@ -160,11 +161,44 @@ class GRPOObjective(Objective):
         build_rewards(cls._reward_specs(g), key="training.grpo.reward_funcs").close()
 
     @classmethod
+    def sequence_shape(cls, cfg) -> tuple[int, int]:
+        """A prompt brings `num_generations` sequences of prompt (≤ `cutoff_len`) + completion tokens."""
+        g = cfg.training.grpo
+        return g.num_generations, cfg.data.dataset_param.preprocess_parameters.cutoff_len + g.max_completion_length
+
+    @classmethod
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
-        if not cfg.training.grpo.beta or live_reference_kind(cfg.training) != "frozen":
-            return []  # no reference, or the policy's own weights
-        size = frozen_copy_bytes(cfg, model, shard_size)
-        return [MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}")]
+        terms = [cls._kv_cache_term(cfg, model)]
+        if cfg.training.grpo.beta and live_reference_kind(cfg.training) == "frozen":
+            size = frozen_copy_bytes(cfg, model, shard_size)
+            terms.append(MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}"))
+        return terms
+
+    @classmethod
+    def _kv_cache_term(cls, cfg, model: torch.nn.Module) -> MemoryTerm:
+        """The hf engine's cache while it generates: every prompt of the rank's step at once, each row repeated per
+        generation, up to prompt + completion tokens; attention layers keep K and V per token, linear-attention
+        (Gated DeltaNet) layers a fixed recurrent and convolution state per row (fp32)."""
+        t, text = cfg.training, model.config.text_config
+        rows = t.micro_batch_size * t.gradient_accumulation_steps * t.grpo.num_generations
+        _, tokens = cls.sequence_shape(cfg)
+        compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
+        kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        attention, linear = kinds.count("full_attention"), kinds.count("linear_attention")
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        per_token = 2 * attention * getattr(text, "num_key_value_heads", heads) * head_dim * compute
+        per_row = 0
+        if linear:
+            key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+            value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+            state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
+            conv = (2 * key_dim + value_dim) * text.linear_conv_kernel_dim * compute
+            per_row = linear * (state + conv)
+        size = rows * (tokens * per_token + per_row)
+        return MemoryTerm("kv_cache", "rollout KV cache", size,
+                          f"{rows} rows x {tokens} tokens, {attention} attention + {linear} linear layers",
+                          phase="generation")
 
     @staticmethod
     def _reward_specs(g) -> list[Any]:

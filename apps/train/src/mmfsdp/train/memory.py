@@ -92,11 +92,17 @@ class MemoryPlan:
 
     @property
     def before_activations(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + sum(term.bytes for term in self.stage_terms)
+        return self.parameters + self.gradients + self.optimizer_states + sum(
+            term.bytes for term in self.stage_terms if term.phase == "step")
+
+    @property
+    def generation(self) -> int:
+        """What only the stage's generation holds (a rollout's KV cache), alive before the training forwards."""
+        return sum(term.bytes for term in self.stage_terms if term.phase == "generation")
 
     @property
     def total(self) -> int:
-        return self.before_activations + self.compute_copies + self.activations
+        return self.before_activations + self.compute_copies + max(self.activations, self.generation)
 
     @property
     def fits(self) -> bool | None:
@@ -141,12 +147,12 @@ def _largest_unit(model: torch.nn.Module, patterns: list[str]) -> int:
 
 def micro_batch_tokens(cfg: Config) -> int:
     """The most tokens (rows × row length, padding included) one micro-batch of a rank holds (module docstring)."""
-    t, cutoff = cfg.training, cfg.data.dataset_param.preprocess_parameters.cutoff_len
-    sequences = objective_class(t.stage).sequences_per_sample  # each of up to cutoff_len tokens
+    t = cfg.training
+    sequences, length = objective_class(t.stage).sequence_shape(cfg)  # each sample: sequences of up to length tokens
     if t.micro_batch_tokens is None:
-        return sequences * t.micro_batch_size * cutoff
-    return min(max(t.micro_batch_tokens, sequences * cutoff),
-               sequences * t.micro_batch_size * t.gradient_accumulation_steps * cutoff)
+        return sequences * t.micro_batch_size * length
+    return min(max(t.micro_batch_tokens, sequences * length),
+               sequences * t.micro_batch_size * t.gradient_accumulation_steps * length)
 
 
 def _activations(
@@ -289,9 +295,9 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
         host += moments
         moments = 0
     if cfg.parallel.fsdp_plan.cpu_offload:
-        host += parameters + gradients + moments + sum(term.bytes for term in stage_terms)
+        host += parameters + gradients + moments + sum(term.bytes for term in stage_terms if term.phase == "step")
         parameters = gradients = moments = 0
-        stage_terms = []
+        stage_terms = [term for term in stage_terms if term.phase != "step"]  # a KV cache stays on the device
     patterns = list(fsdp_patterns(entry, cfg.parallel)[1]) or list(entry.fsdp_modules)
     compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
     copies = 2 * _largest_unit(model, patterns) * compute
@@ -359,12 +365,15 @@ def memory_plan_lines(cfg: Config, world_size: int, device_memory_bytes: int | N
         f"  gradients         {gib(plan.gradients):>10}  (trainable only)",
         f"  optimizer states  {gib(plan.optimizer_states):>10}  "
         + ("(adamw_swap: in host memory)" if cfg.training.optimizer == "adamw_swap" else "(AdamW: 2 x fp32)"),
-        *(f"  {term.label:<18}{gib(term.bytes):>10}  ({term.note})" for term in plan.stage_terms if term.bytes),
+        *(f"  {term.label:<18}{gib(term.bytes):>10}  ({term.note})" for term in plan.stage_terms
+          if term.bytes and term.phase == "step"),
         f"  before activations{gib(plan.before_activations):>10}",
         f"  compute copies    {gib(plan.compute_copies):>10}  (largest FSDP unit gathered x 2)",
         f"  activations       {gib(plan.activations):>10}  (estimate; {micro_batch_tokens(cfg)} tokens per micro-batch"
         + (" under micro_batch_tokens" if cfg.training.micro_batch_tokens is not None else "")
         + f", image tokens {image_token_share:.0%} of them)",
+        *(f"  {term.label:<18}{gib(term.bytes):>10}  ({term.note}; before the training forwards: the larger of it "
+          "and the activations counts)" for term in plan.stage_terms if term.bytes and term.phase == "generation"),
         f"  total             {gib(plan.total):>10}" + (f"  (+ {gib(plan.host)} in host memory)" if plan.host else ""),
         *_video_lines(cfg),
     ]

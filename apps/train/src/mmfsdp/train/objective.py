@@ -94,6 +94,10 @@ class MemoryTerm:
     bytes: int
     note: str
     """How it is counted, in the plan's line."""
+    phase: str = "step"
+    """When it is alive: `step`, all through the step (a reference copy); `generation`, only while the stage
+    generates, before the training forwards (a rollout's KV cache): the plan counts the larger of those and the
+    activations, not their sum."""
 
 
 class Objective(abc.ABC):
@@ -104,7 +108,13 @@ class Objective(abc.ABC):
     stage: ClassVar[str]
     """The `training.stage` it is registered under (`mmfsdp.train.stages`), recorded in its checkpoints."""
     sequences_per_sample: ClassVar[int] = 1
-    """Sequences of up to `cutoff_len` tokens one sample of `micro_batch_size` brings (the memory plan's tokens)."""
+    """Sequences one sample of `micro_batch_size` brings (the memory plan's tokens; `sequence_shape`)."""
+
+    @classmethod
+    def sequence_shape(cls, cfg) -> tuple[int, int]:
+        """(sequences one sample of `micro_batch_size` brings, the most tokens of each) for the memory plan: by default
+        `sequences_per_sample` sequences of up to `cutoff_len` tokens."""
+        return cls.sequences_per_sample, cfg.data.dataset_param.preprocess_parameters.cutoff_len
 
     # -- the config, before any process group ---------------------------------------------------------------------
     @classmethod
