@@ -47,6 +47,7 @@ validation.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +327,7 @@ class GRPOObjective(Objective):
     def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fresh = self.needs_batch()
         self.step += 1
+        self._seconds = (0.0, 0.0)  # a step that trains on a kept batch neither generates nor scores
         if fresh:
             self._generation, log_rows = self._generate(micro_batches)
             advantages = self._build(self._generation)
@@ -348,12 +350,15 @@ class GRPOObjective(Objective):
             for mb in prompts for item in mb
         ]
         number = (self.step - 1) // self.g.num_iterations + 1
+        started = time.perf_counter()
         self.engine.sync_weights(self.model, self.step - 1)
         rollouts = self.engine.generate(requests, self.sampling, number)
+        generated = time.perf_counter()
         items = [item for mb in prompts for item in mb for _ in range(G)]
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         totals, per_function, counters = self.rewards.score(
             texts, [item["solution"] for item in items], [item["prompt_text"] for item in items])
+        self._seconds = (generated - started, time.perf_counter() - generated)
         for name, counts in counters.items():
             if counts["errors"] or counts["timeouts"]:
                 log.warning(f"reward {name}: {counts['errors']} errors, {counts['timeouts']} timeouts this step "
@@ -504,8 +509,11 @@ class GRPOObjective(Objective):
                            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group, async_op=True),
                            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True)]
         policy = {name: self._policy[POLICY_MEANS.index(name)] for name in self._names}
+        generate_s, reward_s = self._seconds  # rank 0's (the log line's); the ranks generate in lockstep
         return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
-                "rollout/logprob_diff_max": diff_max}, reductions
+                "rollout/logprob_diff_max": diff_max,
+                "time/generate_s": torch.tensor(generate_s, device=self.device),
+                "time/reward_s": torch.tensor(reward_s, device=self.device)}, reductions
 
     def _write_completions(self, items, texts, totals, per_function, advantages) -> None:
         path = self.output_dir / COMPLETIONS_FILE
