@@ -11,6 +11,13 @@ from __future__ import annotations
 import argparse
 
 
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser whose `-h` is its module docstring: the first paragraph as the description, the rest (the
+    commands and what the script measures) as the epilog, laid out as written."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, **smoke: object) -> argparse.Namespace:
     """`parser.parse_args(argv)` with a `--smoke` flag that defaults the options named in `smoke` to those values."""
     sizes = " ".join(f"{name}={' '.join(map(str, v)) if isinstance(v, list) else v}" for name, v in smoke.items())

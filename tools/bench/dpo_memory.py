@@ -23,14 +23,13 @@ peak and the ratios `dpo_lora_over_sft_lora` (target <= 1.15) and `dpo_precomput
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from _smoke import parse_args
+from _smoke import doc_parser, parse_args
 
 from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
 
@@ -59,6 +58,13 @@ def _model_dir(out: Path, hidden: int, layers: int) -> Path:
     config["vision_config"]["out_hidden_size"] = hidden
     (model / "config.json").write_text(json.dumps(config, indent=2))
     return model
+
+
+def add_model_args(parser) -> None:
+    """`--nproc` and the decoder's size (`_model_dir`), shared with `grpo_step.py`."""
+    parser.add_argument("--nproc", type=int, default=2, help="FSDP2 processes (default: 2)")
+    parser.add_argument("--hidden", type=int, default=512, help="decoder hidden size (default: 512)")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default: 6)")
 
 
 def _overrides(args: dict, variant: str) -> list[str]:
@@ -115,14 +121,8 @@ def _measure(rank: int, world_size: int, args: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--nproc", type=int, default=2, help="FSDP2 processes (default: 2)")
-    parser.add_argument("--hidden", type=int, default=512, help="decoder hidden size (default: 512)")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default: 6)")
+    parser = doc_parser(__doc__)
+    add_model_args(parser)
     parser.add_argument("--pairs", type=int, default=8, help="pairs per rank per micro-batch (default: 8)")
     args = vars(parse_args(parser, hidden=64, layers=2, pairs=2))
     with tempfile.TemporaryDirectory(prefix="dpo_memory_") as work:

@@ -25,15 +25,14 @@ last line is one JSON object: per variant its seconds, tokens/s and peak, the GR
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from _smoke import parse_args
-from dpo_memory import CONFIG, _model_dir
+from _smoke import doc_parser, parse_args
+from dpo_memory import CONFIG, _model_dir, add_model_args
 
 from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
 
@@ -149,14 +148,8 @@ def _summary(ranks: list[dict], variant: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--nproc", type=int, default=2, help="FSDP2 processes (default: 2)")
-    parser.add_argument("--hidden", type=int, default=512, help="decoder hidden size (default: 512)")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default: 6)")
+    parser = doc_parser(__doc__)
+    add_model_args(parser)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per rank per micro-batch (default: 2)")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (default: 4)")
     parser.add_argument("--completion-length", type=int, default=32, help="max new tokens per completion (default: 32)")

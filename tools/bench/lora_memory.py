@@ -25,11 +25,10 @@ object with each variant's largest per-rank peak and `lora_over_full_peak` (targ
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
-from _smoke import parse_args
+from _smoke import doc_parser, parse_args
 
 from mmfsdp.parallel.testing import preload_for_ranks, run_distributed
 
@@ -117,11 +116,7 @@ def _both(rank: int, world_size: int, args: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="FSDP2 processes (default: 2)")
     parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="decoder hidden size (default: 768)")
     parser.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="decoder layers (default: 8)")
