@@ -98,6 +98,12 @@ CASES = [
     Case("grpo_variants_ref", 1, QWEN, {**BASE, **VARIANTS}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_variants_fsdp2", 2, QWEN, {**BASE, **VARIANTS, "training.micro_batch_size": 1}, "grpo_variants_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_ulysses2", 2, QWEN, {**BASE, "parallel.ulysses_parallel_size": 2}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_ring2_packed", 2, QWEN, {**BASE, "parallel.ring_attention_size": 2}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_variants_ring2", 2, QWEN, {**BASE, **VARIANTS, "parallel.ring_attention_size": 2}, "grpo_variants_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
 ]
 
 
@@ -121,7 +127,8 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2", "grpo_padded"])
+@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2", "grpo_padded", "grpo_ulysses2",
+                                  "grpo_ring2_packed", "grpo_variants_ring2"])
 def test_grpo_layout_matches_one_process(tmp_path_factory, name):
     """The loss is compared in absolute terms: with `num_iterations: 1` its value is Σ −A·n / N over advantages that
     sum to 0 within each group (completions of equal length give exactly 0), rounding noise on terms of size 1;

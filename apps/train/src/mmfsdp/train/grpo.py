@@ -131,8 +131,6 @@ class GRPOObjective(Objective):
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
         refused = (
-            ("parallel.ulysses_parallel_size", cfg.parallel.ulysses_parallel_size > 1, "context parallel"),
-            ("parallel.ring_attention_size", cfg.parallel.ring_attention_size > 1, "context parallel"),
             ("features.enable_chunk_loss", cfg.features.enable_chunk_loss, "chunk loss"),
             ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
             ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
@@ -187,6 +185,7 @@ class GRPOObjective(Objective):
     def __init__(self, ctx: ObjectiveContext, engine, reference):
         self.g = ctx.cfg.training.grpo
         self.dims = ctx.dims
+        self.cp_share = 1.0 / max(1, ctx.dims.cp_size)  # every CP rank holds the whole micro-batch's share
         self.device = ctx.device
         self.rank = ctx.rank
         self.output_dir = ctx.output_dir
@@ -455,7 +454,7 @@ class GRPOObjective(Objective):
                 sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
                 gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
-        return out, loss
+        return out, loss * self.cp_share
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []
