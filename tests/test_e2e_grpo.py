@@ -16,7 +16,8 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   family (router aux loss, its `aux_loss` and expert load compared with the statistics) with expert parallel 2 = its
   1-process run; Qwen3.5 (Gated DeltaNet) with packed completions on 1 and 2 processes = its padded 1-process run;
 - on every DP-2 case one rank's prompts are all text-only at step 3 while the other's have an image (recorded, and
-  checked): generation and training run the same collectives on both.
+  checked): generation and training run the same collectives on both;
+- chunk loss (per-token log-probs from the hidden states, no full logits) on FSDP2 2 and Ulysses 2 = one process.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -130,6 +131,7 @@ QWEN3_5_SETTINGS = {  # Gated DeltaNet: packed completions restart its state and
     "model.model_name_or_path": str(QWEN3_5_ASSETS),
     "data.dataset_param.preprocess_parameters.model_name_or_path": str(QWEN3_5_ASSETS),
 }
+CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
 CASES = [
     Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
@@ -143,6 +145,10 @@ CASES = [
          probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
     Case("grpo_ring2_packed", 2, QWEN, {**BASE, "parallel.ring_attention_size": 2}, "grpo_ref", dataset="shapes",
          probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_chunk_fsdp2", 2, QWEN, {**BASE, **CHUNK, "training.micro_batch_size": 1}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_chunk_ulysses2", 2, QWEN, {**BASE, **CHUNK, "parallel.ulysses_parallel_size": 2}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
     Case("grpo_lora_ref", 1, QWEN, {**BASE, **LORA}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_lora_fsdp2", 2, QWEN, {**BASE, **LORA, "training.micro_batch_size": 1}, "grpo_lora_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),

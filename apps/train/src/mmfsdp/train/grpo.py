@@ -131,7 +131,6 @@ class GRPOObjective(Objective):
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
         refused = (
-            ("features.enable_chunk_loss", cfg.features.enable_chunk_loss, "chunk loss"),
             ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
             ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
             ("training.val_interval", bool(t.val_interval), "validation"),

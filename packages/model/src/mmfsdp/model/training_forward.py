@@ -67,7 +67,8 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    its shard and the three are all-gathered over the CP group in one collective, back in the batch's order
    (`CPBatch.gather`, with autograd: its backward sums the gradients over the group), so every CP rank holds the
    whole batch's values; a consumer that adds up the ranks' losses scales its loss by `1 / cp_size`, as for
-   step 7. Not done yet with chunk loss (refused).
+   step 7. With chunk loss `lm_head` computes the three chunk by chunk from the hidden states
+   (`mmfsdp.model.chunk_loss.chunked_linear_token_cross_entropy`; tokens that do not train hold 0).
 
 `forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
 so evaluation and generation see the HF model.
@@ -332,8 +333,8 @@ class TrainingForwardMixin:
         kwargs.setdefault("use_cache", False)
         if (sequence_ids is None) != (num_sequences is None):
             raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
-        if per_token and (sequence_ids is not None or self.chunk_loss_size is not None):
-            raise ValueError("per_token log-probabilities are not done yet with sequence_ids or chunk loss")
+        if per_token and sequence_ids is not None:
+            raise ValueError("per_token and sequence_ids exclude each other")
         full_shape = shift_labels.shape
         cp_batch = None
         if self._context_parallel is not None:
@@ -366,8 +367,15 @@ class TrainingForwardMixin:
                 return outputs
             kwargs.pop("logits_to_keep", None)
             outputs = getattr(self, self.base_model_prefix)(**kwargs)
-        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size, sequence_ids, num_sequences or 0)
+        per_token_options = {"temperature": temperature, "suppress_token_ids": suppress_token_ids} if per_token else None
+        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size, sequence_ids,
+                                           num_sequences or 0, per_token_options)
         loss = self.get_submodule(self.lm_head_name)(outputs.last_hidden_state, loss_function=loss_function)
+        if per_token:
+            loss, entropy, kept = self._whole_tokens(loss, cp_batch, full_shape)
+            outputs = CausalLMOutputWithPast(loss=loss)
+            outputs.entropy, outputs.kept_logmass = entropy, kept
+            return outputs
         if sequence_ids is not None:
             loss = self._whole_sequences(loss)
         return CausalLMOutputWithPast(loss=loss)
