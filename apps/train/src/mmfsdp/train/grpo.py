@@ -40,8 +40,19 @@ per generation batch too). A checkpoint taken inside a generation batch holds it
 them), so a resumed run continues bitwise; with another world size it cannot be restored and the next step
 generates a new batch (a warning).
 
-Not done yet (refused by `check_config`): context parallel, chunk loss, a token budget (`micro_batch_tokens`),
-validation.
+Context parallel: the ranks of a CP group receive the same prompts (one data stream), so they generate the same
+completions in lockstep on the whole model and build the same training micro-batches (the collator pads each packed
+completion to CP's multiple). The per-token forward computes the log-probs on each rank's shard and all-gathers them
+over the CP group (`mmfsdp.model.training_forward`, step 8), so every CP rank computes the same share of the
+objective: it returns the share × `1 / cp_size` (the gather's backward sums the gradients over the group, and the
+trainer sums the reported loss over all ranks). The rewards table, normalisers and statistics are gathered over
+the data-parallel ranks only.
+
+Chunk loss: the same per-token values from the hidden states, chunk by chunk (`mmfsdp.model.chunk_loss`), with or
+without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
+family's step terms (router aux loss) are added by the trainer as in SFT.
+
+Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps, validation.
 """
 
 from __future__ import annotations
