@@ -12,9 +12,10 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
 - context parallel: Ulysses 2 and Ring 2 on the padding-free (packed) completions, and Ring 2 with the frozen
   reference and the variants above, give the 1-process runs' (per-token log-probs computed on each CP shard and
   gathered, `mmfsdp.model.training_forward` step 8);
-- LoRA with β = 0.04 (the reference is the policy with its adapters off) on FSDP2 2 = its 1-process run; the MoE
-  family (router aux loss, its `aux_loss` and expert load compared with the statistics) with expert parallel 2 = its
-  1-process run; Qwen3.5 (Gated DeltaNet) with packed completions on 1 and 2 processes = its padded 1-process run;
+- LoRA with β = 0.04 (the reference is the policy with its adapters off) on FSDP2 2 and Ulysses 2 = its 1-process
+  run; the MoE family (router aux loss, its `aux_loss` and expert load compared with the statistics) with expert
+  parallel 2 = its 1-process run; Qwen3.5 (Gated DeltaNet) with packed completions on 1 process, FSDP2 2 and Ring 2
+  = its padded 1-process run;
 - on every DP-2 case one rank's prompts are all text-only at step 3 while the other's have an image (recorded, and
   checked): generation and training run the same collectives on both;
 - chunk loss (per-token log-probs from the hidden states, no full logits) on FSDP2 2 and Ulysses 2 = one process.
