@@ -9,9 +9,9 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   index, generation), not by the layout (`mmfsdp.model.rollout`); with TRL's defaults (`dapo`, group std), and with
   the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`;
 - padded training micro-batches (`padding_free: false`) give the padding-free run's steps and statistics;
-- context parallel: Ulysses 2 and Ring 2 on the padding-free (packed) completions, and Ring 2 with the frozen
-  reference and the variants above, give the 1-process runs' (per-token log-probs computed on each CP shard and
-  gathered, `mmfsdp.model.training_forward` step 8);
+- context parallel: Ulysses 2 and Ring 2 on the padding-free (packed) completions, Ring 2 on padded ones, and Ring 2
+  with the frozen reference and the variants above, give the 1-process runs' (per-token log-probs computed on each
+  CP shard and gathered, `mmfsdp.model.training_forward` step 8);
 - LoRA with β = 0.04 (the reference is the policy with its adapters off) on FSDP2 2 and Ulysses 2 = its 1-process
   run; the MoE family (router aux loss, its `aux_loss` and expert load compared with the statistics) with expert
   parallel 2 = its 1-process run; Qwen3.5 (Gated DeltaNet) with packed completions on 1 process, FSDP2 2 and Ring 2
@@ -170,6 +170,9 @@ CASES = [
          "grpo_qwen3_5_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
     Case("grpo_lora_ulysses2", 2, QWEN, {**BASE, **LORA, "parallel.ulysses_parallel_size": 2}, "grpo_lora_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_ring2_padded", 2, QWEN, {**BASE, "parallel.ring_attention_size": 2,
+                                       "data.dataloader_param.padding_free": "false"}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
     Case("grpo_variants_ring2", 2, QWEN, {**BASE, **VARIANTS, "parallel.ring_attention_size": 2}, "grpo_variants_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
 ]
