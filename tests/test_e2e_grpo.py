@@ -8,7 +8,17 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   per-step loss, gradient norm, tokens and statistics within 1e-5: the completions are keyed by (seed, step, prompt
   index, generation), not by the layout (`mmfsdp.model.rollout`); with TRL's defaults (`dapo`, group std), and with
   the KL to a frozen FSDP2 reference (β = 0.04), the batch std, GSPO's sequence-level ratio and `loss_type: grpo`;
-- padded training micro-batches (`padding_free: false`) give the padding-free run's steps and statistics.
+- padded training micro-batches (`padding_free: false`) give the padding-free run's steps and statistics;
+- context parallel: Ulysses 2 and Ring 2 on the padding-free (packed) completions, Ring 2 on padded ones, and Ring 2
+  with the frozen reference and the variants above, give the 1-process runs' (per-token log-probs computed on each
+  CP shard and gathered, `mmfsdp.model.training_forward` step 8);
+- LoRA with β = 0.04 (the reference is the policy with its adapters off) on FSDP2 2 and Ulysses 2 = its 1-process
+  run; the MoE family (router aux loss, its `aux_loss` and expert load compared with the statistics) with expert
+  parallel 2 = its 1-process run; Qwen3.5 (Gated DeltaNet) with packed completions on 1 process, FSDP2 2 and Ring 2
+  = its padded 1-process run;
+- on every DP-2 case one rank's prompts are all text-only at step 3 while the other's have an image (recorded, and
+  checked): generation and training run the same collectives on both;
+- chunk loss (per-token log-probs from the hidden states, no full logits) on FSDP2 2 and Ulysses 2 = one process.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -19,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from apprun import QWEN, ROOT
+from apprun import MOE, MOE_ASSETS, QWEN, QWEN3_5, QWEN3_5_ASSETS, ROOT
 from parity import QWEN_SETTINGS, Case, Probe, run_cases, session_dir
 
 from mmfsdp.parallel.testing import assert_within
@@ -66,12 +76,29 @@ class GRPORecord(Probe):
 
     def attach(self, trainer) -> None:
         self.before = _first_weights(trainer)
+        self.images: list[list[list[bool]]] = []  # per step, micro-batch and prompt: whether it has an image
+        objective, start_step = trainer.objective, trainer.objective.start_step
+
+        def recording(micro_batches):
+            self.images.append([["pixel_values" in item for item in mb["prompts"]] for mb in micro_batches])
+            return start_step(micro_batches)
+
+        objective.start_step = recording
 
     def result(self, trainer) -> dict:
         path = Path(trainer.output_dir) / "completions.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         moved = float((_first_weights(trainer) - self.before).abs().max())
-        return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows}
+        return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
+                "images": self.images}
+
+
+def _text_only_rank_step(*ranks) -> bool:
+    """Whether, at some step, one rank's prompts (all its micro-batches) were text-only while another's had an image:
+    that rank generated and trained with the vision placeholder passes only (on the shapes data at micro-batch
+    size 1, step 3 of every DP-2 case)."""
+    steps = [[any(any(mb) for mb in step) for step in rank] for rank in ranks]
+    return any(not all(flags) and any(flags) for flags in zip(*steps))
 
 
 def _first_weights(trainer):
@@ -86,6 +113,26 @@ VARIANTS = {  # the KL to a frozen FSDP2 reference, the batch std (gathered over
     "training.grpo.importance_sampling_level": "sequence",
     "training.grpo.loss_type": "grpo",
 }
+LORA = {  # the reference is the policy with its adapters off (β > 0)
+    "training.grpo.beta": 0.04,
+    "training.lora.enable": "true",
+    "training.lora.init_lora_weights": "false",  # B random too: the policy differs from the reference at step 1
+    "training.lora.target_modules": "[q_proj,k_proj,v_proj,o_proj,qkv]",
+}
+MOE_SETTINGS = {  # the MoE family with its router aux loss (logged as `aux_loss`, compared with the statistics)
+    "model.model_name_or_path": str(MOE_ASSETS),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(MOE_ASSETS),
+    "features.loss_cfg.router_aux_loss_coef": 0.5,
+    "parallel.expert_parallel_size": 1,
+}
+QWEN3_5_SETTINGS = {  # Gated DeltaNet: packed completions restart its state and convolution per completion
+    "model.model_name_or_path": str(QWEN3_5_ASSETS),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(QWEN3_5_ASSETS),
+    # the family example's lr: at 1e-2 AdamW turns the rounding differences of Ring 2's reordered delta rule (3e-7
+    # on step 1's gradient norm) into full-size steps of the tiny-gradient elements, 9.3e-6 by step 3
+    "training.lr": 5.0e-4,
+}
+CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
 CASES = [
     Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
@@ -95,6 +142,36 @@ CASES = [
     Case("grpo_variants_ref", 1, QWEN, {**BASE, **VARIANTS}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_variants_fsdp2", 2, QWEN, {**BASE, **VARIANTS, "training.micro_batch_size": 1}, "grpo_variants_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_ulysses2", 2, QWEN, {**BASE, "parallel.ulysses_parallel_size": 2}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_ring2_packed", 2, QWEN, {**BASE, "parallel.ring_attention_size": 2}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_chunk_fsdp2", 2, QWEN, {**BASE, **CHUNK, "training.micro_batch_size": 1}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_chunk_ulysses2", 2, QWEN, {**BASE, **CHUNK, "parallel.ulysses_parallel_size": 2}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_lora_ref", 1, QWEN, {**BASE, **LORA}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_lora_fsdp2", 2, QWEN, {**BASE, **LORA, "training.micro_batch_size": 1}, "grpo_lora_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_moe_ref", 1, MOE, {**BASE, **MOE_SETTINGS}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_moe_ep2", 2, MOE, {**BASE, **MOE_SETTINGS, "training.micro_batch_size": 1,
+                                  "parallel.expert_parallel_size": 2}, "grpo_moe_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 2, "ep": 2}),
+    Case("grpo_qwen3_5_ref", 1, QWEN3_5, {**BASE, **QWEN3_5_SETTINGS, "data.dataloader_param.padding_free": "false"},
+         dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_qwen3_5_packed", 1, QWEN3_5, {**BASE, **QWEN3_5_SETTINGS}, "grpo_qwen3_5_ref", dataset="shapes",
+         probes=(GRPORecord,)),
+    Case("grpo_qwen3_5_packed_fsdp2", 2, QWEN3_5, {**BASE, **QWEN3_5_SETTINGS, "training.micro_batch_size": 1},
+         "grpo_qwen3_5_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_qwen3_5_ring2_packed", 2, QWEN3_5, {**BASE, **QWEN3_5_SETTINGS, "parallel.ring_attention_size": 2},
+         "grpo_qwen3_5_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_lora_ulysses2", 2, QWEN, {**BASE, **LORA, "parallel.ulysses_parallel_size": 2}, "grpo_lora_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_ring2_padded", 2, QWEN, {**BASE, "parallel.ring_attention_size": 2,
+                                       "data.dataloader_param.padding_free": "false"}, "grpo_ref", dataset="shapes",
+         probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_variants_ring2", 2, QWEN, {**BASE, **VARIANTS, "parallel.ring_attention_size": 2}, "grpo_variants_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
 ]
 
 
@@ -119,7 +196,7 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo_fsdp2", "grpo_variants_fsdp2", "grpo_padded"])
+@pytest.mark.parametrize("name", [case.name for case in CASES if case.reference is not None])
 def test_grpo_layout_matches_one_process(tmp_path_factory, name):
     """The loss is compared in absolute terms: with `num_iterations: 1` its value is Σ −A·n / N over advantages that
     sum to 0 within each group (completions of equal length give exactly 0), rounding noise on terms of size 1;
@@ -137,6 +214,8 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
         assert_within(abs(loss - ref_loss), case.tol, f"step {step} loss (absolute): {loss} vs {ref_loss}")
         assert ref_norm > 0, f"step {step} trains nothing"
         assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
+    if got_run["layout"]["dp"] == 2:  # ranks with different media: the same collectives, no hang
+        assert _text_only_rank_step(got_run["grpo"][0]["images"], got_run["grpo"][1]["images"]), name
     got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
     for step, (ours, ref) in enumerate(zip(got, expected), start=1):
         assert ours.keys() == ref.keys()

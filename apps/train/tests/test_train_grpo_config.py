@@ -41,8 +41,6 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.reward_funcs=[{name: format, options: {pattern: '('}}]",
          "training.grpo.reward_funcs[0].options.pattern"),
         ("training.grpo.rollout.engine=vllm", "training.grpo.rollout.engine"),
-        ("features.enable_chunk_loss=true", "features.enable_chunk_loss"),
-        ("parallel.ulysses_parallel_size=2", "parallel.ulysses_parallel_size"),
         ("training.micro_batch_tokens=256", "training.micro_batch_tokens"),
         ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
          "data.dataset_param.preprocess_parameters.train_on_prompt"),
@@ -52,6 +50,13 @@ def test_mistakes_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
         _cfg(override)
     assert err.value.key == key or str(err.value).startswith(key), str(err.value)
+
+
+@pytest.mark.parametrize("override", ["parallel.ulysses_parallel_size=2", "parallel.ring_attention_size=2",
+                                      "features.enable_chunk_loss=true"])
+def test_context_parallel_and_chunk_loss_load(override):
+    """Ulysses, Ring and chunk loss compose with the stage (tests/test_e2e_grpo.py: parity with one process)."""
+    _cfg(override)
 
 
 def test_several_iterations_per_generation_batch_load():

@@ -3,7 +3,9 @@ completion token's log-probability under `softmax(logits / T)` over the whole vo
 `selective_log_softmax(logits / T)` on plain HF logits, and `.entropy` the distribution's entropy; the gradients
 are plain HF's. Given the tokens the rollout never samples, `.kept_logmass` is the log of the other tokens' mass:
 the token's log-probability minus it is its log-probability under the sampler's distribution, the one the
-rollout's sampling log-probabilities are of (`warp_logits` with the same suppression)."""
+rollout's sampling log-probabilities are of (`warp_logits` with the same suppression). With chunk loss the same
+values come from the hidden states chunk by chunk (`chunked_linear_token_cross_entropy`; the tokens that do not
+train hold 0)."""
 
 import pytest
 import torch
@@ -16,9 +18,11 @@ from mmfsdp.model.testing import assert_close, model_inputs, model_pair
 TOL = 1e-5
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5], ids=["logits", "chunk_loss"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_per_token_logps_match_plain_hf(tiny_config, temperature):
+def test_per_token_logps_match_plain_hf(tiny_config, temperature, chunk_size):
     ours, reference = model_pair(tiny_config)
+    ours.set_chunk_loss(chunk_size)
     batch = tiny_batch(tiny_config, batch_size=2, seq_len=24, image_sizes=((32, 32), (32, 48)), lengths=(24, 19))
     targets = shift_labels(batch["labels"])
     weights = (targets != -100).float()
@@ -32,10 +36,14 @@ def test_per_token_logps_match_plain_hf(tiny_config, temperature):
     want = torch.where(targets != -100, logps_V.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1), 0.0)
     assert_close(-out.loss.detach(), want.detach(), TOL, "log-probabilities")
     entropy = -(logps_V.exp() * logps_V).sum(-1)
-    assert_close(out.entropy, entropy.detach(), TOL, "entropy")
+    trained = targets != -100
+    if chunk_size is None:
+        assert_close(out.entropy, entropy.detach(), TOL, "entropy")
+    else:  # only the trained tokens get logits
+        assert_close(out.entropy[trained], entropy[trained].detach(), TOL, "entropy")
+        assert not out.entropy[~trained].any() and not out.loss[~trained].any()
     sampler_V = (logits.index_fill(-1, suppressed, float("-inf")) / temperature).log_softmax(-1)
     sampled = sampler_V.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-    trained = targets != -100
     assert_close((-out.loss - out.kept_logmass)[trained], sampled[trained].detach(), TOL, "sampler log-probabilities")
     (out.loss * torch.linspace(0.5, 1.5, out.loss.numel()).reshape(out.loss.shape)).sum().backward()
     (-want * torch.linspace(0.5, 1.5, want.numel()).reshape(want.shape)).sum().backward()

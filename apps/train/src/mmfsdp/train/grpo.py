@@ -40,8 +40,19 @@ per generation batch too). A checkpoint taken inside a generation batch holds it
 them), so a resumed run continues bitwise; with another world size it cannot be restored and the next step
 generates a new batch (a warning).
 
-Not done yet (refused by `check_config`): context parallel, chunk loss, a token budget (`micro_batch_tokens`),
-validation.
+Context parallel: the ranks of a CP group receive the same prompts (one data stream), so they generate the same
+completions in lockstep on the whole model and build the same training micro-batches (the collator pads each packed
+completion to CP's multiple). The per-token forward computes the log-probs on each rank's shard and all-gathers them
+over the CP group (`mmfsdp.model.training_forward`, step 8), so every CP rank computes the same share of the
+objective: it returns the share × `1 / cp_size` (the gather's backward sums the gradients over the group, and the
+trainer sums the reported loss over all ranks). The rewards table, normalisers and statistics are gathered over
+the data-parallel ranks only.
+
+Chunk loss: the same per-token values from the hidden states, chunk by chunk (`mmfsdp.model.chunk_loss`), with or
+without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
+family's step terms (router aux loss) are added by the trainer as in SFT.
+
+Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps, validation.
 """
 
 from __future__ import annotations
@@ -133,9 +144,6 @@ class GRPOObjective(Objective):
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
         refused = (
-            ("parallel.ulysses_parallel_size", cfg.parallel.ulysses_parallel_size > 1, "context parallel"),
-            ("parallel.ring_attention_size", cfg.parallel.ring_attention_size > 1, "context parallel"),
-            ("features.enable_chunk_loss", cfg.features.enable_chunk_loss, "chunk loss"),
             ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
             ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
             ("training.val_interval", bool(t.val_interval), "validation"),
@@ -222,6 +230,7 @@ class GRPOObjective(Objective):
     def __init__(self, ctx: ObjectiveContext, engine, reference):
         self.g = ctx.cfg.training.grpo
         self.dims = ctx.dims
+        self.cp_share = 1.0 / max(1, ctx.dims.cp_size)  # every CP rank holds the whole micro-batch's share
         self.device = ctx.device
         self.rank = ctx.rank
         self.output_dir = ctx.output_dir
@@ -494,7 +503,7 @@ class GRPOObjective(Objective):
                 sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
                 gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
-        return out, loss
+        return out, loss * self.cp_share
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []

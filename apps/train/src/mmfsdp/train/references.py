@@ -57,15 +57,18 @@ def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The model without its LoRA adapters (PEFT's `enable_adapters`), restored on exit."""
+    """The model without its LoRA adapters, restored on exit. Only PEFT's switch (`disable_adapters`) is flipped, not
+    `enable_adapters`, which also sets the adapters' `requires_grad`: around a forward of an FSDP2 model sharded over
+    2 processes, switching back left the sharded adapters with `requires_grad` False (GRPO's LoRA run on 2
+    processes, tests/test_e2e_grpo.py), so they stopped training. The reference runs without gradients anyway."""
     layers = _lora_layers(model)
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield
     finally:
         for layer in layers:
-            layer.enable_adapters(True)
+            layer._disable_adapters = False
 
 
 def sequence_logps(model, inputs: dict[str, Any], seq: dict[str, Any]) -> torch.Tensor:

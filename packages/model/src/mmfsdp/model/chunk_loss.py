@@ -37,6 +37,13 @@ sums), so the forward keeps the per-token log-sum-exp instead of step 3's gradie
 chunk's logits: one more `[C, H] × [H, V]` matmul per chunk than the one-sequence case, and still one `[C, V]` chunk
 of logits at a time.
 
+Per-token values (online RL, `per_token`): `chunked_linear_token_cross_entropy` returns, for every token, `w_t ·
+CE(logits_t / T, y_t)` (with autograd), the entropy of `softmax(logits_t / T)` and the log of the mass of the tokens
+not suppressed (both detached): `mmfsdp.model.loss.token_cross_entropy` of the logits, chunk by chunk. Only trained
+tokens get logits (the others are 0). Each token is its own sequence, so the forward keeps the per-token
+log-sum-exp and the backward recomputes each chunk's logits, as for per-sequence sums; the gradient w.r.t. a
+token's logits is `grad_out_t · w_t · (softmax(logits_t / T) − onehot(y_t)) / T`.
+
 Context parallel: each CP rank holds one shard of the sequence and its own
 targets and weights; its loss is the shard's part of the weighted sum, and the
 shard losses add up (no all-reduce inside the loss).
@@ -56,6 +63,7 @@ __all__ = [
     "LinearCrossEntropy",
     "chunked_linear_cross_entropy",
     "chunked_linear_sequence_cross_entropy",
+    "chunked_linear_token_cross_entropy",
     "use_chunk_loss_head",
 ]
 
@@ -128,6 +136,50 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _add_chunk_grads(grads, start, end, grad_logits_CV, hidden_TH, weight_VH)
             del grad_logits_CV
         return (*_as_param_dtypes(grads, weight_VH, bias_V), *(None,) * 6)
+
+
+class _ChunkedTokenCrossEntropy(torch.autograd.Function):
+    """Per row of `hidden_NH`: `w · CE(logits / T, y)`, the entropy of `softmax(logits / T)` and, given
+    `suppress_S` (maybe empty: 0), the log of the other tokens' mass (the last two without gradient), one `[C, V]` chunk of logits at
+    a time; the backward recomputes each chunk's logits from the kept log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, weights_N, temperature, suppress_S, chunk_size):
+        num_tokens = hidden_NH.shape[0]
+        out_N, entropy_N, kept_N, log_sum_exp_N = (
+            torch.empty(num_tokens, dtype=torch.float32, device=hidden_NH.device) for _ in range(4)
+        )
+        for start in range(0, num_tokens, chunk_size):
+            end = min(start + chunk_size, num_tokens)
+            logits_CV = F.linear(hidden_NH[start:end], weight_VH, bias_V).float().div_(temperature)
+            log_sum_exp_C = logits_CV.logsumexp(dim=1)
+            logps_CV = logits_CV.sub_(log_sum_exp_C[:, None])
+            out_N[start:end] = -weights_N[start:end] * logps_CV.gather(1, targets_N[start:end, None]).squeeze(1)
+            entropy_N[start:end] = -(logps_CV.exp() * logps_CV).sum(dim=1)
+            kept_N[start:end] = torch.log1p(-logps_CV.index_select(1, suppress_S).logsumexp(dim=1).exp())
+            log_sum_exp_N[start:end] = log_sum_exp_C
+            del logits_CV, logps_CV
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, weights_N, log_sum_exp_N)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy_N, kept_N)
+        return out_N, entropy_N, kept_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out_N, grad_entropy, grad_kept):
+        hidden_NH, weight_VH, bias_V, targets_N, weights_N, log_sum_exp_N = ctx.saved_tensors
+        grads = _zero_grads(hidden_NH, weight_VH, bias_V, ctx.needs_input_grad[:3])
+        scale_N = weights_N * grad_out_N.to(torch.float32) / ctx.temperature
+        for start in range(0, hidden_NH.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden_NH.shape[0])
+            scale_C1 = scale_N[start:end, None]
+            # d out / d logits, scaled: scale · (softmax(logits / T) − onehot(y))
+            grad_logits_CV = F.linear(hidden_NH[start:end], weight_VH, bias_V).float().div_(ctx.temperature)
+            grad_logits_CV.sub_(log_sum_exp_N[start:end, None]).exp_().mul_(scale_C1)
+            grad_logits_CV.scatter_add_(1, targets_N[start:end, None], -scale_C1)
+            _add_chunk_grads(grads, start, end, grad_logits_CV, hidden_NH, weight_VH)
+            del grad_logits_CV
+        return (*_as_param_dtypes(grads, weight_VH, bias_V), *(None,) * 5)
 
 
 def _zero_grads(hidden_TH, weight_VH, bias_V, needed):
@@ -209,6 +261,34 @@ def chunked_linear_sequence_cross_entropy(
     )
 
 
+def chunked_linear_token_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shift_labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    chunk_size: int,
+    temperature: float = 1.0,
+    suppress_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunk by chunk, what `mmfsdp.model.loss.token_cross_entropy` computes from the logits (fp32, the shape of
+    `shift_labels`): `w_t · CE(logits_t / T, y_t)`, the detached entropies and, given `suppress_token_ids`, the
+    detached log of the kept mass; tokens that do not train hold 0 in all three."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    hidden_TH, targets_T, weights_T = _flat_targets(hidden_states, shift_labels, loss_weights)
+    rows_T = torch.arange(targets_T.shape[0], device=hidden_TH.device)
+    hidden_NH, targets_N, weights_N, rows_N = _trained_rows(hidden_TH, targets_T, weights_T, None, rows_T)
+    suppressed = suppress_token_ids is not None and suppress_token_ids.numel() > 0
+    suppress = (suppress_token_ids if suppressed else torch.zeros(0, dtype=torch.long)).to(hidden_TH.device)
+    values = _ChunkedTokenCrossEntropy.apply(
+        hidden_NH, weight, bias, targets_N, weights_N, float(temperature), suppress, chunk_size,
+    )
+    zeros_T = torch.zeros(targets_T.shape[0], dtype=torch.float32, device=hidden_TH.device)
+    loss, entropy, kept = (zeros_T.index_copy(0, rows_N, v).reshape(shift_labels.shape) for v in values)
+    return loss, entropy, kept if suppressed else None
+
+
 def chunked_linear_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -236,19 +316,25 @@ class LinearCrossEntropy:
     loss weights must not be.
     """
 
-    __slots__ = ("shift_labels", "loss_weights", "chunk_size", "sequence_ids", "num_sequences")
+    __slots__ = ("shift_labels", "loss_weights", "chunk_size", "sequence_ids", "num_sequences", "per_token")
 
     def __init__(
         self, shift_labels: torch.Tensor, loss_weights: torch.Tensor, chunk_size: int,
-        sequence_ids: torch.Tensor | None = None, num_sequences: int = 0,
+        sequence_ids: torch.Tensor | None = None, num_sequences: int = 0, per_token: dict | None = None,
     ):
         self.shift_labels = shift_labels
         self.loss_weights = loss_weights
         self.chunk_size = chunk_size
         self.sequence_ids = sequence_ids
         self.num_sequences = num_sequences
+        self.per_token = per_token
+        """Per-token values: `chunked_linear_token_cross_entropy`'s `temperature` and `suppress_token_ids`."""
 
     def __call__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.per_token is not None:
+            return chunked_linear_token_cross_entropy(
+                hidden_states, weight, bias, self.shift_labels, self.loss_weights, self.chunk_size, **self.per_token
+            )
         if self.sequence_ids is not None:
             return chunked_linear_sequence_cross_entropy(
                 hidden_states, weight, bias, self.shift_labels, self.loss_weights, self.sequence_ids,

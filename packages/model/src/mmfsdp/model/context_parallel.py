@@ -73,6 +73,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from mmfsdp.model.attention import VARLEN_KEYS
 from mmfsdp.model.batch_plan import BATCH_PLAN_KEY
 from mmfsdp.parallel.cp import CPLayout, context_parallel_attention, split_for_cp, to_device_async
+from mmfsdp.parallel.cp.gather import all_gather_with_grad
 
 __all__ = [
     "CP_CONTEXT_KEY",
@@ -117,6 +118,20 @@ class CPBatch:
             tensor = tensor.reshape(*shape[: seq_dim - 1], 1, shape[seq_dim - 1] * shape[seq_dim], *shape[seq_dim + 1 :])
         index = self.index if self.index is not None and self.index.device == tensor.device else None
         return split_for_cp(tensor, self.layout, dim=seq_dim, index=index)
+
+    def gather(self, local: torch.Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> torch.Tensor:
+        """The inverse of `split` over the CP group, with autograd: every rank's `local` (this batch's split of a
+        `[..., B, S, ...]` tensor) all-gathered, in the full sequence's order (`[..., 1, B·S, ...]` when
+        flattened). Backward sums the gradients of the whole tensor over the group and gives each rank its own
+        tokens' (`all_gather_with_grad`): a consumer that computes the same value from it on every CP rank scales
+        it by `1 / cp_size`."""
+        parts = all_gather_with_grad(local, group)
+        layout = self.layout
+        order = torch.cat([layout.for_cp_rank(r).token_indices() for r in range(layout.cp_size)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), dtype=order.dtype)
+        stacked = torch.cat(parts.unbind(0), dim=seq_dim)
+        return stacked.index_select(seq_dim, to_device_async(inverse, stacked.device))
 
 
 def _cp_attention(original: str):

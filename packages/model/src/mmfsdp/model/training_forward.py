@@ -63,8 +63,12 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    tokens, minus the policy's per-token log-probabilities over the whole vocabulary, TRL's) and `.entropy` the
    detached per-token entropies of `softmax(logits / T)`; given the tokens the rollout never samples
    (`suppress_token_ids`), `.kept_logmass` is the detached log of the other tokens' mass (the sampler's
-   log-probability of a token is its log-probability minus it). Not done yet with chunk loss or context parallel
-   (both refuse it).
+   log-probability of a token is its log-probability minus it). Under context parallel each rank computes them on
+   its shard and the three are all-gathered over the CP group in one collective, back in the batch's order
+   (`CPBatch.gather`, with autograd: its backward sums the gradients over the group), so every CP rank holds the
+   whole batch's values; a consumer that adds up the ranks' losses scales its loss by `1 / cp_size`, as for
+   step 7. With chunk loss `lm_head` computes the three chunk by chunk from the hidden states
+   (`mmfsdp.model.chunk_loss.chunked_linear_token_cross_entropy`; tokens that do not train hold 0).
 
 `forward` without `loss_weights` is the upstream HF forward (after steps 2-3),
 so evaluation and generation see the HF model.
@@ -329,11 +333,9 @@ class TrainingForwardMixin:
         kwargs.setdefault("use_cache", False)
         if (sequence_ids is None) != (num_sequences is None):
             raise ValueError("sequence_ids and num_sequences go together (per-sequence sums)")
-        if per_token and (sequence_ids is not None or self.chunk_loss_size is not None
-                          or self._context_parallel is not None):
-            raise ValueError(
-                "per_token log-probabilities are not done yet with sequence_ids, chunk loss or context parallel"
-            )
+        if per_token and sequence_ids is not None:
+            raise ValueError("per_token and sequence_ids exclude each other")
+        full_shape = shift_labels.shape
         cp_batch = None
         if self._context_parallel is not None:
             if plan is None:
@@ -352,8 +354,9 @@ class TrainingForwardMixin:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 if per_token:
-                    outputs.loss, outputs.entropy, outputs.kept_logmass = token_cross_entropy(
-                        outputs.logits, shift_labels, loss_weights, temperature, suppress_token_ids
+                    outputs.loss, outputs.entropy, outputs.kept_logmass = self._whole_tokens(
+                        token_cross_entropy(outputs.logits, shift_labels, loss_weights, temperature, suppress_token_ids),
+                        cp_batch, full_shape,
                     )
                 elif sequence_ids is None:
                     outputs.loss = weighted_cross_entropy(outputs.logits, shift_labels, loss_weights)
@@ -364,8 +367,15 @@ class TrainingForwardMixin:
                 return outputs
             kwargs.pop("logits_to_keep", None)
             outputs = getattr(self, self.base_model_prefix)(**kwargs)
-        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size, sequence_ids, num_sequences or 0)
+        per_token_options = {"temperature": temperature, "suppress_token_ids": suppress_token_ids} if per_token else None
+        loss_function = LinearCrossEntropy(shift_labels, loss_weights, self.chunk_loss_size, sequence_ids,
+                                           num_sequences or 0, per_token_options)
         loss = self.get_submodule(self.lm_head_name)(outputs.last_hidden_state, loss_function=loss_function)
+        if per_token:
+            loss, entropy, kept = self._whole_tokens(loss, cp_batch, full_shape)
+            outputs = CausalLMOutputWithPast(loss=loss)
+            outputs.entropy, outputs.kept_logmass = entropy, kept
+            return outputs
         if sequence_ids is not None:
             loss = self._whole_sequences(loss)
         return CausalLMOutputWithPast(loss=loss)
@@ -380,6 +390,16 @@ class TrainingForwardMixin:
         if tokens is None:
             return None
         return BatchPlan(tokens.shape[0], tokens.shape[1], tokens.device, cu_seq_lens, max_length)
+
+    def _whole_tokens(self, values: tuple, cp_batch: CPBatch | None, full_shape: torch.Size) -> tuple:
+        """Per-token values of this CP rank's shard -> the whole batch's `[B, S]` on every CP rank (step 8): the
+        values (the loss with autograd, the detached entropies and kept masses) gathered in one collective."""
+        if cp_batch is None:
+            return values
+        loss, entropy, kept = values
+        local = torch.stack([loss, entropy.to(loss.dtype), (entropy if kept is None else kept).to(loss.dtype)])
+        full = cp_batch.gather(local, self._context_parallel.cp_group, seq_dim=2).reshape(3, *full_shape)
+        return full[0], full[1].detach(), None if kept is None else full[2].detach()
 
     def _whole_sequences(self, local_sums: torch.Tensor) -> torch.Tensor:
         """Per-sequence sums of this CP rank's shard -> the whole sequences' sums on every CP rank (step 7)."""
