@@ -86,8 +86,7 @@ class Evaluator:
         pad_multiple: int, output_dir: Path, rank: int, heartbeat: LoopHeartbeat | None = None, data: Any = None,
     ):
         self.cfg = cfg
-        self.data = cfg.data if data is None else data
-        """The data config of the evaluation split (`Objective.eval_data`)."""
+        self._data = data
         self.heartbeat = heartbeat or LoopHeartbeat()
         self.model = model
         self.processor = processor
@@ -102,6 +101,11 @@ class Evaluator:
         """Validation loss by step (`validate`)."""
         self.objective_metrics: ObjectiveMetrics | None = None
         """The stage's own metrics (`Objective.eval_metrics`), set once the trainer has built the objective."""
+
+    @property
+    def data(self) -> Any:
+        """The data config of the evaluation split (`Objective.eval_data`; by default the run's)."""
+        return self.cfg.data if self._data is None else self._data
 
     def media_kinds(self) -> frozenset[str] | None:
         """The kinds of media of the evaluation split (built now) when the run evaluates, empty when it does
