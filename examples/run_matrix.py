@@ -29,6 +29,7 @@ EXAMPLES = {
     "moe": "qwen3vl-moe-tiny",
     "video": "qwen3vl-video-tiny",
     "dpo": "qwen3vl-dpo-tiny",
+    "grpo": "qwen3vl-grpo-tiny",
     "qwen3_5": "qwen3_5-tiny",
     "qwen3_5_moe": "qwen3_5-moe-tiny",
 }
@@ -36,9 +37,10 @@ EXAMPLES = {
 WRITES_DATA = {"qwen3vl-video-tiny"}
 """Examples whose `make_assets.py` writes the training data (run once before their cells); the others' commit their
 model directory and generate their data on the first run (inside the first cell's wall time)."""
-DRIVERS = {"qwen3vl-dpo-tiny": "run.py"}
+DRIVERS = {"qwen3vl-dpo-tiny": ("run.py", "dpo"), "qwen3vl-grpo-tiny": ("run.py", "grpo")}
 """Examples run by a script of theirs (`uv run python examples/<name>/<script>`, with the same overrides) instead of
-`uv run apps/train examples/<name>/config.yaml`; the script writes `<output_dir>/eval.json` as a run does."""
+`uv run apps/train examples/<name>/config.yaml`, and the stage directory under `<output_dir>` whose metrics.jsonl
+gives the last loss; the script writes `<output_dir>/eval.json` as a run does."""
 CLAIMS = {"qwen3vl-dpo-tiny": "reward_accuracy"}
 """Examples whose claimed number (checked against `--min-accuracy`) is another key of eval.json than `accuracy`."""
 LAYOUTS = {"padded": "false", "padding_free": "true"}
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_command(example: str, seed: int, layout: str, out_dir: Path, overrides: list[str]) -> list[str]:
     if example in DRIVERS:
-        start = ["uv", "run", "python", f"examples/{example}/{DRIVERS[example]}"]
+        start = ["uv", "run", "python", f"examples/{example}/{DRIVERS[example][0]}"]
     else:
         start = ["uv", "run", "apps/train", f"examples/{example}/config.yaml"]
     return [
@@ -105,7 +107,7 @@ def run_cell(example: str, seed: int, layout: str, out_root: Path, overrides: li
         result = json.loads(eval_path.read_text())
         cell.update(accuracy=result["accuracy"], chance=result.get("chance"), num_samples=result.get("num_samples"))
         cell.update({key: result[key] for key in ("reward_accuracy", "sft_accuracy") if key in result})
-    final_loss = _final_loss(out_dir / ("dpo" if example in DRIVERS else "") / "metrics.jsonl")
+    final_loss = _final_loss(out_dir / (DRIVERS[example][1] if example in DRIVERS else "") / "metrics.jsonl")
     if final_loss is not None:
         cell["final_loss"] = final_loss
     print(f"  -> {_row(cell)}", flush=True)
@@ -124,6 +126,8 @@ def _row(cell: dict) -> str:
     acc = f"{cell['accuracy']:.3f}" if "accuracy" in cell else f"failed (rc {cell['rc']})"
     if "reward_accuracy" in cell:
         acc += f" (SFT {cell['sft_accuracy']:.3f}; reward accuracy {cell['reward_accuracy']:.3f})"
+    elif "sft_accuracy" in cell:
+        acc += f" (SFT {cell['sft_accuracy']:.3f})"
     loss = f"{cell['final_loss']:.4f}" if "final_loss" in cell else "-"
     return f"| {cell['example']} | {cell['seed']} | {cell['layout']} | {acc} | {loss} | {cell['wall_s']:.0f} s |"
 

@@ -7,6 +7,7 @@ run twice in a row"), each time as the README gives it with tiny sizes as comman
 - `examples/qwen3vl-dpo-tiny/run.py` saves both stages without optimizer state (`no_save_optim`): run again, each
   finished stage says so and exits 0 (it used to resume the SFT checkpoint and fail for its missing optimizer
   state), and the script ends as the first run did.
+- `examples/qwen3vl-grpo-tiny/run.py` likewise (SFT, then GRPO from its export).
 - `examples/magistral-2509/smoke.yaml` (the laptop command of its README) saves as it trains: run again, it says
   it is finished.
 - A run with `training.save` that finished says so and starts no rank; raised `training.train_iters`, the same
@@ -69,18 +70,31 @@ def test_the_video_example_twice(tmp_path):
     assert json.loads((out / "eval.json").read_text())["num_samples"] == 8
 
 
-def test_the_dpo_example_twice(tmp_path):
-    out = tmp_path / "out"
-    stage_data = [f"{stage}:{key}={tmp_path / stage / part}" for stage in ("sft", "dpo")
+def _two_stage_command(tmp_path: Path, out: Path, example: str, stages: tuple[str, str]) -> list[str]:
+    """A two-stage example's `run.py` with tiny sizes for both stages and each stage's own data and cache."""
+    stage_data = [f"{stage}:{key}={tmp_path / stage / part}" for stage in stages
                   for key, part in (("data.dataset_param.basic_parameters.dataset_dir", "data"),
                                     ("data.dataset_param.basic_parameters.cache_dir", "cache"))]  # fmt: skip
     sizes = {key: value for key, value in _tiny(tmp_path, out).items() if "basic_parameters" not in key}
-    cmd = [sys.executable, str(apprun.EXAMPLES / "qwen3vl-dpo-tiny" / "run.py"), *apprun.overrides(sizes), *stage_data]
-    first, second = _twice(cmd)
+    return [sys.executable, str(apprun.EXAMPLES / example / "run.py"), *apprun.overrides(sizes), *stage_data]
+
+
+def test_the_dpo_example_twice(tmp_path):
+    out = tmp_path / "out"
+    first, second = _twice(_two_stage_command(tmp_path, out, "qwen3vl-dpo-tiny", ("sft", "dpo")))
     assert first.stdout.count(FINISHED) == 0 and second.stdout.count(FINISHED) == 2, second.stdout[-3000:]
     assert "held-out accuracy" in second.stdout
     result = json.loads((out / "eval.json").read_text())
     assert {"accuracy", "reward_accuracy", "sft_accuracy"} <= set(result)
+
+
+def test_the_grpo_example_twice(tmp_path):
+    out = tmp_path / "out"
+    first, second = _twice(_two_stage_command(tmp_path, out, "qwen3vl-grpo-tiny", ("sft", "grpo")))
+    assert first.stdout.count(FINISHED) == 0 and second.stdout.count(FINISHED) == 2, second.stdout[-3000:]
+    assert "held-out accuracy" in second.stdout and "after GRPO" in second.stdout
+    result = json.loads((out / "eval.json").read_text())
+    assert {"accuracy", "sft_accuracy", "sft_wall_s", "grpo_wall_s"} <= set(result) and result["num_samples"] == 8
 
 
 def test_the_magistral_smoke_twice(tmp_path):

@@ -85,3 +85,25 @@ def test_a_continued_adapter_has_no_live_reference_with_it(tmp_path):
         _cfg("training.grpo.beta=0.04", "training.lora.enable=true", "training.lora.target_modules=[q_proj]",
              f"training.lora.pretrained_lora_path={tmp_path}")
     assert err.value.key == "training.grpo.beta"
+
+
+def test_the_held_out_split_is_read_with_its_answers(tmp_path):
+    """The training split is prompts; the held-out accuracy reads the eval rows with their answers (a prompt trains
+    no token, so its exact match counted nothing: every GRPO run reported accuracy 0)."""
+    from mmfsdp.data import build_dataset, build_processor, prepare_dataset
+    from mmfsdp.train.grpo import GRPOObjective
+
+    cfg = _cfg(f"data.dataset_param.basic_parameters.dataset_dir={tmp_path / 'data'}",
+               f"data.dataset_param.basic_parameters.cache_dir={tmp_path / 'cache'}",
+               "data.dataset_param.synthetic.num_train=8", "data.dataset_param.synthetic.num_eval=4")
+    data = GRPOObjective.eval_data(cfg.data)
+    assert data.dataset_param.attr.prompt_only is False and cfg.data.dataset_param.attr.prompt_only is True
+    prepare_dataset(cfg.data)
+    processor = build_processor(cfg.data)
+    prompts, rows = build_dataset(cfg.data, processor, split="eval"), build_dataset(data, processor, split="eval")
+    assert len(prompts) == len(rows) == 4
+    for i in range(4):
+        trained = rows[i]["labels"][rows[i]["labels"] != -100]
+        assert len(trained) > 0 and (prompts[i]["labels"] == -100).all()
+        answer = processor.tokenizer.decode(trained, skip_special_tokens=True).strip()
+        assert answer == prompts[i]["solution"]

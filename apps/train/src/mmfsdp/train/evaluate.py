@@ -83,9 +83,10 @@ class Evaluator:
 
     def __init__(
         self, cfg: Any, *, model: torch.nn.Module, processor: Any, dims: Any, device: torch.device,
-        pad_multiple: int, output_dir: Path, rank: int, heartbeat: LoopHeartbeat | None = None,
+        pad_multiple: int, output_dir: Path, rank: int, heartbeat: LoopHeartbeat | None = None, data: Any = None,
     ):
         self.cfg = cfg
+        self._data = data
         self.heartbeat = heartbeat or LoopHeartbeat()
         self.model = model
         self.processor = processor
@@ -101,21 +102,26 @@ class Evaluator:
         self.objective_metrics: ObjectiveMetrics | None = None
         """The stage's own metrics (`Objective.eval_metrics`), set once the trainer has built the objective."""
 
+    @property
+    def data(self) -> Any:
+        """The data config of the evaluation split (`Objective.eval_data`; by default the run's)."""
+        return self.cfg.data if self._data is None else self._data
+
     def media_kinds(self) -> frozenset[str] | None:
         """The kinds of media of the evaluation split (built now) when the run evaluates, empty when it does
         not; None when the dataset cannot say (`media_kinds`)."""
-        if not (self.cfg.training.val_interval or has_eval_split(self.cfg.data)):
+        if not (self.cfg.training.val_interval or has_eval_split(self.data)):
             return frozenset()
         if self.dataset is None:
-            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+            self.dataset = build_dataset(self.data, self.processor, split="eval")
         return media_kinds(self.dataset)
 
     def evaluates(self) -> bool:
         """Whether the run uses the evaluation split (validation or the final accuracy); builds it then."""
-        if not (self.cfg.training.val_interval or has_eval_split(self.cfg.data)):
+        if not (self.cfg.training.val_interval or has_eval_split(self.data)):
             return False
         if self.dataset is None:
-            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+            self.dataset = build_dataset(self.data, self.processor, split="eval")
         return True
 
     def should_validate(self, step: int) -> bool:
@@ -140,9 +146,9 @@ class Evaluator:
         """
         cfg, dims = self.cfg, self.dims
         if self.dataset is None:
-            self.dataset = build_dataset(cfg.data, self.processor, split="eval")
+            self.dataset = build_dataset(self.data, self.processor, split="eval")
         dataset = self.dataset
-        collate = get_collator(cfg.data.dataloader_param.collate_param.model_name)(
+        collate = get_collator(self.data.dataloader_param.collate_param.model_name)(
             pad_token_id=dataset.processor.pad_token_id, pad_to_multiple_of=self.pad_multiple, packing=False,
         )
         if getattr(dataset, "is_preference", False):
@@ -169,7 +175,7 @@ class Evaluator:
         model = self.model
         model.eval()
         if self.dataset is None:
-            self.dataset = build_dataset(self.cfg.data, self.processor, split="eval")
+            self.dataset = build_dataset(self.data, self.processor, split="eval")
         pairs = getattr(self.dataset, "is_preference", False)
         extra = self.objective_metrics
         # exact matches, samples, then the objective's own sums
@@ -194,7 +200,7 @@ class Evaluator:
         num_correct, num_samples = (int(v) for v in totals[:2].tolist())
         result = {
             "accuracy": num_correct / max(num_samples, 1),
-            "chance": dataset_chance(self.cfg.data),
+            "chance": dataset_chance(self.data),
             "num_samples": num_samples,
             "num_correct": num_correct,
             "step": step,
@@ -235,7 +241,7 @@ class Evaluator:
 
     def report(self, step: int) -> dict | None:
         """The final held-out accuracy, logged and written to `<output_dir>/eval.json` (None without eval data)."""
-        if not has_eval_split(self.cfg.data):
+        if not has_eval_split(self.data):
             return None
         result = self.accuracy(step)
         chance = result["chance"]

@@ -57,6 +57,8 @@ Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`),
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from dataclasses import dataclass
@@ -139,6 +141,15 @@ class GRPOObjective(Objective):
     def configure(cls, cfg) -> None:
         # a GRPO run reads prompts: a row is a prompt and its ground truth
         cfg.data.dataset_param.attr.prompt_only = True
+
+    @classmethod
+    def eval_data(cls, data_cfg) -> Any:
+        """The held-out split read as SFT rows (the prompt and its answer), not as prompts: a prompt trains no
+        token, so its exact match would count nothing. The held-out accuracy is then SFT's and DPO's, the greedy
+        answer's exact match of the row's answer; it needs eval rows that end with their answer."""
+        param = data_cfg.dataset_param
+        attr = dataclasses.replace(param.attr, prompt_only=False)
+        return dataclasses.replace(data_cfg, dataset_param=dataclasses.replace(param, attr=attr))
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -126,6 +126,11 @@ class Objective(abc.ABC):
         """The stage's rules across sections: raise a `ConfigError` naming the key (`check_sections`)."""
 
     @classmethod
+    def eval_data(cls, data_cfg) -> Any:
+        """The data config the held-out evaluation reads (`mmfsdp.train.evaluate.Evaluator`): the run's own."""
+        return data_cfg
+
+    @classmethod
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
         """The device memory of the stage's own models per rank (`model`: the policy on the meta device)."""
         return []

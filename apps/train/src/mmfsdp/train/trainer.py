@@ -152,6 +152,7 @@ class Trainer:
         self.evaluator = Evaluator(
             cfg, model=self.model, processor=self.processor, dims=self.dims, device=self.device,
             pad_multiple=self._pad_multiple(), output_dir=self.output_dir, rank=self.rank, heartbeat=self.heartbeat,
+            data=objective_class(t.stage).eval_data(cfg.data),
         )
         # the vision placeholder runs only for the kinds of media the data holds (no video pass without videos);
         # a dataset that cannot say (a user's own type) keeps every kind
