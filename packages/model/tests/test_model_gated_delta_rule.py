@@ -43,7 +43,7 @@ def _plain_autograd(q, k, v, g, beta, state, plan: gdr.SegmentPlan):
 
     rep = v.size(1) // q.size(1)
     state = state.index_select(0, plan.order)
-    out, finals, _ = gdr._scan_steps(*map(grid, (q, k, v, g, beta)), state, plan.counts, 0, rep, True)
+    out, finals, _, _ = gdr._scan_steps(*map(grid, (q, k, v, g, beta)), state, plan.counts, 0, rep, True)
     out = out.transpose(1, 2).reshape(n_chunks * chunk, *out.shape[1:2], out.size(-1))
     return out.index_select(0, inverse), finals.index_select(0, plan.final_where)
 
@@ -89,7 +89,8 @@ def _peak_and_held(fn, inputs, cotangent) -> tuple[int, int]:
 def test_memory_is_below_hf_per_sample_and_keeps_no_intra_chunk_matrices():
     """8 samples of 128 tokens, fp32. When autograd saved the intra-chunk matrices, the states every step read and
     the head-repeated, normalised q/k of the whole row, this peaked at 1.07 times HF's per-sample loop and held
-    10.9 times its input bytes after the forward; now 0.74 and 2.0."""
+    10.9 times its input bytes after the forward; now 0.82 and 3.0 (its input grids, the UT system's solutions u
+    and w, the states entering the two groups of steps, its output)."""
     lengths, dk = [128] * 8, 64
     q, k, v, g, beta, _ = _inputs(lengths, dk=dk, dv=dk, dtype=torch.float32)
     plan = gdr.SegmentPlan([128 * i for i in range(8)], lengths, 1, torch.device("cpu"))
@@ -108,6 +109,5 @@ def test_memory_is_below_hf_per_sample_and_keeps_no_intra_chunk_matrices():
     ours_peak, ours_held = _peak_and_held(ours, (q, k, v, g, beta), cotangent)
     hf_peak, _ = _peak_and_held(hf, (q, k, v, g, beta), cotangent)
     inputs_bytes = sum(x.nbytes for x in (q, k, v, g, beta))
-    # after the forward: the input grids, the states entering the two groups of steps, the output
-    assert_within(ours_peak / hf_peak, 0.85, "peak, ours / HF per sample")
-    assert_within(ours_held / inputs_bytes, 2.5, "held after the forward / input bytes")
+    assert_within(ours_peak / hf_peak, 0.9, "peak, ours / HF per sample")
+    assert_within(ours_held / inputs_bytes, 3.5, "held after the forward / input bytes")

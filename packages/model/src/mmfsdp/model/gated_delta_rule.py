@@ -229,13 +229,39 @@ def _step_groups(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return groups
 
 
-def _scan_steps(q, k, v, g, beta, state, counts: Sequence[int], n_next: int, rep: int, use_qk_l2norm: bool):
+class _Solved(torch.autograd.Function):
+    """`solve_triangular(system, b)` (unit lower triangular) for the right-hand sides `b_u`, `b_w`, given their
+    solutions `u`, `w`: the recomputation in `_ChunkScan.backward` reuses the forward's instead of solving again. The
+    backward is autograd's for the two solves, operation for operation (so the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, system, b_u, b_w, u, w):
+        ctx.save_for_backward(system, u, w)
+        return u.view_as(u), w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_w):
+        system, u, w = ctx.saved_tensors
+        system_t = system.transpose(-1, -2)
+        grad_b_u, grad_b_w = (
+            torch.linalg.solve_triangular(system_t, grad, upper=True, unitriangular=True) for grad in (grad_u, grad_w)
+        )
+        grad_system = -(grad_b_u @ u.transpose(-1, -2)).tril(-1) + -(grad_b_w @ w.transpose(-1, -2)).tril(-1)
+        return grad_system, grad_b_u, grad_b_w, None, None
+
+
+def _scan_steps(
+    q, k, v, g, beta, state, counts: Sequence[int], n_next: int, rep: int, use_qk_l2norm: bool, solved=None
+):
     """Consecutive scan steps of the chunked rule: step j takes chunk j of the `counts[j]` segments still running.
 
     `q/k`: `[rows, Hk, c, dk]`, `v`: `[rows, Hv, c, dv]`, `g`, `beta`: `[rows, Hv, c]` (the steps' chunks, step-major,
     in the input dtype); `state`: `[counts[0], Hv, dk, dv]`, entering the first step. Returns the outputs
-    `[rows, Hv, c, dv]`, the final states of the segments that end in these steps (scan order) and the state
-    entering the step after them (its first `n_next` segments)."""
+    `[rows, Hv, c, dv]`, the final states of the segments that end in these steps (scan order), the state entering
+    the step after them (its first `n_next` segments) and the UT system's solutions `(u, w)`.
+
+    `solved` (`_ChunkScan.backward`'s recomputation): `(u, w)` of the forward's call on the same inputs, used rather
+    than solved again."""
     dtype = _compute_dtype(v)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
@@ -250,8 +276,11 @@ def _scan_steps(q, k, v, g, beta, state, counts: Sequence[int], n_next: int, rep
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    rhs = (v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1))
+    if solved is None:
+        u, w = (torch.linalg.solve_triangular(system, b, upper=False, unitriangular=True) for b in rhs)
+    else:
+        u, w = _Solved.apply(system, *rhs, *solved)
     intra = (q @ k.transpose(-1, -2)) * decay
     q_dec = q * cum.exp().unsqueeze(-1)
     k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
@@ -260,63 +289,66 @@ def _scan_steps(q, k, v, g, beta, state, counts: Sequence[int], n_next: int, rep
     # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
     # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
     operands = (x.split(list(counts)) for x in (u, w, q_dec, intra, k_dec, chunk_decay))
-    per_step = zip(counts, [*counts[1:], n_next], *operands)
-    for n, n_after, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j in per_step:
+    for n, n_after, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j in zip(counts, [*counts[1:], n_next], *operands):
         state = state[:n]
         v_new = u_j - w_j @ state
         outs.append(q_dec_j @ state + intra_j @ v_new)
         state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
         finals.append(state[n_after:])
-    return torch.cat(outs), torch.cat(finals), state[:n_next]
+    return torch.cat(outs), torch.cat(finals), state[:n_next], (u, w)
 
 
 class _ChunkScan(torch.autograd.Function):
     """The chunked rule over all scan steps, saving only its inputs (the chunk grids, in the input dtype, key heads
-    not yet repeated) and the state entering each group of steps (`_step_groups`).
+    not yet repeated), the state entering each group of steps (`_step_groups`) and the UT system's solutions `u`,
+    `w` (the costliest part to recompute on the CPU, two triangular solves).
 
     Autograd over `_scan_steps` would keep every intra-chunk matrix (`[chunks, H, c, c]`: decays, the UT system,
     the intra-chunk attention), `u`, `w`, the decayed q/k, the normalised and head-repeated q/k and the state
     every step reads, all in fp32, until the backward: about ten times the inputs. The backward instead runs the
-    groups last to first, each recomputed from its entering state under autograd and differentiated at once, so
-    one group's graph is alive at a time: a second forward for a fraction of the memory (the same operations, so
-    the same numbers)."""
+    groups last to first, each recomputed from its entering state under autograd (the solves replaced by the saved
+    solutions, `_Solved`) and differentiated at once, so one group's graph is alive at a time: a second forward
+    without the solves for a fraction of the memory (the same operations, so the same numbers)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, counts, groups, rep, use_qk_l2norm):
         out = v.new_empty(v.shape[:-1] + (state.size(-1),), dtype=state.dtype)
-        finals, entering = [], []
+        finals, entering, solved = [], [], []
         row = 0
         for first, stop in groups:
             rows = slice(row, row + sum(counts[first:stop]))
             n_next = counts[stop] if stop < len(counts) else 0
             entering.append(state)
-            out[rows], final, state = _scan_steps(
+            out[rows], final, state, (u, w) = _scan_steps(
                 *(x[rows] for x in (q, k, v, g, beta)), state, counts[first:stop], n_next, rep, use_qk_l2norm
             )
             finals.append(final)
+            solved += [u, w]
             row = rows.stop
-        ctx.save_for_backward(q, k, v, g, beta, *entering)
+        ctx.save_for_backward(q, k, v, g, beta, *entering, *solved)
         ctx.counts, ctx.groups, ctx.rep, ctx.use_qk_l2norm = counts, groups, rep, use_qk_l2norm
         return out, torch.cat(finals)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_finals):
-        q, k, v, g, beta, *entering = ctx.saved_tensors
+        q, k, v, g, beta, *saved = ctx.saved_tensors
         counts, groups = ctx.counts, ctx.groups
+        entering, solved = saved[: len(groups)], saved[len(groups) :]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[:5]) if need]
         grads = [torch.empty_like(x) if i in wanted else None for i, x in enumerate((q, k, v, g, beta))]
         row_stop, final_stop = q.size(0), grad_finals.size(0)
         grad_state = None
-        for (first, stop), state in zip(reversed(groups), reversed(entering)):
+        for index in reversed(range(len(groups))):
+            (first, stop), state, u_w = groups[index], entering[index], solved[2 * index : 2 * index + 2]
             rows = slice(row_stop - sum(counts[first:stop]), row_stop)
             n_next = counts[stop] if stop < len(counts) else 0
             finals = slice(final_stop - (counts[first] - n_next), final_stop)
             with torch.enable_grad():
                 inputs = [x[rows].detach().requires_grad_(i in wanted) for i, x in enumerate((q, k, v, g, beta))]
                 state = state.detach().requires_grad_(first > 0 or ctx.needs_input_grad[5])
-                out, final, state_out = _scan_steps(
-                    *inputs, state, counts[first:stop], n_next, ctx.rep, ctx.use_qk_l2norm
+                out, final, state_out, _ = _scan_steps(
+                    *inputs, state, counts[first:stop], n_next, ctx.rep, ctx.use_qk_l2norm, u_w
                 )
                 pairs = [(out, grad_out[rows]), (final, grad_finals[finals])]
                 if grad_state is not None:
