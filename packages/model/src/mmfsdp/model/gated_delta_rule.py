@@ -4,8 +4,8 @@ samples laid end to end (`cu_seq_lens`), each sample's state starting from zero 
 `chunk_gated_delta_rule_packed` runs the delta rule of every sample of one packed row in chunks of `CHUNK` tokens
 (the WY transform of HF / fla over segments with a per-segment initial state and final state), from a
 `SegmentPlan` made once per micro-batch on the host; its backward recomputes the scan group by group from the states
-entering the groups (`_ChunkScan`), so between forward and backward it holds its inputs and those states, not the
-intra-chunk matrices; `resolve_gdn_kernel` says which implementation runs
+entering the groups (`_ChunkScan`), so between forward and backward it holds its inputs, those states and the UT
+systems' inverses, not the other intra-chunk matrices; `resolve_gdn_kernel` says which implementation runs
 (`model.gdn_kernel`: this torch operator, or fla's Triton kernel on CUDA); `packed_causal_conv1d` is the causal
 convolution that sees no input of the previous sample. The layer that uses them, its context-parallel paths and
 its micro-batch plan are `mmfsdp.model.gated_deltanet`.
@@ -229,39 +229,36 @@ def _step_groups(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return groups
 
 
-class _Solved(torch.autograd.Function):
-    """`solve_triangular(system, b)` (unit lower triangular) for the right-hand sides `b_u`, `b_w`, given their
-    solutions `u`, `w`: the recomputation in `_ChunkScan.backward` reuses the forward's instead of solving again. The
-    backward is autograd's for the two solves, operation for operation (so the same numbers)."""
+class _UnitLowerInverse(torch.autograd.Function):
+    """The inverses of the unit lower triangular matrices whose strictly lower triangles are `system`'s (`[..., c, c]`;
+    the diagonal and the upper triangle are not read), or `inverse` where given (`_ChunkScan.backward` reuses the
+    forward's). The triangular solve runs in fp64 and its result is rounded to `system`'s dtype: from an fp32 solve
+    the gradients of `g` were 1.5x noisier against an fp64 kernel (A_log 7.0e-6) than with u and w solved for
+    directly; rounded from fp64 they are as accurate (4.5e-6), and the solve (against the identity, `c` columns) is
+    still cheaper than two solves against `dv` and `dk` columns. The backward is two products,
+    `-(Xᵀ dX Xᵀ)` on the strictly lower triangle (X the inverse)."""
 
     @staticmethod
-    def forward(ctx, system, b_u, b_w, u, w):
-        ctx.save_for_backward(system, u, w)
-        return u.view_as(u), w.view_as(w)
+    def forward(ctx, system: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        if inverse is None:
+            eye = torch.eye(system.size(-1), dtype=torch.float64, device=system.device).expand_as(system)
+            inverse = torch.linalg.solve_triangular(system.double(), eye, upper=False, unitriangular=True)
+            inverse = inverse.to(system.dtype)
+        ctx.save_for_backward(inverse)
+        return inverse.view_as(inverse)
 
     @staticmethod
-    def backward(ctx, grad_u, grad_w):
-        system, u, w = ctx.saved_tensors
-        system_t = system.transpose(-1, -2)
-        grad_b_u, grad_b_w = (
-            torch.linalg.solve_triangular(system_t, grad, upper=True, unitriangular=True) for grad in (grad_u, grad_w)
-        )
-        grad_system = -(grad_b_u @ u.transpose(-1, -2)).tril(-1) + -(grad_b_w @ w.transpose(-1, -2)).tril(-1)
-        return grad_system, grad_b_u, grad_b_w, None, None
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        inverse_t = inverse.transpose(-1, -2)
+        return -(inverse_t @ grad @ inverse_t).tril(-1), None
 
 
-def _scan_steps(
-    q, k, v, g, beta, state, counts: Sequence[int], n_next: int, rep: int, use_qk_l2norm: bool, solved=None
-):
-    """Consecutive scan steps of the chunked rule: step j takes chunk j of the `counts[j]` segments still running.
-
-    `q/k`: `[rows, Hk, c, dk]`, `v`: `[rows, Hv, c, dv]`, `g`, `beta`: `[rows, Hv, c]` (the steps' chunks, step-major,
-    in the input dtype); `state`: `[counts[0], Hv, dk, dv]`, entering the first step. Returns the outputs
-    `[rows, Hv, c, dv]`, the final states of the segments that end in these steps (scan order), the state entering
-    the step after them (its first `n_next` segments) and the UT system's solutions `(u, w)`.
-
-    `solved` (`_ChunkScan.backward`'s recomputation): `(u, w)` of the forward's call on the same inputs, used rather
-    than solved again."""
+def _intra_chunk(q, k, v, g, beta, rep: int, use_qk_l2norm: bool, inverse=None):
+    """The intra-chunk quantities of the chunks `q/k`: `[n, Hk, c, dk]`, `v`: `[n, Hv, c, dv]`, `g`, `beta`:
+    `[n, Hv, c]` (in the input dtype), in the compute dtype: the UT transform's `u`, `w`, the decayed queries and keys
+    `q_dec`, `k_dec`, the intra-chunk attention `[n, Hv, c, c]`, the chunks' decays `[n, Hv, 1, 1]` and the inverse of
+    the UT system (`inverse`: that of an earlier call on the same chunks, reused)."""
     dtype = _compute_dtype(v)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
@@ -270,21 +267,25 @@ def _scan_steps(
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     q = q * q.size(-1) ** -0.5
     chunk = q.size(2)
-    # intra-chunk (all chunks of these steps at once)
     cum = g.cumsum(-1)  # [n, H, c]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
     k_beta = k * beta.unsqueeze(-1)
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    rhs = (v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1))
-    if solved is None:
-        u, w = (torch.linalg.solve_triangular(system, b, upper=False, unitriangular=True) for b in rhs)
-    else:
-        u, w = _Solved.apply(system, *rhs, *solved)
+    inverse = _UnitLowerInverse.apply((k_beta @ k.transpose(-1, -2)) * decay, inverse)
+    u = inverse @ (v * beta.unsqueeze(-1))
+    w = inverse @ (k_beta * cum.exp().unsqueeze(-1))
     intra = (q @ k.transpose(-1, -2)) * decay
     q_dec = q * cum.exp().unsqueeze(-1)
     k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
+    return u, w, q_dec, intra, k_dec, chunk_decay, inverse
+
+
+def _scan_steps(u, w, q_dec, intra, k_dec, chunk_decay, state, counts: Sequence[int], n_next: int):
+    """Consecutive scan steps of the chunked rule over the intra-chunk quantities of their chunks (`_intra_chunk`,
+    step-major): step j takes chunk j of the `counts[j]` segments still running, `state` `[counts[0], Hv, dk, dv]`
+    enters the first. Returns the outputs `[rows, Hv, c, dv]`, the final states of the segments that end in these
+    steps (scan order) and the state entering the step after them (its first `n_next` segments)."""
     outs, finals = [], []
     # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
     # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
@@ -295,37 +296,36 @@ def _scan_steps(
         outs.append(q_dec_j @ state + intra_j @ v_new)
         state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
         finals.append(state[n_after:])
-    return torch.cat(outs), torch.cat(finals), state[:n_next], (u, w)
+    return torch.cat(outs), torch.cat(finals), state[:n_next]
 
 
 class _ChunkScan(torch.autograd.Function):
     """The chunked rule over all scan steps, saving only its inputs (the chunk grids, in the input dtype, key heads
-    not yet repeated), the state entering each group of steps (`_step_groups`) and the UT system's solutions `u`,
-    `w` (the costliest part to recompute on the CPU, two triangular solves).
+    not yet repeated), the state entering each group of steps (`_step_groups`) and the inverse of every chunk's UT
+    system (`[chunks, Hv, c, c]`, the costliest part to recompute on the CPU).
 
-    Autograd over `_scan_steps` would keep every intra-chunk matrix (`[chunks, H, c, c]`: decays, the UT system,
-    the intra-chunk attention), `u`, `w`, the decayed q/k, the normalised and head-repeated q/k and the state
-    every step reads, all in fp32, until the backward: about ten times the inputs. The backward instead runs the
-    groups last to first, each recomputed from its entering state under autograd (the solves replaced by the saved
-    solutions, `_Solved`) and differentiated at once, so one group's graph is alive at a time: a second forward
-    without the solves for a fraction of the memory (the same operations, so the same numbers)."""
+    Autograd over the scan would keep every intra-chunk matrix (`[chunks, H, c, c]`: decays, the UT system, the
+    intra-chunk attention), `u`, `w`, the decayed q/k, the normalised and head-repeated q/k and the state every step
+    reads, all in fp32, until the backward: about ten times the inputs. The backward instead runs the groups last to
+    first, each recomputed from its entering state under autograd (with the saved inverses) and differentiated at
+    once, so one group's graph is alive at a time: a second forward without the solve for a fraction of the memory
+    (the same operations, so the same numbers)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, counts, groups, rep, use_qk_l2norm):
         out = v.new_empty(v.shape[:-1] + (state.size(-1),), dtype=state.dtype)
-        finals, entering, solved = [], [], []
+        finals, entering, inverses = [], [], []
         row = 0
         for first, stop in groups:
             rows = slice(row, row + sum(counts[first:stop]))
             n_next = counts[stop] if stop < len(counts) else 0
             entering.append(state)
-            out[rows], final, state, (u, w) = _scan_steps(
-                *(x[rows] for x in (q, k, v, g, beta)), state, counts[first:stop], n_next, rep, use_qk_l2norm
-            )
+            *intra_chunk, inverse = _intra_chunk(*(x[rows] for x in (q, k, v, g, beta)), rep, use_qk_l2norm)
+            out[rows], final, state = _scan_steps(*intra_chunk, state, counts[first:stop], n_next)
             finals.append(final)
-            solved += [u, w]
+            inverses.append(inverse)
             row = rows.stop
-        ctx.save_for_backward(q, k, v, g, beta, *entering, *solved)
+        ctx.save_for_backward(q, k, v, g, beta, *entering, *inverses)
         ctx.counts, ctx.groups, ctx.rep, ctx.use_qk_l2norm = counts, groups, rep, use_qk_l2norm
         return out, torch.cat(finals)
 
@@ -334,22 +334,20 @@ class _ChunkScan(torch.autograd.Function):
     def backward(ctx, grad_out, grad_finals):
         q, k, v, g, beta, *saved = ctx.saved_tensors
         counts, groups = ctx.counts, ctx.groups
-        entering, solved = saved[: len(groups)], saved[len(groups) :]
+        entering, inverses = saved[: len(groups)], saved[len(groups) :]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[:5]) if need]
         grads = [torch.empty_like(x) if i in wanted else None for i, x in enumerate((q, k, v, g, beta))]
         row_stop, final_stop = q.size(0), grad_finals.size(0)
         grad_state = None
-        for index in reversed(range(len(groups))):
-            (first, stop), state, u_w = groups[index], entering[index], solved[2 * index : 2 * index + 2]
+        for (first, stop), state, inverse in zip(reversed(groups), reversed(entering), reversed(inverses)):
             rows = slice(row_stop - sum(counts[first:stop]), row_stop)
             n_next = counts[stop] if stop < len(counts) else 0
             finals = slice(final_stop - (counts[first] - n_next), final_stop)
             with torch.enable_grad():
                 inputs = [x[rows].detach().requires_grad_(i in wanted) for i, x in enumerate((q, k, v, g, beta))]
                 state = state.detach().requires_grad_(first > 0 or ctx.needs_input_grad[5])
-                out, final, state_out, _ = _scan_steps(
-                    *inputs, state, counts[first:stop], n_next, ctx.rep, ctx.use_qk_l2norm, u_w
-                )
+                *intra_chunk, _ = _intra_chunk(*inputs, ctx.rep, ctx.use_qk_l2norm, inverse)
+                out, final, state_out = _scan_steps(*intra_chunk, state, counts[first:stop], n_next)
                 pairs = [(out, grad_out[rows]), (final, grad_finals[finals])]
                 if grad_state is not None:
                     pairs.append((state_out, grad_state))
