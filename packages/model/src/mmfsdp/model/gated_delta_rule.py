@@ -241,8 +241,10 @@ class _UnitLowerInverse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, system: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
         if inverse is None:
-            eye = torch.eye(system.size(-1), dtype=torch.float64, device=system.device).expand_as(system)
-            inverse = torch.linalg.solve_triangular(system.double(), eye, upper=False, unitriangular=True)
+            # fp64 where the device has fp64 linear algebra (CPU, CUDA); the compute dtype elsewhere (e.g. NPU)
+            solve_dtype = torch.float64 if system.device.type in ("cpu", "cuda") else system.dtype
+            eye = torch.eye(system.size(-1), dtype=solve_dtype, device=system.device).expand_as(system)
+            inverse = torch.linalg.solve_triangular(system.to(solve_dtype), eye, upper=False, unitriangular=True)
             inverse = inverse.to(system.dtype)
         ctx.save_for_backward(inverse)
         return inverse.view_as(inverse)
