@@ -3,7 +3,9 @@ samples laid end to end (`cu_seq_lens`), each sample's state starting from zero 
 
 `chunk_gated_delta_rule_packed` runs the delta rule of every sample of one packed row in chunks of `CHUNK` tokens
 (the WY transform of HF / fla over segments with a per-segment initial state and final state), from a
-`SegmentPlan` made once per micro-batch on the host; `resolve_gdn_kernel` says which implementation runs
+`SegmentPlan` made once per micro-batch on the host; its backward recomputes the scan group by group from the states
+entering the groups (`_ChunkScan`), so between forward and backward it holds its inputs, those states and the UT
+systems' inverses, not the other intra-chunk matrices; `resolve_gdn_kernel` says which implementation runs
 (`model.gdn_kernel`: this torch operator, or fla's Triton kernel on CUDA); `packed_causal_conv1d` is the causal
 convolution that sees no input of the previous sample. The layer that uses them, its context-parallel paths and
 its micro-batch plan are `mmfsdp.model.gated_deltanet`.
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from transformers.activations import ACT2FN
 
 __all__ = [
@@ -33,6 +36,9 @@ __all__ = [
 
 CHUNK = 64
 _L2_EPS = 1e-6
+_RECOMPUTE_CHUNKS = 8
+"""Chunks per group of scan steps that `_ChunkScan`'s backward recomputes at once (the state entering each group is
+saved): more saves fewer states and keeps a larger graph alive in the backward."""
 GDN_KERNELS = ("auto", "torch", "fla")
 """The chunked delta rule's implementations: "torch" (this module), "fla" (fla's Triton kernel, CUDA), "auto" (fla
 where it can run, else torch)."""
@@ -211,6 +217,152 @@ class SegmentPlan:
             setattr(self, name, upload(tensor, device))
 
 
+def _step_groups(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """The scan steps cut into consecutive groups `[first, stop)` of at least `budget` chunks each (the last may have
+    fewer): the units `_ChunkScan` recomputes in its backward, one at a time."""
+    groups, first, chunks = [], 0, 0
+    for j, n in enumerate(counts):
+        chunks += n
+        if chunks >= budget or j + 1 == len(counts):
+            groups.append((first, j + 1))
+            first, chunks = j + 1, 0
+    return groups
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """The inverses of the unit lower triangular matrices whose strictly lower triangles are `system`'s (`[..., c, c]`;
+    the diagonal and the upper triangle are not read), or `inverse` where given (`_ChunkScan.backward` reuses the
+    forward's). The triangular solve runs in fp64 and its result is rounded to `system`'s dtype: from an fp32 solve
+    the gradients of `g` were 1.5x noisier against an fp64 kernel (A_log 7.0e-6) than with u and w solved for
+    directly; rounded from fp64 they are as accurate (4.5e-6), and the solve (against the identity, `c` columns) is
+    still cheaper than two solves against `dv` and `dk` columns. The backward is two products,
+    `-(Xᵀ dX Xᵀ)` on the strictly lower triangle (X the inverse)."""
+
+    @staticmethod
+    def forward(ctx, system: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        if inverse is None:
+            # fp64 where the device has fp64 linear algebra (CPU, CUDA); the compute dtype elsewhere (e.g. NPU)
+            solve_dtype = torch.float64 if system.device.type in ("cpu", "cuda") else system.dtype
+            eye = torch.eye(system.size(-1), dtype=solve_dtype, device=system.device).expand_as(system)
+            inverse = torch.linalg.solve_triangular(system.to(solve_dtype), eye, upper=False, unitriangular=True)
+            inverse = inverse.to(system.dtype)
+        ctx.save_for_backward(inverse)
+        return inverse.view_as(inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        inverse_t = inverse.transpose(-1, -2)
+        return -(inverse_t @ grad @ inverse_t).tril(-1), None
+
+
+def _intra_chunk(q, k, v, g, beta, rep: int, use_qk_l2norm: bool, inverse=None):
+    """The intra-chunk quantities of the chunks `q/k`: `[n, Hk, c, dk]`, `v`: `[n, Hv, c, dv]`, `g`, `beta`:
+    `[n, Hv, c]` (in the input dtype), in the compute dtype: the UT transform's `u`, `w`, the decayed queries and keys
+    `q_dec`, `k_dec`, the intra-chunk attention `[n, Hv, c, c]`, the chunks' decays `[n, Hv, 1, 1]` and the inverse of
+    the UT system (`inverse`: that of an earlier call on the same chunks, reused)."""
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    if rep > 1:  # value head h reads key head h // rep, expanded per chunk rather than over the whole row
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q = q * q.size(-1) ** -0.5
+    chunk = q.size(2)
+    cum = g.cumsum(-1)  # [n, H, c]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
+    k_beta = k * beta.unsqueeze(-1)
+    inverse = _UnitLowerInverse.apply((k_beta @ k.transpose(-1, -2)) * decay, inverse)
+    u = inverse @ (v * beta.unsqueeze(-1))
+    w = inverse @ (k_beta * cum.exp().unsqueeze(-1))
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    return u, w, q_dec, intra, k_dec, chunk_decay, inverse
+
+
+def _scan_steps(u, w, q_dec, intra, k_dec, chunk_decay, state, counts: Sequence[int], n_next: int):
+    """Consecutive scan steps of the chunked rule over the intra-chunk quantities of their chunks (`_intra_chunk`,
+    step-major): step j takes chunk j of the `counts[j]` segments still running, `state` `[counts[0], Hv, dk, dv]`
+    enters the first. Returns the outputs `[rows, Hv, c, dv]`, the final states of the segments that end in these
+    steps (scan order) and the state entering the step after them (its first `n_next` segments)."""
+    outs, finals = [], []
+    # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
+    # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
+    operands = (x.split(list(counts)) for x in (u, w, q_dec, intra, k_dec, chunk_decay))
+    for n, n_after, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j in zip(counts, [*counts[1:], n_next], *operands):
+        state = state[:n]
+        v_new = u_j - w_j @ state
+        outs.append(q_dec_j @ state + intra_j @ v_new)
+        state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
+        finals.append(state[n_after:])
+    return torch.cat(outs), torch.cat(finals), state[:n_next]
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The chunked rule over all scan steps, saving only its inputs (the chunk grids, in the input dtype, key heads
+    not yet repeated), the state entering each group of steps (`_step_groups`) and the inverse of every chunk's UT
+    system (`[chunks, Hv, c, c]`, the costliest part to recompute on the CPU).
+
+    Autograd over the scan would keep every intra-chunk matrix (`[chunks, H, c, c]`: decays, the UT system, the
+    intra-chunk attention), `u`, `w`, the decayed q/k, the normalised and head-repeated q/k and the state every step
+    reads, all in fp32, until the backward: about ten times the inputs. The backward instead runs the groups last to
+    first, each recomputed from its entering state under autograd (with the saved inverses) and differentiated at
+    once, so one group's graph is alive at a time: a second forward without the solve for a fraction of the memory
+    (the same operations, so the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, counts, groups, rep, use_qk_l2norm):
+        out = v.new_empty(v.shape[:-1] + (state.size(-1),), dtype=state.dtype)
+        finals, entering, inverses = [], [], []
+        row = 0
+        for first, stop in groups:
+            rows = slice(row, row + sum(counts[first:stop]))
+            n_next = counts[stop] if stop < len(counts) else 0
+            entering.append(state)
+            *intra_chunk, inverse = _intra_chunk(*(x[rows] for x in (q, k, v, g, beta)), rep, use_qk_l2norm)
+            out[rows], final, state = _scan_steps(*intra_chunk, state, counts[first:stop], n_next)
+            finals.append(final)
+            inverses.append(inverse)
+            row = rows.stop
+        ctx.save_for_backward(q, k, v, g, beta, *entering, *inverses)
+        ctx.counts, ctx.groups, ctx.rep, ctx.use_qk_l2norm = counts, groups, rep, use_qk_l2norm
+        return out, torch.cat(finals)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_finals):
+        q, k, v, g, beta, *saved = ctx.saved_tensors
+        counts, groups = ctx.counts, ctx.groups
+        entering, inverses = saved[: len(groups)], saved[len(groups) :]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[:5]) if need]
+        grads = [torch.empty_like(x) if i in wanted else None for i, x in enumerate((q, k, v, g, beta))]
+        row_stop, final_stop = q.size(0), grad_finals.size(0)
+        grad_state = None
+        for (first, stop), state, inverse in zip(reversed(groups), reversed(entering), reversed(inverses)):
+            rows = slice(row_stop - sum(counts[first:stop]), row_stop)
+            n_next = counts[stop] if stop < len(counts) else 0
+            finals = slice(final_stop - (counts[first] - n_next), final_stop)
+            with torch.enable_grad():
+                inputs = [x[rows].detach().requires_grad_(i in wanted) for i, x in enumerate((q, k, v, g, beta))]
+                state = state.detach().requires_grad_(first > 0 or ctx.needs_input_grad[5])
+                *intra_chunk, _ = _intra_chunk(*inputs, ctx.rep, ctx.use_qk_l2norm, inverse)
+                out, final, state_out = _scan_steps(*intra_chunk, state, counts[first:stop], n_next)
+                pairs = [(out, grad_out[rows]), (final, grad_finals[finals])]
+                if grad_state is not None:
+                    pairs.append((state_out, grad_state))
+                targets = [inputs[i] for i in wanted] + ([state] if state.requires_grad else [])
+                outputs, grad_outputs = zip(*pairs)
+                found = torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True) if targets else []
+            for i, grad in zip(wanted, found):
+                grads[i][rows] = 0 if grad is None else grad
+            grad_state = found[-1] if state.requires_grad else None
+            row_stop, final_stop = rows.start, finals.start
+        return *grads, grad_state, None, None, None, None
+
+
 def chunk_gated_delta_rule_packed(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -241,18 +393,10 @@ def chunk_gated_delta_rule_packed(
     """
     T, Hk, dk = q_THK.shape
     Hv, dv = v_THV.shape[1:]
-    if Hv != Hk:
-        q_THK = q_THK.repeat_interleave(Hv // Hk, dim=1)
-        k_THK = k_THK.repeat_interleave(Hv // Hk, dim=1)
     dtype = _compute_dtype(v_THV)
-    q, k, v, g, beta = (x.to(dtype) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * dk**-0.5
-    device = q.device
     n_seg = len(seg_starts)
     if plan is None:
-        plan = SegmentPlan(seg_starts, seg_lens, 1, device, chunk=chunk)
+        plan = SegmentPlan(seg_starts, seg_lens, 1, q_THK.device, chunk=chunk)
     assert plan.chunk == chunk and plan.lens == tuple(seg_lens), "the plan is of other segments"
     counts, n_chunks, inverse = plan.counts, plan.n_chunks, plan.chunk_inverse
 
@@ -260,43 +404,24 @@ def chunk_gated_delta_rule_packed(
         out = _ToSlots.apply(x, inverse, n_chunks * chunk).reshape(n_chunks, chunk, *x.shape[1:])
         return out.transpose(1, 2)
 
-    q, k, v, g, beta = grid(q), grid(k), grid(v), grid(g), grid(beta)
-    # intra-chunk (all chunks at once)
-    cum = g.cumsum(-1)  # [n, H, c]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, c, c]
-    k_beta = k * beta.unsqueeze(-1)
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * cum.exp().unsqueeze(-1)
-    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-
-    # scan over chunk steps, batched over the segments still running
     if initial_state_NHKV is None:
-        state = q.new_zeros(n_seg, Hv, dk, dv)
+        state = v_THV.new_zeros(n_seg, Hv, dk, dv, dtype=dtype)
     else:
         state = initial_state_NHKV.to(dtype).index_select(0, plan.order)
-    outs, finals = [], []
-    # one split per operand (its backward is one concatenation), not a slice per step: a slice's backward writes a
-    # zero tensor the size of the whole operand, which made the scan's backward quadratic in the chunk count
-    per_step = zip(counts, *(x.split(counts) for x in (u, w, q_dec, intra, k_dec, chunk_decay)))
-    for j, (n, u_j, w_j, q_dec_j, intra_j, k_dec_j, decay_j) in enumerate(per_step):
-        state = state[:n]
-        v_new = u_j - w_j @ state
-        outs.append(q_dec_j @ state + intra_j @ v_new)
-        state = state * decay_j + k_dec_j.transpose(-1, -2) @ v_new
-        n_next = counts[j + 1] if j + 1 < len(counts) else 0
-        finals.append(state[n_next:])
-    finals = torch.cat(finals).index_select(0, plan.final_where)
+    out, finals = _ChunkScan.apply(
+        *(grid(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)),
+        state,
+        counts,
+        _step_groups(counts, _RECOMPUTE_CHUNKS),
+        Hv // Hk,
+        use_qk_l2norm,
+    )
+    finals = finals.index_select(0, plan.final_where)
     if entering is not None:
         dv = dv - dk
         state_in = entering(finals).index_select(0, plan.order)  # sorted like the scan
-        for j, n in enumerate(counts):
-            outs[j] = outs[j][..., :dv] + outs[j][..., dv:] @ state_in[:n]
-    out = torch.cat(outs).transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
+        out = torch.cat([o[..., :dv] + o[..., dv:] @ state_in[:n] for o, n in zip(out.split(counts), counts)])
+    out = out.transpose(1, 2).reshape(n_chunks * chunk, Hv, dv)
     return _FromSlots.apply(out, inverse), finals
 
 
