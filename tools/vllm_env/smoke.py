@@ -4,14 +4,15 @@ Run it with the vLLM environment's Python (`tools/vllm_env/setup.py` builds it a
 
     $(uv run python tools/vllm_env/setup.py --check) tools/vllm_env/smoke.py OUT/hf/iter_0000010
 
-It prints one JSON line: the versions, the seconds to load and to generate, and per prompt the prompt's token ids
-as vLLM processed them (image placeholders expanded), the completion's token ids and text and the finish reason.
-`tests/test_vllm_env.py` compares those ids with transformers' greedy generation of the same directory.
+Its last line on stdout (after vLLM's log) is one JSON line: the versions, the seconds to load and to generate,
+and per prompt the prompt's token ids as vLLM processed them (image placeholders expanded), the completion's token
+ids and text and the finish reason. `tests/test_vllm_env.py` compares those ids with transformers' greedy
+generation of the same directory.
 
-The prompts are raw text in the model's own chat format, written from its processor's tokens (`--image-prompt`,
-`--text-prompt` replace them): the image placeholder (with the vision start and end tokens where the processor
-has them) and the text. The image is a synthetic square (`--image` gives a file). A directory whose config.json
-names no generating `architectures` is refused by vLLM: HF exports of mmfsdp write it
+The prompts are raw text, no chat template (`--image-prompt`, `--text-prompt` replace them): the image placeholder
+written from the processor's own tokens (the image token, between the vision start and end tokens where the
+processor has them), then a question. The image is a synthetic square (`--image` gives a file). A directory whose
+config.json names no generating `architectures` is refused by vLLM: HF exports of mmfsdp write it
 (`mmfsdp.ckpt.export_config`).
 """
 
