@@ -7,6 +7,11 @@ writes several shards in the original `language_model.model.*` naming.
 Qwen3.5 rows (`QWEN3_5_CASES`): `qwen3_5` and `qwen3_5_moe` HF -> DCP -> HF is bitwise in fp32 and bf16, for the
 MoE in both file layouts of the routed experts (`save_pretrained`'s per-expert one, the hub's, and the fused
 `state_dict()` one), and the exported directory gives `from_pretrained` logits equal to the original's.
+
+Exports any server loads (`hf_exports.EXAMPLE_CONFIGS`, one row per family): the export of a checkpoint saved as
+the trainer saves it names the family's HF class in `config.json` `architectures` (assets without one), its
+`generation_config.json` stops at the end token of the family's chat template, and transformers' `pipeline` loads
+it through the Auto classes (no remote code) and generates from an image prompt and a text-only one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import pytest
 import torch
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
+import hf_exports
 from mmfsdp.ckpt import SafetensorsDir, load_checkpoint, load_hf_weights
 from mmfsdp.ckpt.cli import main as mm_convert
 
@@ -183,3 +189,33 @@ def test_qwen3_5_hf_dcp_hf_round_trip_is_bitwise(tmp_path, model_id, fused, dtyp
         reference = hf_class.from_pretrained(original).eval()(**batch).logits
         exported = hf_class.from_pretrained(tmp_path / "out").eval()(**batch).logits
     assert torch.equal(exported, reference)
+
+
+STOP_TEXTS = {"mistral3": ["</s>"], "qwen3_vl": ["<|im_end|>"], "qwen3_vl_moe": ["<|im_end|>"],
+              "qwen3_5": ["<|im_end|>"], "qwen3_5_moe": ["<|im_end|>"]}
+"""The tokens that end an answer in each family's chat template, as text (docs/data.md's formats)."""
+
+
+@pytest.mark.parametrize("model_id", sorted(hf_exports.EXAMPLE_CONFIGS))
+def test_an_export_of_each_family_generates_with_transformers(tmp_path, model_id):
+    import transformers
+    from PIL import Image
+    from transformers import GenerationConfig, pipeline
+
+    from mmfsdp.model import get_model_entry
+
+    export = hf_exports.export_example(hf_exports.EXAMPLE_CONFIGS[model_id], tmp_path)
+    (architecture,) = json.loads((export.path / "config.json").read_text())["architectures"]
+    assert issubclass(get_model_entry(model_id).model_class, getattr(transformers, architecture))
+    assert GenerationConfig.from_pretrained(export.path).eos_token_id == export.stop_token_ids
+
+    pipe = pipeline("image-text-to-text", model=str(export.path))  # AutoModelForImageTextToText, AutoProcessor
+    assert type(pipe.model).__name__ == architecture
+    assert pipe.processor.tokenizer.convert_ids_to_tokens(export.stop_token_ids) == STOP_TEXTS[model_id]
+    image = Image.new("RGB", (64, 64), (200, 30, 30))
+    for inputs in (pipe.processor(text=[f"{pipe.processor.image_token}What shape is this?"], images=[image],
+                                  return_tensors="pt"),
+                   pipe.processor(text=["Count from one to ten:"], return_tensors="pt")):
+        with torch.no_grad():
+            generated = pipe.model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert generated.shape == (1, inputs["input_ids"].shape[1] + 3)

@@ -10,7 +10,8 @@ family. Per family:
 - a meta-device build, materialised, with its non-persistent buffers filled and loaded from the files HF's
   `save_pretrained` writes (through the family's state-dict adapter), has bitwise the eager model's parameters
   and buffers;
-- the state-dict adapter round trip HF -> ours -> HF is bitwise;
+- the state-dict adapter round trip HF -> ours -> HF is bitwise, and the adapter's `architectures` (what exports
+  write in `config.json`, so that servers build the generating class) is what HF's `save_pretrained` writes;
 - FSDP2 on 2 processes equals 1 process with 2 micro-batches (loss and grad norm of 2 AdamW steps, rel <= 1e-5),
   one micro-batch with images and one text-only, so the ranks hold different media;
 - the FLOP count of its entry (`flop_shape`, `image_patches`; MFU) equals the matmul FLOPs torch's FlopCounterMode
@@ -20,6 +21,7 @@ family. Per family:
   the capability check where it does; the data pieces of other families are refused.
 """
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -122,6 +124,12 @@ def test_contract_state_dict_adapter_round_trip(family, saved):
     assert hf.keys() == back.keys()
     for key in hf:
         assert hf[key].dtype == back[key].dtype and torch.equal(hf[key], back[key]), (entry.model_id, key)
+
+
+def test_contract_state_dict_adapter_names_the_hf_class(family, saved):
+    entry = family[0]
+    architectures = list(entry.state_dict_adapter().architectures)
+    assert architectures == json.loads((saved / "config.json").read_text())["architectures"], entry.model_id
 
 
 def _tied_keys(model) -> set[str]:

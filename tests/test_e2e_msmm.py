@@ -13,7 +13,8 @@ One 2-process spawn (gloo) runs, 3 steps each, in turn:
   `tools.memory_profile` and `tools.profile` on rank 1, `per_sample_loss` — and its twin in our spelling.
 
 The HF export is then loaded with `from_pretrained` here: its logits equal the trained model's, and its
-loss over the evaluation set equals the `val_loss` the run logged at the same step.
+loss over the evaluation set equals the `val_loss` the run logged at the same step; its `config.json` names the HF
+class and its `generation_config.json` the template's stop token (what servers such as vLLM need).
 """
 
 from __future__ import annotations
@@ -236,9 +237,15 @@ def test_save_format_hf_exports_a_directory_from_pretrained_loads(runs):
 
     from mmfsdp.model import model_inputs
 
+    from transformers import AutoTokenizer, GenerationConfig
+
     export = runs["tmp"] / "out" / "features" / "ckpt" / "hf" / f"iter_{STEPS:07d}"
     assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
     assert (export / "tokenizer.json").is_file()
+    # what servers need (the assets have neither): the HF class, and the run's template's stop token
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    stops = GenerationConfig.from_pretrained(export).eos_token_id
+    assert AutoTokenizer.from_pretrained(export).convert_ids_to_tokens(stops) == ["<|im_end|>"]
     assert (runs["tmp"] / "out" / "features" / "ckpt" / f"iter_{STEPS:07d}").is_dir()  # the DCP checkpoint too
     features = runs["results"]["features"]
     with torch.no_grad():

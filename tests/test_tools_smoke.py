@@ -143,9 +143,12 @@ COVERED_ELSEWHERE = {
         "apps/train/tests/test_train_check.py", "test_gen_config_reference_help_and_check",
     ),
     "tools/bench/gpu_check.py": ("tests/test_tools_gpu_check.py", "test_every_section_runs_on_the_cpu"),
+    "tools/vllm_env/setup.py": ("tests/test_vllm_env.py", "test_setup_help_and_a_matching_stamp_builds_nothing"),
+    "tools/vllm_env/smoke.py": ("tests/test_vllm_env.py", "test_vllm_greedy_equals_transformers_on_an_export"),
 }
 """Scripts run by another test (file, test name): gen_config_reference's `--check` is its smallest mode; gpu_check's
-is `--cpu`, whose sections that test checks one by one."""
+is `--cpu`, whose sections that test checks one by one; the vLLM environment's scripts run outside the workspace's
+environment (setup.py with a stand-in environment, smoke.py with vLLM's Python)."""
 
 
 def _llava_inputs(tmp: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mmfsdp.ckpt import generation_metadata
 from mmfsdp.model.flops import ForwardFlops
 from mmfsdp.train import supervise
 from mmfsdp.train.checkpointer import Checkpointer
@@ -148,13 +149,15 @@ def test_train_metrics_stop_at_the_first_non_finite_step_with_the_last_finite_lo
 def _checkpointer(tmp_path, monkeypatch, *, save_interval, before_save=lambda: None, save_format="dcp"):
     saved = []
     monkeypatch.setattr("mmfsdp.train.checkpointer.save_checkpoint",
-                        lambda root, step, **kw: saved.append((step, kw["trainable_only"], kw["app_state"])))
+                        lambda root, step, **kw: saved.append((step, kw["trainable_only"], kw["app_state"],
+                                                               kw["metadata"])))
     cfg = SimpleNamespace(save=str(tmp_path / "ckpt"), save_interval=save_interval, no_save_optim=False,
                           save_async=False, save_total_limit=None, save_format=save_format, stage="sft")
     state = SimpleNamespace(state_dict=lambda: {"step": "app"}, rank_state_dict=lambda: {"loader": "rank"})
     trainable = Trainable(SimpleNamespace(enable=False), freeze=None, entry=None, seed=0)
     ckpt = Checkpointer(cfg, hf_source=None, model=None, optimizer=None, state=state, trainable=trainable,
-                        heartbeat=LoopHeartbeat(), rank=0, before_save=before_save)
+                        heartbeat=LoopHeartbeat(), rank=0, before_save=before_save,
+                        export_metadata=generation_metadata([7, 2], pad_token_id=0))
     return ckpt, saved
 
 
@@ -164,7 +167,9 @@ def test_train_checkpointer_saves_on_the_interval_and_at_the_end_once(tmp_path, 
         ckpt.save(step)
     ckpt.save(7, last=True)
     assert [s[0] for s in saved] == [3, 6, 7]
-    assert saved[0][1:] == (False, {"step": "app"})
+    assert saved[0][1:3] == (False, {"step": "app"})
+    # the stage that trained it, and what its HF exports write in generation_config.json
+    assert saved[0][3] == {"stage": "sft", "generation_config": {"eos_token_id": [7, 2], "pad_token_id": 0}}
     ckpt.save(9, last=True)  # the last step on the interval was saved by the loop already
     ckpt.save(9)
     assert [s[0] for s in saved] == [3, 6, 7, 9]

@@ -267,12 +267,8 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
     assert proc.stderr.startswith("mm-convert: error: weights directory") and "Traceback" not in proc.stderr
 
 
-def test_export_checkpoint_hf_follows_the_kept_checkpoints(tmp_path):
-    """`training.save_format: hf`: `<save>/iter_N` exported to `<save>/hf/iter_N`; exports of pruned iterations go."""
-    from mmfsdp.ckpt import HF_EXPORT_DIRNAME, export_checkpoint_hf, list_iterations
-
-    tensors = {k: v for k, v in _toy_tensors().items() if k != "step"}
-    assets = _write_hf(tmp_path / "assets", tensors, shards=1)
+def _module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are copies of `tensors`, under their dotted names."""
     model = torch.nn.Module()
     for name, value in tensors.items():
         *path, leaf = name.split(".")
@@ -282,6 +278,16 @@ def test_export_checkpoint_hf_follows_the_kept_checkpoints(tmp_path):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         module.register_parameter(leaf, torch.nn.Parameter(value.clone()))
+    return model
+
+
+def test_export_checkpoint_hf_follows_the_kept_checkpoints(tmp_path):
+    """`training.save_format: hf`: `<save>/iter_N` exported to `<save>/hf/iter_N`; exports of pruned iterations go."""
+    from mmfsdp.ckpt import HF_EXPORT_DIRNAME, export_checkpoint_hf, list_iterations
+
+    tensors = {k: v for k, v in _toy_tensors().items() if k != "step"}
+    assets = _write_hf(tmp_path / "assets", tensors, shards=1)
+    model = _module_of(tensors)
     save = tmp_path / "save"
     for iteration in (1, 2, 3):
         with torch.no_grad():
@@ -293,3 +299,37 @@ def test_export_checkpoint_hf_follows_the_kept_checkpoints(tmp_path):
     assert sorted(p.name for p in (save / HF_EXPORT_DIRNAME).iterdir()) == ["iter_0000002", "iter_0000003"]
     _assert_bit_exact(_read_all(save / HF_EXPORT_DIRNAME / "iter_0000003"), {k: v.clone() for k, v in model.state_dict().items()})
     assert (save / HF_EXPORT_DIRNAME / "iter_0000003" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "assets_generation, recorded, expected",
+    [
+        pytest.param("{}", [5, 7, 5], {"eos_token_id": [5, 7], "pad_token_id": 0}, id="stops_added"),
+        pytest.param('{"eos_token_id": 9, "pad_token_id": 3, "temperature": 0.7}', [5],
+                     {"eos_token_id": [5, 9], "pad_token_id": 3, "temperature": 0.7}, id="merged_over_the_assets"),
+        pytest.param(None, [5], {"eos_token_id": [5], "pad_token_id": 0}, id="no_assets_file"),
+        pytest.param('{"eos_token_id": 9}', None, {"eos_token_id": 9}, id="nothing_recorded"),
+    ],
+)
+def test_exports_name_the_architecture_and_the_recorded_stop_tokens(tmp_path, assets_generation, recorded, expected):
+    """`config.json` gets the adapter's `architectures`; `generation_config.json` the stop tokens the checkpoint
+    records (`generation_metadata`) before the assets' own, the assets' `pad_token_id` kept; a checkpoint that
+    records none keeps the assets' file as it is (`mmfsdp.ckpt.export_config`)."""
+    from mmfsdp.ckpt import IdentityAdapter, dcp_to_hf, generation_metadata
+
+    class Generating(IdentityAdapter):
+        architectures = ("ToyForCausalLM",)
+
+    tensors = {k: v for k, v in _toy_tensors().items() if k != "step"}
+    assets = {name: text for name, text in ASSETS.items() if name != "generation_config.json"}
+    if assets_generation is not None:
+        assets["generation_config.json"] = assets_generation
+    hf = _write_hf(tmp_path / "hf", tensors, shards=1, assets=assets)
+    metadata = None if recorded is None else generation_metadata(recorded, pad_token_id=0)
+    save_checkpoint(tmp_path / "save", 1, model=_module_of(tensors), metadata=metadata)
+    out = dcp_to_hf(tmp_path / "save", tmp_path / "out", hf, adapter=Generating(), progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config == {"architectures": ["ToyForCausalLM"], **json.loads(ASSETS["config.json"])}
+    assert json.loads((out / "generation_config.json").read_text()) == expected
+    if recorded is None:
+        assert (out / "generation_config.json").read_text() == assets_generation  # untouched

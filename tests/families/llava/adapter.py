@@ -17,6 +17,7 @@ __all__ = ["LlavaAdapter"]
 class LlavaAdapter(RenameAdapter):
     model_id = "llava"
     hf_model_types = ("llava",)
+    architectures = ("LlavaForConditionalGeneration",)
     renames = (
         ("language_model.lm_head.", "lm_head."),
         ("language_model.model.", "model.language_model."),

@@ -11,7 +11,8 @@ and the HF export of each save (`training.save_format: hf`). File formats are `m
 - What is saved comes from the `Trainable` (adapter-only under LoRA, with the adapter settings); the trainer's
   `state_dict()` (the same on every rank) and `rank_state_dict()` (this rank's data position) go with it, and the
   stage's `checkpoint_metadata()` (the stage that trained it: a run of another stage starts from its weights
-  instead of resuming it, `mmfsdp.train.start`).
+  instead of resuming it, `mmfsdp.train.start`), and the stop tokens of the run's chat template (`export_metadata`:
+  what every HF export of the checkpoint writes in `generation_config.json`, `mmfsdp.ckpt.export_config`).
 - With `save_format: hf`, rank 0 converts the checkpoint just published to an HF directory (an async save is
   waited for first).
 """
@@ -50,11 +51,13 @@ class Checkpointer:
     def __init__(
         self, training_cfg: Any, *, hf_source: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         state: TrainState, trainable: Trainable, heartbeat: LoopHeartbeat, rank: int,
-        before_save: Callable[[], None] = lambda: None,
+        before_save: Callable[[], None] = lambda: None, export_metadata: dict[str, Any] | None = None,
     ):
-        """`hf_source`: the HF directory whose config and tokenizer files go with an HF export."""
+        """`hf_source`: the HF directory whose config and tokenizer files go with an HF export; `export_metadata`:
+        what the checkpoints record for their HF exports (`mmfsdp.ckpt.generation_metadata`)."""
         self.cfg = training_cfg
         self.hf_source = hf_source
+        self.export_metadata = export_metadata or {}
         self.model = model
         self.optimizer = optimizer
         self.state = state
@@ -90,7 +93,9 @@ class Checkpointer:
         t = self.cfg
         self.before_save()
         options = self.trainable.save_options()
-        options["metadata"] = {**(options["metadata"] or {}), **self.stage.checkpoint_metadata()}
+        options["metadata"] = {
+            **(options["metadata"] or {}), **self.stage.checkpoint_metadata(), **self.export_metadata,
+        }
         with self.heartbeat.paused(f"saving the checkpoint of step {step}", step):
             save_checkpoint(
                 t.save, step, model=self.model, optimizer=None if t.no_save_optim else self.optimizer,

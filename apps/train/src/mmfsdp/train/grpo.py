@@ -253,11 +253,9 @@ class GRPOObjective(Objective):
         self.tokenizer = encoder.processor.tokenizer
         self.plugin = encoder.plugin
         self.collator = ctx.train_collator.collator
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        stop = [*encoder.answer_end_ids(), *([eos] if eos is not None else [])]
         self.sampling = SamplingParams(
             max_new_tokens=self.g.max_completion_length, temperature=self.g.temperature, top_p=self.g.top_p,
-            top_k=self.g.top_k, stop_token_ids=tuple(dict.fromkeys(stop)), seed=ctx.cfg.training.seed,
+            top_k=self.g.top_k, stop_token_ids=tuple(encoder.stop_token_ids()), seed=ctx.cfg.training.seed,
             suppress_token_ids=tuple(self.plugin.image_token_ids),  # completions are text (rollout.SamplingParams)
         )
         self._suppressed = torch.tensor(self.sampling.suppress_token_ids, dtype=torch.long, device=self.device)

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmfsdp.ckpt import CheckpointError, load_checkpoint, load_hf_weights
+from mmfsdp.ckpt import CheckpointError, generation_metadata, load_checkpoint, load_hf_weights
 from mmfsdp.config import ConfigError, dump_yaml, get_logger
 from mmfsdp.data import DataError, build_dataloader, build_dataset, build_processor
 from mmfsdp.model import get_model_entry, model_inputs
@@ -162,6 +162,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             t, hf_source=cfg.model.model_name_or_path, model=self.model, optimizer=self.optimizer, state=self,
             trainable=self.trainable, heartbeat=self.heartbeat, rank=self.rank,
+            export_metadata=generation_metadata(
+                self.train_dataset.encoder.stop_token_ids(), self.processor.pad_token_id,
+            ),
         )
         if self.start.resume is not None:
             self.step = self.checkpointer.resume(self.start.resume)

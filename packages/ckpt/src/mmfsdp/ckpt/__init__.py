@@ -6,7 +6,9 @@
   `find_resume_point` / `verify_checkpoint`: which checkpoint a run continues from (`resume`).
 - `load_hf_weights`: HF safetensors directory -> (FSDP2) model, one tensor at a time.
 - `hf_to_dcp` / `dcp_to_hf`: the conversions behind `mm-convert`; `export_checkpoint_hf`: a training
-  checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`).
+  checkpoint `<save>/iter_N` exported as HF to `<save>/hf/iter_N` (`training.save_format: hf`). Exports name
+  the family's HF class in `config.json` and the stop tokens the checkpoint records (`generation_metadata`) in
+  `generation_config.json`, so that servers generate with them (`export_config`).
 - `mmfsdp.ckpt.lora`: the names of PEFT-wrapped layers (`stored_key`, the `key_map` that loads a base into a
   LoRA model), trainable-only checkpoints exported as a PEFT adapter directory or merged HF weights.
 - `mmfsdp.ckpt.match`: whether a checkpoint (DCP `.metadata`, safetensors headers through the state-dict
@@ -35,6 +37,7 @@ from mmfsdp.ckpt.adapters import (
 )
 from mmfsdp.ckpt.convert import HF_EXPORT_DIRNAME, dcp_to_hf, export_checkpoint_hf, hf_to_dcp
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.export_config import GENERATION_METADATA, generation_metadata
 from mmfsdp.ckpt.hf import HFLoadResult, SafetensorsDir, load_hf_weights, parse_size
 from mmfsdp.ckpt.layout import (
     COMPLETE_FILENAME,
@@ -73,6 +76,8 @@ __all__ = [
     "dcp_to_hf",
     "export_checkpoint_hf",
     "HF_EXPORT_DIRNAME",
+    "GENERATION_METADATA",
+    "generation_metadata",
     "parse_size",
     "CheckpointError",
     "StateDictAdapter",

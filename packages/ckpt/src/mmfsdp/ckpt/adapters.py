@@ -113,6 +113,10 @@ class StateDictAdapter:
     """The model id, the adapter's entry-point name."""
     hf_model_types: tuple[str, ...] = ()
     """The `config.json` `model_type`s whose files this adapter reads."""
+    architectures: tuple[str, ...] = ()
+    """The HF model class(es) the tensors `to_hf` writes are (a `...ForConditionalGeneration` class): what an
+    export's `config.json` names under `architectures`, so that servers (vLLM, transformers' Auto classes) build
+    that class (`mmfsdp.ckpt.export_config`). Empty: the export keeps the assets' value."""
 
     @property
     def name(self) -> str:

@@ -4,7 +4,8 @@
 - `hf_to_dcp`: a HF directory -> `DCP/release/` + the tracker (= `release`), through one `dcp.save` of meta
   tensors whose planner reads (and combines) each model tensor's file tensors only when DCP writes it.
 - `dcp_to_hf`: a training checkpoint or release -> HF safetensors shards in the naming and layout of
-  `model_assets_dir`, validated against its headers and `config.json`, its non-weight files copied.
+  `model_assets_dir`, validated against its headers and `config.json`, its non-weight files copied and completed
+  for servers (`export_config`: `architectures`, the recorded stop tokens).
 - `export_checkpoint_hf`: `<save>/iter_N` -> `<save>/hf/iter_N` (`training.save_format: hf`).
 
 Names and layouts are the family's state-dict adapter's (`adapters`). Outputs are written beside their final
@@ -49,6 +50,7 @@ from mmfsdp.ckpt.dcp_io import (
     tensor_entries,
 )
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.export_config import write_export_config
 from mmfsdp.ckpt.hf import (
     INDEX_FILENAME,
     SafetensorsDir,
@@ -377,7 +379,8 @@ def dcp_to_hf(
     asset_keys = set(asset_shapes) if asset_shapes is not None else None
 
     model_specs = {name: (tuple(entry.size), entry.properties.dtype) for name, entry in entries.items()}
-    plans = _plan_export(model_specs, _adapter(adapter, config), asset_shapes)
+    family = _adapter(adapter, config)
+    plans = _plan_export(model_specs, family, asset_shapes)
     if _tied(config):
         for name in [n for n in plans if n.endswith("lm_head.weight")]:
             if asset_keys is None or not asset_keys.intersection(plans[name].specs):
@@ -408,6 +411,7 @@ def dcp_to_hf(
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
         copy_model_assets(assets, tmp_dir)
+        write_export_config(tmp_dir, family, read_checkpoint_info(path).get("metadata"))
     except BaseException:
         discard_output_dir(tmp_dir)
         raise

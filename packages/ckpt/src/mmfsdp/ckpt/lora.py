@@ -24,7 +24,8 @@ writes and `PeftModel.from_pretrained(base, dir)` loads) in fp32 as trained, and
 (`target_modules`: the full names of the wrapped modules). `dcp_to_merged_hf` reads the base HF weights of
 `--model_assets_dir` one tensor at a time, asks the family's state-dict adapter which model tensor each file
 tensor is, adds `(alpha / r) · B · A` (in fp32, stored in the base's dtype) to every target's weight, and
-writes the same files with the same names, layout and dtypes, plus the other files of the directory.
+writes the same files with the same names, layout and dtypes, plus the other files of the directory (their
+`config.json` and `generation_config.json` completed for servers: `mmfsdp.ckpt.export_config`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from mmfsdp.ckpt.dcp_io import (
     tensor_entries,
 )
 from mmfsdp.ckpt.errors import CheckpointError
+from mmfsdp.ckpt.export_config import write_export_config
 from mmfsdp.ckpt.hf import INDEX_FILENAME, SafetensorsDir, SafetensorsWriter, read_config
 from mmfsdp.ckpt.layout import resolve_checkpoint
 from mmfsdp.ckpt.outputs import copy_model_assets, discard_output_dir, prepare_output_dir, publish_output_dir
@@ -285,6 +287,7 @@ def dcp_to_merged_hf(
         if (assets / INDEX_FILENAME).is_file():
             shutil.copy2(assets / INDEX_FILENAME, tmp_dir / INDEX_FILENAME)
         copy_model_assets(assets, tmp_dir)
+        write_export_config(tmp_dir, family, read_checkpoint_info(path).get("metadata"))
     except BaseException:
         discard_output_dir(tmp_dir)
         raise

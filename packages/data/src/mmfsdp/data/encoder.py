@@ -161,6 +161,13 @@ class SampleEncoder:
         ids, labels = self.template.encode(Conversation(system=None, turns=[("?", "")], images=[]), [], [])
         return [ids[max(i for i, label in enumerate(labels) if label != IGNORE_INDEX)]]
 
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end a generation: the template's end of an answer (`answer_end_ids`), then the
+        tokenizer's eos where it is another. GRPO's stop tokens, and what an HF export's `generation_config.json`
+        lists as `eos_token_id` (the trainer records them with each checkpoint)."""
+        eos = getattr(self.processor.tokenizer, "eos_token_id", None)
+        return list(dict.fromkeys([*self.answer_end_ids(), *([int(eos)] if eos is not None else [])]))
+
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
         n = len(input_ids)

@@ -27,6 +27,7 @@ __all__ = ["Mistral3Adapter"]
 class Mistral3Adapter(RenameAdapter):
     model_id = "mistral3"
     hf_model_types = ("mistral3",)
+    architectures = ("Mistral3ForConditionalGeneration",)
     renames = (
         ("language_model.lm_head.", "lm_head."),
         ("language_model.model.", "model.language_model."),

@@ -16,4 +16,5 @@ __all__ = ["Qwen3_5Adapter"]
 class Qwen3_5Adapter(RenameAdapter):
     model_id = "qwen3_5"
     hf_model_types = ("qwen3_5",)
+    architectures = ("Qwen3_5ForConditionalGeneration",)
     skipped_hf_prefixes = (("mtp.", "the multi-token-prediction head; HF's Qwen3.5 model class has no such module"),)

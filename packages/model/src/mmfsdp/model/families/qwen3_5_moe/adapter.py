@@ -36,6 +36,7 @@ class Qwen3_5MoeAdapter(StateDictAdapter):
 
     model_id = "qwen3_5_moe"
     hf_model_types = ("qwen3_5_moe",)
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
     skipped_hf_prefixes = (("mtp.", "the multi-token-prediction head; HF's Qwen3.5 model class has no such module"),)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:

@@ -14,3 +14,4 @@ __all__ = ["Qwen3VLAdapter"]
 class Qwen3VLAdapter(RenameAdapter):
     model_id = "qwen3_vl"
     hf_model_types = ("qwen3_vl",)
+    architectures = ("Qwen3VLForConditionalGeneration",)

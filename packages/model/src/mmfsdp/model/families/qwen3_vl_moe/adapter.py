@@ -51,6 +51,7 @@ class Qwen3VLMoeAdapter(StateDictAdapter):
 
     model_id = "qwen3_vl_moe"
     hf_model_types = ("qwen3_vl_moe",)
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
         keys = sort_expert_keys(hf_shapes)
