@@ -1,7 +1,7 @@
 """The vLLM rollout engine (`mmfsdp.model.vllm_rollout`) against the hf engine on the tiny Qwen3-VL (fp32, CPU).
 
-A server is launched with the vLLM environment's Python on the example's assets with random weights; every
-weight reaches it through `sync_weights` (shared memory, the model's `load_weights`). Greedy completions of a
+A server is launched with the vLLM environment's Python on an export of other random weights (seed 1); the
+policy's weights reach it through `sync_weights` (shared memory, the model's `load_weights`). Greedy completions of a
 prompt with an image and a text-only prompt equal the hf engine's token ids after 0, 1 and 5 optimizer steps (the
 steps change the completions, so the sync is what makes them equal); the engines' per-token log-probs are
 compared (printed: the numbers docs/rl.md reports). A stale version is refused, and a server killed mid-run is a
@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+import hf_exports
 from apprun import QWEN
 from test_vllm_env import _vllm_python
 
@@ -42,7 +43,7 @@ def _setup():
     torch.manual_seed(0)
     model = get_model_entry(cfg.model.model_id).build(cfg.model).float()
     processor = AutoProcessor.from_pretrained(assets)
-    image = Image.new("RGB", (64, 48), (235, 235, 235))
+    image = Image.new("RGB", (64, 64), (235, 235, 235))  # a multiple of 32: neither processor resizes it
     image.paste((30, 90, 200), (12, 20, 52, 44))
     png = io.BytesIO()
     image.save(png, format="PNG")
@@ -76,8 +77,9 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
         RolloutRequest(prompt_index=1, prompt_ids=text_only["input_ids"][0].tolist()),
     ]
     sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=stop)
+    export = hf_exports.export_example(QWEN, tmp_path / "export", seed=1)  # other weights: the sync must replace them
     process, address, authkey = launch_vllm_server(
-        _vllm_python(), str(assets), architecture=adapter.architectures[0], max_model_len=512,
+        _vllm_python(), str(export.path), architecture=adapter.architectures[0], max_model_len=512,
         log_path=tmp_path / "server.log")
     engine = VLLMRolloutEngine(address, authkey, adapter=adapter, media_token_ids=media_ids, process=process)
     hf = HFRolloutEngine(model, pad_token_id=processor.tokenizer.pad_token_id or 0)
@@ -94,7 +96,7 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
             engine.sync_weights(model, version=steps)
             hf.sync_weights(model, version=steps)
             ours, theirs = engine.generate(requests, sampling, step=steps), hf.generate(requests, sampling, step=steps)
-            assert [r.completion_ids for r in ours] == [r.completion_ids for r in theirs], steps
+            assert [r.completion_ids for r in ours] == [r.completion_ids for r in theirs], (steps, ours, theirs)
             assert {r.weights_version for r in ours} == {steps}
             diffs = torch.cat([(torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs()
                                for a, b in zip(ours, theirs)])

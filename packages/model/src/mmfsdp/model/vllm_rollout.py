@@ -74,19 +74,22 @@ def _free_port() -> int:
 
 
 def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None = None, dtype: str = "float32",
-                       max_model_len: int = 2048, seed: int = 0, startup_timeout_s: float = 600.0,
+                       max_model_len: int = 2048, seed: int = 0, startup_timeout_s: float = 600.0, dummy: bool = False,
                        log_path: str | os.PathLike | None = None) -> tuple[subprocess.Popen, str, bytes]:
-    """Start `vllm_server.py` with `python` on `model_dir` (random weights: the first sync sends them all) and
-    wait until it accepts a connection. Returns (process, address, authkey); its output goes to `log_path`."""
+    """Start `vllm_server.py` with `python` on the HF directory `model_dir` and wait until it accepts a
+    connection. Returns (process, address, authkey); its output goes to `log_path`. `dummy`: random weights (the
+    first sync sends every checkpoint tensor) -- not for Qwen-VL on vLLM 0.32: its vision input normalisation
+    (`FusedMMInputNorm`) holds mean and std as parameters no checkpoint carries, which dummy loading randomises."""
     if not Path(python).exists():
         raise VLLMServerError(f"no Python at {python}: build the vLLM environment (uv run python "
                               "tools/vllm_env/setup.py) or set rollout.vllm.python")
     address, authkey = f"127.0.0.1:{_free_port()}", secrets.token_bytes(16)
-    command = [python, str(SERVER_SCRIPT), "--model", str(model_dir), "--address", address, "--dummy",
-               "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
+    command = [python, str(SERVER_SCRIPT), "--model", str(model_dir), "--address", address, "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
                "--parent-pid", str(os.getpid())]
     if architecture:
         command += ["--architecture", architecture]
+    if dummy:
+        command.append("--dummy")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -12,10 +12,12 @@ Protocol: `multiprocessing.connection` (a TCP `host:port` or a Unix socket path)
 different torch versions), answered by `{"ok": True, ...}` or `{"ok": False, "error": "..."}`:
 
 - `{"op": "info"}` -> `version`, `pid`, `vllm`.
-- `{"op": "load", "path": P, "tensors": [[hf_name, dtype, shape, offset], ...], "version": v | None}`: the named
-  tensors lie in the shared-memory file P at byte `offset` (dtype a torch dtype name); they go through the vLLM
-  model's own `load_weights` (HF checkpoint names). `version` given: the last chunk of a sync, the server's weights
-  version becomes v.
+- `{"op": "load", "path": P, "tensors": [[hf_name, dtype, shape, offset], ...], "version": v | None}`: one chunk
+  of a weight sync: the named tensors lie in the shared-memory file P at byte `offset` (dtype a torch dtype name).
+  The first chunk starts vLLM's in-place reload (`reload_weights`: the model's own `load_weights`, HF checkpoint
+  names, then its post-load processing); each chunk is acknowledged once read, and the next one is read into the
+  same reload; the chunk with `version` is the last: the reload finishes and the server's weights version becomes
+  v.
 - `{"op": "generate", "version": v, "sampling": {...}, "requests": [...]}`: refused unless v is the server's
   weights version (a stale engine is never used silently). Each request is one completion: `prompt_token_ids`
   (media placeholders collapsed to one token per image, vLLM expands them), `images` (encoded files' bytes) and
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import mmap
 import os
 import sys
@@ -67,29 +70,40 @@ class Server:
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
             load_format="dummy" if args.dummy else "auto", hf_overrides=overrides, seed=args.seed,
             max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+            mm_processor_cache_gb=0,  # the reload resets the worker's caches; a frontend cache would still send hashes
             generation_config="vllm", limit_mm_per_prompt={"image": args.max_images}, distributed_executor_backend="uni",
         )
         self.version = 0
 
-    def load(self, message) -> dict:
+    def load(self, message, conn) -> dict:
+        """One weight sync: vLLM's in-place reload (`reload_weights`: the model's `load_weights`, then its
+        post-load processing, and the encoder and multimodal caches reset) over a stream of chunks: after a chunk's
+        tensors are consumed it is acknowledged and the next `load` message read from `conn`, until the one that
+        carries `version`."""
         import torch
 
-        path, tensors = message["path"], message["tensors"]
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            data = torch.frombuffer(buffer, dtype=torch.uint8)
-            weights = []
-            for name, dtype, shape, offset in tensors:
-                dt = getattr(torch, dtype)
-                count = 1
-                for n in shape:
-                    count *= n
-                nbytes = count * torch.empty((), dtype=dt).element_size()
-                weights.append((name, data[offset:offset + nbytes].view(dt).view(shape)))
-            self.llm.apply_model(lambda model, weights=weights: model.load_weights(iter(weights)))
-            weights.clear()
-            del data
-        if message.get("version") is not None:
-            self.version = int(message["version"])
+        def tensors(message):
+            while True:
+                with open(message["path"], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+                    data = torch.frombuffer(buffer, dtype=torch.uint8)
+                    for name, dtype, shape, offset in message["tensors"]:
+                        dt = getattr(torch, dtype)
+                        nbytes = math.prod(shape) * dt.itemsize
+                        # a copy: the reload may keep a tensor until its layer is complete, the chunk is reused
+                        yield name, data[offset:offset + nbytes].view(dt).view(shape).clone()
+                    del data
+                if message.get("version") is not None:
+                    return
+                conn.send({"ok": True, "version": self.version})
+                message = conn.recv()
+                if message.get("op") != "load":
+                    raise RuntimeError(f"expected the next weight chunk, got {message.get('op')!r}")
+                last[0] = message
+
+        last = [message]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(message),
+                                                          "is_checkpoint_format": True})
+        self.version = int(last[0]["version"])
         return {"version": self.version}
 
     def generate(self, message) -> dict:
@@ -141,7 +155,7 @@ class Server:
                             if op == "info":
                                 reply = {"version": self.version, "pid": os.getpid(), "vllm": self.vllm.__version__}
                             elif op == "load":
-                                reply = self.load(message)
+                                reply = self.load(message, conn)
                             elif op == "generate":
                                 reply = self.generate(message)
                             else:
