@@ -144,6 +144,9 @@ class RolloutRequest:
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     """The prompt's per-media inputs as its family's collator makes them for a batch of this one prompt
     (`pixel_values` with `image_grid_thw` or `image_sizes`; videos likewise), CPU tensors; empty: text only."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's image files as bytes, in prompt order: an engine in another process (vLLM) processes them with
+    its own processor, since vLLM takes raw images (or embeddings), not processed pixels; empty: none given."""
 
     def problem(self) -> str | None:
         """What is wrong with the request, in words; None when it can be generated."""

@@ -1,0 +1,309 @@
+"""`VLLMRolloutEngine`: a `RolloutEngine` whose completions come from a vLLM server in another process.
+
+The server (`mmfsdp.model.vllm_server`, a standalone module run with the vLLM environment's Python) is launched
+by rank 0 (`launch_vllm_server`) or already running; rank 0 alone talks to it over `multiprocessing.connection`
+(authenticated), the other ranks through rank 0 with object collectives over `group`:
+
+1. `sync_weights(model, version)`, every rank: for each tensor of `get_model_state_dict(model)` (clean FQNs,
+   FSDP2 DTensors), `full_tensor()` (a collective every rank calls: one parameter at a time is whole, never the
+   model), split and renamed to HF names by the family's state-dict adapter (`mmfsdp.ckpt.plan_to_hf`, the names
+   vLLM's `load_weights` reads from a checkpoint); rank 0 copies it into a shared-memory file (`/dev/shm`) of
+   `chunk_bytes` and, when the chunk is full, sends the server the chunk's table and waits while the server loads
+   it through the vLLM model's `load_weights`. The last chunk carries `version`: only then does the server's
+   weights version change. Rank 0 broadcasts the outcome so every rank raises together on a failure.
+2. `generate(requests, sampling, step)`: the ranks' requests are gathered on rank 0, which sends one completion
+   per (prompt, generation) with its seed (`row_keys(seed, step, prompt, generation)`: the same key as the hf
+   engine's draws, so a completion depends on its prompt and indices, not on the layout; vLLM's sampler draws
+   from its own generator seeded by it, so sampled tokens differ from the hf engine's, greedy ones do not) and
+   the weights version it expects; the server refuses any other version. The media placeholders of a prompt's
+   ids are collapsed to one token per image (vLLM expands them from the image, with the model's own processor)
+   and the expansion vLLM reports must equal our prompt ids, else the two processors disagree and it raises.
+   The results are scattered back, each rank's in its request order.
+
+Failures: a server that exits, closes the connection or does not answer within `timeout_s` is a
+`VLLMServerError` on every rank (rank 0 scatters / broadcasts it); a launched server is killed by `close()`
+and, should the trainer die, exits by itself when its parent is gone (`--parent-pid`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mmfsdp.model.rollout import Rollout, RolloutRequest, SamplingParams, row_keys
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from mmfsdp.ckpt.adapters import StateDictAdapter
+
+__all__ = ["SERVER_SCRIPT", "VLLMRolloutEngine", "VLLMServerError", "collapse_media", "launch_vllm_server"]
+
+SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
+"""The server module, run by path with the vLLM environment's Python."""
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server died, refused a request or did not answer in time."""
+
+
+def collapse_media(prompt_ids: Sequence[int], media_token_ids: frozenset[int]) -> list[int]:
+    """`prompt_ids` with every run of one repeated media token (an expanded image placeholder) cut to one token."""
+    out: list[int] = []
+    for token in prompt_ids:
+        if not (out and token == out[-1] and token in media_token_ids):
+            out.append(token)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None = None, dtype: str = "float32",
+                       max_model_len: int = 2048, seed: int = 0, startup_timeout_s: float = 600.0, dummy: bool = False,
+                       log_path: str | os.PathLike | None = None) -> tuple[subprocess.Popen, str, bytes]:
+    """Start `vllm_server.py` with `python` on the HF directory `model_dir` and wait until it accepts a
+    connection. Returns (process, address, authkey); its output goes to `log_path`. `dummy`: random weights (the
+    first sync sends every checkpoint tensor) -- not for Qwen-VL on vLLM 0.32: its vision input normalisation
+    (`FusedMMInputNorm`) holds mean and std as parameters no checkpoint carries, which dummy loading randomises."""
+    if not Path(python).exists():
+        raise VLLMServerError(f"no Python at {python}: build the vLLM environment (uv run python "
+                              "tools/vllm_env/setup.py) or set rollout.vllm.python")
+    address, authkey = f"127.0.0.1:{_free_port()}", secrets.token_bytes(16)
+    command = [python, str(SERVER_SCRIPT), "--model", str(model_dir), "--address", address, "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
+               "--parent-pid", str(os.getpid())]
+    if architecture:
+        command += ["--architecture", architecture]
+    if dummy:
+        command.append("--dummy")
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**env, "VLLM_SERVER_AUTHKEY": authkey.hex()})
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise VLLMServerError(f"the vLLM server exited with code {process.returncode} while starting"
+                                  + (f" (its log: {log_path})" if log_path else ""))
+        try:
+            Client(_parse(address), authkey=authkey).close()
+            return process, address, authkey
+        except (ConnectionRefusedError, FileNotFoundError):
+            time.sleep(0.5)
+    process.kill()
+    raise VLLMServerError(f"the vLLM server did not start within {startup_timeout_s:.0f} s")
+
+
+def _parse(address: str):
+    host, sep, port = address.rpartition(":")
+    return (host, int(port)) if sep and not address.startswith("/") else address
+
+
+class VLLMRolloutEngine:
+    """Rollouts from a vLLM server (module docstring): a `RolloutEngine`. Rank 0 gives `address` and `authkey`
+    (the other ranks' are unused); `process` is a server this engine launched (killed by `close`)."""
+
+    def __init__(self, address: str | None, authkey: bytes | None, *, adapter: StateDictAdapter,
+                 media_token_ids: frozenset[int] = frozenset(), process: subprocess.Popen | None = None,
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 600.0, chunk_bytes: int = 256 << 20):
+        self.adapter = adapter
+        self.media_token_ids = frozenset(media_token_ids)
+        self.process = process
+        self.group = group
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._weights_version = 0
+        self.last_sync: dict[str, float] = {}
+        """Rank 0's last sync: `seconds`, `bytes`, `gbps`."""
+        self._conn: Connection | None = None
+        if self._rank() == 0:
+            if address is None or authkey is None:
+                raise ValueError("rank 0 needs the server's address and authkey")
+            try:
+                self._conn = Client(_parse(address), authkey=authkey)
+            except OSError as e:
+                raise VLLMServerError(f"cannot connect to the vLLM server at {address}: {e}") from None
+            self._weights_version = self._call({"op": "info"})["version"]
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: send `message`, wait for the answer (the server alive, within `timeout_s`)."""
+        assert self._conn is not None
+        try:
+            self._conn.send(message)
+            deadline = time.monotonic() + self.timeout_s
+            while not self._conn.poll(1.0):
+                if self.process is not None and self.process.poll() is not None:
+                    raise VLLMServerError(f"the vLLM server exited with code {self.process.returncode}")
+                if time.monotonic() > deadline:
+                    raise VLLMServerError(f"the vLLM server did not answer {message['op']!r} within "
+                                          f"{self.timeout_s:.0f} s")
+            reply = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise VLLMServerError(f"lost the vLLM server during {message['op']!r}: {type(e).__name__}: {e}") from None
+        if not reply.get("ok"):
+            raise VLLMServerError(f"the vLLM server refused {message['op']!r}: {reply.get('error')}")
+        return reply
+
+    def _share(self, error: str | None) -> None:
+        """Every rank raises `error` (rank 0's) together."""
+        if self._distributed():
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            error = box[0]
+        if error is not None:
+            raise VLLMServerError(error)
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights_version
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        from mmfsdp.ckpt.adapters import plan_to_hf
+
+        state = get_model_state_dict(model)
+        plans = plan_to_hf(self.adapter, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+        rank0, error = self._rank() == 0, None
+        started, total = time.perf_counter(), 0
+        path = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / (
+            f"mmfsdp-vllm-{os.getpid()}-{secrets.token_hex(4)}")
+        buffer: mmap.mmap | None = None
+        table: list[list[Any]] = []
+        offset = 0
+        try:
+            if rank0:
+                with open(path, "wb") as f:
+                    f.truncate(self.chunk_bytes)
+                fd = os.open(path, os.O_RDWR)
+                buffer = mmap.mmap(fd, self.chunk_bytes)
+                os.close(fd)
+            for name, value in state.items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank: a collective
+                if not rank0 or error is not None:
+                    continue
+                for hf_name, piece in plans[name].pieces(full.detach()).items():
+                    piece = piece.to("cpu").contiguous()
+                    nbytes = piece.numel() * piece.element_size()
+                    if offset + nbytes > len(buffer) and table:
+                        error = self._send_chunk(path, table, None)
+                        table, offset = [], 0
+                    if nbytes > len(buffer):
+                        buffer.resize(nbytes)
+                    torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
+                        piece.reshape(-1).view(torch.uint8))
+                    table.append([hf_name, str(piece.dtype).removeprefix("torch."), list(piece.shape), offset])
+                    offset, total = offset + nbytes, total + nbytes
+            if rank0 and error is None:
+                error = self._send_chunk(path, table, version)
+        finally:
+            if buffer is not None:
+                buffer.close()
+                path.unlink(missing_ok=True)
+        self._share(error)
+        self._weights_version = version
+        seconds = time.perf_counter() - started
+        self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0}
+
+    def _send_chunk(self, path: Path, table: list[list[Any]], version: int | None) -> str | None:
+        try:
+            self._call({"op": "load", "path": str(path), "tensors": table, "version": version})
+        except VLLMServerError as e:
+            return str(e)
+        return None
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams, step: int) -> list[Rollout]:
+        mine = [(r.prompt_index, list(r.prompt_ids), r.num_generations, tuple(r.images)) for r in requests]
+        problems = [p for p in map(RolloutRequest.problem, requests) if p is not None]
+        if self._distributed():
+            gathered = [None] * dist.get_world_size(self.group) if self._rank() == 0 else None
+            dist.gather_object((mine, problems), gathered, dst=0, group=self.group)
+        else:
+            gathered = [(mine, problems)]
+        results: list[Any] = []
+        if self._rank() == 0:
+            try:
+                results = self._generate(gathered, sampling, step)
+            except VLLMServerError as e:
+                results = [str(e)] * len(gathered)
+        if self._distributed():
+            box: list[Any] = [None]
+            dist.scatter_object_list(box, results if self._rank() == 0 else None, src=0, group=self.group)
+            result = box[0]
+        else:
+            result = results[0]
+        if isinstance(result, str):
+            raise VLLMServerError(result)
+        return result
+
+    def _generate(self, gathered: list[Any], sampling: SamplingParams, step: int) -> list[list[Rollout] | str]:
+        problems = [p for _, ps in gathered for p in ps]
+        if problems:
+            return [f"invalid rollout request: {problems[0]}"] * len(gathered)
+        rows, payload = [], []
+        for rank, (mine, _) in enumerate(gathered):
+            for prompt_index, prompt_ids, count, images in mine:
+                keys = row_keys(sampling.seed, step, torch.full((count,), prompt_index), torch.arange(count))
+                for g, key in enumerate(keys.tolist()):
+                    rows.append((rank, prompt_index, g, prompt_ids))
+                    payload.append({"prompt_token_ids": collapse_media(prompt_ids, self.media_token_ids),
+                                    "images": list(images), "seed": int(key) & 0x7FFFFFFF})
+        spec = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids),
+                "logit_bias": [(t, -100.0) for t in sampling.suppress_token_ids]}
+        outputs = self._call({"op": "generate", "version": self._weights_version, "sampling": spec,
+                              "requests": payload})["outputs"] if payload else []
+        per_rank: list[list[Rollout] | str] = [[] for _ in gathered]
+        for (rank, prompt_index, g, prompt_ids), out in zip(rows, outputs):
+            if out["prompt_token_ids"] != prompt_ids:
+                raise VLLMServerError(
+                    f"prompt {prompt_index}: vLLM's processor expands the prompt to {len(out['prompt_token_ids'])} "
+                    f"tokens, ours to {len(prompt_ids)}: the two processors' image settings differ")
+            per_rank[rank].append(Rollout(
+                prompt_index=prompt_index, generation_index=g, completion_ids=out["token_ids"],
+                logprobs=out["logprobs"], finish_reason=out["finish_reason"], weights_version=self._weights_version))
+        return per_rank
+
+    def close(self) -> None:
+        """Close the connection; stop a server this engine launched (waiting at most 10 s, then killing it)."""
+        if self._conn is not None:
+            try:
+                if self.process is not None:
+                    self._conn.send({"op": "close"})
+                self._conn.close()
+            except OSError:
+                pass
+            self._conn = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
