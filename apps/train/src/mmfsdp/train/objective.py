@@ -81,6 +81,9 @@ class ObjectiveContext:
     state: dict[str, Any] | None = None
     """This rank's stage state saved with the checkpoint the run resumes (`Objective.state_dict`); None: a fresh
     start, a checkpoint of another world size (per-rank state is not restored) or none saved."""
+    draw_step: Callable[[], list[dict[str, Any]]] | None = None
+    """Takes the next step's micro-batches from the run's own loader, beyond the one the trainer hands `start_step`
+    (GRPO's dynamic sampling); what it takes moves the loader, so the checkpointed data position counts it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from mmfsdp.config import Alias, ConfigError, ForeignKey
+from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored, Translate
 
 __all__ = ["DPOConfig", "GRPOConfig", "RolloutConfig"]
 
@@ -74,6 +74,10 @@ class GRPOConfig:
     """Optimizer steps on each generation batch (TRL's μ): a batch is generated every `num_iterations` steps and the steps between take no new prompts; > 1 keeps the log-probabilities of the weights that generated it as the old policy's (clipped importance ratios, docs/rl.md)."""
     mask_truncated_completions: bool = False
     """A completion cut at `max_completion_length` trains nothing (DAPO's overlong filtering)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (zero advantages) is dropped, and the step draws and generates more prompts from the loader until it has as many groups with varying rewards as its first round had prompts, or `max_resample_rounds` extra rounds were made; the groups are chosen in one global order, so every layout keeps the same ones (docs/rl.md, "Dynamic sampling")."""
+    max_resample_rounds: int = 3
+    """With `dynamic_sampling`: the most extra generation rounds of a step (each the loader's next step of prompts); after the last, the step trains on the varying groups found. 0 = drop the zero-std groups, never resample (ms-swift's `max_resample_times`; verl's `max_num_gen_batches` minus 1)."""
     reward_funcs: list[str | dict[str, Any]] = field(default_factory=lambda: ["accuracy"])
     """The reward functions: registered names (accuracy, format, iou, choice), `path/file.py:function`, or mappings `{name, weight, timeout_s, options}` (`mmfsdp.data.rewards`)."""
     reward_weights: list[float] | None = None
@@ -84,6 +88,21 @@ class GRPOConfig:
     """Every this many steps, rank 0 appends its prompts' completions with their rewards to `<output_dir>/completions.jsonl`; 0 = never."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engine."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "dynamic_sample": Alias("training.grpo.dynamic_sampling"),  # ms-swift's
+        "max_resample_times": Alias("training.grpo.max_resample_rounds"),
+        # verl's `algorithm.filter_groups`, moved here by hand (docs/migration.md)
+        "filter_groups.enable": Alias("training.grpo.dynamic_sampling"),
+        "filter_groups.max_num_gen_batches": Translate(
+            lambda value, section, path: {"training.grpo.max_resample_rounds": _extra_rounds(value, path)},
+            "`training.grpo.max_resample_rounds`: the value minus 1 (verl counts the first generation batch too)",
+        ),
+        "filter_groups.metric": Ignored(
+            "groups are kept by their total reward (verl's seq_reward; seq_final_reward is the same without a KL "
+            "penalty in the reward)", allowed=("seq_reward", "seq_final_reward"),
+        ),
+    }
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -113,3 +132,14 @@ class GRPOConfig:
             )
         if self.log_completions_interval < 0:
             raise ConfigError("log_completions_interval", f"must be >= 0, got {self.log_completions_interval}")
+        if self.max_resample_rounds < 0:
+            raise ConfigError("max_resample_rounds", f"must be >= 0 (0: drop zero-std groups, never resample), got "
+                                                     f"{self.max_resample_rounds}")
+
+
+def _extra_rounds(value: Any, path: str) -> int:
+    """verl's `max_num_gen_batches` (every generation batch of a step, the first included) as our extra rounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(path, f"{value!r}: give the most generation batches of a step, at least 1 (verl's 0, "
+                                "no limit, is not done: a step whose prompts never vary would never end)")
+    return value - 1

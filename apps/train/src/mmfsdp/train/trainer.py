@@ -222,6 +222,7 @@ class Trainer:
             step=self.step, model=self.model, train_dataset=self.train_dataset, evaluator=self.evaluator,
             frozen_copy=self._frozen_copy, train_collator=self.loader.collator, fresh_loader=self._build_loader,
             to_device=self._to_device, state=self.objective_state,
+            draw_step=lambda: self.loader.next_step(self.cfg.training.gradient_accumulation_steps),
         ))
 
     def _frozen_copy(self) -> torch.nn.Module:
