@@ -85,6 +85,7 @@ from mmfsdp.train.grpo_sampling import (
 )
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
+from mmfsdp.train.supervise import beat
 
 __all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
 
@@ -341,6 +342,7 @@ class GRPOObjective(Objective):
         rounds: list[Round] = []
 
         def next_round(r: int) -> tuple[list[tuple], torch.Tensor]:
+            beat(f"step {self.step} generation round {r + 1}")  # each round is progress for the hang watch
             drawn = micro_batches if r == 0 else self.draw_step()
             rounds.append(self._round([item for mb in drawn for item in mb["prompts"]], number))
             table, owners = rounds[-1].table, rounds[-1].owners
