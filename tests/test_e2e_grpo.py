@@ -103,7 +103,7 @@ class GRPORecord(Probe):
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         moved = float((_first_weights(trainer) - self.before).abs().max())
         return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
-                "images": self.images, "fillers": self.fillers}
+                "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats)}
 
 
 def _text_only_rank_step(*ranks) -> bool:
@@ -148,6 +148,7 @@ QWEN3_5_SETTINGS = {  # Gated DeltaNet: packed completions restart its state and
 CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
 DYNAMIC = {"training.grpo.dynamic_sampling": "true", "training.grpo.reward_funcs": f"[accuracy, '{IMAGE_REWARD}']"}
 DROP_ONLY = {**DYNAMIC, "training.grpo.max_resample_rounds": 0}
+VALIDATION = {"training.val_interval": 1}  # val_loss and the held-out greedy reward after every step
 FILLERS = {"grpo_drop_fsdp2"}
 """Cases where a rank must run a filler micro-batch at some step (a rank that keeps no group)."""
 CASES = [
@@ -196,6 +197,9 @@ CASES = [
          "grpo_dynamic_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
     Case("grpo_drop_ref", 1, QWEN, {**BASE, **DROP_ONLY}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_drop_fsdp2", 2, QWEN, {**BASE, **DROP_ONLY, "training.micro_batch_size": 1}, "grpo_drop_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_val_ref", 1, QWEN, {**BASE, **VALIDATION}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_val_fsdp2", 2, QWEN, {**BASE, **VALIDATION, "training.micro_batch_size": 1}, "grpo_val_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
 ]
 
@@ -276,6 +280,15 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
     if got_run["layout"]["dp"] == 2:  # ranks with different media: the same collectives, no hang
         assert _text_only_rank_step(got_run["grpo"][0]["images"], got_run["grpo"][1]["images"]), name
     got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
+    if "training.val_interval" in case.overrides:  # the held-out loss and greedy rewards after every step
+        assert got_run["val"].keys() == ref_run["val"].keys() == {1, 2, 3}
+        got = [{**stats, **got_run["grpo"][0]["val"][step], "val_loss": got_run["val"][step]}
+               for step, stats in enumerate(got, start=1)]
+        expected = [{**stats, **ref_run["grpo"][0]["val"][step], "val_loss": ref_run["val"][step]}
+                    for step, stats in enumerate(expected, start=1)]
+        assert all({"val_loss", "val_reward", "val_rewards/accuracy/mean", "val_rewards/shared_letters/mean"}
+                   <= set(stats) for stats in expected)
+        assert any(stats["val_rewards/shared_letters/mean"] > 0 for stats in expected), "greedy rewards all 0"
     for step, (ours, ref) in enumerate(zip(got, expected), start=1):
         assert ours.keys() == ref.keys()
         for key in ref:

@@ -131,3 +131,8 @@ def test_the_held_out_split_is_read_with_its_answers(tmp_path):
         assert len(trained) > 0 and (prompts[i]["labels"] == -100).all()
         answer = processor.tokenizer.decode(trained, skip_special_tokens=True).strip()
         assert answer == prompts[i]["solution"]
+
+
+def test_validation_loads():
+    """`val_loss` and the held-out greedy reward every N steps (tests/test_e2e_grpo.py: parity with one process)."""
+    assert _cfg("training.val_interval=2").training.val_interval == 2

@@ -108,7 +108,7 @@ class TrainingConfig:
     eval_batch_size: int = 8
     """Samples per rank per forward pass during the final evaluation and the periodic validation."""
     val_interval: int = 0
-    """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`)."""
+    """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`). With `stage: grpo` also the held-out greedy reward (`val_reward`, `val_rewards/<function>/mean`; docs/rl.md)."""
     save_format: Literal["dcp", "hf"] = "dcp"
     """dcp: each save writes the DCP checkpoint (resumable); hf: also exports the model as HF safetensors to `<save>/hf/iter_NNNNNNN`, loadable with `from_pretrained` (config and tokenizer from `model.model_name_or_path`)."""
     deterministic: bool = False

@@ -60,7 +60,10 @@ Chunk loss: the same per-token values from the hidden states, chunk by chunk (`m
 without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
 family's step terms (router aux loss) are added by the trainer as in SFT.
 
-Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps, validation.
+Validation (`training.val_interval`): the evaluator's `val_loss` on the held-out split read as SFT rows
+(`eval_data`), and `validation_metrics`: the held-out prompts' greedy reward (`mmfsdp.train.grpo_validation`).
+
+Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from mmfsdp.train.grpo_sampling import (
     Generation, Round, gather_columns, group_owners, kept_layout, micro_batch_count, round_order, sample_rounds,
     split_evenly, write_completions,
 )
+from mmfsdp.train.grpo_validation import HeldOutRewards
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
 from mmfsdp.train.supervise import beat
@@ -140,7 +144,6 @@ class GRPOObjective(Objective):
         refused = (
             ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
             ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
-            ("training.val_interval", bool(t.val_interval), "validation"),
         )
         for key, on, what in refused:
             if on:
@@ -251,6 +254,10 @@ class GRPOObjective(Objective):
         self.rewards = build_rewards(self._reward_specs(self.g), key="training.grpo.reward_funcs",
                                      num_workers=self.g.reward_workers)
         self.reward_names = [_metric_name(name) for name in self.rewards.names]
+        self.held_out = HeldOutRewards(
+            data_cfg=ctx.cfg.data, processor=ctx.evaluator.processor, engine=engine, sampling=self.sampling,
+            rewards=self.rewards, reward_names=self.reward_names, dims=ctx.dims, device=ctx.device,
+            batch_size=ctx.cfg.training.eval_batch_size, media=self._media)
         self._plans: list[_Plan] = []
         self._stats: dict[str, torch.Tensor] = {}
         self._num_sequences = torch.ones((), device=self.device)
@@ -540,6 +547,12 @@ class GRPOObjective(Objective):
                 gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
         return out, loss * self.cp_share
+
+    def validation_metrics(self, step: int) -> dict[str, float]:
+        """`val_reward` and `val_rewards/<function>/mean`: the held-out prompts' greedy completions scored by the
+        run's rewards (`mmfsdp.train.grpo_validation`), on the weights after `step`."""
+        self.engine.sync_weights(self.model, step)
+        return self.held_out(step)
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []

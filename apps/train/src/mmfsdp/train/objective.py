@@ -15,7 +15,8 @@ A stage is its objective. Each class declares, for the stage it is registered un
   tensors, and the collectives that still write into them);
 - its config rules (`configure`, `check_config`: called by `mmfsdp.train.config` before any process group), its
   memory-plan terms (`sequences_per_sample`, `memory_terms`, `memory_savings`: `mmfsdp.train.memory`), its
-  held-out metrics (`eval_metrics`: `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
+  held-out metrics (`eval_metrics` at the end, `validation_metrics` at each validation step:
+  `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
   `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`; `state_dict`: this rank's state between steps,
   saved with the trainer's per-rank state and given back to `build` as `ObjectiveContext.state`).
 
@@ -193,6 +194,11 @@ class Objective(abc.ABC):
     def eval_metrics(self) -> Any | None:
         """The stage's own held-out metrics (`mmfsdp.train.evaluate.ObjectiveMetrics`), or None."""
         return None
+
+    def validation_metrics(self, step: int) -> dict[str, float]:
+        """The stage's own held-out metrics at validation step `step`, beside `val_loss` (a collective: the
+        evaluator calls it on every rank; GRPO: the held-out greedy reward, `mmfsdp.train.grpo_validation`)."""
+        return {}
 
 
 class SFTObjective(Objective):

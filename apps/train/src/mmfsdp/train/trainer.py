@@ -167,6 +167,7 @@ class Trainer:
             self.step = self.checkpointer.resume(self.start.resume)
         self.objective = self._build_objective()
         self.evaluator.objective_metrics = self.objective.eval_metrics()
+        self.evaluator.stage_validation = self.objective.validation_metrics
         self.flop_meter = FlopMeter(
             self.entry.costs, self.model.config, device=self.device, world_size=self.world_size,
             dtype=DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
@@ -329,7 +330,7 @@ class Trainer:
                     self.step = step
                     self.heartbeat.step_done(step)
                     val_loss = self.evaluator.validate(step)
-                    self.metrics.step_done(result, val_loss=val_loss)
+                    self.metrics.step_done(result, val_loss=val_loss, val_stats=self.evaluator.val_stats.get(step))
                     self.checkpointer.save(step)
             self.checkpointer.save(self.step, last=True)
         except NonFiniteLoss as err:
