@@ -85,6 +85,7 @@ class GRPORecord(Probe):
         self.before = _first_weights(trainer)
         self.images: list[list[list[bool]]] = []  # per step, micro-batch and prompt: whether it has an image
         self.fillers: list[int] = []  # per step, the tokens of this rank's filler micro-batches (the trainer's count)
+        self.budget: list[tuple[int, int, int]] = []  # per step: micro-batches within the budget, run, largest tokens
         objective, start_step = trainer.objective, trainer.objective.start_step
         counted = trainer.dims.cp_rank == 0  # the trainer counts a CP group's tokens once
 
@@ -94,6 +95,9 @@ class GRPORecord(Probe):
             chunks = objective._generation.chunks  # 0: a filler (dynamic sampling, mmfsdp.train.grpo_sampling)
             self.fillers.append(sum(int(mb["attention_mask"].sum()) for mb, size in zip(trained, chunks)
                                     if counted and not size))
+            self.budget.append((objective._budget_bins, len(trained),
+                                max(int(mb["attention_mask"].sum()) for mb, size in zip(trained, chunks) if size > 1)
+                                if any(size > 1 for size in chunks) else 0))
             return trained
 
         objective.start_step = recording
@@ -103,7 +107,8 @@ class GRPORecord(Probe):
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         moved = float((_first_weights(trainer) - self.before).abs().max())
         return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
-                "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats)}
+                "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats),
+                "budget": self.budget}
 
 
 def _text_only_rank_step(*ranks) -> bool:
@@ -148,6 +153,7 @@ QWEN3_5_SETTINGS = {  # Gated DeltaNet: packed completions restart its state and
 CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
 DYNAMIC = {"training.grpo.dynamic_sampling": "true", "training.grpo.reward_funcs": f"[accuracy, '{IMAGE_REWARD}']"}
 DROP_ONLY = {**DYNAMIC, "training.grpo.max_resample_rounds": 0}
+BUDGET = {"training.micro_batch_tokens": 48}  # a rank's 8 sequences a step fit 6 to 8 micro-batches: counts differ
 VALIDATION = {"training.val_interval": 1}  # val_loss and the held-out greedy reward after every step
 FILLERS = {"grpo_drop_fsdp2"}
 """Cases where a rank must run a filler micro-batch at some step (a rank that keeps no group)."""
@@ -197,6 +203,8 @@ CASES = [
          "grpo_dynamic_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
     Case("grpo_drop_ref", 1, QWEN, {**BASE, **DROP_ONLY}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_drop_fsdp2", 2, QWEN, {**BASE, **DROP_ONLY, "training.micro_batch_size": 1}, "grpo_drop_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_budget_fsdp2", 2, QWEN, {**BASE, **BUDGET, "training.micro_batch_size": 1}, "grpo_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
     Case("grpo_val_ref", 1, QWEN, {**BASE, **VALIDATION}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_val_fsdp2", 2, QWEN, {**BASE, **VALIDATION, "training.micro_batch_size": 1}, "grpo_val_ref",
@@ -279,6 +287,12 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
         assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
     if got_run["layout"]["dp"] == 2:  # ranks with different media: the same collectives, no hang
         assert _text_only_rank_step(got_run["grpo"][0]["images"], got_run["grpo"][1]["images"]), name
+    if "training.micro_batch_tokens" in case.overrides:  # the budget's path: counts differ between ranks and steps
+        budget = case.overrides["training.micro_batch_tokens"]
+        within, run = ([[step[k] for step in record["budget"]] for record in got_run["grpo"]] for k in (0, 1))
+        assert run[0] == run[1] and len(set(run[0])) > 1, f"micro-batches run per step and rank: {run}"
+        assert any(a != b for a, b in zip(*within)), f"micro-batches within the budget per step and rank: {within}"
+        assert all(step[2] <= budget for record in got_run["grpo"] for step in record["budget"])
     got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
     if "training.val_interval" in case.overrides:  # the held-out loss and greedy rewards after every step
         assert got_run["val"].keys() == ref_run["val"].keys() == {1, 2, 3}

@@ -44,7 +44,7 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.max_resample_rounds=-1", "training.grpo.max_resample_rounds"),
         ("training.grpo.filter_groups={max_num_gen_batches: 0}", "training.grpo.filter_groups.max_num_gen_batches"),
         ("training.grpo.filter_groups={metric: acc}", "training.grpo.filter_groups.metric"),
-        ("training.micro_batch_tokens=256", "training.micro_batch_tokens"),
+        ("data.dataloader_param.balance=true", "data.dataloader_param.balance"),
         ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
          "data.dataset_param.preprocess_parameters.train_on_prompt"),
     ],
@@ -136,3 +136,12 @@ def test_the_held_out_split_is_read_with_its_answers(tmp_path):
 def test_validation_loads():
     """`val_loss` and the held-out greedy reward every N steps (tests/test_e2e_grpo.py: parity with one process)."""
     assert _cfg("training.val_interval=2").training.val_interval == 2
+
+
+def test_token_budget_loads_but_not_with_bnpo():
+    """The budget packs the completions after generation (tests/test_e2e_grpo.py: parity with the run without one);
+    `bnpo`'s loss is a mean of micro-batch means, which the budget decides: refused by key."""
+    assert _cfg("training.micro_batch_tokens=256").training.micro_batch_tokens == 256
+    with pytest.raises(ConfigError) as err:
+        _cfg("training.micro_batch_tokens=256", "training.grpo.loss_type=bnpo")
+    assert err.value.key == "training.grpo.loss_type" or str(err.value).startswith("training.grpo.loss_type")

@@ -1,13 +1,15 @@
 """DAPO's dynamic sampling without processes (`mmfsdp.train.grpo_sampling`): which groups a step keeps (the first N
 varying ones in the global order, whatever the ranks' order), when the rounds stop (enough found, or the cap), where
 the kept groups are on each rank, and how a rank's completions fill the same number of micro-batches as every other
-rank's."""
+rank's; with a token budget, how a rank's sequences fill micro-batches within it and how the ranks come to the same
+count."""
 
 import pytest
 import torch
 
 from mmfsdp.train.grpo_sampling import (
-    group_owners, keep_first_varying, kept_layout, micro_batch_count, round_order, sample_rounds, split_evenly,
+    budget_chunks, equal_chunks, group_owners, keep_first_varying, kept_layout, micro_batch_count, round_order,
+    sample_rounds, split_evenly,
 )
 
 
@@ -122,3 +124,23 @@ def test_split_evenly():
     assert split_evenly(7, 3) == [3, 2, 2]
     assert split_evenly(2, 3) == [1, 1, 0]  # fewer completions than micro-batches: a filler
     assert split_evenly(0, 2) == [0, 0]
+
+
+def test_budget_chunks_pack_in_order_within_the_budget():
+    tokens = [30, 30, 50, 20, 90, 10]
+    assert budget_chunks(tokens, [0.0] * 6, 80, packing=True) == [2, 2, 1, 1]  # 60 | 70 | 90 alone | 10
+    assert budget_chunks([30, 30, 30, 50], [0.0] * 4, 90, packing=False) == [3, 1]  # padded: rows x the longest
+    assert budget_chunks([30, 30, 30, 50], [0.0] * 4, 90, packing=True) == [3, 1]
+    assert budget_chunks([30, 30, 30, 50], [0.0] * 4, 80, packing=True) == [2, 2]
+    assert budget_chunks(tokens, [25.0, 0, 0, 0, 0, 0], 80, packing=True) == [1, 2, 1, 1, 1]  # + vision work
+    assert budget_chunks([200], [0.0], 80, packing=True) == [1]  # heavier than the budget: alone
+    assert budget_chunks([], [], 80, packing=True) == []
+
+
+def test_equal_chunks_split_the_widest_then_add_fillers():
+    assert equal_chunks([4, 1], 2) == [4, 1]
+    assert equal_chunks([4, 1], 3) == [2, 2, 1]
+    assert equal_chunks([3, 3], 3) == [2, 1, 3]  # the first of equals, the larger half first
+    assert equal_chunks([2, 1], 5) == [1, 1, 1, 0, 0]  # fewer sequences than micro-batches: fillers
+    assert equal_chunks([], 2) == [0, 0]
+    assert sum(equal_chunks([5, 2, 7], 6)) == 14

@@ -37,8 +37,7 @@ of the mass those keep, docs/rl.md ("Rollout engines")).
 
 `num_iterations` (TRL's μ): each generation batch (`Generation`) trains `num_iterations` optimizer steps. Step s
 generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step itself when
-μ = 1); the following μ − 1 steps take nothing from the loader
-(`needs_batch`) and train on the same micro-batches, advantages and normalisers. The old policy's log-probabilities
+μ = 1); the following μ − 1 steps take nothing from the loader (`needs_batch`) and train on the same micro-batches, advantages and normalisers. The old policy's log-probabilities
 are those of the weights that generated the batch: TRL computes them with an extra no-grad forward before the first
 update; here the first iteration's forward runs on exactly those weights, so its log-probabilities, detached, are
 kept per micro-batch (`Generation.old_logps`; on that iteration the ratio is 1, TRL's shortcut for μ = 1) and the
@@ -60,10 +59,10 @@ Chunk loss: the same per-token values from the hidden states, chunk by chunk (`m
 without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
 family's step terms (router aux loss) are added by the trainer as in SFT.
 
-Validation (`training.val_interval`): the evaluator's `val_loss` on the held-out split read as SFT rows
-(`eval_data`), and `validation_metrics`: the held-out prompts' greedy reward (`mmfsdp.train.grpo_validation`).
-
-Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps.
+Validation (`training.val_interval`): `val_loss` on the held-out split read as SFT rows (`eval_data`), and the
+held-out greedy reward (`validation_metrics`, `mmfsdp.train.grpo_validation`). A token budget
+(`micro_batch_tokens`) packs each rank's kept sequences after generation (`mmfsdp.train.grpo_sampling`, the loader
+hands whole prompts: `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
 """
 
 from __future__ import annotations
@@ -77,14 +76,15 @@ import torch
 import torch.distributed as dist
 
 from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
 from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.train.grpo_sampling import (
-    Generation, Round, gather_columns, group_owners, kept_layout, micro_batch_count, round_order, sample_rounds,
-    split_evenly, write_completions,
+    Generation, Round, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout, micro_batch_count,
+    round_order, sample_rounds, split_evenly, write_completions,
 )
 from mmfsdp.train.grpo_validation import HeldOutRewards
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
@@ -141,13 +141,12 @@ class GRPOObjective(Objective):
     @classmethod
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
-        refused = (
-            ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
-            ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
-        )
-        for key, on, what in refused:
-            if on:
-                raise ConfigError(key, f"{what} is not done yet for training.stage: grpo")
+        if cfg.data.dataloader_param.balance:
+            raise ConfigError("data.dataloader_param.balance", "balanced steps are not done yet for training.stage: grpo")
+        if t.micro_batch_tokens is not None and g.loss_type == "bnpo":
+            raise ConfigError("training.grpo.loss_type", "bnpo averages each micro-batch's token mean, and "
+                              "training.micro_batch_tokens decides the micro-batches: use dapo, grpo or dr_grpo, or no "
+                              "token budget")
         if cfg.data.dataset_param.attr.ranking:
             raise ConfigError("data.dataset_param.attr.ranking", "grpo reads prompts (attr.prompt_only), not pairs; "
                                                                  "set it false")
@@ -165,6 +164,10 @@ class GRPOObjective(Objective):
             if isinstance(spec, dict) and "name" not in spec:
                 raise ConfigError(f"training.grpo.reward_funcs[{i}].name", "missing")
         build_rewards(cls._reward_specs(g), key="training.grpo.reward_funcs").close()
+
+    @classmethod
+    def loader_plan(cls, cfg) -> tuple[Any, int | None]:
+        return cfg.data, None  # whole prompts, `micro_batch_size` a micro-batch: the budget packs completions
 
     @classmethod
     def sequence_shape(cls, cfg) -> tuple[int, int]:
@@ -239,6 +242,11 @@ class GRPOObjective(Objective):
         self.step = ctx.step
         self.draw_step = ctx.draw_step
         self.micro_batch_size = ctx.cfg.training.micro_batch_size
+        self.budget = ctx.cfg.training.micro_batch_tokens
+        if self.budget is not None:  # a prompt's vision work in token equivalents, by dataset index (as SFT's)
+            cost_model = CostModel.load(ctx.cfg.data.dataloader_param.cost_model)
+            self._vision = cost_model.vision_tokens(ctx.train_dataset.sample_stats())
+        self._budget_bins = 0  # this rank's micro-batches within the budget before the ranks run M (tests read it)
         encoder = ctx.train_dataset.encoder
         self.tokenizer = encoder.processor.tokenizer
         self.plugin = encoder.plugin
@@ -371,7 +379,17 @@ class GRPOObjective(Objective):
                              dp_rank=self.dims.dp_rank)
         prompts = [rounds[r].prompts[p] for r, p in layout.groups]
         rollouts = [rounds[r].rollouts[p * G + g] for r, p in layout.groups for g in range(G)]
-        if self.g.dynamic_sampling:  # every rank makes the same number of micro-batches (grpo_sampling)
+        if self.budget is not None:  # micro-batches within the budget, as many on every rank (grpo_sampling)
+            owners = [prompts[k // G] for k in range(len(rollouts))]
+            chunks = budget_chunks([len(p["input_ids"]) + len(r.completion_ids) for p, r in zip(owners, rollouts)],
+                                   [float(self._vision[p["prompt_index"]]) for p in owners], self.budget,
+                                   packing=self.collator.packing)
+            self._budget_bins = len(chunks)
+            counts = gather_columns(torch.tensor([[float(len(chunks))]], dtype=torch.float64), self.dims, self.device)[0]
+            count = int(counts.max())
+            chunks = equal_chunks(chunks, count)
+            num_batches = sum(min(count, k * G) for k in layout.per_rank)
+        elif self.g.dynamic_sampling:  # every rank makes the same number of micro-batches (grpo_sampling)
             count = micro_batch_count(layout.per_rank, self.micro_batch_size)
             chunks = split_evenly(len(rollouts), count)
             num_batches = sum(min(count, k * G) for k in layout.per_rank)

@@ -29,6 +29,15 @@ needs at `micro_batch_size` groups each (at least 1; `micro_batch_count`) and sp
 them (`split_evenly`; a group may span two micro-batches: advantages and normalisers are global). A micro-batch left
 empty (a rank with fewer completions than M, or none) runs a filler: one of the rank's generated completions with no
 trained token, which makes the forward and backward collectives and adds exactly zero to the loss and the gradients.
+
+A token budget (`training.micro_batch_tokens`) replaces `micro_batch_size` as what fills a training micro-batch, as
+in SFT (docs/data.md, "Token budget and balance"): the loader hands whole prompts, and after generation each rank
+cuts its kept sequences (prompt + completion, in order) into contiguous micro-batches of at most the budget tokens
+as the rows spend them, plus the prompts' vision work in token equivalents, a sequence heavier than the budget alone
+(`budget_chunks`, `mmfsdp.data.balance.fill_budget`); the ranks' counts are gathered, every rank runs the largest
+(M), a rank with fewer splits its widest micro-batches in two until it has M, and fillers make up the rest
+(`equal_chunks`). Advantages and normalisers are over the step's sequences, so the loss is the run's without a
+budget, except `bnpo`'s (a mean of micro-batch means: refused with a budget).
 """
 
 from __future__ import annotations
@@ -41,12 +50,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from mmfsdp.data.balance import fill_budget
+
 __all__ = [
-    "Generation", "KeptLayout", "Round", "Selection", "gather_columns", "group_owners", "keep_first_varying",
-    "kept_layout", "micro_batch_count", "round_order", "sample_rounds", "split_evenly", "write_completions",
+    "Generation", "KeptLayout", "Round", "Selection", "budget_chunks", "equal_chunks", "gather_columns",
+    "group_owners", "keep_first_varying", "kept_layout", "micro_batch_count", "round_order", "sample_rounds",
+    "split_evenly", "write_completions",
 ]
 
 
@@ -109,6 +122,28 @@ def split_evenly(count: int, parts: int) -> list[int]:
     """Sizes of `parts` contiguous chunks of `count` items, differing by at most one (the larger first)."""
     base, extra = divmod(count, parts)
     return [base + (i < extra) for i in range(parts)]
+
+
+def budget_chunks(tokens: Sequence[int], vision: Sequence[float], budget: int, *, packing: bool) -> list[int]:
+    """Sizes of the contiguous micro-batches that hold sequences of `tokens` tokens and `vision` vision token
+    equivalents, in order, within `budget` (module docstring; packed rows sum their tokens, padded ones pay rows ×
+    the longest)."""
+    bins = fill_budget(list(range(len(tokens))), np.asarray(tokens, dtype=np.int64),
+                       np.asarray(vision, dtype=np.float64), budget, packing, first_fit=False)
+    return [len(b) for b in bins]
+
+
+def equal_chunks(chunks: Sequence[int], count: int) -> list[int]:
+    """`chunks` made `count` long (≥ `len(chunks)`): the chunk with the most sequences (the first of equals) split
+    into two contiguous halves (the larger first) while one holds two or more, then empty chunks (fillers)."""
+    chunks = [c for c in chunks if c]
+    while len(chunks) < count:
+        widest = max(range(len(chunks)), key=lambda k: (chunks[k], -k), default=None)
+        if widest is None or chunks[widest] < 2:
+            break
+        size = chunks[widest]
+        chunks[widest : widest + 1] = [size - size // 2, size // 2]
+    return chunks + [0] * (count - len(chunks))
 
 
 def group_owners(offsets: Sequence[int], num_generations: int) -> list[tuple[int, int]]:

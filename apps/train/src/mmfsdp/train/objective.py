@@ -135,6 +135,13 @@ class Objective(abc.ABC):
         return data_cfg
 
     @classmethod
+    def loader_plan(cls, cfg) -> tuple[Any, int | None]:
+        """The data config and token budget the training loader plans its steps with: the run's
+        (`data.dataloader_param.balance`, `training.micro_batch_tokens`). A stage that plans its own training
+        micro-batches (GRPO: of the completions, known after generation) gives its loader neither."""
+        return cfg.data, cfg.training.micro_batch_tokens
+
+    @classmethod
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
         """The device memory of the stage's own models per rank (`model`: the policy on the meta device)."""
         return []

@@ -208,12 +208,13 @@ class Trainer:
 
     def _build_loader(self):
         t = self.cfg.training
+        data, budget = objective_class(t.stage).loader_plan(self.cfg)
         return build_dataloader(
-            self.train_dataset, self.cfg.data,
+            self.train_dataset, data,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
             seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
             sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
-            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=t.micro_batch_tokens,
+            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=budget,
         )
 
     def _build_objective(self):
