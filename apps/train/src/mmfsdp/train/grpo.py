@@ -36,16 +36,16 @@ media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / to
 of the mass those keep, docs/rl.md ("Rollout engines")).
 
 `num_iterations` (TRL's μ): each generation batch (`Generation`) trains `num_iterations` optimizer steps. Step s
-generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step itself when
-μ = 1); the following μ − 1 steps take nothing from the loader (`needs_batch`) and train on the same micro-batches, advantages and normalisers. The old policy's log-probabilities
-are those of the weights that generated the batch: TRL computes them with an extra no-grad forward before the first
-update; here the first iteration's forward runs on exactly those weights, so its log-probabilities, detached, are
-kept per micro-batch (`Generation.old_logps`; on that iteration the ratio is 1, TRL's shortcut for μ = 1) and the
-later iterations' ratios use them; the reference's log-probabilities are kept the same way (TRL computes them once
-per generation batch too). A checkpoint taken inside a generation batch holds it in this rank's state
-(`state_dict`: prompts, completions, rewards table, the kept log-probabilities; the micro-batches are rebuilt from
-them), so a resumed run continues bitwise; with another world size it cannot be restored and the next step
-generates a new batch (a warning).
+generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step when μ = 1);
+the following μ − 1 steps take nothing from the loader (`needs_batch`) and train on the same micro-batches,
+advantages and normalisers. The old policy's log-probabilities are those of the weights that generated the batch:
+TRL computes them with an extra no-grad forward before the first update; here the first iteration's forward runs on
+exactly those weights, so its log-probabilities, detached, are kept per micro-batch (`Generation.old_logps`; on that
+iteration the ratio is 1, TRL's shortcut for μ = 1) and the later iterations' ratios use them; the reference's
+log-probabilities are kept the same way (TRL computes them once per generation batch too). A checkpoint taken inside
+a generation batch holds it in this rank's state (`state_dict`: prompts, completions, rewards table, the kept
+log-probabilities; the micro-batches are rebuilt from them), so a resumed run continues bitwise; with another world
+size it cannot be restored and the next step generates a new batch (a warning).
 
 Context parallel: the ranks of a CP group receive the same prompts (one data stream), so they generate the same
 completions in lockstep on the whole model and build the same training micro-batches (the collator pads each packed
@@ -59,10 +59,9 @@ Chunk loss: the same per-token values from the hidden states, chunk by chunk (`m
 without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
 family's step terms (router aux loss) are added by the trainer as in SFT.
 
-Validation (`training.val_interval`): `val_loss` on the held-out split read as SFT rows (`eval_data`), and the
-held-out greedy reward (`validation_metrics`, `mmfsdp.train.grpo_validation`). A token budget
-(`micro_batch_tokens`) packs each rank's kept sequences after generation (`mmfsdp.train.grpo_sampling`, the loader
-hands whole prompts: `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
+Validation: `val_loss` on the held-out split as SFT rows (`eval_data`), the greedy reward (`validation_metrics`,
+`mmfsdp.train.grpo_validation`). A token budget packs each rank's kept sequences after generation (`grpo_sampling`;
+the loader hands whole prompts, `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ class GRPOObjective(Objective):
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
         if cfg.data.dataloader_param.balance:
-            raise ConfigError("data.dataloader_param.balance", "balanced steps are not done yet for training.stage: grpo")
+            raise ConfigError("data.dataloader_param.balance", "balanced steps are not done yet for stage: grpo")
         if t.micro_batch_tokens is not None and g.loss_type == "bnpo":
             raise ConfigError("training.grpo.loss_type", "bnpo averages each micro-batch's token mean, and "
                               "training.micro_batch_tokens decides the micro-batches: use dapo, grpo or dr_grpo, or no "
@@ -385,8 +384,8 @@ class GRPOObjective(Objective):
                                    [float(self._vision[p["prompt_index"]]) for p in owners], self.budget,
                                    packing=self.collator.packing)
             self._budget_bins = len(chunks)
-            counts = gather_columns(torch.tensor([[float(len(chunks))]], dtype=torch.float64), self.dims, self.device)[0]
-            count = int(counts.max())
+            count = int(gather_columns(torch.tensor([[float(len(chunks))]], dtype=torch.float64), self.dims,
+                                       self.device)[0].max())
             chunks = equal_chunks(chunks, count)
             num_batches = sum(min(count, k * G) for k in layout.per_rank)
         elif self.g.dynamic_sampling:  # every rank makes the same number of micro-batches (grpo_sampling)
@@ -567,8 +566,7 @@ class GRPOObjective(Objective):
         return out, loss * self.cp_share
 
     def validation_metrics(self, step: int) -> dict[str, float]:
-        """`val_reward` and `val_rewards/<function>/mean`: the held-out prompts' greedy completions scored by the
-        run's rewards (`mmfsdp.train.grpo_validation`), on the weights after `step`."""
+        """The held-out greedy reward (`mmfsdp.train.grpo_validation`) on the weights after `step`."""
         self.engine.sync_weights(self.model, step)
         return self.held_out(step)
 
