@@ -18,3 +18,9 @@ def fixed_reward(completion: str, ground_truth, prompt, table: dict) -> float:
 def fixed_bonus(completion: str, ground_truth, prompt, table: dict) -> float:
     """A second fixed reward function (its own name: its own `rewards/<name>/*` statistics)."""
     return table[completion]
+
+
+def image_letters(completion: str, ground_truth, prompt) -> float:
+    """`shared_letters` on a prompt with an image, 0 on a text-only one: the groups of text-only prompts have equal
+    rewards (the dynamic-sampling runs of tests/test_e2e_grpo.py drop them and resample)."""
+    return shared_letters(completion, ground_truth, prompt) if "<image>" in str(prompt) else 0.0

@@ -18,7 +18,13 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   = its padded 1-process run;
 - on every DP-2 case one rank's prompts are all text-only at step 3 while the other's have an image (recorded, and
   checked): generation and training run the same collectives on both;
-- chunk loss (per-token log-probs from the hidden states, no full logits) on FSDP2 2 and Ulysses 2 = one process.
+- chunk loss (per-token log-probs from the hidden states, no full logits) on FSDP2 2 and Ulysses 2 = one process;
+- DAPO's dynamic sampling (`training.grpo.dynamic_sampling`) with a reward that is 0 for every text-only prompt, so
+  their groups never vary: the one-process run resamples (a second round of prompts at some step) and drops groups,
+  and FSDP2 2 and Ulysses 2 keep the same groups and train the same steps (the kept groups are chosen in one global
+  order, `mmfsdp.train.grpo_sampling`); without resampling (`max_resample_rounds: 0`) on FSDP2 2, the rank whose
+  prompts are all text-only at step 3 keeps no group and runs a filler micro-batch (the same collectives, exactly
+  zero loss and gradient): its tokens are the only difference from the one-process run, counted exactly.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -37,6 +43,7 @@ from mmfsdp.parallel.testing import assert_within
 pytestmark = [pytest.mark.timeout(1800)]
 REWARD_FILE = ROOT / "tests" / "grpo_rewards.py"
 USER_REWARD = f"{REWARD_FILE}:shared_letters"
+IMAGE_REWARD = f"{REWARD_FILE}:image_letters"  # 0 on text-only prompts: their groups never vary
 BASE = {
     **QWEN_SETTINGS,
     "training.stage": "grpo",
@@ -77,11 +84,21 @@ class GRPORecord(Probe):
     def attach(self, trainer) -> None:
         self.before = _first_weights(trainer)
         self.images: list[list[list[bool]]] = []  # per step, micro-batch and prompt: whether it has an image
+        self.fillers: list[int] = []  # per step, the tokens of this rank's filler micro-batches (the trainer's count)
+        self.budget: list[tuple[int, int, int]] = []  # per step: micro-batches within the budget, run, largest tokens
         objective, start_step = trainer.objective, trainer.objective.start_step
+        counted = trainer.dims.cp_rank == 0  # the trainer counts a CP group's tokens once
 
         def recording(micro_batches):
             self.images.append([["pixel_values" in item for item in mb["prompts"]] for mb in micro_batches])
-            return start_step(micro_batches)
+            trained = start_step(micro_batches)
+            chunks = objective._generation.chunks  # 0: a filler (dynamic sampling, mmfsdp.train.grpo_sampling)
+            self.fillers.append(sum(int(mb["attention_mask"].sum()) for mb, size in zip(trained, chunks)
+                                    if counted and not size))
+            self.budget.append((objective._budget_bins, len(trained),
+                                max(int(mb["attention_mask"].sum()) for mb, size in zip(trained, chunks) if size > 1)
+                                if any(size > 1 for size in chunks) else 0))
+            return trained
 
         objective.start_step = recording
 
@@ -90,7 +107,8 @@ class GRPORecord(Probe):
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         moved = float((_first_weights(trainer) - self.before).abs().max())
         return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
-                "images": self.images}
+                "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats),
+                "budget": self.budget}
 
 
 def _text_only_rank_step(*ranks) -> bool:
@@ -133,6 +151,12 @@ QWEN3_5_SETTINGS = {  # Gated DeltaNet: packed completions restart its state and
     "training.lr": 5.0e-4,
 }
 CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_size": 16}
+DYNAMIC = {"training.grpo.dynamic_sampling": "true", "training.grpo.reward_funcs": f"[accuracy, '{IMAGE_REWARD}']"}
+DROP_ONLY = {**DYNAMIC, "training.grpo.max_resample_rounds": 0}
+BUDGET = {"training.micro_batch_tokens": 48}  # a rank's 8 sequences a step fit 6 to 8 micro-batches: counts differ
+VALIDATION = {"training.val_interval": 1}  # val_loss and the held-out greedy reward after every step
+FILLERS = {"grpo_drop_fsdp2"}
+"""Cases where a rank must run a filler micro-batch at some step (a rank that keeps no group)."""
 CASES = [
     Case("grpo_ref", 1, QWEN, BASE, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_fsdp2", 2, QWEN, {**BASE, "training.micro_batch_size": 1}, "grpo_ref", dataset="shapes",
@@ -172,6 +196,19 @@ CASES = [
          probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
     Case("grpo_variants_ring2", 2, QWEN, {**BASE, **VARIANTS, "parallel.ring_attention_size": 2}, "grpo_variants_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ring": 2}),
+    Case("grpo_dynamic_ref", 1, QWEN, {**BASE, **DYNAMIC}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_dynamic_fsdp2", 2, QWEN, {**BASE, **DYNAMIC, "training.micro_batch_size": 1}, "grpo_dynamic_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_dynamic_ulysses2", 2, QWEN, {**BASE, **DYNAMIC, "parallel.ulysses_parallel_size": 2},
+         "grpo_dynamic_ref", dataset="shapes", probes=(GRPORecord,), layout={"dp": 1, "ulysses": 2}),
+    Case("grpo_drop_ref", 1, QWEN, {**BASE, **DROP_ONLY}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_drop_fsdp2", 2, QWEN, {**BASE, **DROP_ONLY, "training.micro_batch_size": 1}, "grpo_drop_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_budget_fsdp2", 2, QWEN, {**BASE, **BUDGET, "training.micro_batch_size": 1}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_val_ref", 1, QWEN, {**BASE, **VALIDATION}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_val_fsdp2", 2, QWEN, {**BASE, **VALIDATION, "training.micro_batch_size": 1}, "grpo_val_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
 ]
 
 
@@ -195,6 +232,35 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
     assert any("<image>" not in row["prompt"] for row in rows)
 
 
+def test_dynamic_sampling_resamples_and_drops(tmp_path_factory):
+    """The dynamic-sampling references do what their parity cases are meant to cover: groups dropped, a second round
+    generated from the loader's next prompts (the metrics and the completions log say so), and without resampling
+    a step that keeps fewer groups than it generated."""
+    cases = [c for c in CASES if c.name in ("grpo_dynamic_ref", "grpo_drop_ref")]
+    results = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))
+    dynamic, drop = (results[name]["grpo"][0] for name in ("grpo_dynamic_ref", "grpo_drop_ref"))
+    rounds = [stats["rollout/gen_rounds"] for stats in dynamic["stats"]]
+    assert max(rounds) > 1, f"no step resampled: {rounds}"
+    assert any(stats["rollout/groups_dropped"] for stats in dynamic["stats"])
+    for stats in dynamic["stats"]:  # 4 prompts a round; a round more only while fewer than 4 vary
+        assert stats["rollout/groups_kept"] + stats["rollout/groups_dropped"] == 4 * stats["rollout/gen_rounds"]
+        kept, rounds = stats["rollout/groups_kept"], stats["rollout/gen_rounds"]
+        assert kept == 4 or (kept < 4 and rounds == 4), f"{kept} groups kept after {rounds} rounds"
+    groups: dict[tuple, list[dict]] = {}
+    for row in dynamic["completions"]:
+        groups.setdefault((row["step"], row["round"], row["prompt_index"]), []).append(row)
+    assert {r for _, r, _ in groups} >= {1, 2}
+    for (step, r, _), rows in groups.items():
+        varies, kept = len({row["reward"] for row in rows}) > 1, rows[0]["kept"]
+        assert all(row["kept"] == kept and (row["advantage"] is None) != kept for row in rows)
+        assert varies or not kept, f"step {step}: a group whose rewards are all equal was kept"
+        assert kept or not varies or r > 1, f"step {step}: a varying group of the first round was dropped"
+        assert varies or "<image>" in rows[0]["prompt"] or not kept
+    assert not any(row["kept"] for row in dynamic["completions"] if "<image>" not in row["prompt"])
+    assert all(stats["rollout/gen_rounds"] == 1 for stats in drop["stats"])
+    assert any(stats["rollout/groups_kept"] < 4 for stats in drop["stats"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [case.name for case in CASES if case.reference is not None])
 def test_grpo_layout_matches_one_process(tmp_path_factory, name):
@@ -207,16 +273,36 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
     got_run, ref_run = results[case.name], results[case.reference]
     assert all(got_run["layout"][key] == value for key, value in (case.layout or {}).items())
     assert len(got_run["steps"]) == len(ref_run["steps"]) == 3
+    fillers = [sum(step) for step in zip(*(record["fillers"] for record in got_run["grpo"]))]
+    ref_fillers = ref_run["grpo"][0]["fillers"]
+    assert any(fillers) == (name in FILLERS), f"filler tokens per step: {fillers}"
     for step, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(
         zip(got_run["steps"], ref_run["steps"]), start=1
     ):
+        # a filler micro-batch (a rank that keeps no group) runs tokens that train nothing: counted, and exactly known
+        tokens, ref_tokens = tokens - fillers[step - 1], ref_tokens - ref_fillers[step - 1]
         assert tokens == ref_tokens, f"step {step}: {tokens} tokens vs {ref_tokens}"
         assert_within(abs(loss - ref_loss), case.tol, f"step {step} loss (absolute): {loss} vs {ref_loss}")
         assert ref_norm > 0, f"step {step} trains nothing"
         assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
     if got_run["layout"]["dp"] == 2:  # ranks with different media: the same collectives, no hang
         assert _text_only_rank_step(got_run["grpo"][0]["images"], got_run["grpo"][1]["images"]), name
+    if "training.micro_batch_tokens" in case.overrides:  # the budget's path: counts differ between ranks and steps
+        budget = case.overrides["training.micro_batch_tokens"]
+        within, run = ([[step[k] for step in record["budget"]] for record in got_run["grpo"]] for k in (0, 1))
+        assert run[0] == run[1] and len(set(run[0])) > 1, f"micro-batches run per step and rank: {run}"
+        assert any(a != b for a, b in zip(*within)), f"micro-batches within the budget per step and rank: {within}"
+        assert all(step[2] <= budget for record in got_run["grpo"] for step in record["budget"])
     got, expected = got_run["grpo"][0]["stats"], ref_run["grpo"][0]["stats"]
+    if "training.val_interval" in case.overrides:  # the held-out loss and greedy rewards after every step
+        assert got_run["val"].keys() == ref_run["val"].keys() == {1, 2, 3}
+        got = [{**stats, **got_run["grpo"][0]["val"][step], "val_loss": got_run["val"][step]}
+               for step, stats in enumerate(got, start=1)]
+        expected = [{**stats, **ref_run["grpo"][0]["val"][step], "val_loss": ref_run["val"][step]}
+                    for step, stats in enumerate(expected, start=1)]
+        assert all({"val_loss", "val_reward", "val_rewards/accuracy/mean", "val_rewards/shared_letters/mean"}
+                   <= set(stats) for stats in expected)
+        assert any(stats["val_rewards/shared_letters/mean"] > 0 for stats in expected), "greedy rewards all 0"
     for step, (ours, ref) in enumerate(zip(got, expected), start=1):
         assert ours.keys() == ref.keys()
         for key in ref:

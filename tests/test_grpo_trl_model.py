@@ -199,10 +199,10 @@ def our_objective(family: Family, case: dict, model, reference, tmp_path: Path, 
                             for k, p in enumerate(family.prompts)})
     assert isinstance(engine, RolloutEngine)
     ctx = ObjectiveContext(
-        cfg=SimpleNamespace(training=SimpleNamespace(grpo=g, seed=0)), dims=DIMS, device=torch.device("cpu"), rank=0,
-        output_dir=tmp_path, step=step, model=model, train_dataset=family.dataset, evaluator=None,
-        frozen_copy=None, train_collator=family.collator, fresh_loader=None, to_device=lambda batch: batch,
-        state=state,
+        cfg=SimpleNamespace(training=SimpleNamespace(grpo=g, seed=0, micro_batch_size=len(PROMPTS))), dims=DIMS,
+        device=torch.device("cpu"), rank=0, output_dir=tmp_path, step=step, model=model, train_dataset=family.dataset,
+        evaluator=None, frozen_copy=None, train_collator=family.collator, fresh_loader=None,
+        to_device=lambda batch: batch, state=state,
     )
     return GRPOObjective(ctx, engine, FrozenReference(reference) if reference is not None else None)
 

@@ -139,6 +139,10 @@ ALIASES = [
     ("training.dpo_loss_type", "ipo", "training.dpo.loss_type", "ipo"),
     ("training.precompute_ref_log_probs", True, "training.dpo.precompute_ref_logps", True),
     ("training.dpo.precompute_ref_log_probs", True, "training.dpo.precompute_ref_logps", True),
+    # online RL: ms-swift's dynamic-sampling keys and verl's `algorithm.filter_groups.enable`, under training.grpo
+    ("training.grpo.dynamic_sample", True, "training.grpo.dynamic_sampling", True),
+    ("training.grpo.max_resample_times", 5, "training.grpo.max_resample_rounds", 5),
+    ("training.grpo.filter_groups.enable", True, "training.grpo.dynamic_sampling", True),
     ("data.dataset_param.basic_parameters.cutoff_len", 77, "data.dataset_param.preprocess_parameters.cutoff_len", 77),
     *(
         (f"data.dataset_param.basic_parameters.{key}", value, f"data.dataset_param.preprocess_parameters.{key}", value)

@@ -41,7 +41,10 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.reward_funcs=[{name: format, options: {pattern: '('}}]",
          "training.grpo.reward_funcs[0].options.pattern"),
         ("training.grpo.rollout.engine=vllm", "training.grpo.rollout.engine"),
-        ("training.micro_batch_tokens=256", "training.micro_batch_tokens"),
+        ("training.grpo.max_resample_rounds=-1", "training.grpo.max_resample_rounds"),
+        ("training.grpo.filter_groups={max_num_gen_batches: 0}", "training.grpo.filter_groups.max_num_gen_batches"),
+        ("training.grpo.filter_groups={metric: acc}", "training.grpo.filter_groups.metric"),
+        ("data.dataloader_param.balance=true", "data.dataloader_param.balance"),
         ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
          "data.dataset_param.preprocess_parameters.train_on_prompt"),
     ],
@@ -63,6 +66,27 @@ def test_several_iterations_per_generation_batch_load():
     """TRL's `num_iterations` (μ): a batch is generated every μ steps and trained on μ times (docs/rl.md)."""
     cfg = _cfg("training.grpo.num_iterations=3", "training.grpo.epsilon_high=0.28")
     assert cfg.training.grpo.num_iterations == 3
+
+
+def test_dynamic_sampling_keys_of_trl_ms_swift_and_verl():
+    """DAPO's dynamic sampling: ours, ms-swift's `dynamic_sample` / `max_resample_times` (extra rounds, as ours) and
+    verl's `algorithm.filter_groups` moved under training.grpo (`max_num_gen_batches` counts the first round too)."""
+    assert not _cfg().training.grpo.dynamic_sampling
+    for overrides in (["training.grpo.dynamic_sampling=true", "training.grpo.max_resample_rounds=9"],
+                      ["training.grpo.dynamic_sample=true", "training.grpo.max_resample_times=9"],
+                      ["training.grpo.filter_groups={enable: true, max_num_gen_batches: 10, metric: seq_reward}"]):
+        g = _cfg(*overrides).training.grpo
+        assert (g.dynamic_sampling, g.max_resample_rounds) == (True, 9), overrides
+
+
+def test_check_names_the_rounds_of_dynamic_sampling():
+    """`--check`'s memory plan: the rollout cache is one round's, whatever the rounds (they run one at a time)."""
+    from mmfsdp.train.memory import memory_plan
+
+    plans = [memory_plan(_cfg(*extra), 2, 64 * 2**30) for extra in ([], ["training.grpo.dynamic_sampling=true"])]
+    (plain,), (dynamic,) = ([t for t in plan.stage_terms if t.name == "kv_cache"] for plan in plans)
+    assert dynamic.bytes == plain.bytes and "dynamic sampling: up to 4 rounds a step, one at a time" in dynamic.note
+    assert "dynamic" not in plain.note
 
 
 def test_prompts_and_pairs_exclude_each_other():
@@ -107,3 +131,17 @@ def test_the_held_out_split_is_read_with_its_answers(tmp_path):
         assert len(trained) > 0 and (prompts[i]["labels"] == -100).all()
         answer = processor.tokenizer.decode(trained, skip_special_tokens=True).strip()
         assert answer == prompts[i]["solution"]
+
+
+def test_validation_loads():
+    """`val_loss` and the held-out greedy reward every N steps (tests/test_e2e_grpo.py: parity with one process)."""
+    assert _cfg("training.val_interval=2").training.val_interval == 2
+
+
+def test_token_budget_loads_but_not_with_bnpo():
+    """The budget packs the completions after generation (tests/test_e2e_grpo.py: parity with the run without one);
+    `bnpo`'s loss is a mean of micro-batch means, which the budget decides: refused by key."""
+    assert _cfg("training.micro_batch_tokens=256").training.micro_batch_tokens == 256
+    with pytest.raises(ConfigError) as err:
+        _cfg("training.micro_batch_tokens=256", "training.grpo.loss_type=bnpo")
+    assert err.value.key == "training.grpo.loss_type" or str(err.value).startswith("training.grpo.loss_type")

@@ -16,7 +16,7 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from mmfsdp.config import (
     Alias, ConfigError, ConfigErrors, ForeignKey, Ignored, Translated, build, dump_yaml, get_logger, load_translated, warn_once,
@@ -25,6 +25,7 @@ from mmfsdp.data import DataConfig, has_eval_data
 from mmfsdp.model import FeaturesConfig, LoraConfig, ModelConfig, get_model_entry
 from mmfsdp.parallel import MeshPlan, ParallelConfig
 from mmfsdp.parallel.cp import validate_sequence_multiple
+from mmfsdp.train.stage_config import DPOConfig, GRPOConfig
 from mmfsdp.train.stages import STAGE_NAMES, objective_class
 
 
@@ -36,109 +37,6 @@ def detect_load_format(load: str | None) -> Literal["dcp", "hf"]:
     if path is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "hf"
     return "dcp"
-
-
-@dataclass(kw_only=True, slots=True)
-class DPOConfig:
-    beta: float = 0.1
-    """β: how far the policy may move from the reference (TRL's `beta`; LLaMA-Factory's `pref_beta`)."""
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sigmoid_norm"] = "sigmoid"
-    """The pair loss, with TRL's definitions (docs/preference.md): sigmoid (DPO), robust, hinge, ipo (length-normalised, as TRL), sigmoid_norm (DPO on length-normalised log-ratios)."""
-    label_smoothing: float = 0.0
-    """ε of the sigmoid (conservative DPO) and robust losses: the assumed probability that a preference label is flipped, in [0, 0.5)."""
-    rpo_alpha: float = 0.0
-    """Weight of the SFT term: the mean cross-entropy per chosen token of the global batch (TRL's `sft` loss term / `rpo_alpha`; LLaMA-Factory's `pref_ftx`); 0 = off."""
-    precompute_ref_logps: bool = False
-    """Compute the reference's log-probabilities of every pair once, before the first step, over the micro-batches the run will train on, and keep no reference model in memory (saved to `<output_dir>/ref_logps.safetensors`; a resumed run reads them). Off: with LoRA the reference is the model with its adapters off, otherwise a frozen FSDP2-sharded copy of the initial model."""
-
-    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
-        "precompute_ref_log_probs": Alias("training.dpo.precompute_ref_logps"),
-    }
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError("beta", f"must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
-        if self.rpo_alpha < 0:
-            raise ConfigError("rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`, docs/rl.md ("Rollout engines"))."""
-
-
-@dataclass(kw_only=True, slots=True)
-class GRPOConfig:
-    num_generations: int = 8
-    """Completions per prompt: one group, whose rewards give its advantages (TRL's `num_generations`); a rank's `micro_batch_size` prompts give `micro_batch_size × num_generations` training sequences."""
-    max_completion_length: int = 256
-    """Most tokens a completion gets (TRL's `max_completion_length`)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probabilities divide the logits by it too (TRL's)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the most likely tokens up to this probability mass; 1 = all."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 = all (TRL's `top_k: null`)."""
-    beta: float = 0.0
-    """Weight of the k3 KL term to the reference (TRL's `beta`, default 0: no reference model is held)."""
-    epsilon: float = 0.2
-    """ε_low of the clipped ratio (TRL's `epsilon`)."""
-    epsilon_high: float | None = None
-    """ε_high (DAPO's clip-higher); null = `epsilon`."""
-    delta: float | None = None
-    """Upper bound of the unclipped ratio (INTELLECT-2's two-sided clipping); null = off."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How token losses are averaged (`mmfsdp.model.rl`, TRL's definitions and default)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide the centred rewards by the std of the group, of the batch, or not at all (TRL's `scale_rewards`)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """One ratio per token, or one per sequence (GSPO)."""
-    num_iterations: int = 1
-    """Optimizer steps on each generation batch (TRL's μ): a batch is generated every `num_iterations` steps and the steps between take no new prompts; > 1 keeps the log-probabilities of the weights that generated it as the old policy's (clipped importance ratios, docs/rl.md)."""
-    mask_truncated_completions: bool = False
-    """A completion cut at `max_completion_length` trains nothing (DAPO's overlong filtering)."""
-    reward_funcs: list[str | dict[str, Any]] = field(default_factory=lambda: ["accuracy"])
-    """The reward functions: registered names (accuracy, format, iou, choice), `path/file.py:function`, or mappings `{name, weight, timeout_s, options}` (`mmfsdp.data.rewards`)."""
-    reward_weights: list[float] | None = None
-    """Weight of each reward function in the total (TRL's `reward_weights`); null = each function's own weight (1 unless its mapping says)."""
-    reward_workers: int = 1
-    """Processes that score completions (each call bounded by its function's `timeout_s`)."""
-    log_completions_interval: int = 0
-    """Every this many steps, rank 0 appends its prompts' completions with their rewards to `<output_dir>/completions.jsonl`; 0 = never."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """The rollout engine."""
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ConfigError("num_generations", f"must be at least 2 (a group's advantages compare its completions), got {self.num_generations}")
-        for key in ("max_completion_length", "num_iterations", "reward_workers"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        if not self.temperature > 0:
-            raise ConfigError("temperature", f"must be > 0 (the trainer divides the logits by it), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError("top_k", f"must be >= 0 (0 keeps all tokens), got {self.top_k}")
-        if self.beta < 0:
-            raise ConfigError("beta", f"must be >= 0, got {self.beta}")
-        if not 0 <= self.epsilon < 1:
-            raise ConfigError("epsilon", f"must be in [0, 1), got {self.epsilon}")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ConfigError("epsilon_high", f"must be >= 0, got {self.epsilon_high}")
-        if self.delta is not None and not self.delta > 1:
-            raise ConfigError("delta", f"must be > 1 (an upper bound of the ratio), got {self.delta}")
-        if not self.reward_funcs:
-            raise ConfigError("reward_funcs", "name at least one reward function")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                "reward_weights", f"{len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
-            )
-        if self.log_completions_interval < 0:
-            raise ConfigError("log_completions_interval", f"must be >= 0, got {self.log_completions_interval}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,7 +108,7 @@ class TrainingConfig:
     eval_batch_size: int = 8
     """Samples per rank per forward pass during the final evaluation and the periodic validation."""
     val_interval: int = 0
-    """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`)."""
+    """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`). With `stage: grpo` also the held-out greedy reward (`val_reward`, `val_rewards/<function>/mean`; docs/rl.md)."""
     save_format: Literal["dcp", "hf"] = "dcp"
     """dcp: each save writes the DCP checkpoint (resumable); hf: also exports the model as HF safetensors to `<save>/hf/iter_NNNNNNN`, loadable with `from_pretrained` (config and tokenizer from `model.model_name_or_path`)."""
     deterministic: bool = False

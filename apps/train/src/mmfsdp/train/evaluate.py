@@ -1,5 +1,6 @@
 """Evaluation, the training loop's component for held-out data (`Evaluator`): the validation loss every
-`training.val_interval` steps (`validate(step)` decides, pauses the heartbeat and keeps it in `val_losses`),
+`training.val_interval` steps (`validate(step)` decides, pauses the heartbeat and keeps it in `val_losses`; the
+stage's own validation metrics, `Objective.validation_metrics`, join it in `val_stats`),
 and at the end of a run the exact-match accuracy of the trained span.
 
 A sample counts as correct when, under teacher forcing, the argmax prediction
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,11 @@ class Evaluator:
         """The evaluation split, built on first use."""
         self.val_losses: dict[int, float] = {}
         """Validation loss by step (`validate`)."""
+        self.val_stats: dict[int, dict[str, float]] = {}
+        """The stage's validation metrics by step (`validate`; `stage_validation`'s)."""
+        self.stage_validation: Callable[[int], dict[str, float]] | None = None
+        """The stage's validation metrics (`Objective.validation_metrics`), set once the trainer has built the
+        objective."""
         self.objective_metrics: ObjectiveMetrics | None = None
         """The stage's own metrics (`Objective.eval_metrics`), set once the trainer has built the objective."""
 
@@ -135,6 +141,7 @@ class Evaluator:
             return None
         with self.heartbeat.paused(f"validation at step {step}", step):
             loss = self.validation_loss()
+            self.val_stats[step] = self.stage_validation(step) if self.stage_validation is not None else {}
         self.val_losses[step] = loss
         return loss
 

@@ -18,6 +18,14 @@ tokens, media, ground truth); a group (a prompt's `num_generations` completions)
    `mask_truncated_completions`), collated by the family's collator as the run's layout says (padded or
    padding-free); the host works out, once, where each completion's tokens lie in the batch (`_Plan.index`).
 
+With `dynamic_sampling` (DAPO's; `mmfsdp.train.grpo_sampling`) steps 1-3 run in rounds: groups whose rewards do not
+vary are dropped and every rank draws the loader's next prompts (`ObjectiveContext.draw_step`) until the step has
+as many varying groups as its first round had prompts, or the rounds run out; the groups are chosen in one global
+order from the gathered table, so every rank and layout keeps the same ones. Each rank trains its own kept groups,
+spread evenly over the number of micro-batches the fullest rank needs (`Generation.chunks`; a filler on a rank with
+too few). Advantages and normalisers are over the kept groups; the reward and length statistics over every
+completion generated.
+
 `micro_batch` runs the policy forward in its per-token mode (`mmfsdp.model.training_forward`, step 8: log-probs of
 `logits / temperature` over the whole vocabulary, TRL's, and entropies), the reference's the same way when β > 0
 (`mmfsdp.train.references`: the one live-reference rule, DPO's), and returns its share of
@@ -27,18 +35,17 @@ over the step's trained tokens, both from the weights before the update (the sam
 media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / top-p on they still differ by the log
 of the mass those keep, docs/rl.md ("Rollout engines")).
 
-`num_iterations` (TRL's μ): each generation batch (`_Generation`) trains `num_iterations` optimizer steps. Step s
-generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step itself when
-μ = 1); the following μ − 1 steps take nothing from the loader
-(`needs_batch`) and train on the same micro-batches, advantages and normalisers. The old policy's log-probabilities
-are those of the weights that generated the batch: TRL computes them with an extra no-grad forward before the first
-update; here the first iteration's forward runs on exactly those weights, so its log-probabilities, detached, are
-kept per micro-batch (`_Generation.old_logps`; on that iteration the ratio is 1, TRL's shortcut for μ = 1) and the
-later iterations' ratios use them; the reference's log-probabilities are kept the same way (TRL computes them once
-per generation batch too). A checkpoint taken inside a generation batch holds it in this rank's state
-(`state_dict`: prompts, completions, rewards table, the kept log-probabilities; the micro-batches are rebuilt from
-them), so a resumed run continues bitwise; with another world size it cannot be restored and the next step
-generates a new batch (a warning).
+`num_iterations` (TRL's μ): each generation batch (`Generation`) trains `num_iterations` optimizer steps. Step s
+generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step when μ = 1);
+the following μ − 1 steps take nothing from the loader (`needs_batch`) and train on the same micro-batches,
+advantages and normalisers. The old policy's log-probabilities are those of the weights that generated the batch:
+TRL computes them with an extra no-grad forward before the first update; here the first iteration's forward runs on
+exactly those weights, so its log-probabilities, detached, are kept per micro-batch (`Generation.old_logps`; on that
+iteration the ratio is 1, TRL's shortcut for μ = 1) and the later iterations' ratios use them; the reference's
+log-probabilities are kept the same way (TRL computes them once per generation batch too). A checkpoint taken inside
+a generation batch holds it in this rank's state (`state_dict`: prompts, completions, rewards table, the kept
+log-probabilities; the micro-batches are rebuilt from them), so a resumed run continues bitwise; with another world
+size it cannot be restored and the next step generates a new batch (a warning).
 
 Context parallel: the ranks of a CP group receive the same prompts (one data stream), so they generate the same
 completions in lockstep on the whole model and build the same training micro-batches (the collator pads each packed
@@ -52,14 +59,14 @@ Chunk loss: the same per-token values from the hidden states, chunk by chunk (`m
 without context parallel. LoRA: with β > 0 the reference is the policy with its adapters off. Expert parallel: the
 family's step terms (router aux loss) are added by the trainer as in SFT.
 
-Not done yet (refused by `check_config`): a token budget (`micro_batch_tokens`), balanced steps, validation.
+Validation: `val_loss` on the held-out split as SFT rows (`eval_data`), the greedy reward (`validation_metrics`,
+`mmfsdp.train.grpo_validation`). A token budget packs each rank's kept sequences after generation (`grpo_sampling`;
+the loader hands whole prompts, `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +75,20 @@ import torch
 import torch.distributed as dist
 
 from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
 from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from mmfsdp.parallel.dtypes import DTYPES
+from mmfsdp.train.grpo_sampling import (
+    Generation, Round, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout, micro_batch_count,
+    round_order, sample_rounds, split_evenly, write_completions,
+)
+from mmfsdp.train.grpo_validation import HeldOutRewards
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
+from mmfsdp.train.supervise import beat
 
 __all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
 
@@ -104,34 +118,6 @@ class _Plan:
     """fp32 `[n]`."""
 
 
-@dataclass(slots=True)
-class _Generation:
-    """One generation batch, trained on for `num_iterations` steps: what the training micro-batches are built from
-    (`GRPOObjective._build`) and what a checkpoint taken before its last step keeps (`GRPOObjective.state_dict`)."""
-
-    number: int
-    """The rollout's key: the generation index (step - 1) // num_iterations + 1 (the step when num_iterations is 1)."""
-    prompts: list[list[dict[str, Any]]]
-    """The loader's prompt items, per micro-batch."""
-    completions: list[list[int]]
-    """This rank's completions, prompt by prompt, generation by generation."""
-    engine_logps: list[torch.Tensor]
-    """The engine's sampling log-prob of each completion's tokens (fp32, CPU)."""
-    table: torch.Tensor
-    """float64 `[3 + F, N]` of every rank's completions: reward totals, each function's rewards, lengths, truncation
-    flags (`_gather`)."""
-    offset: int
-    """This rank's first column of `table`."""
-    old_logps: list[torch.Tensor | None]
-    """Per micro-batch, the policy's log-probs `[n, T]` on the weights that generated the batch: the first iteration's
-    own (detached), the old policy of the later ones (`num_iterations > 1` only)."""
-    ref_logps: list[torch.Tensor | None]
-    """Per micro-batch, the reference's log-probs `[n, T]` (β > 0), computed by the first iteration (`num_iterations
-    > 1` only: the reference does not change)."""
-    diff_max: torch.Tensor
-    """This rank's `rollout/logprob_diff_max` of the first iteration (device scalar)."""
-
-
 class GRPOObjective(Objective):
     """`stage: grpo` (module docstring)."""
 
@@ -154,14 +140,12 @@ class GRPOObjective(Objective):
     @classmethod
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
-        refused = (
-            ("training.micro_batch_tokens", t.micro_batch_tokens is not None, "a token budget"),
-            ("data.dataloader_param.balance", cfg.data.dataloader_param.balance, "balanced steps"),
-            ("training.val_interval", bool(t.val_interval), "validation"),
-        )
-        for key, on, what in refused:
-            if on:
-                raise ConfigError(key, f"{what} is not done yet for training.stage: grpo")
+        if cfg.data.dataloader_param.balance:
+            raise ConfigError("data.dataloader_param.balance", "balanced steps are not done yet for stage: grpo")
+        if t.micro_batch_tokens is not None and g.loss_type == "bnpo":
+            raise ConfigError("training.grpo.loss_type", "bnpo averages each micro-batch's token mean, and "
+                              "training.micro_batch_tokens decides the micro-batches: use dapo, grpo or dr_grpo, or no "
+                              "token budget")
         if cfg.data.dataset_param.attr.ranking:
             raise ConfigError("data.dataset_param.attr.ranking", "grpo reads prompts (attr.prompt_only), not pairs; "
                                                                  "set it false")
@@ -179,6 +163,10 @@ class GRPOObjective(Objective):
             if isinstance(spec, dict) and "name" not in spec:
                 raise ConfigError(f"training.grpo.reward_funcs[{i}].name", "missing")
         build_rewards(cls._reward_specs(g), key="training.grpo.reward_funcs").close()
+
+    @classmethod
+    def loader_plan(cls, cfg) -> tuple[Any, int | None]:
+        return cfg.data, None  # whole prompts, `micro_batch_size` a micro-batch: the budget packs completions
 
     @classmethod
     def sequence_shape(cls, cfg) -> tuple[int, int]:
@@ -216,8 +204,10 @@ class GRPOObjective(Objective):
             conv = (2 * key_dim + value_dim) * text.linear_conv_kernel_dim * compute
             per_row = linear * (state + conv)
         size = rows * (tokens * per_token + per_row)
+        rounds = (f"; dynamic sampling: up to {1 + t.grpo.max_resample_rounds} rounds a step, one at a time"
+                  if t.grpo.dynamic_sampling else "")
         return MemoryTerm("kv_cache", "rollout KV cache", size,
-                          f"{rows} rows x {tokens} tokens, {attention} attention + {linear} linear layers",
+                          f"{rows} rows x {tokens} tokens, {attention} attention + {linear} linear layers{rounds}",
                           phase="generation")
 
     @staticmethod
@@ -249,6 +239,13 @@ class GRPOObjective(Objective):
         self.engine = engine
         self.reference = reference
         self.step = ctx.step
+        self.draw_step = ctx.draw_step
+        self.micro_batch_size = ctx.cfg.training.micro_batch_size
+        self.budget = ctx.cfg.training.micro_batch_tokens
+        if self.budget is not None:  # a prompt's vision work in token equivalents, by dataset index (as SFT's)
+            cost_model = CostModel.load(ctx.cfg.data.dataloader_param.cost_model)
+            self._vision = cost_model.vision_tokens(ctx.train_dataset.sample_stats())
+        self._budget_bins = 0  # this rank's micro-batches within the budget before the ranks run M (tests read it)
         encoder = ctx.train_dataset.encoder
         self.tokenizer = encoder.processor.tokenizer
         self.plugin = encoder.plugin
@@ -262,6 +259,10 @@ class GRPOObjective(Objective):
         self.rewards = build_rewards(self._reward_specs(self.g), key="training.grpo.reward_funcs",
                                      num_workers=self.g.reward_workers)
         self.reward_names = [_metric_name(name) for name in self.rewards.names]
+        self.held_out = HeldOutRewards(
+            data_cfg=ctx.cfg.data, processor=ctx.evaluator.processor, engine=engine, sampling=self.sampling,
+            rewards=self.rewards, reward_names=self.reward_names, dims=ctx.dims, device=ctx.device,
+            batch_size=ctx.cfg.training.eval_batch_size, media=self._media)
         self._plans: list[_Plan] = []
         self._stats: dict[str, torch.Tensor] = {}
         self._num_sequences = torch.ones((), device=self.device)
@@ -271,7 +272,7 @@ class GRPOObjective(Objective):
         self._extremes = torch.zeros(len(POLICY_EXTREME_STATS), device=self.device)
         self._names: tuple[str, ...] = ()
         self._any_trained = True
-        self._generation: _Generation | None = None
+        self._generation: Generation | None = None
         if self.step % self.g.num_iterations:  # resumed inside a generation batch
             self._generation = self._restore((ctx.state or {}).get("generation"))
 
@@ -282,28 +283,25 @@ class GRPOObjective(Objective):
         g = self._generation
         if g is None or self.step % self.g.num_iterations == 0:
             return {}
-        return {"generation": {
-            "number": g.number, "num_generations": self.g.num_generations, "prompts": g.prompts,
-            "completions": g.completions, "engine_logps": g.engine_logps, "table": g.table, "offset": g.offset,
-            "old_logps": [_moved(t, "cpu") for t in g.old_logps], "ref_logps": [_moved(t, "cpu") for t in g.ref_logps],
-            "diff_max": g.diff_max.cpu(),
-        }}
+        saved = {field.name: getattr(g, field.name) for field in dataclasses.fields(Generation)}
+        saved.update(old_logps=[_moved(t, "cpu") for t in g.old_logps],
+                     ref_logps=[_moved(t, "cpu") for t in g.ref_logps], diff_max=g.diff_max.cpu())
+        return {"generation": {**saved, "num_generations": self.g.num_generations}}
 
-    def _restore(self, saved: dict[str, Any] | None) -> _Generation | None:
+    def _restore(self, saved: dict[str, Any] | None) -> Generation | None:
         """The generation batch of a checkpoint taken inside it, with its training micro-batches rebuilt; None (a
         warning: the next step generates a new batch) when the checkpoint has none for this rank."""
-        if not saved or saved["num_generations"] != self.g.num_generations:
+        names = [field.name for field in dataclasses.fields(Generation)]
+        if not saved or saved["num_generations"] != self.g.num_generations or not set(names) <= set(saved):
             log.warning(f"the checkpoint of step {self.step} was taken inside a generation batch "
                         f"(num_iterations: {self.g.num_iterations}) but does not hold it for this rank (another world "
-                        "size or num_generations, or a run with fewer iterations): step "
-                        f"{self.step + 1} generates a new batch")
+                        "size or num_generations, a run with fewer iterations, or a checkpoint from before dynamic "
+                        f"sampling): step {self.step + 1} generates a new batch")
             return None
-        generation = _Generation(
-            number=saved["number"], prompts=saved["prompts"], completions=saved["completions"],
-            engine_logps=saved["engine_logps"], table=saved["table"], offset=saved["offset"],
-            old_logps=[_moved(t, self.device) for t in saved["old_logps"]],
-            ref_logps=[_moved(t, self.device) for t in saved["ref_logps"]], diff_max=saved["diff_max"].to(self.device),
-        )
+        generation = Generation(**{name: saved[name] for name in names})
+        generation.old_logps = [_moved(t, self.device) for t in generation.old_logps]
+        generation.ref_logps = [_moved(t, self.device) for t in generation.ref_logps]
+        generation.diff_max = generation.diff_max.to(self.device)
         self._build(generation)
         return generation
 
@@ -323,20 +321,6 @@ class GRPOObjective(Objective):
         batch = self.collator([[sample]])
         return {k: batch[k] for k in batch if k in media_keys}
 
-    def _gather(self, local: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Every rank's columns `[K, n_r]` of a float64 table, in rank order, and this rank's first column."""
-        if self.dims.dp_size == 1:
-            return local, 0
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.dims.dp_size)]
-        dist.all_gather(sizes, torch.tensor([local.shape[1]], device=self.device), group=self.dims.dp_group)
-        sizes_h = [int(s) for s in torch.cat(sizes).tolist()]
-        padded = torch.zeros(local.shape[0], max(sizes_h), dtype=local.dtype, device=self.device)
-        padded[:, : local.shape[1]] = local.to(self.device)
-        parts = [torch.zeros_like(padded) for _ in sizes_h]
-        dist.all_gather(parts, padded, group=self.dims.dp_group)
-        table = torch.cat([part[:, :n] for part, n in zip(parts, sizes_h)], dim=1).cpu()
-        return table, sum(sizes_h[: self.dims.dp_rank])
-
     def needs_batch(self) -> bool:
         """A new generation batch every `num_iterations` steps (steps 1, 1 + μ, ...), or when none is held (a
         resume that could not restore one)."""
@@ -347,80 +331,138 @@ class GRPOObjective(Objective):
         self.step += 1
         self._seconds = (0.0, 0.0)  # a step that trains on a kept batch neither generates nor scores
         if fresh:
-            self._generation, log_rows = self._generate(micro_batches)
+            self._generation, rounds, groups = self._generate(micro_batches)
             advantages = self._build(self._generation)
             interval = self.g.log_completions_interval
             if interval and self.rank == 0 and any((self.step + k) % interval == 0
                                                    for k in range(self.g.num_iterations)):
-                self._write_completions(*log_rows, advantages)
+                write_completions(self.output_dir / COMPLETIONS_FILE, self.step, rounds, groups, advantages,
+                                  self.reward_names, num_generations=self.g.num_generations,
+                                  dynamic=self.g.dynamic_sampling)
         self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
         self._extremes = torch.tensor([float("inf"), float("-inf")], device=self.device)
         return [plan.batch for plan in self._plans]
 
-    def _generate(self, micro_batches: list[dict[str, Any]]) -> tuple[_Generation, tuple]:
-        """Steps 1-3 of the module docstring: this rank's completions, every rank's rewards, lengths and flags; and
-        the rows of the completions log (items, texts, totals, per-function rewards)."""
-        G = self.g.num_generations
-        prompts = [list(mb["prompts"]) for mb in micro_batches]
-        requests = [
-            RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
-                           num_generations=G, media=self._media(item))
-            for mb in prompts for item in mb
-        ]
+    def _generate(self, micro_batches: list[dict[str, Any]]) -> tuple[Generation, list[Round], list[tuple]]:
+        """Steps 1-3 of the module docstring, in rounds with dynamic sampling (`mmfsdp.train.grpo_sampling`): the
+        generation batch, its rounds and this rank's kept groups (round, position) for the completions log."""
+        G, dp = self.g.num_generations, self.dims.dp_size
         number = (self.step - 1) // self.g.num_iterations + 1
         started = time.perf_counter()
         self.engine.sync_weights(self.model, self.step - 1)
+        self._seconds = (time.perf_counter() - started, 0.0)
+        rounds: list[Round] = []
+
+        def next_round(r: int) -> tuple[list[tuple], torch.Tensor]:
+            beat(f"step {self.step} generation round {r + 1}")  # each round is progress for the hang watch
+            drawn = micro_batches if r == 0 else self.draw_step()
+            rounds.append(self._round([item for mb in drawn for item in mb["prompts"]], number))
+            table, owners = rounds[-1].table, rounds[-1].owners
+            keys = [(r, round_order(self.sampling.seed, number, int(table[-1, j * G])), int(table[-1, j * G]), *owner)
+                    for j, owner in enumerate(owners)]
+            return keys, ~zero_std_groups(table[0].float(), G)
+
+        if self.g.dynamic_sampling:
+            selection = sample_rounds(next_round, max_rounds=1 + self.g.max_resample_rounds)
+            kept = selection.kept
+            if selection.found < selection.target:
+                log.warning(f"step {self.step}: dynamic sampling found {selection.found} of {selection.target} groups "
+                            f"with varying rewards in {selection.rounds} rounds (training.grpo.max_resample_rounds: "
+                            f"{self.g.max_resample_rounds}); the step trains on those")
+        else:
+            next_round(0)
+            kept = torch.ones(len(rounds[0].owners), dtype=torch.bool)
+        layout = kept_layout([r.owners for r in rounds], kept, num_generations=G, dp_size=dp,
+                             dp_rank=self.dims.dp_rank)
+        prompts = [rounds[r].prompts[p] for r, p in layout.groups]
+        rollouts = [rounds[r].rollouts[p * G + g] for r, p in layout.groups for g in range(G)]
+        if self.budget is not None:  # micro-batches within the budget, as many on every rank (grpo_sampling)
+            owners = [prompts[k // G] for k in range(len(rollouts))]
+            chunks = budget_chunks([len(p["input_ids"]) + len(r.completion_ids) for p, r in zip(owners, rollouts)],
+                                   [float(self._vision[p["prompt_index"]]) for p in owners], self.budget,
+                                   packing=self.collator.packing)
+            self._budget_bins = len(chunks)
+            count = int(gather_columns(torch.tensor([[float(len(chunks))]], dtype=torch.float64), self.dims,
+                                       self.device)[0].max())
+            chunks = equal_chunks(chunks, count)
+            num_batches = sum(min(count, k * G) for k in layout.per_rank)
+        elif self.g.dynamic_sampling:  # every rank makes the same number of micro-batches (grpo_sampling)
+            count = micro_batch_count(layout.per_rank, self.micro_batch_size)
+            chunks = split_evenly(len(rollouts), count)
+            num_batches = sum(min(count, k * G) for k in layout.per_rank)
+        else:
+            chunks = [len(mb["prompts"]) * G for mb in micro_batches]
+            num_batches = len(chunks) * dp
+        first = rounds[0]
+        generation = Generation(
+            number=number, prompts=prompts, completions=[list(r.completion_ids) for r in rollouts],
+            engine_logps=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], chunks=chunks,
+            filler={"prompt": first.prompts[0], "completion": list(first.rollouts[0].completion_ids)}
+            if 0 in chunks else None,
+            table=torch.cat([r.table for r in rounds], dim=1), columns=layout.columns, offset=layout.offset,
+            num_batches=max(1, num_batches), rounds=len(rounds), old_logps=[None] * len(chunks),
+            ref_logps=[None] * len(chunks), diff_max=torch.zeros((), device=self.device),
+        )
+        return generation, rounds, layout.groups
+
+    def _round(self, prompts: list[dict[str, Any]], number: int) -> Round:
+        """One round of steps 1-3: this rank's prompts generated and scored, every rank's numbers gathered."""
+        G = self.g.num_generations
+        requests = [RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
+                                   num_generations=G, media=self._media(item)) for item in prompts]
+        started = time.perf_counter()
         rollouts = self.engine.generate(requests, self.sampling, number)
         generated = time.perf_counter()
-        items = [item for mb in prompts for item in mb for _ in range(G)]
+        items = [item for item in prompts for _ in range(G)]
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         totals, per_function, counters = self.rewards.score(
             texts, [item["solution"] for item in items], [item["prompt_text"] for item in items])
-        self._seconds = (generated - started, time.perf_counter() - generated)
+        generate_s, reward_s = self._seconds
+        self._seconds = (generate_s + generated - started, reward_s + time.perf_counter() - generated)
         for name, counts in counters.items():
             if counts["errors"] or counts["timeouts"]:
                 log.warning(f"reward {name}: {counts['errors']} errors, {counts['timeouts']} timeouts this step "
                             f"(scored 0); last: {self.rewards.last_errors.get(name)}")
         lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float64)
         truncated = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.float64)
-        local = torch.cat([totals[None].double(), per_function.double(), lengths[None], truncated[None]])
-        table, offset = self._gather(local.reshape(local.shape[0], -1))
-        generation = _Generation(
-            number=number, prompts=prompts, completions=[list(r.completion_ids) for r in rollouts],
-            engine_logps=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], table=table,
-            offset=offset, old_logps=[None] * len(prompts), ref_logps=[None] * len(prompts),
-            diff_max=torch.zeros((), device=self.device),
-        )
-        return generation, (items, texts, totals, per_function)
+        indices = torch.tensor([item["prompt_index"] for item in items], dtype=torch.float64)
+        local = torch.cat([totals[None].double(), per_function.double(), lengths[None], truncated[None], indices[None]])
+        table, offsets = gather_columns(local.reshape(local.shape[0], -1), self.dims, self.device)
+        return Round(prompts=prompts, rollouts=rollouts, texts=texts, totals=totals, per_function=per_function,
+                     table=table, owners=group_owners(offsets, G))
 
-    def _build(self, generation: _Generation) -> torch.Tensor:
+    def _build(self, generation: Generation) -> torch.Tensor:
         """Steps 4-5 of the module docstring, from a generation batch alone (also a restored one): advantages,
         global normalisers, reward statistics and the training micro-batches (`_plans`). Returns this rank's
         advantages."""
         G = self.g.num_generations
-        table, offset, count = generation.table, generation.offset, len(generation.completions)
-        F = table.shape[0] - 3
-        all_totals, all_functions, all_lengths, all_truncated = table[0], table[1 : 1 + F], table[1 + F], table[2 + F]
-        advantages = group_advantages(all_totals.float(), G, self.g.scale_rewards)
+        offset, count = generation.offset, len(generation.completions)
+        table = generation.table[:, generation.columns]
+        F = table.shape[0] - 4
+        totals, lengths, truncated = table[0], table[1 + F], table[2 + F]
+        advantages = group_advantages(totals.float(), G, self.g.scale_rewards)
         mine = advantages[offset : offset + count]
-        trains = torch.ones_like(all_truncated) if not self.g.mask_truncated_completions else 1 - all_truncated
-        self._num_sequences = torch.tensor(float(all_totals.numel()), device=self.device)
-        trained_tokens = float((all_lengths * trains).sum())
+        trains = torch.ones_like(truncated) if not self.g.mask_truncated_completions else 1 - truncated
+        self._num_sequences = torch.tensor(float(totals.numel()), device=self.device)
+        trained_tokens = float((lengths * trains).sum())
         self._any_trained = trained_tokens > 0
         self._num_tokens = torch.tensor(trained_tokens, device=self.device)
-        self._num_batches = len(generation.prompts) * self.dims.dp_size
-        self._stats = self._reward_stats(all_totals, all_functions, all_lengths, all_truncated)
+        self._num_batches = generation.num_batches
+        self._stats = self._reward_stats(generation)
 
+        samples = [self._sample(item) for item in generation.prompts]
         self._plans, start = [], 0
-        for mb in generation.prompts:
-            samples = [self._sample(item) for item in mb]
-            end = start + len(mb) * G
-            sequences = [
-                self._sequence(samples[(k - start) // G], generation.completions[k], bool(trains[offset + k]))
-                for k in range(start, end)
-            ]
-            self._plans.append(self._plan(sequences, generation.engine_logps[start:end], mine[start:end]))
-            start = end
+        for size in generation.chunks:
+            if not size:  # a filler: the same collectives, no trained token (grpo_sampling)
+                filler = generation.filler
+                sequence = self._sequence(self._sample(filler["prompt"]), filler["completion"], False)
+                self._plans.append(self._plan([sequence], [torch.zeros(len(filler["completion"]))], torch.zeros(1)))
+                continue
+            sequences = [self._sequence(samples[k // G], generation.completions[k], bool(trains[offset + k]))
+                         for k in range(start, start + size)]
+            self._plans.append(self._plan(sequences, generation.engine_logps[start : start + size],
+                                          mine[start : start + size]))
+            start += size
         return mine
 
     def _sequence(self, sample: dict[str, Any], completion: list[int], trains: bool) -> dict[str, Any]:
@@ -458,10 +500,13 @@ class GRPOObjective(Objective):
                      index=index.to(to), mask=mask.to(to), engine_logps=engine_logps.to(to),
                      advantages=advantages.float().to(to))
 
-    def _reward_stats(self, totals, functions, lengths, truncated) -> dict[str, torch.Tensor]:
-        """TRL's reward and completion statistics of the global batch (float64 on the host -> device scalars);
-        `reward_std` is TRL's: the std of the whole batch's rewards (not of each group's)."""
-        G = self.g.num_generations
+    def _reward_stats(self, generation: Generation) -> dict[str, torch.Tensor]:
+        """TRL's reward and completion statistics of every completion generated (float64 on the host -> device
+        scalars); `reward_std` is TRL's: the std of the whole batch's rewards (not of each group's). With dynamic
+        sampling they cover every round, dropped groups too, and the rounds and kept and dropped groups join them."""
+        G, table = self.g.num_generations, generation.table
+        F = table.shape[0] - 4
+        totals, functions, lengths, truncated = table[0], table[1 : 1 + F], table[1 + F], table[2 + F]
         stats = {
             "reward": totals.mean(),
             "reward_std": totals.std(),
@@ -474,7 +519,11 @@ class GRPOObjective(Objective):
         for name, values in zip(self.reward_names, functions):
             stats[f"rewards/{name}/mean"] = values.mean()
             stats[f"rewards/{name}/std"] = values.std() if values.numel() > 1 else values.new_zeros(())
-        return {k: v.float().to(self.device) for k, v in stats.items()}
+        if self.g.dynamic_sampling:
+            kept, groups = len(generation.columns) // G, table.shape[1] // G
+            stats.update({"rollout/gen_rounds": generation.rounds, "rollout/groups_kept": kept,
+                          "rollout/groups_dropped": groups - kept})
+        return {k: torch.as_tensor(v).float().to(self.device) for k, v in stats.items()}
 
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         plan = self._plans[index]
@@ -514,6 +563,11 @@ class GRPOObjective(Objective):
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
         return out, loss * self.cp_share
 
+    def validation_metrics(self, step: int) -> dict[str, float]:
+        """The held-out greedy reward (`mmfsdp.train.grpo_validation`) on the weights after `step`."""
+        self.engine.sync_weights(self.model, step)
+        return self.held_out(step)
+
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []
         low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
@@ -532,20 +586,6 @@ class GRPOObjective(Objective):
                 "rollout/logprob_diff_max": diff_max,
                 "time/generate_s": torch.tensor(generate_s, device=self.device),
                 "time/reward_s": torch.tensor(reward_s, device=self.device)}, reductions
-
-    def _write_completions(self, items, texts, totals, per_function, advantages) -> None:
-        path = self.output_dir / COMPLETIONS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for k, (item, text) in enumerate(zip(items, texts)):
-                f.write(json.dumps({
-                    "step": self.step, "prompt_index": item["prompt_index"], "prompt": item["prompt_text"],
-                    "completion": text, "solution": item["solution"], "reward": float(totals[k]),
-                    **{f"rewards/{name}": float(per_function[f, k]) for f, name in enumerate(self.reward_names)},
-                    "advantage": float(advantages[k]),
-                }) + "\n")
-
-
 
 def _moved(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(device)

@@ -189,8 +189,10 @@ class Metrics:
         synchronize(self.device)
         self._step_time_s = time.perf_counter() - started
 
-    def step_done(self, result: StepResult, *, val_loss: float | None = None) -> None:
-        """Keep `result`; on a logging step check every pending step (`check`) and write the record."""
+    def step_done(self, result: StepResult, *, val_loss: float | None = None,
+                  val_stats: dict[str, float] | None = None) -> None:
+        """Keep `result`; on a logging step check every pending step (`check`) and write the record (with the
+        stage's validation metrics `val_stats` at a validation step)."""
         self.history.append(result)
         if not self.logs(result.step):
             return
@@ -202,7 +204,7 @@ class Metrics:
             "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(self.device),
             **self.flop_meter.scalars(result.flops, step_time),
             **result.stats, **{key: value for meter in self.meters for key, value in meter.scalars().items()},
-            **({"val_loss": val_loss} if val_loss is not None else {}),
+            **({"val_loss": val_loss} if val_loss is not None else {}), **(val_stats or {}),
         })
 
     def check(self) -> None:

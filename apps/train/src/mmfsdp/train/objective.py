@@ -15,7 +15,8 @@ A stage is its objective. Each class declares, for the stage it is registered un
   tensors, and the collectives that still write into them);
 - its config rules (`configure`, `check_config`: called by `mmfsdp.train.config` before any process group), its
   memory-plan terms (`sequences_per_sample`, `memory_terms`, `memory_savings`: `mmfsdp.train.memory`), its
-  held-out metrics (`eval_metrics`: `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
+  held-out metrics (`eval_metrics` at the end, `validation_metrics` at each validation step:
+  `mmfsdp.train.evaluate`) and what its checkpoints record (`checkpoint_metadata`,
   `resumes`: `mmfsdp.train.checkpointer`, `mmfsdp.train.start`; `state_dict`: this rank's state between steps,
   saved with the trainer's per-rank state and given back to `build` as `ObjectiveContext.state`).
 
@@ -81,6 +82,9 @@ class ObjectiveContext:
     state: dict[str, Any] | None = None
     """This rank's stage state saved with the checkpoint the run resumes (`Objective.state_dict`); None: a fresh
     start, a checkpoint of another world size (per-rank state is not restored) or none saved."""
+    draw_step: Callable[[], list[dict[str, Any]]] | None = None
+    """Takes the next step's micro-batches from the run's own loader, beyond the one the trainer hands `start_step`
+    (GRPO's dynamic sampling); what it takes moves the loader, so the checkpointed data position counts it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,13 @@ class Objective(abc.ABC):
     def eval_data(cls, data_cfg) -> Any:
         """The data config the held-out evaluation reads (`mmfsdp.train.evaluate.Evaluator`): the run's own."""
         return data_cfg
+
+    @classmethod
+    def loader_plan(cls, cfg) -> tuple[Any, int | None]:
+        """The data config and token budget the training loader plans its steps with: the run's
+        (`data.dataloader_param.balance`, `training.micro_batch_tokens`). A stage that plans its own training
+        micro-batches (GRPO: of the completions, known after generation) gives its loader neither."""
+        return cfg.data, cfg.training.micro_batch_tokens
 
     @classmethod
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
@@ -190,6 +201,11 @@ class Objective(abc.ABC):
     def eval_metrics(self) -> Any | None:
         """The stage's own held-out metrics (`mmfsdp.train.evaluate.ObjectiveMetrics`), or None."""
         return None
+
+    def validation_metrics(self, step: int) -> dict[str, float]:
+        """The stage's own held-out metrics at validation step `step`, beside `val_loss` (a collective: the
+        evaluator calls it on every rank; GRPO: the held-out greedy reward, `mmfsdp.train.grpo_validation`)."""
+        return {}
 
 
 class SFTObjective(Objective):

@@ -170,6 +170,7 @@ class Trainer:
             self.step = self.checkpointer.resume(self.start.resume)
         self.objective = self._build_objective()
         self.evaluator.objective_metrics = self.objective.eval_metrics()
+        self.evaluator.stage_validation = self.objective.validation_metrics
         self.flop_meter = FlopMeter(
             self.entry.costs, self.model.config, device=self.device, world_size=self.world_size,
             dtype=DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype], recompute=cfg.parallel.recompute,
@@ -210,12 +211,13 @@ class Trainer:
 
     def _build_loader(self):
         t = self.cfg.training
+        data, budget = objective_class(t.stage).loader_plan(self.cfg)
         return build_dataloader(
-            self.train_dataset, self.cfg.data,
+            self.train_dataset, data,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size,
             seed=t.seed, pad_to_multiple_of=self._pad_multiple(),
             sample_multiple=required_multiple(self.plan.ring, self.plan.ulysses),
-            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=t.micro_batch_tokens,
+            gradient_accumulation_steps=t.gradient_accumulation_steps, micro_batch_tokens=budget,
         )
 
     def _build_objective(self):
@@ -225,6 +227,7 @@ class Trainer:
             step=self.step, model=self.model, train_dataset=self.train_dataset, evaluator=self.evaluator,
             frozen_copy=self._frozen_copy, train_collator=self.loader.collator, fresh_loader=self._build_loader,
             to_device=self._to_device, state=self.objective_state,
+            draw_step=lambda: self.loader.next_step(self.cfg.training.gradient_accumulation_steps),
         ))
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -331,7 +334,7 @@ class Trainer:
                     self.step = step
                     self.heartbeat.step_done(step)
                     val_loss = self.evaluator.validate(step)
-                    self.metrics.step_done(result, val_loss=val_loss)
+                    self.metrics.step_done(result, val_loss=val_loss, val_stats=self.evaluator.val_stats.get(step))
                     self.checkpointer.save(step)
             self.checkpointer.save(self.step, last=True)
         except NonFiniteLoss as err:

@@ -50,7 +50,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["CostModel", "SampleStats", "StepPlan", "plan_step", "sample_stats", "filler_index", "is_filler"]
+__all__ = [
+    "CostModel", "SampleStats", "StepPlan", "fill_budget", "plan_step", "sample_stats", "filler_index", "is_filler",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,9 +208,12 @@ def _micro_batch_load(members: list[int], tokens: np.ndarray, vision: np.ndarray
     return text + sum(float(vision[i]) for i in members)
 
 
-def _fill(members: list[int], tokens: np.ndarray, vision: np.ndarray, budget: int, packing: bool,
+def fill_budget(members: list[int], tokens: np.ndarray, vision: np.ndarray, budget: int, packing: bool,
           first_fit: bool) -> list[list[int]]:
-    """Samples into micro-batches of at most `budget` (in order; `first_fit`: any open micro-batch that fits)."""
+    """Samples into micro-batches of at most `budget` tokens as the rows spend them (`packing`: summed; else rows ×
+    the longest) plus their vision token equivalents, a sample heavier than `budget` alone; in order (`first_fit`:
+    into any open micro-batch that fits, else only the last: contiguous runs of `members`). Also GRPO's token
+    budget over its generated sequences (`mmfsdp.train.grpo_sampling.budget_chunks`)."""
     bins: list[list[int]] = []
     for i in members:
         targets = bins if first_fit else bins[-1:]
@@ -273,7 +278,7 @@ def plan_step(
             shares = [sorted(s, key=lambda i: (-int(tokens[i]) - float(vision[i]), i)) for s in shares]
         else:
             shares = [indices[r * per_rank:(r + 1) * per_rank] for r in range(dp_size)]
-        bins_per_rank = [_fill(s, tokens, vision, micro_batch_tokens, packing, first_fit=balance) for s in shares]
+        bins_per_rank = [fill_budget(s, tokens, vision, micro_batch_tokens, packing, first_fit=balance) for s in shares]
     count = max(len(b) for b in bins_per_rank)
     ranks: list[list[tuple[tuple[int, ...], ...]]] = []
     rank_costs: list[float] = []

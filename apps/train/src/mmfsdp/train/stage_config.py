@@ -1,0 +1,145 @@
+"""The sections of the training stages that have their own: `training.dpo` (preference training,
+`mmfsdp.train.dpo`) and `training.grpo` (online RL, `mmfsdp.train.grpo`), composed into `TrainingConfig` by
+`mmfsdp.train.config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored, Translate
+
+__all__ = ["DPOConfig", "GRPOConfig", "RolloutConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DPOConfig:
+    beta: float = 0.1
+    """β: how far the policy may move from the reference (TRL's `beta`; LLaMA-Factory's `pref_beta`)."""
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sigmoid_norm"] = "sigmoid"
+    """The pair loss, with TRL's definitions (docs/preference.md): sigmoid (DPO), robust, hinge, ipo (length-normalised, as TRL), sigmoid_norm (DPO on length-normalised log-ratios)."""
+    label_smoothing: float = 0.0
+    """ε of the sigmoid (conservative DPO) and robust losses: the assumed probability that a preference label is flipped, in [0, 0.5)."""
+    rpo_alpha: float = 0.0
+    """Weight of the SFT term: the mean cross-entropy per chosen token of the global batch (TRL's `sft` loss term / `rpo_alpha`; LLaMA-Factory's `pref_ftx`); 0 = off."""
+    precompute_ref_logps: bool = False
+    """Compute the reference's log-probabilities of every pair once, before the first step, over the micro-batches the run will train on, and keep no reference model in memory (saved to `<output_dir>/ref_logps.safetensors`; a resumed run reads them). Off: with LoRA the reference is the model with its adapters off, otherwise a frozen FSDP2-sharded copy of the initial model."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "precompute_ref_log_probs": Alias("training.dpo.precompute_ref_logps"),
+    }
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError("beta", f"must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        if self.rpo_alpha < 0:
+            raise ConfigError("rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`, docs/rl.md ("Rollout engines"))."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    num_generations: int = 8
+    """Completions per prompt: one group, whose rewards give its advantages (TRL's `num_generations`); a rank's `micro_batch_size` prompts give `micro_batch_size × num_generations` training sequences."""
+    max_completion_length: int = 256
+    """Most tokens a completion gets (TRL's `max_completion_length`)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probabilities divide the logits by it too (TRL's)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens up to this probability mass; 1 = all."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = all (TRL's `top_k: null`)."""
+    beta: float = 0.0
+    """Weight of the k3 KL term to the reference (TRL's `beta`, default 0: no reference model is held)."""
+    epsilon: float = 0.2
+    """ε_low of the clipped ratio (TRL's `epsilon`)."""
+    epsilon_high: float | None = None
+    """ε_high (DAPO's clip-higher); null = `epsilon`."""
+    delta: float | None = None
+    """Upper bound of the unclipped ratio (INTELLECT-2's two-sided clipping); null = off."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How token losses are averaged (`mmfsdp.model.rl`, TRL's definitions and default)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide the centred rewards by the std of the group, of the batch, or not at all (TRL's `scale_rewards`)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """One ratio per token, or one per sequence (GSPO)."""
+    num_iterations: int = 1
+    """Optimizer steps on each generation batch (TRL's μ): a batch is generated every `num_iterations` steps and the steps between take no new prompts; > 1 keeps the log-probabilities of the weights that generated it as the old policy's (clipped importance ratios, docs/rl.md)."""
+    mask_truncated_completions: bool = False
+    """A completion cut at `max_completion_length` trains nothing (DAPO's overlong filtering)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (zero advantages) is dropped, and the step draws and generates more prompts from the loader until it has as many groups with varying rewards as its first round had prompts, or `max_resample_rounds` extra rounds were made; the groups are chosen in one global order, so every layout keeps the same ones (docs/rl.md, "Dynamic sampling")."""
+    max_resample_rounds: int = 3
+    """With `dynamic_sampling`: the most extra generation rounds of a step (each the loader's next step of prompts); after the last, the step trains on the varying groups found. 0 = drop the zero-std groups, never resample (ms-swift's `max_resample_times`; verl's `max_num_gen_batches` minus 1)."""
+    reward_funcs: list[str | dict[str, Any]] = field(default_factory=lambda: ["accuracy"])
+    """The reward functions: registered names (accuracy, format, iou, choice), `path/file.py:function`, or mappings `{name, weight, timeout_s, options}` (`mmfsdp.data.rewards`)."""
+    reward_weights: list[float] | None = None
+    """Weight of each reward function in the total (TRL's `reward_weights`); null = each function's own weight (1 unless its mapping says)."""
+    reward_workers: int = 1
+    """Processes that score completions (each call bounded by its function's `timeout_s`)."""
+    log_completions_interval: int = 0
+    """Every this many steps, rank 0 appends its prompts' completions with their rewards to `<output_dir>/completions.jsonl`; 0 = never."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine."""
+
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "dynamic_sample": Alias("training.grpo.dynamic_sampling"),  # ms-swift's
+        "max_resample_times": Alias("training.grpo.max_resample_rounds"),
+        # verl's `algorithm.filter_groups`, moved here by hand (docs/migration.md)
+        "filter_groups.enable": Alias("training.grpo.dynamic_sampling"),
+        "filter_groups.max_num_gen_batches": Translate(
+            lambda value, section, path: {"training.grpo.max_resample_rounds": _extra_rounds(value, path)},
+            "`training.grpo.max_resample_rounds`: the value minus 1 (verl counts the first generation batch too)",
+        ),
+        "filter_groups.metric": Ignored(
+            "groups are kept by their total reward (verl's seq_reward; seq_final_reward is the same without a KL "
+            "penalty in the reward)", allowed=("seq_reward", "seq_final_reward"),
+        ),
+    }
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ConfigError("num_generations", f"must be at least 2 (a group's advantages compare its completions), got {self.num_generations}")
+        for key in ("max_completion_length", "num_iterations", "reward_workers"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
+        if not self.temperature > 0:
+            raise ConfigError("temperature", f"must be > 0 (the trainer divides the logits by it), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        if self.beta < 0:
+            raise ConfigError("beta", f"must be >= 0, got {self.beta}")
+        if not 0 <= self.epsilon < 1:
+            raise ConfigError("epsilon", f"must be in [0, 1), got {self.epsilon}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ConfigError("epsilon_high", f"must be >= 0, got {self.epsilon_high}")
+        if self.delta is not None and not self.delta > 1:
+            raise ConfigError("delta", f"must be > 1 (an upper bound of the ratio), got {self.delta}")
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs", "name at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                "reward_weights", f"{len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
+            )
+        if self.log_completions_interval < 0:
+            raise ConfigError("log_completions_interval", f"must be >= 0, got {self.log_completions_interval}")
+        if self.max_resample_rounds < 0:
+            raise ConfigError("max_resample_rounds", f"must be >= 0 (0: drop zero-std groups, never resample), got "
+                                                     f"{self.max_resample_rounds}")
+
+
+def _extra_rounds(value: Any, path: str) -> int:
+    """verl's `max_num_gen_batches` (every generation batch of a step, the first included) as our extra rounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(path, f"{value!r}: give the most generation batches of a step, at least 1 (verl's 0, "
+                                "no limit, is not done: a step whose prompts never vary would never end)")
+    return value - 1
