@@ -11,6 +11,7 @@ mistral-common then encodes with its v7 instruct tokenizer.
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from PIL import Image
 
 import mistral_common
 from mmfsdp.config import build
-from mmfsdp.data import IGNORE_INDEX, DataConfig, SampleEncoder, build_processor
+from mmfsdp.data import IGNORE_INDEX, BadSample, DataConfig, SampleEncoder, build_processor
 from mmfsdp.data.families.mistral.synthetic import write_tiny_processor
 
 TEKKEN_SOURCE = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
@@ -211,6 +212,31 @@ def hf_chat_messages(system: str, turns: list[tuple[str, str]], images: list[str
     return messages
 
 
+def media_messages(turns: list[tuple[str, str]], system: str | None = None) -> list[dict]:
+    """A conversation in HF's chat format for rendering with `tokenize=False`: content lists with an item of type
+    image, video or audio (no payload) where each `<image>`, `<video>` or `<audio>` placeholder is."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    for user, assistant in turns:
+        content = []
+        for piece in re.split(r"(<image>|<video>|<audio>)", user):
+            if piece in ("<image>", "<video>", "<audio>"):
+                content.append({"type": piece[1:-1]})
+            elif piece:
+                content.append({"type": "text", "text": piece})
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
+        ]
+    return messages
+
+
+def bad_reason(encoder: SampleEncoder, row: dict) -> str:
+    """The bad-row reason `encoder.encode_row(row)` raises (it must raise)."""
+    with pytest.raises(BadSample) as bad:
+        encoder.encode_row(row)
+    return bad.value.reason
+
+
 def trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
     """The runs of consecutive trained tokens (label == token; any other label must be IGNORE_INDEX)."""
     runs: list[list[int]] = []
@@ -264,6 +290,8 @@ class Helpers:
     chat_row = staticmethod(chat_row)
     hf_chat_messages = staticmethod(hf_chat_messages)
     trained_runs = staticmethod(trained_runs)
+    media_messages = staticmethod(media_messages)
+    bad_reason = staticmethod(bad_reason)
     compare_qwen_vl_chat = staticmethod(compare_qwen_vl_chat)
 
 

@@ -134,20 +134,14 @@ def encoder(omni_processor, h, tmp_path):
     return SampleEncoder(cfg, omni_processor)
 
 
-def _reason(encoder, row) -> str:
-    with pytest.raises(BadSample) as bad:
-        encoder.encode_row(row)
-    return bad.value.reason
-
-
 @pytest.mark.timeout(60)
 def test_zero_byte_not_audio_and_missing_files(encoder, tmp_path, h):
     (tmp_path / "empty.wav").write_bytes(b"")
     (tmp_path / "text.mp3").write_text("hello, this is not audio\n" * 20)
     (tmp_path / "noise.m4a").write_bytes(b"\x00\x00\x00\x18ftypM4A " + bytes(range(256)) * 8)
     for name in ("empty.wav", "text.mp3", "noise.m4a"):
-        assert _reason(encoder, _row([name])) == "corrupt_audio", name
-    assert _reason(encoder, _row(["absent.wav"])) == "missing_audio"
+        assert h.bad_reason(encoder, _row([name])) == "corrupt_audio", name
+    assert h.bad_reason(encoder, _row(["absent.wav"])) == "missing_audio"
     h.write_video(tmp_path / "silent.mp4", 8, 48, 32)
     with pytest.raises(BadSample, match="has no audio stream") as bad:
         encoder.encode_row(_row(["silent.mp4"]))
@@ -165,7 +159,7 @@ def test_truncated_files(encoder, tmp_path, h):
         data = open(h.write_audio(tmp_path / f"whole_{name}", tones, 44100 if codec != "libopus" else 48000, codec,
                                   container), "rb").read()
         (tmp_path / name).write_bytes(data[: len(data) // 2])
-        assert _reason(encoder, _row([name])) == "corrupt_audio", name
+        assert h.bad_reason(encoder, _row([name])) == "corrupt_audio", name
     with pytest.raises(BadSample, match="truncated"):
         encoder.encode_row(_row(["a.mp3"]))
     data = open(h.write_audio(tmp_path / "whole.wav", tones, 44100), "rb").read()
@@ -217,12 +211,12 @@ def test_decoding_is_bounded_in_time(tmp_path, h):
 @pytest.mark.timeout(60)
 def test_paths_placeholders_and_families_without_audio(encoder, tmp_path, h, qwen_processor):
     h.write_audio(tmp_path / "a.wav", _tones(RATE, RATE, 1), RATE)
-    assert _reason(encoder, _row(["../outside.wav"])) == "audio_outside_dataset_dir"
-    assert _reason(encoder, _row(["a.wav", "a.wav"])) == "audio_count_mismatch"
-    assert _reason(encoder, _row([], "What is <audio>?")) == "audio_count_mismatch"
+    assert h.bad_reason(encoder, _row(["../outside.wav"])) == "audio_outside_dataset_dir"
+    assert h.bad_reason(encoder, _row(["a.wav", "a.wav"])) == "audio_count_mismatch"
+    assert h.bad_reason(encoder, _row([], "What is <audio>?")) == "audio_count_mismatch"
     wrong = _row(["a.wav"], "Listen.")
     wrong["messages"][1]["content"] = "<audio>"
-    assert _reason(encoder, wrong) == "audio_in_wrong_turn"
+    assert h.bad_reason(encoder, wrong) == "audio_in_wrong_turn"
     cfg = h.data_config(
         qwen_processor.name_or_path, tmp_path, preprocess={"template": "qwen3_vl_nothink"}, attr={"audios": "audios"}
     )

@@ -77,21 +77,10 @@ def _waveform(path: Path) -> np.ndarray:
     return decode_audio(str(path), 16000).samples
 
 
-def _reference(directory: Path, media: Path, turns, images, audios, *, system=None, template=INSTRUCT):
+def _reference(h, directory: Path, media: Path, turns, images, audios, *, system=None, template=INSTRUCT):
     hf = _inference_processor(str(directory))
-    messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
-    for user, assistant in turns:
-        content = []
-        for piece in user.replace("<audio>", "\0<audio>\0").replace("<image>", "\0<image>\0").split("\0"):
-            if piece in ("<image>", "<audio>"):
-                content.append({"type": piece[1:-1]})
-            elif piece:
-                content.append({"type": "text", "text": piece})
-        messages += [
-            {"role": "user", "content": content},
-            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
-        ]
-    text = hf.apply_chat_template(messages, tokenize=False, chat_template=(DATA / template).read_text())
+    text = hf.apply_chat_template(h.media_messages(turns, system), tokenize=False,
+                                  chat_template=(DATA / template).read_text())
     return hf(
         text=[text],
         images=[Image.open(media / name).convert("RGB") for name in images] or None,
@@ -128,7 +117,7 @@ def _compare(h, processor, media, turns, images=(), audios=(), *, system=None, t
     encoder = SampleEncoder(_config(h, processor, media, template), processor)
     sample = encoder.encode_row(_row(turns, images, audios, system))
     reference = _reference(
-        Path(processor.name_or_path), media, turns, images, audios, system=system,
+        h, Path(processor.name_or_path), media, turns, images, audios, system=system,
         template=INSTRUCT if template == "qwen3_omni_nothink" else THINKING,
     )
     ids = reference["input_ids"][0].tolist()

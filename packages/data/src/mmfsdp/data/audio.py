@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from mmfsdp.data.av_files import first_stream, open_container
 from mmfsdp.data.errors import BadSample
 
 __all__ = [
@@ -76,32 +76,8 @@ class DecodedAudio:
     """FFmpeg's name of the stream's codec."""
 
 
-def _open(path: str, timeout_s: float):
-    import av
-
-    if not Path(path).is_file():
-        raise BadSample("missing_audio", f"{path} does not exist")
-    try:
-        return av.open(path, mode="r", timeout=(timeout_s, timeout_s))
-    except av.error.ExitError:  # FFmpeg's interrupt callback: the open/read timeout fired
-        raise BadSample("audio_timeout", f"{path}: opening it took over {timeout_s:g} s") from None
-    except Exception as err:  # PyAV raises FFmpeg's many error types (InvalidDataError, EOFError, ...)
-        raise BadSample("corrupt_audio", f"{path} is not a readable audio file ({type(err).__name__}: {err})") from None
-
-
 def _audio_stream(container, path: str):
-    import av
-
-    if not container.streams.audio:
-        raise BadSample("unsupported_audio", f"{path} has no audio stream")
-    stream = container.streams.audio[0]
-    name = stream.codec_context.name if stream.codec_context is not None else None
-    try:
-        av.Codec(name, "r")
-    except Exception:
-        raise BadSample(
-            "unsupported_audio", f"{path}: its codec {name!r} cannot be decoded by PyAV's bundled FFmpeg"
-        ) from None
+    stream = first_stream(container, path, "audio")
     if not stream.rate or stream.rate < 1:
         raise BadSample("corrupt_audio", f"{path}: the audio stream has no sample rate")
     return stream
@@ -138,7 +114,7 @@ def decode_audio(
             f"{path} {how} {seconds:.1f} s, over audio_max_seconds {max_seconds:g} (clips are never cut)",
         )
 
-    container = _open(path, timeout_s)
+    container = open_container(path, "audio", timeout_s)
     try:
         stream = _audio_stream(container, path)
         source_rate, channels, codec = int(stream.rate), int(stream.channels), stream.codec_context.name

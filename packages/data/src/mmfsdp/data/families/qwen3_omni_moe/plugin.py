@@ -54,13 +54,10 @@ _AUDIO_FILES = ("preprocessor_config.json",)
 class Qwen3OmniPlugin(Qwen3VLPlugin):
     """Qwen3-Omni's audio tokens and features (module docstring); images as `qwen3_vl`."""
 
-    name = "qwen3_omni"
-    aliases = ()
-    supports_video = False
-    supports_audio = True
-    audio_token = "<|audio_pad|>"
-    audio_start_token = "<|audio_start|>"
-    audio_end_token = "<|audio_end|>"
+    name, aliases = "qwen3_omni", ()
+    supports_video, supports_audio = False, True
+    audio_start_token, audio_token, audio_end_token = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"
+    """An audio block: its start, one pad per audio token, its end."""
 
     @classmethod
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
