@@ -212,6 +212,18 @@ def hf_chat_messages(system: str, turns: list[tuple[str, str]], images: list[str
     return messages
 
 
+def write_run_yaml(tmp_path: Path, preprocess: dict[str, Any], attr: dict[str, Any] | None = None) -> Path:
+    """`tmp_path/run.yaml`: a training YAML whose `data:` reads `tmp_path/d.jsonl` (images and clips relative to
+    `tmp_path`, the cache in `tmp_path/cache`, no loader workers) with these `preprocess_parameters` and `attr`."""
+    import yaml
+
+    basic = {"dataset_dir": str(tmp_path), "dataset": "d.jsonl", "cache_dir": str(tmp_path / "cache")}
+    dataset_param = {"attr": attr or {}, "preprocess_parameters": preprocess, "basic_parameters": basic}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"data": {"dataset_param": dataset_param, "dataloader_param": {"num_workers": 0}}}))
+    return path
+
+
 def media_messages(turns: list[tuple[str, str]], system: str | None = None) -> list[dict]:
     """A conversation in HF's chat format for rendering with `tokenize=False`: content lists with an item of type
     image, video or audio (no payload) where each `<image>`, `<video>` or `<audio>` placeholder is."""
@@ -291,6 +303,7 @@ class Helpers:
     hf_chat_messages = staticmethod(hf_chat_messages)
     trained_runs = staticmethod(trained_runs)
     media_messages = staticmethod(media_messages)
+    write_run_yaml = staticmethod(write_run_yaml)
     bad_reason = staticmethod(bad_reason)
     compare_qwen_vl_chat = staticmethod(compare_qwen_vl_chat)
 

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import yaml
 
 from mmfsdp.data.cli import main
 
@@ -31,21 +30,8 @@ def config_file(tmp_path, omni_dir, h):
         row("<audio><image>Same?", ["img.png"], ["one.wav"]),
         row("<audio> or <audio>?", audios=["one.wav", "half.flac"]),
     ])
-    cfg = {
-        "data": {
-            "dataset_param": {
-                "attr": {"audios": "audios"},
-                "preprocess_parameters": {"model_name_or_path": str(omni_dir), "template": "qwen3_omni_nothink"},
-                "basic_parameters": {
-                    "dataset_dir": str(tmp_path), "dataset": "d.jsonl", "cache_dir": str(tmp_path / "cache"),
-                },
-            },
-            "dataloader_param": {"num_workers": 0},
-        },
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    preprocess = {"model_name_or_path": str(omni_dir), "template": "qwen3_omni_nothink"}
+    return h.write_run_yaml(tmp_path, preprocess, {"audios": "audios"})
 
 
 @pytest.mark.timeout(300)
