@@ -11,6 +11,8 @@ mistral-common then encodes with its v7 instruct tokenizer.
 from __future__ import annotations
 
 import json
+import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from PIL import Image
 
 import mistral_common
 from mmfsdp.config import build
-from mmfsdp.data import IGNORE_INDEX, DataConfig, SampleEncoder, build_processor
+from mmfsdp.data import IGNORE_INDEX, BadSample, DataConfig, SampleEncoder, build_processor
 from mmfsdp.data.families.mistral.synthetic import write_tiny_processor
 
 TEKKEN_SOURCE = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
@@ -151,6 +153,32 @@ def write_video(
     return str(path)
 
 
+def write_audio(path: Path, samples: np.ndarray, rate: int, codec: str = "pcm_s16le", container: str | None = None) -> str:
+    """`samples` (`[channels, n]`, floats in [-1, 1]) as an audio file written with PyAV (its wheels have the PCM,
+    FLAC, MP3, Opus and AAC encoders): 16-bit integers, resampled to each encoder's own sample format, with
+    timestamps (so that an MP4 gets its edit list and an Ogg its pre-skip); returns its path."""
+    import av
+
+    channels = samples.shape[0]
+    layout = "mono" if channels == 1 else "stereo"
+    pcm = np.round(np.clip(samples, -1, 1) * 32767).astype(np.int16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout=layout)
+        frame_size = stream.codec_context.frame_size or 1024
+        fmt = stream.codec_context.codec.audio_formats[0].name
+        resampler = av.AudioResampler(format=fmt, layout=layout, rate=rate, frame_size=frame_size)
+        for start in range(0, pcm.shape[1], frame_size):
+            frame = av.AudioFrame.from_ndarray(pcm[:, start : start + frame_size].T.reshape(1, -1), format="s16", layout=layout)
+            frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
+            for chunk in resampler.resample(frame):
+                out.mux(stream.encode(chunk))
+        for chunk in resampler.resample(None):
+            out.mux(stream.encode(chunk))
+        out.mux(stream.encode(None))
+    return str(path)
+
+
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     with open(path, "w") as f:
         for row in rows:
@@ -182,6 +210,43 @@ def hf_chat_messages(system: str, turns: list[tuple[str, str]], images: list[str
             {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
         ]
     return messages
+
+
+def write_run_yaml(tmp_path: Path, preprocess: dict[str, Any], attr: dict[str, Any] | None = None) -> Path:
+    """`tmp_path/run.yaml`: a training YAML whose `data:` reads `tmp_path/d.jsonl` (images and clips relative to
+    `tmp_path`, the cache in `tmp_path/cache`, no loader workers) with these `preprocess_parameters` and `attr`."""
+    import yaml
+
+    basic = {"dataset_dir": str(tmp_path), "dataset": "d.jsonl", "cache_dir": str(tmp_path / "cache")}
+    dataset_param = {"attr": attr or {}, "preprocess_parameters": preprocess, "basic_parameters": basic}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"data": {"dataset_param": dataset_param, "dataloader_param": {"num_workers": 0}}}))
+    return path
+
+
+def media_messages(turns: list[tuple[str, str]], system: str | None = None) -> list[dict]:
+    """A conversation in HF's chat format for rendering with `tokenize=False`: content lists with an item of type
+    image, video or audio (no payload) where each `<image>`, `<video>` or `<audio>` placeholder is."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    for user, assistant in turns:
+        content = []
+        for piece in re.split(r"(<image>|<video>|<audio>)", user):
+            if piece in ("<image>", "<video>", "<audio>"):
+                content.append({"type": piece[1:-1]})
+            elif piece:
+                content.append({"type": "text", "text": piece})
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
+        ]
+    return messages
+
+
+def bad_reason(encoder: SampleEncoder, row: dict) -> str:
+    """The bad-row reason `encoder.encode_row(row)` raises (it must raise)."""
+    with pytest.raises(BadSample) as bad:
+        encoder.encode_row(row)
+    return bad.value.reason
 
 
 def trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
@@ -232,10 +297,14 @@ class Helpers:
     data_config = staticmethod(data_config)
     write_image = staticmethod(write_image)
     write_video = staticmethod(write_video)
+    write_audio = staticmethod(write_audio)
     write_jsonl = staticmethod(write_jsonl)
     chat_row = staticmethod(chat_row)
     hf_chat_messages = staticmethod(hf_chat_messages)
     trained_runs = staticmethod(trained_runs)
+    media_messages = staticmethod(media_messages)
+    write_run_yaml = staticmethod(write_run_yaml)
+    bad_reason = staticmethod(bad_reason)
     compare_qwen_vl_chat = staticmethod(compare_qwen_vl_chat)
 
 
@@ -261,19 +330,26 @@ QWEN_CORPUS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen-VL-style model directory: a small byte-level BPE with Qwen's regex and special tokens + a 16-px, merge-2 image processor."""
+def write_qwen_tokenizer(out: Path, special_tokens: list[str], **named: str) -> None:
+    """A small byte-level BPE with Qwen's regex and `special_tokens`, saved as `tokenizer.json` + config in `out`;
+    `named` are the tokenizer's named special tokens (`extra_special_tokens`, e.g. `audio_token="<|audio_pad|>"`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    out = tmp_path_factory.mktemp("qwen")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(QWEN_CORPUS, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(str(out))
+    extra = {"extra_special_tokens": named} if named else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", **extra).save_pretrained(str(out))
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen-VL-style model directory: a small byte-level BPE with Qwen's regex and special tokens + a 16-px, merge-2 image processor."""
+    out = tmp_path_factory.mktemp("qwen")
+    write_qwen_tokenizer(out, QWEN_SPECIAL_TOKENS)
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -293,3 +369,34 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_processor(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return build_processor(data_config(qwen_dir, tmp_path_factory.mktemp("unused"), preprocess={"template": "qwen3_vl_nothink"}))
+
+
+OMNI_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+}
+"""Qwen3-Omni's named media tokens, as its tokenizer_config.json maps them (the processor reads them by name)."""
+OMNI_PREPROCESSOR = {
+    "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "hop_length": 160, "n_fft": 400,
+    "n_samples": 4800000, "sampling_rate": 16000, "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056, "nb_max_frames": 30000,
+    "processor_class": "Qwen3OmniMoeProcessor",
+}
+"""The `preprocessor_config.json` of the Qwen3-Omni-30B-A3B checkpoints (data/README.md says where it comes from)."""
+
+
+@pytest.fixture(scope="session")
+def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-Omni-style model directory: the small Qwen BPE with Qwen3-Omni's audio tokens and named media tokens,
+    the published `preprocessor_config.json` and a `config.json` naming the model type (for `AutoProcessor`)."""
+    out = tmp_path_factory.mktemp("qwen3_omni")
+    write_qwen_tokenizer(out, [*QWEN_SPECIAL_TOKENS, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"], **OMNI_MEDIA_TOKENS)
+    (out / "preprocessor_config.json").write_text(json.dumps(OMNI_PREPROCESSOR))
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def omni_processor(omni_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    return build_processor(data_config(omni_dir, tmp_path_factory.mktemp("unused"), preprocess={"template": "qwen3_omni_nothink"}))

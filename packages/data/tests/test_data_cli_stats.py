@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from mmfsdp.data.cli import main, vision_token_stats
 
@@ -31,24 +30,11 @@ def config_file(tmp_path, qwen_dir, h):
         row("<image><image>Two?", ["big.png", "small.png"]),
     ]
     h.write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = {
-        "data": {
-            "dataset_param": {
-                "attr": {"videos": "videos"},
-                "preprocess_parameters": {
-                    "model_name_or_path": str(qwen_dir), "template": "qwen3_vl_nothink", "image_plugin": "qwen2_vl",
-                    "cutoff_len": 4096, "video_fps": 4.0, "video_maxlen": 8,
-                },
-                "basic_parameters": {
-                    "dataset_dir": str(tmp_path), "dataset": "d.jsonl", "cache_dir": str(tmp_path / "cache"),
-                },
-            },
-            "dataloader_param": {"num_workers": 0},
-        },
+    preprocess = {
+        "model_name_or_path": str(qwen_dir), "template": "qwen3_vl_nothink", "image_plugin": "qwen2_vl",
+        "cutoff_len": 4096, "video_fps": 4.0, "video_maxlen": 8,
     }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return h.write_run_yaml(tmp_path, preprocess, {"videos": "videos"})
 
 
 @pytest.mark.timeout(300)

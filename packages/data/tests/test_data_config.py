@@ -51,7 +51,7 @@ def test_mistakes_name_their_key(patch, key, message):
 def test_registry_names_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="template: unknown template 'llama3'; registered: mistral"):
         get_template("llama3")
-    with pytest.raises(ConfigError, match="image_plugin: unknown image plugin 'llava'; registered: pixtral, qwen3_vl"):
+    with pytest.raises(ConfigError, match="image_plugin: unknown image plugin 'llava'; registered: pixtral, qwen3_omni, qwen3_vl"):
         get_plugin("llava")
     cfg = build(DataConfig, {"dataset_param": {"dataset_type": "webdataset"}}, "data")
     with pytest.raises(ConfigError, match="dataset_type: unknown dataset type 'webdataset'; registered: huggingface, synthetic_shapes"):

@@ -10,12 +10,16 @@ from mmfsdp.data.templates import template_names
 
 
 def test_families_are_declared_as_entry_points():
-    assert {point.name for point in entry_points(group="mmfsdp.data_families")} >= {"mistral", "qwen3_5", "qwen3_vl"}
-    assert template_names() == ["mistral", "qwen3_5", "qwen3_vl", "qwen3_vl_nothink"]
-    assert plugin_names() == ["pixtral", "qwen3_vl"] and collator_names() == ["pixtral", "qwen3_vl"]
+    families = {"mistral", "qwen3_5", "qwen3_omni_moe", "qwen3_vl"}
+    assert {point.name for point in entry_points(group="mmfsdp.data_families")} >= families
+    templates = ["mistral", "qwen3_5", "qwen3_omni", "qwen3_omni_nothink", "qwen3_vl", "qwen3_vl_nothink"]
+    assert template_names() == templates
+    assert plugin_names() == ["pixtral", "qwen3_omni", "qwen3_vl"]
+    assert collator_names() == ["pixtral", "qwen3_omni", "qwen3_vl"]
 
 
 def test_old_names_are_aliases_of_one_spelling():
     assert get_plugin("qwen2_vl") is get_plugin("qwen3_vl") and get_plugin("qwen2_vl").name == "qwen3_vl"
     assert get_collator("qwen3vl") is get_collator("qwen3_vl") and get_collator("qwen3vl").name == "qwen3_vl"
+    assert get_collator("qwen3omni") is get_collator("qwen3_omni")
     assert get_template("qwen3_vl").default_plugin == "qwen3_vl" and get_template("mistral").default_plugin == "pixtral"

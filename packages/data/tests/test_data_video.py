@@ -121,23 +121,12 @@ def _resized(frames: np.ndarray, max_pixels: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize(size, Image.Resampling.BICUBIC)) for f in frames])
 
 
-def _reference(directory: Path, media: Path, turns, images, videos, *, system=None, template=INSTRUCT,
+def _reference(h, directory: Path, media: Path, turns, images, videos, *, system=None, template=INSTRUCT,
                frame_max_pixels=None):
     import copy
 
     hf = _inference_processor(str(directory))
-    messages = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
-    for user, assistant in turns:
-        content = []
-        for piece in user.replace("<video>", "\0<video>\0").replace("<image>", "\0<image>\0").split("\0"):
-            if piece in ("<image>", "<video>"):
-                content.append({"type": piece[1:-1]})
-            elif piece:
-                content.append({"type": "text", "text": piece})
-        messages += [
-            {"role": "user", "content": content},
-            {"role": "assistant", "content": [{"type": "text", "text": assistant}]},
-        ]
+    messages = h.media_messages(turns, system)
     text = hf.apply_chat_template(messages, tokenize=False, chat_template=(DATA / template).read_text())
     decoded = [_decoded(str(media / name)) for name in videos]
     frames = [_resized(f, frame_max_pixels) if frame_max_pixels else f for f, _ in decoded]
@@ -168,7 +157,7 @@ def _compare(h, processor, media, turns, images=(), videos=(), *, system=None, t
     encoder = SampleEncoder(cfg, processor)
     sample = encoder.encode_row(_row(turns, list(images), list(videos), system))
     reference = _reference(
-        reference_dir or Path(processor.name_or_path), media, turns, images, videos, system=system,
+        h, reference_dir or Path(processor.name_or_path), media, turns, images, videos, system=system,
         template=INSTRUCT if template == "qwen3_vl_nothink" else THINKING, frame_max_pixels=frame_max_pixels,
     )
     assert sample["input_ids"] == reference["input_ids"][0].tolist()

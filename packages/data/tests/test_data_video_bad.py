@@ -34,17 +34,11 @@ def encoder(qwen_processor, h, tmp_path):
     return SampleEncoder(cfg, qwen_processor)
 
 
-def _reason(encoder, row) -> str:
-    with pytest.raises(BadSample) as bad:
-        encoder.encode_row(row)
-    return bad.value.reason
-
-
 @pytest.mark.timeout(60)
-def test_corrupt_and_missing_files(encoder, tmp_path):
+def test_corrupt_and_missing_files(encoder, tmp_path, h):
     (tmp_path / "noise.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)
-    assert _reason(encoder, _row(["noise.mp4"])) == "corrupt_video"
-    assert _reason(encoder, _row(["absent.mp4"])) == "missing_video"
+    assert h.bad_reason(encoder, _row(["noise.mp4"])) == "corrupt_video"
+    assert h.bad_reason(encoder, _row(["absent.mp4"])) == "missing_video"
 
 
 @pytest.mark.timeout(60)
@@ -61,7 +55,7 @@ def test_truncated_file(encoder, tmp_path, h):
             encoder.plugin.video_inputs(sample["videos"], [tuple(g) for g in sample["video_grids"]])
         assert bad.value.reason == "corrupt_video"
     (tmp_path / "cut.avi").write_bytes(open(h.write_video(tmp_path / "whole.avi", 12, 48, 32), "rb").read()[:2000])
-    assert _reason(encoder, _row(["cut.avi"])) == "corrupt_video"  # AVI: the damage already shows in the header
+    assert h.bad_reason(encoder, _row(["cut.avi"])) == "corrupt_video"  # AVI: the damage already shows in the header
 
 
 def _reason_anywhere(encoder, row) -> str:
@@ -89,7 +83,7 @@ def test_no_decodable_frames_and_no_video_stream(encoder, tmp_path, h):
         frame.sample_rate = 8000
         container.mux(stream.encode(frame))
         container.mux(stream.encode())
-    assert _reason(encoder, _row(["audio.mkv"])) == "unsupported_video"
+    assert h.bad_reason(encoder, _row(["audio.mkv"])) == "unsupported_video"
 
 
 @pytest.mark.timeout(60)
@@ -101,33 +95,33 @@ def test_absurd_size_and_duration(encoder, tmp_path, h, monkeypatch):
     assert bad.value.reason == "unsupported_video"
     monkeypatch.undo()
     monkeypatch.setattr(video_module, "MAX_VIDEO_DURATION_S", 0.5)
-    assert _reason(encoder, _row(["clip.mp4"])) == "unsupported_video"
+    assert h.bad_reason(encoder, _row(["clip.mp4"])) == "unsupported_video"
 
 
 @pytest.mark.timeout(60)
 def test_too_few_frames_for_a_temporal_patch(encoder, tmp_path, h):
     h.write_video(tmp_path / "one.mp4", 1, 48, 32)
-    assert _reason(encoder, _row(["one.mp4"])) == "unsupported_video"
+    assert h.bad_reason(encoder, _row(["one.mp4"])) == "unsupported_video"
 
 
 @pytest.mark.timeout(60)
-def test_a_path_escaping_dataset_dir_is_never_opened(encoder, tmp_path, monkeypatch):
+def test_a_path_escaping_dataset_dir_is_never_opened(encoder, tmp_path, monkeypatch, h):
     opened = []
     monkeypatch.setattr(av, "open", lambda *a, **k: opened.append(a) or pytest.fail("a refused video was opened"))
-    assert _reason(encoder, _row(["../outside.mp4"])) == "video_outside_dataset_dir"
-    assert _reason(encoder, _row(["clips/../../outside.mp4"])) == "video_outside_dataset_dir"
+    assert h.bad_reason(encoder, _row(["../outside.mp4"])) == "video_outside_dataset_dir"
+    assert h.bad_reason(encoder, _row(["clips/../../outside.mp4"])) == "video_outside_dataset_dir"
     assert opened == []
 
 
 @pytest.mark.timeout(60)
-def test_placeholder_mismatch_and_wrong_turn(encoder, tmp_path):
-    assert _reason(encoder, _row(["a.mp4", "b.mp4"])) == "video_count_mismatch"
-    assert _reason(encoder, _row([], text="What moves? <video>")) == "video_count_mismatch"
+def test_placeholder_mismatch_and_wrong_turn(encoder, tmp_path, h):
+    assert h.bad_reason(encoder, _row(["a.mp4", "b.mp4"])) == "video_count_mismatch"
+    assert h.bad_reason(encoder, _row([], text="What moves? <video>")) == "video_count_mismatch"
     row = {
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<video>"}],
         "videos": ["a.mp4"],
     }
-    assert _reason(encoder, row) == "video_in_wrong_turn"
+    assert h.bad_reason(encoder, row) == "video_in_wrong_turn"
 
 
 @pytest.mark.timeout(60)

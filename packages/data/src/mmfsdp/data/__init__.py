@@ -4,9 +4,9 @@ The trainer uses it in this order (YAML section `data:` = `DataConfig`):
 
 1. `prepare_dataset(data_cfg)` on every rank before process groups exist: generates
    synthetic data if asked, caches the raw rows with HF datasets.
-2. `build_processor(data_cfg)`: tokenizer + HF image processor of the model.
+2. `build_processor(data_cfg)`: tokenizer + HF image processor (and feature extractor) of the model.
 3. `build_dataset(data_cfg, processor, split)`: tokenized samples (template + image
-   plugin, cached), images decoded lazily per item; bad rows skipped and counted.
+   plugin, cached), images, videos and audio clips decoded lazily per item; bad rows skipped and counted.
 4. `build_dataloader(dataset, data_cfg, micro_batch_size=, dp_rank=, dp_size=, seed=,
    pad_to_multiple_of=)`: an endless, exactly resumable iterator over collated
    batches (the batch contract: docs/data.md, "Batches").
@@ -36,13 +36,14 @@ from mmfsdp.data.config import (
     PreprocessParametersConfig,
     SyntheticConfig,
 )
-from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, Conversation, Pair, parse_pair, parse_row
+from mmfsdp.data.audio import AudioOptions, DecodedAudio, decode_audio
+from mmfsdp.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, Conversation, Pair, parse_pair, parse_row
 from mmfsdp.data.dataset import PreferenceDataset, PromptDataset, SFTDataset, build_dataset, prepare_dataset
 from mmfsdp.data.dataset_types import DatasetType, dataset_files, has_eval_data, register_dataset_type
 from mmfsdp.data.encoder import SampleEncoder
 from mmfsdp.data.errors import BAD_REASONS, BadSample, DataError
 from mmfsdp.data.loader import StatefulDataLoader, build_dataloader, pack_rows, plan_epoch
-from mmfsdp.data.plugins import ImagePlugin, MediaSetting, VideoPlugin, get_plugin, register_plugin
+from mmfsdp.data.plugins import AudioPlugin, ImagePlugin, MediaSetting, VideoPlugin, get_plugin, register_plugin
 from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video_info
 from mmfsdp.data.build import build_plugin, build_processor, media_settings
 from mmfsdp.data.processor import MMProcessor
@@ -50,7 +51,10 @@ from mmfsdp.data.rewards import RewardSet, RewardSpec, build_rewards, register_r
 from mmfsdp.data.templates import IGNORE_INDEX, Template, get_template, register_template
 
 __all__ = [
+    "AUDIO_PLACEHOLDER",
     "AttrConfig",
+    "AudioOptions",
+    "AudioPlugin",
     "BAD_REASONS",
     "BadSample",
     "BasicParametersConfig",
@@ -69,7 +73,9 @@ __all__ = [
     "VideoInfo",
     "VideoOptions",
     "VideoPlugin",
+    "decode_audio",
     "decode_frames",
+    "DecodedAudio",
     "read_video_info",
     "MMProcessor",
     "PAIR_KEYS",

@@ -1,12 +1,13 @@
 """`build_processor(data_cfg)`: the `MMProcessor` of a data config — the tokenizer and the HF processor that the
 template's (or the configured) image plugin builds around it; `build_plugin` that plugin, set by the config, and
-`media_settings` the image and video settings it applies, with their sources. Apart from `processor.py` so that the
+`media_settings` the image, video and audio settings it applies, with their sources. Apart from `processor.py` so that the
 plugins and templates, which use `MMProcessor`, are not imported by the module that defines it."""
 
 from __future__ import annotations
 
 from mmfsdp.config import get_logger
 
+from mmfsdp.data.audio import AudioOptions
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.plugins import ImagePlugin, MediaSetting, get_plugin
 from mmfsdp.data.processor import MMProcessor, load_tokenizer, model_dir
@@ -31,14 +32,17 @@ def build_processor(data_cfg: DataConfig) -> MMProcessor:
 
 
 def build_plugin(data_cfg: DataConfig, processor: MMProcessor) -> ImagePlugin:
-    """The image plugin of the config (`image_plugin`, else the template's), with its image and video settings."""
+    """The image plugin of the config (`image_plugin`, else the template's), with its image and video settings (and
+    its audio settings, for a plugin with `supports_audio`)."""
     pp = data_cfg.dataset_param.preprocess_parameters
     plugin_cls = get_plugin(pp.image_plugin or get_template(pp.template).default_plugin)
+    audio = {"audio": AudioOptions.from_config(pp)} if plugin_cls.supports_audio else {}
     return plugin_cls(
         processor,
         image_max_pixels=pp.image_max_pixels,
         image_min_pixels=pp.image_min_pixels,
         video=VideoOptions.from_config(pp),
+        **audio,
     )
 
 

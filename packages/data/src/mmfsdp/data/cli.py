@@ -40,9 +40,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="show one preprocessed sample",
         description=(
             "Show one sample exactly as the model will see it: the decoded text with the trained "
-            f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image or video block shown as its grid, the token "
-            "count, each image's grid and processed size, each video's sampled frame times, grid and token "
-            "count, and the effective image and video settings with where each came from (config, model directory "
+            f"tokens between {TRAIN_OPEN} and {TRAIN_CLOSE}, each image, video or audio block shown as its grid, the "
+            "token count, each image's grid and processed size, each video's sampled frame times, grid and token "
+            "count, each audio clip's seconds, feature frames and tokens, and the effective media settings with where each came from (config, model directory "
             "file, transformers default). Builds (or reuses) the tokenized cache. "
             "Overrides may come before or after the options."
         ),
@@ -59,11 +59,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     stats = sub.add_parser(
         "stats",
-        help="vision tokens per sample over a dataset, and the worst rows",
+        help="vision and audio tokens per sample over a dataset, and the worst rows",
         description=(
             "The distribution of vision tokens per sample (every image and video block: pads, timestamps, "
-            "start/end) and of all tokens per sample over a whole dataset, from the tokenized cache (no pixel is "
-            "decoded), with the samples of the most vision tokens by source file and row: the rows to look at "
+            "start/end), of audio tokens and seconds (when the data has audio) and of all tokens per sample over a "
+            "whole dataset, from the tokenized cache (nothing is decoded), with the samples of the most vision and "
+            "audio tokens by source file and row: the rows to look at "
             "before a run runs out of memory. Overrides may come before or after the options."
         ),
     )
@@ -90,16 +91,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _render(
     ids: list[int], labels: list[int], processor: Any, plugin: Any, grids: list[tuple[int, ...]],
-    video_grids: list[tuple[int, ...]] = (),
+    video_grids: list[tuple[int, ...]] = (), audio_grids: list[tuple[int, ...]] = (),
 ) -> str:
-    """Decoded text; each image block collapses to `<image LABEL>`, each video block to `<video LABEL>` (the plugin's
-    labels of their grids); trained runs are bracketed."""
+    """Decoded text; each image block collapses to `<image LABEL>`, each video block to `<video LABEL>`, each audio
+    block to `<audio LABEL>` (the plugin's labels of their grids); trained runs are bracketed."""
     out: list[str] = []
     run: list[int] = []
     run_trained = False
     blocks = iter(grids)
     videos = iter(video_grids)
     next_video = next(videos, None)
+    audios = iter(audio_grids)
+    next_audio = next(audios, None)
 
     def flush() -> None:
         if run:
@@ -109,6 +112,13 @@ def _render(
 
     i = 0
     while i < len(ids):
+        audio_block = plugin.audio_tokens(next_audio) if next_audio is not None else None
+        if audio_block is not None and ids[i : i + len(audio_block)] == audio_block:
+            flush()
+            out.append(f"<audio {plugin.audio_label(next_audio)}>")
+            i += len(audio_block)
+            next_audio = next(audios, None)
+            continue
         if next_video is not None and ids[i : i + 1] == plugin.video_tokens(next_video)[:1]:
             tokens = plugin.video_tokens(next_video)
             if ids[i : i + len(tokens)] == tokens:  # media blocks come in text order; a video's starts like an image's
@@ -149,55 +159,70 @@ def _dataset(args: argparse.Namespace):
 
 
 def _summary(values: np.ndarray) -> dict[str, float]:
-    """min, mean, p50, p90, p99 (nearest rank) and max of `values`; {} when there are none."""
+    """min, mean, p50, p90, p99 (nearest rank) and max of `values`; {} when there are none. Integer counts stay
+    integers; other values are rounded to two decimals."""
     if not len(values):
         return {}
     ordered = np.sort(values)
-    rank = lambda q: int(ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))])  # noqa: E731
-    return {"min": int(ordered[0]), "mean": round(int(ordered.sum()) / len(ordered), 2), "p50": rank(50),
-            "p90": rank(90), "p99": rank(99), "max": int(ordered[-1])}
+    exact = np.issubdtype(ordered.dtype, np.integer)
+    value = (lambda v: int(v)) if exact else (lambda v: round(float(v), 2))  # noqa: E731
+    rank = lambda q: value(ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))])  # noqa: E731
+    total = int(ordered.sum()) if exact else float(ordered.sum(dtype=np.float64))
+    return {"min": value(ordered[0]), "mean": round(total / len(ordered), 2), "p50": rank(50),
+            "p90": rank(90), "p99": rank(99), "max": value(ordered[-1])}
 
 
 def vision_token_stats(dataset: Any, top: int) -> dict[str, Any]:
-    """Vision tokens (the blocks of every image and video grid, as the plugin writes them) and all tokens per sample
-    over `dataset`, from its stored grids and lengths; percentiles by nearest rank, and the `top` samples of the most
-    vision tokens (ties: the earlier sample first) with their source file and row.
+    """Vision tokens (the blocks of every image and video grid, as the plugin writes them), audio tokens (the blocks
+    of every audio clip) and seconds, and all tokens per sample over `dataset`, from its stored grids and lengths;
+    percentiles by nearest rank, and the `top` samples of the most vision and audio tokens (ties: the earlier sample
+    first) with their source file and row.
 
-    One pass over `dataset.media_grids()`: per sample it keeps two int32 counts (vision and video tokens, for the
-    percentiles) and `dataset.lengths`; the `top` samples are kept in a heap during the pass."""
+    One pass over `dataset.media_grids()`: per sample it keeps three int32 counts (vision, video and audio tokens)
+    and a float32 (audio seconds), for the percentiles, and `dataset.lengths`; the `top` samples are kept in a heap
+    during the pass."""
     plugin = dataset.encoder.plugin
     image_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.image_tokens(grid)))
     video_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.video_tokens(grid)))
+    audio_block = functools.lru_cache(maxsize=65536)(lambda grid: len(plugin.audio_tokens(grid)))
     num = len(dataset)
-    vision, video_tokens = np.zeros(num, dtype=np.int32), np.zeros(num, dtype=np.int32)
-    with_images = with_videos = 0
-    best: list[tuple[tuple[int, int], int, int, int, int]] = []  # ((vision, -index), image, video, #images, #videos)
-    for index, (image_grids, video_grids) in enumerate(dataset.media_grids()):
+    vision, video_tokens, audio_tokens = (np.zeros(num, dtype=np.int32) for _ in range(3))
+    seconds = np.zeros(num, dtype=np.float32)
+    with_images = with_videos = with_audio = 0
+    best: list[tuple[Any, ...]] = []  # ((vision + audio, -index), image, video, audio, #images, #videos, #audios)
+    for index, (image_grids, video_grids, audio_grids) in enumerate(dataset.media_grids()):
         image = sum(image_block(tuple(g)) for g in image_grids)
         video = sum(video_block(tuple(g)) for g in video_grids)
-        vision[index], video_tokens[index] = image + video, video
+        audio = sum(audio_block(tuple(g)) for g in audio_grids)
+        vision[index], video_tokens[index], audio_tokens[index] = image + video, video, audio
+        seconds[index] = sum(plugin.audio_seconds(tuple(g)) for g in audio_grids)
         with_images, with_videos = with_images + bool(image_grids), with_videos + bool(video_grids)
-        entry = ((image + video, -index), image, video, len(image_grids), len(video_grids))
+        with_audio += bool(audio_grids)
+        counts = map(len, (image_grids, video_grids, audio_grids))
+        entry = ((image + video + audio, -index), image, video, audio, *counts)
         if len(best) < top:
             heapq.heappush(best, entry)
         elif top and entry[0] > best[0][0]:
             heapq.heapreplace(best, entry)
     tokens = dataset.lengths
     worst = []
-    for (vision_count, neg_index), image, video, images, videos in sorted(best, reverse=True):
+    for (_, neg_index), image, video, audio, images, videos, audios in sorted(best, reverse=True):
         index = -neg_index
         source, row = dataset.location(index)
         worst.append({
-            "index": index, "source": source, "row": row, "vision_tokens": vision_count,
-            "image_tokens": image, "video_tokens": video,
-            "num_tokens": int(tokens[index]), "images": images, "videos": videos,
+            "index": index, "source": source, "row": row, "vision_tokens": image + video,
+            "image_tokens": image, "video_tokens": video, "audio_tokens": audio, "audio_seconds": float(seconds[index]),
+            "num_tokens": int(tokens[index]), "images": images, "videos": videos, "audios": audios,
         })
     return {
         "num_samples": num,
         "with_images": with_images,
         "with_videos": with_videos,
+        "with_audio": with_audio,
         "vision_tokens": _summary(vision),
         "video_tokens": _summary(video_tokens),
+        "audio_tokens": _summary(audio_tokens),
+        "audio_seconds": _summary(seconds),
         "num_tokens": _summary(tokens),
         "worst": worst,
     }
@@ -217,7 +242,7 @@ def _stats(args: argparse.Namespace) -> int:
     bad = dataset.num_rows - stats["num_samples"]
     print(
         f"{stats['num_samples']} {unit}s ({args.split}): {stats['with_images']} with images, "
-        f"{stats['with_videos']} with videos; cutoff_len {dataset.encoder.cutoff_len}"
+        f"{stats['with_videos']} with videos, {stats['with_audio']} with audio; cutoff_len {dataset.encoder.cutoff_len}"
     )
     if bad:
         what = "pairs" if dataset.is_preference else "rows"
@@ -226,13 +251,18 @@ def _stats(args: argparse.Namespace) -> int:
         print("per pair: vision tokens of the prompt (each of its two sequences holds them); tokens of both sequences")
     print(f"vision tokens per {unit}: {fmt(stats['vision_tokens'])}")
     print(f"video tokens per {unit}:  {fmt(stats['video_tokens'])}")
+    if stats["with_audio"]:
+        print(f"audio tokens per {unit}:  {fmt(stats['audio_tokens'])}")
+        print(f"audio seconds per {unit}: {fmt(stats['audio_seconds'])}")
     print(f"tokens per {unit}:        {fmt(stats['num_tokens'])}")
+    media = "vision and audio" if stats["with_audio"] else "vision"
     if stats["worst"]:
-        print(f"most vision tokens (top {len(stats['worst'])}):")
+        print(f"most {media} tokens (top {len(stats['worst'])}):")
     for w in stats["worst"]:
+        audio = f", {w['audios']} audios: {w['audio_tokens']} ({w['audio_seconds']:.1f} s)" if w["audios"] else ""
         print(
             f"  {unit} {w['index']}: {w['source']} row {w['row']}: {w['vision_tokens']} vision tokens "
-            f"({w['images']} images: {w['image_tokens']}, {w['videos']} videos: {w['video_tokens']}) "
+            f"({w['images']} images: {w['image_tokens']}, {w['videos']} videos: {w['video_tokens']}{audio}) "
             f"of {w['num_tokens']}"
         )
     return 0
@@ -276,6 +306,9 @@ def _inspect(args: argparse.Namespace) -> int:
                     "video_grids": record["video_grids"],
                     "videos": record["videos"],
                     "video_frame_times": [plugin.frame_times(tuple(g)) for g in record["video_grids"]],
+                    "audio_grids": record["audio_grids"],
+                    "audios": record["audios"],
+                    "audio_seconds": [plugin.audio_seconds(tuple(g)) for g in record["audio_grids"]],
                     "media_settings": {s.key: {"value": s.value, "source": s.source} for s in plugin.media_settings()},
                     **({"bad_reason": item["bad_reason"], "bad_detail": item["bad_detail"]} if "bad_reason" in item else {}),
                 }
@@ -297,12 +330,15 @@ def _inspect(args: argparse.Namespace) -> int:
     video_grids = [tuple(g) for g in record["video_grids"]]
     for k, (path, grid) in enumerate(zip(record["videos"], video_grids)):
         print(f"video {k}: {path}: {plugin.describe_video(grid)}")
+    audio_grids = [tuple(g) for g in record["audio_grids"]]
+    for k, (path, grid) in enumerate(zip(record["audios"], audio_grids)):
+        print(f"audio {k}: {path}: {plugin.describe_audio(grid)}")
     print("media settings (value, and where it came from):")
     for setting in plugin.media_settings():
         print(f"  {setting}")
     for name, (seq_ids, seq_labels) in sequences.items():
         print(f"{name + ' ' if name else ''}text (trained tokens between {TRAIN_OPEN} {TRAIN_CLOSE}):")
-        print(_render(seq_ids, seq_labels, dataset.processor, plugin, grids, video_grids))
+        print(_render(seq_ids, seq_labels, dataset.processor, plugin, grids, video_grids, audio_grids))
     return 0
 
 

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, Literal
 
 from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored, Translate
 
+from mmfsdp.data.audio import AUDIO_MAX_SECONDS, AUDIO_TIMEOUT_S
+
 _PRE = "data.dataset_param.preprocess_parameters"
 _BASIC = "data.dataset_param.basic_parameters"
 
@@ -66,6 +68,9 @@ class AttrConfig:
     videos: str | None = None
     """Column holding the video paths (a list, or one string), relative to `basic_parameters.dataset_dir`, one per
     `<video>` placeholder; null = no video column (MindSpeed-MM's Qwen3-VL configs set `videos`)."""
+    audios: str | None = None
+    """Column holding the audio paths (a list, or one string), relative to `basic_parameters.dataset_dir`, one per
+    `<audio>` placeholder; null = no audio column (LLaMA-Factory's and MindSpeed-MM's `audios`)."""
     system: str | None = None
     """Column holding a per-row system prompt; null = only a leading system message counts."""
     role_tag: str = "role"
@@ -80,7 +85,6 @@ class AttrConfig:
     """Role value of a system message (allowed only as the first message); null = none."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
-        "audios": Ignored("audio rows are not supported", allowed=(None,)),
         "tools": Ignored("tool-calling rows are not supported", allowed=(None,)),
         "observation_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
         "function_tag": Ignored("tool-calling roles are not read; a row using one is a bad row"),
@@ -142,6 +146,11 @@ class PreprocessParametersConfig:
     blowing a micro-batch; null = no budget."""
     video_timeout: float = 60.0
     """Seconds one video may take to open or to decode its sampled frames before it is skipped (`video_timeout`)."""
+    audio_max_seconds: float = AUDIO_MAX_SECONDS
+    """Longest audio clip, in seconds (after decoding); a longer clip makes its row bad (`audio_too_long`), it is
+    never cut. The default is Qwen3-Omni's published feature-extractor window (300 s)."""
+    audio_timeout: float = AUDIO_TIMEOUT_S
+    """Seconds one audio clip may take to open and decode before its row is skipped (`audio_timeout`)."""
     train_on_prompt: bool = False
     """Also train on system and user text (image tokens stay masked)."""
     mask_history: bool = False
@@ -151,6 +160,12 @@ class PreprocessParametersConfig:
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "split_special_tokens": Ignored("control-token strings inside message text are always read as plain text"),
+        "audio_sampling_rate": Ignored(
+            "audio is resampled to the sampling_rate of the model directory's feature extractor "
+            "(16000 for Qwen3-Omni)",
+            allowed=(16000,),
+        ),
+        "use_audio_in_video": Ignored("the audio track of a video is not read yet", allowed=(False,)),
     }
 
     def __post_init__(self) -> None:
@@ -175,8 +190,9 @@ class PreprocessParametersConfig:
         low, high = self.video_min_pixels, self.video_max_pixels
         if low is not None and high is not None and low > high:
             raise ConfigError("video_min_pixels", f"{low} is larger than video_max_pixels {high}")
-        if not self.video_timeout > 0:
-            raise ConfigError("video_timeout", f"must be > 0 seconds, got {self.video_timeout}")
+        for key in ("video_timeout", "audio_max_seconds", "audio_timeout"):
+            if not (getattr(self, key) > 0 and math.isfinite(getattr(self, key))):
+                raise ConfigError(key, f"must be a positive number of seconds, got {getattr(self, key)}")
         if self.train_on_prompt and self.mask_history:
             raise ConfigError("mask_history", "cannot be combined with train_on_prompt; set one of them to false")
 

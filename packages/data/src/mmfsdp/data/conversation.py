@@ -1,4 +1,4 @@
-"""One dataset row -> a checked `Conversation` (system prompt, user/assistant turns, image and video paths).
+"""One dataset row -> a checked `Conversation` (system prompt, user/assistant turns, image, video and audio paths).
 
 Rows are role-tagged message lists; `AttrConfig` names the columns and role values,
 so the mllm format (`messages` / `role` / `content`) and sharegpt
@@ -18,7 +18,7 @@ from mmfsdp.data.config import AttrConfig
 from mmfsdp.data.errors import BadSample
 
 __all__ = [
-    "IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "Prompt", "parse_pair",
+    "AUDIO_PLACEHOLDER", "IMAGE_PLACEHOLDER", "SWIFT_REJECTED", "VIDEO_PLACEHOLDER", "Conversation", "Pair", "Prompt", "parse_pair",
     "parse_prompt", "parse_row",
 ]
 
@@ -26,6 +26,8 @@ IMAGE_PLACEHOLDER = "<image>"
 """Marks where an image goes in a user message; the i-th placeholder is the row's i-th image."""
 VIDEO_PLACEHOLDER = "<video>"
 """Marks where a video goes in a user message; the i-th placeholder is the row's i-th video."""
+AUDIO_PLACEHOLDER = "<audio>"
+"""Marks where an audio clip goes in a user message; the i-th placeholder is the row's i-th clip."""
 SWIFT_REJECTED = "rejected_response"
 """ms-swift's column of the rejected answer, read when the row has no `attr.rejected` column."""
 
@@ -40,6 +42,8 @@ class Conversation:
     """Image paths as written in the row, one per placeholder."""
     videos: list[str] = field(default_factory=list)
     """Video paths as written in the row, one per `<video>` placeholder."""
+    audios: list[str] = field(default_factory=list)
+    """Audio paths as written in the row, one per `<audio>` placeholder."""
 
 
 def _paths_of(row: dict[str, Any], column: str | None, kind: str) -> list[str]:
@@ -121,7 +125,8 @@ def parse_pair(row: dict[str, Any], attr: AttrConfig) -> Pair:
     rejected = _answer(row.get(rejected_column), attr, rejected_column, "missing_rejected")
     if chosen.strip() == rejected.strip():
         raise BadSample("identical_pair", f"the chosen and the rejected answer are the same: {chosen!r:.80}")
-    for placeholder, kind in ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video")):
+    placeholders = ((IMAGE_PLACEHOLDER, "image"), (VIDEO_PLACEHOLDER, "video"), (AUDIO_PLACEHOLDER, "audio"))
+    for placeholder, kind in placeholders:
         if placeholder in rejected:
             detail = f"the rejected answer contains {placeholder}; {kind}s belong to user turns"
             raise BadSample(f"{kind}_in_wrong_turn", detail)
@@ -202,7 +207,8 @@ def _parse_messages(messages: Any, row: dict[str, Any], attr: AttrConfig) -> Con
 
     images = _paths_of(row, attr.images, "an image")
     videos = _paths_of(row, attr.videos, "a video")
-    if not images and not videos and not any(t.strip() for t in texts):
+    audios = _paths_of(row, attr.audios, "an audio")
+    if not images and not videos and not audios and not any(t.strip() for t in texts):
         raise BadSample("empty_conversation", "every message is empty")
 
     system = None
@@ -221,7 +227,10 @@ def _parse_messages(messages: Any, row: dict[str, Any], attr: AttrConfig) -> Con
     if roles != expected[: len(roles)] or len(roles) % 2:
         raise BadSample("wrong_role_order", f"roles must alternate user, assistant, ... and end with assistant; got {', '.join(roles)}")
 
-    for placeholder, media, kind in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+    placed = (
+        (IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video"), (AUDIO_PLACEHOLDER, audios, "audio")
+    )
+    for placeholder, media, kind in placed:
         if system is not None and placeholder in system:
             raise BadSample(f"{kind}_in_wrong_turn", f"the system prompt contains {placeholder}")
         if any(placeholder in texts[i] for i in range(1, len(texts), 2)):
@@ -233,4 +242,4 @@ def _parse_messages(messages: Any, row: dict[str, Any], attr: AttrConfig) -> Con
             raise BadSample(f"{kind}_count_mismatch", detail)
 
     turns = [(texts[i], texts[i + 1]) for i in range(0, len(texts), 2)]
-    return Conversation(system=system, turns=turns, images=images, videos=videos)
+    return Conversation(system=system, turns=turns, images=images, videos=videos, audios=audios)

@@ -10,7 +10,7 @@ The flow for one file, each step in its own module:
    result is an Arrow file keyed by a fingerprint of the file, the tokenizer and every setting that changes
    tokens (`mmfsdp.data.token_cache.tokenized_rows`), built once under a file lock.
 3. *`SFTDataset`* (here) — the good rows; `dataset[i]` decodes and processes that sample's
-   images and videos (the only pixel work, done lazily in DataLoader workers) and returns
+   images, videos and audio clips (the only pixel and audio work, done lazily in DataLoader workers) and returns
    `input_ids`, `labels` and the image plugin's `pixel_inputs` (for `pixtral`:
    `pixel_values`, a list of `[3, h, w]`, and `image_sizes`). With `attr.ranking: true` a row is a preference
    pair, encoded with its prompt tokenized once (`SampleEncoder.encode_pair`), and the dataset is a
@@ -116,7 +116,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
     is_preference = False
     """Whether an item is a preference pair (`PreferenceDataset`) rather than one sample."""
-    _table_columns = ("input_ids", "labels", "images", "image_grids", "videos", "video_grids")
+    _table_columns = ("input_ids", "labels", "images", "image_grids", "videos", "video_grids", "audios", "audio_grids")
 
     def __init__(self, cache_files: list[str], sources: list[Path], encoder: SampleEncoder, *, strict: bool):
         self.encoder = encoder
@@ -134,13 +134,13 @@ class SFTDataset(torch.utils.data.Dataset):
         `dataset_dir`)."""
         self.first_bad_row: tuple[int, int, str, str] | None = None
         """(source index, row, reason, detail) of the first row skipped, in file order (what `strict` reports)."""
-        columns = ["bad_reason", "bad_detail", "length", "absolute_images", "images", "videos"]
+        columns = ["bad_reason", "bad_detail", "length", "absolute_images", "images", "videos", "audios"]
         for source, cache_file in enumerate(self._cache_files):
             first_row = 0
             for batch in stream_batches(cache_file):
                 if first_row + batch.num_rows > _MAX_ROW:
                     raise DataError(f"{self.sources[source]} has over {_MAX_ROW} rows; split it into several files")
-                reasons, details, lengths, absolute, images, videos = (batch.column(c) for c in columns)
+                reasons, details, lengths, absolute, images, videos, audios = (batch.column(c) for c in columns)
                 good_mask = pc.equal(reasons, "")
                 good = np.flatnonzero(good_mask.to_numpy(zero_copy_only=False))
                 if good.size < batch.num_rows:
@@ -154,7 +154,7 @@ class SFTDataset(torch.utils.data.Dataset):
                 samples[size:end, 0] = good + first_row
                 samples[size:end, 1] = lengths.to_numpy()[good]
                 self.absolute_image_rows += int(np.count_nonzero(absolute.to_numpy()[good]))
-                for kind, paths in (("image", images), ("video", videos)):
+                for kind, paths in (("image", images), ("video", videos), ("audio", audios)):
                     if kind not in kinds and pc.max(pc.list_value_length(paths.filter(good_mask))).as_py():
                         kinds.add(kind)
                 size, first_row = end, first_row + batch.num_rows
@@ -179,23 +179,23 @@ class SFTDataset(torch.utils.data.Dataset):
             self._mapped = [mapped_table(f).select_columns(list(self._table_columns)) for f in self._cache_files]
         return self._mapped
 
-    def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
-        """(image grids, video grids) of every sample in order, from the stored grids (no pixels read), read as a
-        stream one Arrow batch at a time: a pass over all samples keeps nothing per sample."""
+    def media_grids(self) -> Iterator[tuple[list[list[int]], list[list[int]], list[list[int]]]]:
+        """(image grids, video grids, audio grids) of every sample in order, from the stored grids (no pixels read),
+        read as a stream one Arrow batch at a time: a pass over all samples keeps nothing per sample."""
         for cache_file in self._cache_files:
             for batch in stream_batches(cache_file):
                 good = pc.equal(batch.column("bad_reason"), "")
-                images = batch.column("image_grids").filter(good).to_pylist()
-                videos = batch.column("video_grids").filter(good).to_pylist()
+                kinds = ("image_grids", "video_grids", "audio_grids")
+                columns = [batch.column(c).filter(good).to_pylist() for c in kinds]
                 del batch, good
-                yield from zip(images, videos)
+                yield from zip(*columns)
 
     def sample_stats(self) -> SampleStats:
         """Tokens and vision patches of every sample, from the stored grids (no pixels read): what the
-        token budget and the balance plan with (`mmfsdp.data.balance`)."""
+        token budget and the balance plan with (`mmfsdp.data.balance`). Audio clips count by their tokens only."""
         patches = np.zeros(len(self), dtype=np.int64)
         patch_sq = np.zeros(len(self), dtype=np.int64)
-        for index, (images, videos) in enumerate(self.media_grids()):
+        for index, (images, videos, _) in enumerate(self.media_grids()):
             if images or videos:
                 blocks = [grid_blocks(grid) for grid in (*images, *(g[:3] for g in videos))]
                 patches[index] = sum(block * count for block, count in blocks)
@@ -203,8 +203,8 @@ class SFTDataset(torch.utils.data.Dataset):
         return SampleStats(self.lengths.astype(np.int64), patches, patch_sq)
 
     def media_kinds(self) -> frozenset[str]:
-        """The kinds of media (`"image"`, `"video"`) at least one usable sample holds, from the stored paths (no
-        pixels read; found while the dataset was built). The model runs a vision placeholder pass only for these
+        """The kinds of media (`"image"`, `"video"`, `"audio"`) at least one usable sample holds, from the stored paths
+        (no pixels read; found while the dataset was built). The model runs a vision placeholder pass only for these
         kinds (`TrainingForwardMixin.set_media_kinds`): every rank's micro-batches come from them."""
         return self._media_kinds
 
@@ -238,8 +238,9 @@ class SFTDataset(torch.utils.data.Dataset):
         return item
 
     def _media(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        """The pixel inputs of sample `index`'s images and videos (decoded here), or its bad-row reason."""
-        if not (record["images"] or record["videos"]):
+        """The pixel and audio inputs of sample `index`'s images, videos and clips (decoded here), or its bad-row
+        reason."""
+        if not (record["images"] or record["videos"] or record["audios"]):
             return {}
         plugin = self.encoder.plugin
         media: dict[str, Any] = {}
@@ -248,6 +249,8 @@ class SFTDataset(torch.utils.data.Dataset):
                 media.update(plugin.pixel_inputs(record["images"], [tuple(g) for g in record["image_grids"]]))
             if record["videos"]:
                 media.update(plugin.video_inputs(record["videos"], [tuple(g) for g in record["video_grids"]]))
+            if record["audios"]:
+                media.update(plugin.audio_inputs(record["audios"], [tuple(g) for g in record["audio_grids"]]))
         except BadSample as bad:
             source, row = self.location(index)
             if self.strict:

@@ -1,9 +1,9 @@
 """`SampleEncoder`: one raw row -> its tokenized sample (preprocessing), and a sample's media -> pixels (workers).
 
 `encode_row` parses the conversation, reads each image's header for its grid (an opaque tuple of ints from the
-plugin) and each video's headers for its sampled frames and grid, expands placeholders into the plugin's image and
-video tokens, applies the template and labels, and truncates at `cutoff_len`; a row that cannot be used raises
-`BadSample` with its reason (`encode_batch` keeps the reason instead of tokens). With `attr.ranking: true` a row is
+plugin), each video's headers for its sampled frames and grid and decodes each audio clip for its length and grid,
+expands placeholders into the plugin's image, video and audio tokens, applies the template and labels, and
+truncates at `cutoff_len`; a row that cannot be used raises `BadSample` with its reason (`encode_batch` keeps the reason instead of tokens). With `attr.ranking: true` a row is
 a preference pair, encoded with its prompt tokenized once (`encode_pair`); with `attr.prompt_only: true` a prompt
 for online RL (`encode_prompt`: the tokens a completion follows, and the ground truth). `fingerprint` hashes everything that
 changes the tokens: the key of the token cache (`mmfsdp.data.token_cache`).
@@ -29,11 +29,11 @@ from mmfsdp.data.templates import IGNORE_INDEX, get_template
 
 __all__ = ["SampleEncoder", "answer_start"]
 
-_PREPROCESS_VERSION = 4
+_PREPROCESS_VERSION = 5
 """Bump when the tokenized layout or the encoding rules change, to invalidate old caches."""
 _EMPTY_SAMPLE = {
-    "input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [],
-    "absolute_images": 0,
+    "input_ids": [], "labels": [], "images": [], "image_grids": [], "videos": [], "video_grids": [], "audios": [],
+    "audio_grids": [], "absolute_images": 0,
 }
 """The token columns of a bad row (and, with the counts, the columns of the tokenized table)."""
 _EMPTY_PAIR = {**_EMPTY_SAMPLE, "rejected_ids": [], "rejected_labels": [], "prompt_length": 0}
@@ -92,41 +92,52 @@ class SampleEncoder:
             conversation = pair.conversation
         else:
             conversation = parse_row(row, self.attr) if prompt is None else prompt.conversation
-        if conversation.videos and not self.plugin.supports_video:
-            raise BadSample(
-                "video_not_supported",
-                f"the row has {len(conversation.videos)} video(s), but image plugin {self.plugin.name!r} "
-                "(this model family) reads no video",
-            )
+        for kind, items, supported in (
+            ("video", conversation.videos, self.plugin.supports_video),
+            ("audio", conversation.audios, self.plugin.supports_audio),
+        ):
+            if items and not supported:
+                raise BadSample(
+                    f"{kind}_not_supported",
+                    f"the row has {len(items)} {kind}(s), but image plugin {self.plugin.name!r} "
+                    f"(this model family) reads no {kind}",
+                )
         paths = [self.image_path(p) for p in conversation.images]
-        video_paths = [
-            media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason="video_outside_dataset_dir")
-            for p in conversation.videos
-        ]
+        video_paths, audio_paths = (
+            [media_path(p, self.dataset_dir, allow_outside=self.allow_outside, reason=f"{kind}_outside_dataset_dir")
+             for p in items]
+            for kind, items in (("video", conversation.videos), ("audio", conversation.audios))
+        )
         grids = [self.plugin.read_grid(p) for p in paths]
         video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
+        audio_grids = self.plugin.read_audio_grids(audio_paths) if audio_paths else []
         blocks = [self.plugin.image_tokens(grid) for grid in grids]
         video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
-        num_absolute = sum(Path(p).expanduser().is_absolute() for p in conversation.images + conversation.videos)
+        audio_blocks = [self.plugin.audio_tokens(grid) for grid in audio_grids]
+        everything = conversation.images + conversation.videos + conversation.audios
         media = {
             "images": paths, "image_grids": [list(g) for g in grids],
-            "videos": video_paths, "video_grids": [list(g) for g in video_grids], "absolute_images": num_absolute,
+            "videos": video_paths, "video_grids": [list(g) for g in video_grids],
+            "audios": audio_paths, "audio_grids": [list(g) for g in audio_grids],
+            "absolute_images": sum(Path(p).expanduser().is_absolute() for p in everything),
         }
+        media_blocks = (blocks, video_blocks, audio_blocks)
         if pair is not None:
-            return {**self.encode_pair(conversation, pair.rejected, blocks, video_blocks), **media}
+            return {**self.encode_pair(conversation, pair.rejected, *media_blocks), **media}
         if prompt is not None:
-            return {**self.encode_prompt(conversation, prompt.ground_truth, blocks, video_blocks), **media}
-        input_ids, labels = self.template.encode(conversation, blocks, video_blocks)
+            return {**self.encode_prompt(conversation, prompt.ground_truth, *media_blocks), **media}
+        input_ids, labels = self.template.encode(conversation, *media_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
         return {"input_ids": input_ids, "labels": labels, **media}
 
     def encode_pair(
-        self, conversation: Any, rejected: str, blocks: list[list[int]], video_blocks: list[list[int]]
+        self, conversation: Any, rejected: str, blocks: list[list[int]], video_blocks: list[list[int]],
+        audio_blocks: list[list[int]] = (),
     ) -> dict[str, Any]:
         """The token columns of a pair (`_EMPTY_PAIR`): the prompt is tokenized once (`Template.encode_pair`); a
         pair with a sequence over `cutoff_len` is `pair_too_long` (DPO's answers are never cut)."""
         (ids, labels), (rejected_ids, rejected_labels) = self.template.encode_pair(
-            conversation, rejected, blocks, video_blocks
+            conversation, rejected, blocks, video_blocks, audio_blocks
         )
         for name, n in (("chosen", len(ids)), ("rejected", len(rejected_ids))):
             if n > self.cutoff_len:
@@ -141,12 +152,13 @@ class SampleEncoder:
         }
 
     def encode_prompt(
-        self, conversation: Conversation, ground_truth: Any, blocks: list[list[int]], video_blocks: list[list[int]]
+        self, conversation: Conversation, ground_truth: Any, blocks: list[list[int]], video_blocks: list[list[int]],
+        audio_blocks: list[list[int]] = (),
     ) -> dict[str, Any]:
         """The token columns of a prompt (`_EMPTY_PROMPT`): the conversation (its last answer empty) encoded by the
         template, up to where the last answer's trained tokens start (`answer_start`); over `cutoff_len` is
         `too_long` (a prompt is never cut)."""
-        ids, labels = self.template.encode(conversation, blocks, video_blocks)
+        ids, labels = self.template.encode(conversation, blocks, video_blocks, audio_blocks)
         ids = ids[: answer_start(labels)]
         if len(ids) > self.cutoff_len:
             raise BadSample("too_long", f"the prompt has {len(ids)} tokens > cutoff_len {self.cutoff_len}")
@@ -169,7 +181,8 @@ class SampleEncoder:
         return list(dict.fromkeys([*self.answer_end_ids(), *([int(eos)] if eos is not None else [])]))
 
     def truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
-        """Cut to `cutoff_len` in text only; a cut through an image block, or one that leaves nothing trained, is `too_long`."""
+        """Cut to `cutoff_len` in text only; a cut through a media block, or one that leaves nothing trained, is
+        `too_long`."""
         n = len(input_ids)
         if n <= self.cutoff_len:
             return input_ids, labels

@@ -31,14 +31,24 @@ BAD_REASONS = (
     "video_count_mismatch",
     "video_in_wrong_turn",
     "video_not_supported",
+    "audio_count_mismatch",
+    "audio_in_wrong_turn",
+    "audio_not_supported",
     "image_outside_dataset_dir",
     "video_outside_dataset_dir",
+    "audio_outside_dataset_dir",
     "missing_image",
     "corrupt_image",
     "missing_video",
     "corrupt_video",
     "unsupported_video",
     "video_timeout",
+    "missing_audio",
+    "corrupt_audio",
+    "unsupported_audio",
+    "empty_audio",
+    "audio_too_long",
+    "audio_timeout",
     "too_long",
     "pair_too_long",
 )
@@ -87,12 +97,25 @@ BAD_REASON_ADVICE = {
         "this model family has no video input: remove the video rows or set dataset_param.attr.videos: null "
         "(or train a family whose entry declares capabilities.video, e.g. qwen3_vl)"
     ),
+    "audio_count_mismatch": (
+        "set dataset_param.attr.audios to the column holding the audio paths "
+        "and check that each clip has one <audio> placeholder"
+    ),
+    "audio_in_wrong_turn": "move <audio> placeholders into user turns (or check attr.user_tag / assistant_tag)",
+    "audio_not_supported": (
+        "this model family has no audio input: remove the audio rows or set dataset_param.attr.audios: null "
+        "(or use an audio template and plugin, e.g. qwen3_omni)"
+    ),
     "image_outside_dataset_dir": (
         "write image paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
         "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
     ),
     "video_outside_dataset_dir": (
         "write video paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
+        "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
+    ),
+    "audio_outside_dataset_dir": (
+        "write audio paths relative to basic_parameters.dataset_dir without `..` (a symlink inside dataset_dir "
         "may point anywhere), or set basic_parameters.allow_paths_outside_dataset_dir: true"
     ),
     "missing_image": "check basic_parameters.dataset_dir: relative image paths are resolved against it",
@@ -109,6 +132,18 @@ BAD_REASON_ADVICE = {
     "video_timeout": (
         "the video decodes too slowly to its last sampled frame: cut it into shorter clips or re-encode it; "
         "preprocess_parameters.video_timeout raises the bound"
+    ),
+    "missing_audio": "check basic_parameters.dataset_dir: relative audio paths are resolved against it",
+    "corrupt_audio": (
+        "check the audio files play to their end (ffprobe), re-encode damaged ones, "
+        "and clear cache_dir if they changed after the cache was built"
+    ),
+    "unsupported_audio": "re-encode the clip with a common codec (WAV, FLAC, MP3, Opus, AAC) into a file with audio",
+    "empty_audio": "remove clips without sound: a clip needs at least one feature window (25 ms at 16 kHz)",
+    "audio_too_long": "cut long clips into shorter ones, or raise preprocess_parameters.audio_max_seconds",
+    "audio_timeout": (
+        "the clip decodes too slowly: re-encode it or cut it into shorter clips; "
+        "preprocess_parameters.audio_timeout raises the bound"
     ),
     "too_long": "raise preprocess_parameters.cutoff_len or lower image_max_pixels / video_max_pixels / video_maxlen",
     "pair_too_long": (

@@ -14,7 +14,7 @@ Every plugin implements `ImagePlugin`. The dataset sees only that protocol:
 - `media_settings()` -> the effective image and video settings, each with where its value came from (the config,
   a file of the model directory as transformers' `from_pretrained` read it, or transformers' default), for
   `mm-data inspect` and `--check`.
-- `image_token_ids` -> the ids that belong to image (and video) blocks (never trained, never cut).
+- `image_token_ids` -> the ids that belong to image, video and audio blocks (never trained, never cut).
 - optional `write_tiny_processor(out_dir, *, image_size, patch_size, spatial_merge_size)` (a static method):
   writes a tiny offline processor for the synthetic data (`synthetic_shapes`) when its directory is missing.
 - `supports_video` -> whether it also implements `VideoPlugin`: `read_video_grids(paths)`
@@ -22,8 +22,13 @@ Every plugin implements `ImagePlugin`. The dataset sees only that protocol:
   `video_inputs(paths, grids)` (workers: decodes only the sampled frames, bounded in
   time by `video_timeout`, see `mmfsdp.data.video`). A video row for a plugin without it
   is a bad row (`video_not_supported`).
+- `supports_audio` -> whether it also implements `AudioPlugin`: `read_audio_grids(paths)` (preprocessing: decodes
+  each clip once for its exact length, `mmfsdp.data.audio`), `audio_tokens(grid)`, `audio_inputs(paths, grids)`
+  (workers: decodes again and runs the feature extractor). Such a plugin's constructor takes `audio=AudioOptions`.
+  An audio row for a plugin without it is a bad row (`audio_not_supported`).
 
-Pixels are decoded only in `pixel_inputs` / `video_inputs`, i.e. in DataLoader workers. Each family's plugin
+Pixels (and audio features) are made only in `pixel_inputs` / `video_inputs` / `audio_inputs`, i.e. in DataLoader
+workers. Each family's plugin
 lives in its folder (`mmfsdp.data.families.<name>.plugin`) and registers when the registry is first asked
 (entry-point group `mmfsdp.data_families`); the helpers here (header sizes, decoding, the optional pixel-limit
 pre-resize) are shared.
@@ -47,6 +52,7 @@ from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.video import VideoOptions
 
 __all__ = [
+    "AudioPlugin",
     "ImagePlugin",
     "MediaSetting",
     "VideoPlugin",
@@ -73,9 +79,12 @@ class ImagePlugin(Protocol):
     """The name users write in `preprocess_parameters.image_plugin`. An optional class attribute `aliases` (tuple) lists other names that select it
     (older or alternative spellings users' YAML has)."""
     image_token_ids: frozenset[int]
-    """Ids that belong to image (and video) blocks (never trained, never cut)."""
+    """Ids that belong to image, video and audio blocks (never trained, never cut)."""
     supports_video: ClassVar[bool]
     """Whether the plugin also implements `VideoPlugin`; a video row of a plugin without it is `video_not_supported`."""
+    supports_audio: ClassVar[bool]
+    """Whether the plugin also implements `AudioPlugin`; an audio row of a plugin without it is
+    `audio_not_supported`."""
 
     @classmethod
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
@@ -147,6 +156,39 @@ class VideoPlugin(Protocol):
 
     def video_label(self, grid: tuple[int, ...]) -> str:
         """How a video block is shown in decoded text (`<video LABEL>`)."""
+        ...
+
+
+@runtime_checkable
+class AudioPlugin(Protocol):
+    """The audio half of a plugin with `supports_audio` (see the module docstring).
+
+    An audio clip's *grid* is a tuple of ints fixed at preprocessing and stored in the cache: what the plugin needs to
+    size its tokens and to check the clip decodes the same later (for Qwen3-Omni: the samples after resampling, the
+    feature frames, the tokens, the file's sample rate and channels)."""
+
+    def read_audio_grids(self, paths: list[str]) -> list[tuple[int, ...]]:
+        """The grids of one sample's clips (each decoded once for its length); `BadSample` on failure."""
+        ...
+
+    def audio_tokens(self, grid: tuple[int, ...]) -> list[int]:
+        """The token ids of a clip with this grid."""
+        ...
+
+    def audio_inputs(self, paths: list[str], grids: list[tuple[int, ...]]) -> dict[str, Any]:
+        """Decode one sample's clips and run the feature extractor on them; `BadSample` on failure."""
+        ...
+
+    def audio_seconds(self, grid: tuple[int, ...]) -> float:
+        """Seconds of sound of a clip with this grid (after decoding), for `mm-data stats`."""
+        ...
+
+    def describe_audio(self, grid: tuple[int, ...]) -> str:
+        """One line about a clip's decoding and tokens, for `mm-data inspect`."""
+        ...
+
+    def audio_label(self, grid: tuple[int, ...]) -> str:
+        """How an audio block is shown in decoded text (`<audio LABEL>`)."""
         ...
 
 

@@ -8,7 +8,7 @@ goes through the tokenizer, one call per run of text, so the ids equal tokenizin
 rendered string.
 
 Labels are `-100` except on assistant text and its end token. `train_on_prompt` also trains on every other text
-and control token; `mask_history` trains only on the last assistant reply. Image and video blocks are always
+and control token; `mask_history` trains only on the last assistant reply. Image, video and audio blocks are always
 `-100`. Each family's templates live in its folder (`mmfsdp.data.families.<name>.template`) and register when
 the registry is first asked (entry-point group `mmfsdp.data_families`); docs/data.md describes each format.
 """
@@ -18,11 +18,11 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from abc import ABC, abstractmethod
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar, Iterable, Iterator, Sequence
 
 from mmfsdp.config import Registry
 
-from mmfsdp.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
+from mmfsdp.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from mmfsdp.data.processor import MMProcessor
 
 __all__ = [
@@ -35,12 +35,12 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+_PLACEHOLDERS = re.compile("(" + "|".join(map(re.escape, (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER))) + ")")
 
 # A template describes a conversation as parts, assembled by `Template._assemble`:
 #   ("ids", [token ids], trained)           control tokens
 #   ("text", "text", trained)               one run of text between control tokens
-#   ("image", [token ids], False)           an image or video block (never trained)
+#   ("image", [token ids], False)           an image, video or audio block (never trained)
 #   ("split", ("head", "tail"), (h, t))     one run of text whose head and tail train differently
 Part = tuple[str, object, object]
 
@@ -80,18 +80,21 @@ class Template(ABC):
 
     @abstractmethod
     def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> list[Part]:
         """The parts of `conversation` (the comment above `Part`); the i-th `<image>` becomes `image_blocks[i]`, the
-        i-th `<video>` `video_blocks[i]` (`encode` and `encode_pair` have checked there is one block each)."""
+        i-th `<video>` `video_blocks[i]`, the i-th `<audio>` `audio_blocks[i]` (`encode` and `encode_pair` have
+        checked there is one block each)."""
 
     def encode(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> tuple[list[int], list[int]]:
         """Ids and labels of `conversation`; the i-th `<image>` becomes `image_blocks[i]`, the i-th `<video>`
-        `video_blocks[i]`."""
-        _check_blocks(conversation, image_blocks, video_blocks)
-        return self._assemble(self.parts(conversation, image_blocks, video_blocks))
+        `video_blocks[i]`, the i-th `<audio>` `audio_blocks[i]`."""
+        _check_blocks(conversation, image_blocks, video_blocks, audio_blocks)
+        return self._assemble(self.parts(conversation, image_blocks, video_blocks, audio_blocks))
 
     def encode_pair(
         self,
@@ -99,15 +102,16 @@ class Template(ABC):
         rejected: str,
         image_blocks: list[list[int]],
         video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         """(ids, labels) of `conversation` (its last answer the chosen one) and of the same with `rejected` as the
         last answer, each equal to `encode` of its conversation. The parts the two share (the prompt) are
         tokenized once, and the text of all three runs goes through one batched tokenizer call."""
-        _check_blocks(conversation, image_blocks, video_blocks)
+        _check_blocks(conversation, image_blocks, video_blocks, audio_blocks)
         last_user = conversation.turns[-1][0]
         other = replace(conversation, turns=[*conversation.turns[:-1], (last_user, rejected)])
-        chosen_parts = self.parts(conversation, image_blocks, video_blocks)
-        rejected_parts = self.parts(other, image_blocks, video_blocks)
+        chosen_parts = self.parts(conversation, image_blocks, video_blocks, audio_blocks)
+        rejected_parts = self.parts(other, image_blocks, video_blocks, audio_blocks)
         shared = next(
             (k for k, (a, b) in enumerate(zip(chosen_parts, rejected_parts)) if a != b),
             min(len(chosen_parts), len(rejected_parts)),
@@ -125,13 +129,16 @@ class Template(ABC):
         return [self.name, self.train_on_prompt, self.mask_history]
 
     def _user_parts(
-        self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = ""
+        self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = "",
+        audios: Iterable[list[int]] = (),
     ) -> list[Part]:
-        """A user message's text runs with its image and video blocks in place of the placeholders."""
+        """A user message's text runs with its image, video and audio blocks in place of the placeholders (each
+        iterator is shared by the turns, so the i-th placeholder of a kind takes its i-th block)."""
         parts: list[Part] = []
+        blocks = {IMAGE_PLACEHOLDER: images, VIDEO_PLACEHOLDER: videos, AUDIO_PLACEHOLDER: iter(audios)}
         for j, piece in enumerate(_PLACEHOLDERS.split(user)):
             if j % 2:
-                parts.append(("image", next(images if piece == IMAGE_PLACEHOLDER else videos), False))
+                parts.append(("image", next(blocks[piece]), False))
             else:
                 parts.append(("text", prefix + piece if j == 0 else piece, self.train_on_prompt))
         return parts
@@ -164,8 +171,12 @@ class Template(ABC):
         return input_ids, labels
 
 
-def _check_blocks(conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]]) -> None:
+def _check_blocks(
+    conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]],
+    audio_blocks: Sequence[list[int]],
+) -> None:
     assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
+    assert len(audio_blocks) == len(conversation.audios)
 
 
 def _texts(parts: list[Part]) -> list[str]:

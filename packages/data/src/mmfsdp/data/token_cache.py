@@ -79,6 +79,8 @@ def _features(ranking: bool = False, prompt_only: bool = False) -> Any:
             "image_grids": seq(seq(datasets.Value("int32"))),
             "videos": seq(datasets.Value("string")),
             "video_grids": seq(seq(datasets.Value("int64"))),
+            "audios": seq(datasets.Value("string")),
+            "audio_grids": seq(seq(datasets.Value("int64"))),
             "absolute_images": datasets.Value("int32"),
             "length": datasets.Value("int32"),
             "bad_reason": datasets.Value("string"),

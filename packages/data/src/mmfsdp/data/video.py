@@ -25,10 +25,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
+from mmfsdp.data.av_files import first_stream, open_container
 from mmfsdp.data.errors import BadSample
 
 __all__ = [
@@ -64,42 +64,11 @@ class VideoInfo:
     codec: str
 
 
-def _open(path: str, timeout_s: float):
-    import av
-
-    if not Path(path).is_file():
-        raise BadSample("missing_video", f"{path} does not exist")
-    try:
-        return av.open(path, mode="r", timeout=(timeout_s, timeout_s))
-    except av.error.ExitError:  # FFmpeg's interrupt callback: the open/read timeout fired
-        raise BadSample("video_timeout", f"{path}: opening it took over {timeout_s:g} s") from None
-    except Exception as err:  # PyAV raises FFmpeg's many error types (InvalidDataError, ...) for unreadable files
-        raise BadSample(
-            "corrupt_video", f"{path} is not a readable video container ({type(err).__name__}: {err})"
-        ) from None
-
-
-def _video_stream(container, path: str):
-    import av
-
-    if not container.streams.video:
-        raise BadSample("unsupported_video", f"{path} has no video stream")
-    stream = container.streams.video[0]
-    name = stream.codec_context.name if stream.codec_context is not None else None
-    try:
-        av.Codec(name, "r")
-    except Exception:
-        raise BadSample(
-            "unsupported_video", f"{path}: its codec {name!r} cannot be decoded by PyAV's bundled FFmpeg"
-        ) from None
-    return stream
-
-
 def read_video_info(path: str, *, timeout_s: float = VIDEO_TIMEOUT_S) -> VideoInfo:
     """The headers of the video at `path` (nothing is decoded); `BadSample` if it cannot or should not be used."""
-    container = _open(path, timeout_s)
+    container = open_container(path, "video", timeout_s)
     try:
-        stream = _video_stream(container, path)
+        stream = first_stream(container, path, "video")
         width, height = int(stream.width or 0), int(stream.height or 0)
         codec = stream.codec_context.name
         fps = Fraction(stream.average_rate) if stream.average_rate else None
@@ -152,9 +121,9 @@ def decode_frames(path: str, indices: list[int], *, timeout_s: float = VIDEO_TIM
 
     import av
 
-    container = _open(path, timeout_s)
+    container = open_container(path, "video", timeout_s)
     try:
-        stream = _video_stream(container, path)
+        stream = first_stream(container, path, "video")
         for packet in container.demux(stream):
             overdue()
             for frame in packet.decode():

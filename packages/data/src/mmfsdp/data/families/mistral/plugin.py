@@ -52,6 +52,7 @@ class PixtralPlugin:
 
     name = "pixtral"
     supports_video = False
+    supports_audio = False
     image_token = "[IMG]"
     image_break_token = "[IMG_BREAK]"
     image_end_token = "[IMG_END]"

@@ -32,17 +32,18 @@ class MistralTemplate(Template):
     user_ids = ControlTokens("[INST]", "[/INST]")
 
     def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> list[Part]:
         prompt = self.train_on_prompt
         parts: list[Part] = [("ids", [self.bos_id], prompt)]
         if conversation.system is not None:
             parts += [("ids", [self.system_ids[0]], prompt), ("text", conversation.system, prompt), ("ids", [self.system_ids[1]], prompt)]
-        images, videos = iter(image_blocks), iter(video_blocks)
+        images, videos, audios = iter(image_blocks), iter(video_blocks), iter(audio_blocks)
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
             parts.append(("ids", [self.user_ids[0]], prompt))
-            parts += self._user_parts(user, images, videos)
+            parts += self._user_parts(user, images, videos, audios=audios)
             parts.append(("ids", [self.user_ids[1]], prompt))
             trained = not self.mask_history or i == last
             parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]

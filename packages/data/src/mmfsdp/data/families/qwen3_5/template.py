@@ -33,15 +33,17 @@ class Qwen3_5Template(Qwen3VLTemplate):
     name = "qwen3_5"
 
     def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> list[Part]:
         trimmed = Conversation(
             system=None if conversation.system is None else conversation.system.strip(),
             turns=[(user.strip(), answer.strip()) for user, answer in conversation.turns],
             images=conversation.images,
             videos=conversation.videos,
+            audios=conversation.audios,
         )
-        return super().parts(trimmed, image_blocks, video_blocks)
+        return super().parts(trimmed, image_blocks, video_blocks, audio_blocks)
 
     def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
         if not is_last or not self.enable_thinking or self.think_close not in answer:

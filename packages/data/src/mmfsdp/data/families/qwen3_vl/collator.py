@@ -34,23 +34,34 @@ class Qwen3VLCollator(_RowCollator):
     name = "qwen3_vl"
     aliases = ("qwen3vl",)
     """`input_ids` pad with the tokenizer's pad id."""
+    pixel_keys = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+    """(patches, grids) keys of each visual kind, concatenated over the batch's samples in order."""
 
     def __call__(self, rows: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows = self._rows(rows)
         text, spans, segments = self._text(rows)
-        batch: dict[str, Any] = dict(text)
-        token_types = torch.zeros_like(text["input_ids"])
-        media_keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-        media: dict[str, list[torch.Tensor]] = {key: [] for key in media_keys}
+        batch: dict[str, Any] = {**text, **self._token_inputs(rows, spans, text["input_ids"]), **self._media(rows)}
+        self._boundaries(batch, segments)
+        return batch
+
+    def _token_inputs(
+        self, rows: list[list[dict[str, Any]]], spans: list[list[tuple[int, int]]], input_ids: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """`mm_token_type_ids` `[B, S]`: each sample's own, padded with 0."""
+        token_types = torch.zeros_like(input_ids)
         for b, row in enumerate(rows):
             for sample, (start, _) in zip(row, spans[b]):
                 if "mm_token_type_ids" in sample:
                     token_types[b, start : start + len(sample["input_ids"])] = torch.as_tensor(sample["mm_token_type_ids"])
-                for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-                    if pixels in sample:
-                        media[pixels].append(sample[pixels])
-                        media[grid].append(torch.as_tensor(sample[grid], dtype=torch.long).reshape(-1, 3))
-        batch["mm_token_type_ids"] = token_types
-        batch.update({key: torch.cat(values) for key, values in media.items() if values})
-        self._boundaries(batch, segments)
-        return batch
+        return {"mm_token_type_ids": token_types}
+
+    def _media(self, rows: list[list[dict[str, Any]]]) -> dict[str, torch.Tensor]:
+        """The samples' patches and grids of each visual kind concatenated in order; absent for a kind no sample has."""
+        media: dict[str, torch.Tensor] = {}
+        for pixels, grid in self.pixel_keys:
+            samples = [sample for row in rows for sample in row if pixels in sample]
+            if samples:
+                media[pixels] = torch.cat([sample[pixels] for sample in samples])
+                grids = [torch.as_tensor(sample[grid], dtype=torch.long).reshape(-1, 3) for sample in samples]
+                media[grid] = torch.cat(grids)
+        return media

@@ -66,6 +66,7 @@ class Qwen3VLPlugin:
     name = "qwen3_vl"
     aliases = ("qwen2_vl",)
     supports_video = True
+    supports_audio = False
     image_token = "<|image_pad|>"
     video_token = "<|video_pad|>"
     vision_start_token = "<|vision_start|>"
@@ -79,21 +80,31 @@ class Qwen3VLPlugin:
         file lacks takes transformers' defaults)."""
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
+        cls.require_image_settings(model_dir)
+        image_processor = Qwen2VLImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        video_processor = Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
+
+    @classmethod
+    def require_image_settings(cls, model_dir: Path) -> None:
+        """A `ConfigError` unless the model directory holds the image processor's settings."""
         if processor_file(model_dir, "image_processor", _IMAGE_FILES) is None:
             raise ConfigError(
                 f"{_KEY}.model_name_or_path",
                 f"{str(model_dir)!r} has no preprocessor_config.json (nor processor_config.json with an "
-                "image_processor section, as transformers 5 saves it); the qwen3_vl plugin needs the model's image "
+                f"image_processor section, as transformers 5 saves it); the {cls.name} plugin needs the model's image "
                 "processor settings",
             )
-        image_processor = Qwen2VLImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        video_processor = Qwen3VLVideoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
 
     def __init__(
         self, processor: MMProcessor, *, image_max_pixels: int | None = None, image_min_pixels: int | None = None,
         video: VideoOptions | None = None,
     ):
+        self._init_images(processor, image_max_pixels, image_min_pixels)
+        self._init_video(video or VideoOptions())
+
+    def _init_images(self, processor: MMProcessor, image_max_pixels: int | None, image_min_pixels: int | None) -> None:
+        """The image processor's settings and the vision tokens' ids."""
         self.processor = processor
         self.image_processor = processor.image_processor
         self.patch_size = int(self.image_processor.patch_size)
@@ -113,8 +124,11 @@ class Qwen3VLPlugin:
         self.end_id = tid(self.vision_end_token)
         self.video_id = tid(self.video_token)
         self.image_token_ids = frozenset((self.image_id, self.start_id, self.end_id, self.video_id))
-        self.video_options = video or VideoOptions()
-        self.video_processor = getattr(processor.hf_processor, "video_processor", None)
+
+    def _init_video(self, options: VideoOptions) -> None:
+        """The video processor's settings, the configured ones applied."""
+        self.video_options = options
+        self.video_processor = getattr(self.processor.hf_processor, "video_processor", None)
         if self.video_processor is None:
             raise ConfigError(
                 f"{_KEY}.image_plugin",
@@ -133,7 +147,6 @@ class Qwen3VLPlugin:
         self._video_kwargs: dict[str, Any] = {"do_sample_frames": False, "return_tensors": "pt"}
         if "cap_pixels_per_frame" in known:
             self._video_kwargs["cap_pixels_per_frame"] = self.cap_pixels_per_frame
-        options = self.video_options
         self.video_fps = options.fps if options.fps is not None else vp.fps
         """Frames sampled per second: `video_fps`, else the video processor's `fps` (None: every frame)."""
         self.video_maxlen = options.maxlen if options.maxlen is not None else int(vp.max_frames)
@@ -189,15 +202,26 @@ class Qwen3VLPlugin:
 
     def media_settings(self) -> list[MediaSetting]:
         """Image pixel bounds, video sampling and video pixel limits as applied, each with its source."""
-        model_dir = Path(self.processor.name_or_path)
-        image_file = processor_file(model_dir, "image_processor", _IMAGE_FILES)
-        video_file = processor_file(model_dir, "video_processor", _VIDEO_FILES)
-        ip, vp, options = self.image_processor, self.video_processor, self.video_options
+        return self.image_settings() + self.video_settings()
+
+    def image_settings(self) -> list[MediaSetting]:
+        """The image pixel bounds as applied, each with its source."""
+        image_file = processor_file(Path(self.processor.name_or_path), "image_processor", _IMAGE_FILES)
 
         def image(key: str, explicit: int | None, value: int, legacy: str) -> MediaSetting:
             if explicit is not None:
                 return MediaSetting(key, explicit, "config")
-            return MediaSetting(key, value, setting_source(image_file, ("size", legacy), ip, "size"))
+            return MediaSetting(key, value, setting_source(image_file, ("size", legacy), self.image_processor, "size"))
+
+        return [
+            image("image_min_pixels", self.image_limits[0], self.min_pixels, "min_pixels"),
+            image("image_max_pixels", self.image_limits[1], self.max_pixels, "max_pixels"),
+        ]
+
+    def video_settings(self) -> list[MediaSetting]:
+        """Video sampling and video pixel limits as applied, each with its source."""
+        video_file = processor_file(Path(self.processor.name_or_path), "video_processor", _VIDEO_FILES)
+        vp, options = self.video_processor, self.video_options
 
         def video(key: str, explicit: Any, value: Any, name: str) -> MediaSetting:
             if explicit is not None:
@@ -206,8 +230,6 @@ class Qwen3VLPlugin:
 
         no_limit = "null: no per-frame limit; video_processor.size applies"
         return [
-            image("image_min_pixels", self.image_limits[0], self.min_pixels, "min_pixels"),
-            image("image_max_pixels", self.image_limits[1], self.max_pixels, "max_pixels"),
             video("video_fps", options.fps, self.video_fps, "fps"),
             video("video_maxlen", options.maxlen, self.video_maxlen, "max_frames"),
             video("video_processor.min_frames", None, int(vp.min_frames), "min_frames"),

@@ -37,7 +37,8 @@ class Qwen3VLNoThinkTemplate(Template):
     end_id = ControlTokens("<|im_end|>")
 
     def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = ()
+        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
+        audio_blocks: Sequence[list[int]] = (),
     ) -> list[Part]:
         prompt = self.train_on_prompt
         start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
@@ -45,10 +46,10 @@ class Qwen3VLNoThinkTemplate(Template):
         parts: list[Part] = []
         if conversation.system is not None:
             parts += [start, ("text", "system\n" + conversation.system, prompt), end, newline]
-        images, videos = iter(image_blocks), iter(video_blocks)
+        images, videos, audios = iter(image_blocks), iter(video_blocks), iter(audio_blocks)
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
-            parts += [start, *self._user_parts(user, images, videos, prefix="user\n"), end, newline, start]
+            parts += [start, *self._user_parts(user, images, videos, "user\n", audios), end, newline, start]
             trained = not self.mask_history or i == last
             parts += self._assistant_parts(assistant, i == last, trained)
             parts += [("ids", [self.end_id], trained), newline]

@@ -1,0 +1,41 @@
+"""The `qwen3_omni` collator (alias `qwen3omni`, MindSpeed-MM's name).
+
+Text, packing and images as the `qwen3_vl` collator lays them out, but no `mm_token_type_ids`: Qwen3-Omni's
+processor returns none and its thinker finds media by their token ids. Audio: `input_features`
+`[Σ clips, feature_size, T]` and `feature_attention_mask` `[Σ clips, T]`, the samples' clips in order, each sample's
+features as its processor call gave them (`T` its longest clip's frames) and padded with zeros (mask 0) to the
+batch's longest `T`; both are absent when no sample has a clip. The audio encoder reads only the frames the mask
+keeps, so the padding changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mmfsdp.data.collators import register_collator
+from mmfsdp.data.families.qwen3_vl.collator import Qwen3VLCollator
+
+__all__ = ["Qwen3OmniCollator"]
+
+
+@register_collator
+class Qwen3OmniCollator(Qwen3VLCollator):
+    """Qwen-VL patches and Whisper features in sample order; no token types."""
+
+    name = "qwen3_omni"
+    aliases = ("qwen3omni",)
+
+    def _token_inputs(self, rows: Any, spans: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _media(self, rows: list[list[dict[str, Any]]]) -> dict[str, torch.Tensor]:
+        media = super()._media(rows)
+        clips = [sample for row in rows for sample in row if "input_features" in sample]
+        if clips:
+            frames = max(sample["input_features"].shape[-1] for sample in clips)
+            for key in ("input_features", "feature_attention_mask"):
+                media[key] = torch.cat([F.pad(s[key], (0, frames - s[key].shape[-1])) for s in clips])
+        return media
