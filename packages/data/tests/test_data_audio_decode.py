@@ -100,15 +100,10 @@ def test_lossy_clips_keep_their_content_aligned(tmp_path, h, name, codec, contai
     assert _snr_db(clip.samples[span], _expected(len(clip.samples), channels)[span]) > 20
 
 
-def test_load_audio_where_its_backend_is_installed(tmp_path, h):
-    """transformers' `load_audio` with its soundfile backend (soundfile decodes, soxr resamples, channels averaged)
-    gives the clip within the resamplers' difference. Skipped here: neither soundfile nor soxr is installed (and the
-    torchcodec backend needs FFmpeg's shared libraries on the system, and downmixes stereo as 0.707 · (L + R))."""
-    import importlib.util
-
-    missing = [name for name in ("soundfile", "soxr") if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"transformers.audio_utils.load_audio(backend='soundfile') needs {' and '.join(missing)}")
+def test_load_audio_agrees(tmp_path, h):
+    """transformers' `load_audio` with its soundfile backend (soundfile decodes, soxr resamples, channels averaged;
+    both in the dev group for this test) gives the clip within the resamplers' difference (its torchcodec backend
+    needs FFmpeg's shared libraries on the system, and downmixes stereo as 0.707 · (L + R))."""
     from transformers.audio_utils import load_audio
 
     n = 3 * 44100 + 7
