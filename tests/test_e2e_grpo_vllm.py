@@ -2,11 +2,10 @@
 
 The tiny Qwen3-VL (fp32, one process, CPU), synthetic shapes as prompts (image and text-only rows), 3 steps:
 
-- effectively greedy (temperature 1e-6: the trainer divides the logits by it, so 0 is refused; vLLM samples
-  greedily below 1e-5, the hf engine's Gumbel-max draw is the argmax unless two logits are within ~1e-5), the
-  vllm run's completions equal the hf run's at every step (`completions.jsonl`) and the losses agree within 1e-5:
-  the server's weights are the trainer's after each step (the sync), the prompts and images reach it as ours;
-  `rollout/logprob_diff_mean` and `_max`, `time/sync_s` and `rollout/sync_gbps` are logged;
+- at temperature 1e-6 (the stage refuses 0: the trainer divides the logits by it), the vllm run's completions
+  should equal the hf run's at every step (`completions.jsonl`) and the losses agree within 1e-5. Known to fail
+  (strict xfail): at 1e-6 neither engine is greedy on this model (found 2026-12-06: the two generations of a
+  prompt differ within each run), so the stage needs a true greedy mode before this comparison can hold;
 - the server killed (SIGKILL) mid-run: the run exits non-zero with one `rollout.engine vllm` error line within
   60 s, no server process is left, and the last checkpoint is whole (its tracker names a checkpoint that opens).
 
@@ -70,6 +69,10 @@ def _servers(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "not greedy yet: at temperature 1e-6 neither engine takes the argmax on this random tiny model (the two "
+    "generations of a prompt differ in both runs; vLLM's sampled tokens sit up to 0.04 below the top logit), so the "
+    "completions differ from step 1; the stage needs a true greedy mode (temperature 0 for generation) first"))
 def test_vllm_engine_run_equals_hf_engine_run(tmp_path):
     outs = {}
     for engine in ("hf", "vllm"):
