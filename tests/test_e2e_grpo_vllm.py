@@ -89,7 +89,8 @@ def test_vllm_engine_run_equals_hf_engine_run(tmp_path):
 
 
 def test_server_killed_mid_run_stops_the_run(tmp_path):
-    from mmfsdp.ckpt import read_dcp_metadata, resolve_checkpoint
+    from mmfsdp.ckpt.dcp_io import read_dcp_metadata
+    from mmfsdp.ckpt.layout import resolve_checkpoint
 
     out = tmp_path / "run"
     items = _items(tmp_path, out, "vllm", steps=40, **{"training.save": out / "ckpt", "training.save_interval": 1})
