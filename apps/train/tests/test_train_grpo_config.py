@@ -40,7 +40,9 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.reward_funcs=[acuracy]", "training.grpo.reward_funcs[0].name"),
         ("training.grpo.reward_funcs=[{name: format, options: {pattern: '('}}]",
          "training.grpo.reward_funcs[0].options.pattern"),
-        ("training.grpo.rollout.engine=vllm", "training.grpo.rollout.engine"),
+        ("training.grpo.rollout.engine=sglang", "training.grpo.rollout.engine"),
+        ("training.grpo.rollout.vllm.launch=false", "training.grpo.rollout.vllm.url"),
+        ("training.grpo.rollout.vllm.request_timeout_s=0", "training.grpo.rollout.vllm.request_timeout_s"),
         ("training.grpo.max_resample_rounds=-1", "training.grpo.max_resample_rounds"),
         ("training.grpo.filter_groups={max_num_gen_batches: 0}", "training.grpo.filter_groups.max_num_gen_batches"),
         ("training.grpo.filter_groups={metric: acc}", "training.grpo.filter_groups.metric"),
@@ -53,6 +55,20 @@ def test_mistakes_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
         _cfg(override)
     assert err.value.key == key or str(err.value).startswith(key), str(err.value)
+
+
+def test_the_vllm_engine_names_its_python_and_how_to_build_it(tmp_path):
+    missing = tmp_path / "no-env" / "bin" / "python"
+    with pytest.raises(ConfigError) as err:
+        _cfg("training.grpo.rollout.engine=vllm", f"training.grpo.rollout.vllm.python={missing}")
+    assert str(err.value).startswith("training.grpo.rollout.vllm.python") and "tools/vllm_env/setup.py" in str(err.value)
+    python = tmp_path / "python"
+    python.write_text("")
+    v = _cfg("training.grpo.rollout.engine=vllm", f"training.grpo.rollout.vllm.python={python}").training.grpo.rollout
+    assert (v.engine, v.vllm.python, v.vllm.launch) == ("vllm", str(python), True)
+    url = _cfg("training.grpo.rollout.engine=vllm", "training.grpo.rollout.vllm.launch=false",
+               "training.grpo.rollout.vllm.url=127.0.0.1:8000").training.grpo.rollout.vllm
+    assert url.url == "127.0.0.1:8000"
 
 
 @pytest.mark.parametrize("override", ["parallel.ulysses_parallel_size=2", "parallel.ring_attention_size=2",

@@ -79,8 +79,8 @@ from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
-from mmfsdp.model.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from mmfsdp.parallel.dtypes import DTYPES
+from mmfsdp.model.rollout import SamplingParams
+from mmfsdp.train.grpo_engine import build_rollout_engine, kv_cache_term, prompt_request, sync_stats
 from mmfsdp.train.grpo_sampling import (
     Generation, Round, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout, micro_batch_count,
     round_order, sample_rounds, split_evenly, write_completions,
@@ -95,7 +95,7 @@ __all__ = ["GRPOObjective", "COMPLETIONS_FILE"]
 log = get_logger("mmfsdp.train")
 
 COMPLETIONS_FILE = "completions.jsonl"
-PROMPT_META = ("prompt_index", "solution", "prompt_text")
+PROMPT_META = ("prompt_index", "solution", "prompt_text", "image_paths")
 """Keys of a `PromptDataset` item that are not the family's sample keys."""
 POLICY_MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -176,39 +176,11 @@ class GRPOObjective(Objective):
 
     @classmethod
     def memory_terms(cls, cfg, model: torch.nn.Module, shard_size: int) -> list[MemoryTerm]:
-        terms = [cls._kv_cache_term(cfg, model)]
+        terms = kv_cache_term(cfg, model)
         if cfg.training.grpo.beta and live_reference_kind(cfg.training) == "frozen":
             size = frozen_copy_bytes(cfg, model, shard_size)
             terms.append(MemoryTerm("reference", "GRPO reference", size, f"frozen copy, {cfg.model.dtype} / {shard_size}"))
         return terms
-
-    @classmethod
-    def _kv_cache_term(cls, cfg, model: torch.nn.Module) -> MemoryTerm:
-        """The hf engine's cache while it generates: every prompt of the rank's step at once, each row repeated per
-        generation, up to prompt + completion tokens; attention layers keep K and V per token, linear-attention
-        (Gated DeltaNet) layers a fixed recurrent and convolution state per row (fp32)."""
-        t, text = cfg.training, model.config.text_config
-        rows = t.micro_batch_size * t.gradient_accumulation_steps * t.grpo.num_generations
-        _, tokens = cls.sequence_shape(cfg)
-        compute = DTYPES[cfg.parallel.fsdp_plan.param_dtype or cfg.model.dtype].itemsize
-        kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-        attention, linear = kinds.count("full_attention"), kinds.count("linear_attention")
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        per_token = 2 * attention * getattr(text, "num_key_value_heads", heads) * head_dim * compute
-        per_row = 0
-        if linear:
-            key_dim = text.linear_num_key_heads * text.linear_key_head_dim
-            value_dim = text.linear_num_value_heads * text.linear_value_head_dim
-            state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
-            conv = (2 * key_dim + value_dim) * text.linear_conv_kernel_dim * compute
-            per_row = linear * (state + conv)
-        size = rows * (tokens * per_token + per_row)
-        rounds = (f"; dynamic sampling: up to {1 + t.grpo.max_resample_rounds} rounds a step, one at a time"
-                  if t.grpo.dynamic_sampling else "")
-        return MemoryTerm("kv_cache", "rollout KV cache", size,
-                          f"{rows} rows x {tokens} tokens, {attention} attention + {linear} linear layers{rounds}",
-                          phase="generation")
 
     @staticmethod
     def _reward_specs(g) -> list[Any]:
@@ -224,8 +196,7 @@ class GRPOObjective(Objective):
             raise ConfigError("training.stage", "grpo needs prompt data (data.dataset_param.attr.prompt_only: true)")
         g = ctx.cfg.training.grpo
         reference = LIVE_REFERENCES[live_reference_kind(ctx.cfg.training)].build(ctx) if g.beta else None
-        processor = ctx.train_dataset.processor
-        engine = HFRolloutEngine(ctx.model, pad_token_id=processor.pad_token_id)  # every rank generates together
+        engine = build_rollout_engine(ctx, frozenset(ctx.train_dataset.encoder.plugin.image_token_ids))
         return cls(ctx, engine, reference)
 
     def __init__(self, ctx: ObjectiveContext, engine, reference):
@@ -285,7 +256,8 @@ class GRPOObjective(Objective):
             return {}
         saved = {field.name: getattr(g, field.name) for field in dataclasses.fields(Generation)}
         saved.update(old_logps=[_moved(t, "cpu") for t in g.old_logps],
-                     ref_logps=[_moved(t, "cpu") for t in g.ref_logps], diff_max=g.diff_max.cpu())
+                     ref_logps=[_moved(t, "cpu") for t in g.ref_logps], diff_max=g.diff_max.cpu(),
+                     diff_sum=g.diff_sum.cpu())
         return {"generation": {**saved, "num_generations": self.g.num_generations}}
 
     def _restore(self, saved: dict[str, Any] | None) -> Generation | None:
@@ -301,7 +273,7 @@ class GRPOObjective(Objective):
         generation = Generation(**{name: saved[name] for name in names})
         generation.old_logps = [_moved(t, self.device) for t in generation.old_logps]
         generation.ref_logps = [_moved(t, self.device) for t in generation.ref_logps]
-        generation.diff_max = generation.diff_max.to(self.device)
+        generation.diff_max, generation.diff_sum = generation.diff_max.to(self.device), generation.diff_sum.to(self.device)
         self._build(generation)
         return generation
 
@@ -329,7 +301,7 @@ class GRPOObjective(Objective):
     def start_step(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fresh = self.needs_batch()
         self.step += 1
-        self._seconds = (0.0, 0.0)  # a step that trains on a kept batch neither generates nor scores
+        self._seconds, self._sync_s = (0.0, 0.0), 0.0  # a step on a kept batch neither syncs, generates nor scores
         if fresh:
             self._generation, rounds, groups = self._generate(micro_batches)
             advantages = self._build(self._generation)
@@ -350,7 +322,7 @@ class GRPOObjective(Objective):
         number = (self.step - 1) // self.g.num_iterations + 1
         started = time.perf_counter()
         self.engine.sync_weights(self.model, self.step - 1)
-        self._seconds = (time.perf_counter() - started, 0.0)
+        self._sync_s = time.perf_counter() - started
         rounds: list[Round] = []
 
         def next_round(r: int) -> tuple[list[tuple], torch.Tensor]:
@@ -402,14 +374,14 @@ class GRPOObjective(Objective):
             table=torch.cat([r.table for r in rounds], dim=1), columns=layout.columns, offset=layout.offset,
             num_batches=max(1, num_batches), rounds=len(rounds), old_logps=[None] * len(chunks),
             ref_logps=[None] * len(chunks), diff_max=torch.zeros((), device=self.device),
+            diff_sum=torch.zeros((), device=self.device),
         )
         return generation, rounds, layout.groups
 
     def _round(self, prompts: list[dict[str, Any]], number: int) -> Round:
         """One round of steps 1-3: this rank's prompts generated and scored, every rank's numbers gathered."""
         G = self.g.num_generations
-        requests = [RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
-                                   num_generations=G, media=self._media(item)) for item in prompts]
+        requests = [prompt_request(item, self._media(item), G) for item in prompts]
         started = time.perf_counter()
         rollouts = self.engine.generate(requests, self.sampling, number)
         generated = time.perf_counter()
@@ -559,9 +531,15 @@ class GRPOObjective(Objective):
             if old is None:  # the sampler's log-probabilities: the engine never draws a media placeholder
                 kept = out.kept_logmass
                 sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
-                gap = ((sampled - plan.engine_logps).abs() * plan.mask).max() if plan.mask.numel() else 0.0
+                gaps = (sampled - plan.engine_logps).abs() * plan.mask
+                gap = gaps.max() if plan.mask.numel() else 0.0
                 generation.diff_max = torch.maximum(generation.diff_max, torch.as_tensor(gap, device=self.device))
+                generation.diff_sum = generation.diff_sum + gaps.sum()
         return out, loss * self.cp_share
+
+    def close(self) -> None:
+        self.engine.close()
+        self.rewards.close()
 
     def validation_metrics(self, step: int) -> dict[str, float]:
         """The held-out greedy reward (`mmfsdp.train.grpo_validation`) on the weights after `step`."""
@@ -572,6 +550,7 @@ class GRPOObjective(Objective):
         reductions = []
         low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
         diff_max = self._generation.diff_max.clone()  # the generation's: kept (unreduced) for its later steps
+        diff_mean = self._generation.diff_sum / self._num_tokens.clamp(min=1.0)  # this rank's share of the mean
         if not self._any_trained and self.g.importance_sampling_level == "token":
             low.fill_(float("nan")), high.fill_(float("nan"))  # no sequence with a trained token anywhere: TRL's NaN
         if self.dims.dp_size > 1:
@@ -579,11 +558,13 @@ class GRPOObjective(Objective):
             reductions += [dist.all_reduce(self._policy, group=group, async_op=True),
                            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group, async_op=True),
                            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                           dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+                           dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                           dist.all_reduce(diff_mean, group=group, async_op=True)]
         policy = {name: self._policy[POLICY_MEANS.index(name)] for name in self._names}
         generate_s, reward_s = self._seconds  # rank 0's (the log line's); the ranks generate in lockstep
         return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
-                "rollout/logprob_diff_max": diff_max,
+                "rollout/logprob_diff_max": diff_max, "rollout/logprob_diff_mean": diff_mean,
+                **sync_stats(self.engine, self._sync_s, self.device),
                 "time/generate_s": torch.tensor(generate_s, device=self.device),
                 "time/reward_s": torch.tensor(reward_s, device=self.device)}, reductions
 

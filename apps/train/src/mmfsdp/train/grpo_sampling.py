@@ -235,6 +235,9 @@ class Generation:
     > 1` only: the reference does not change)."""
     diff_max: torch.Tensor
     """This rank's `rollout/logprob_diff_max` of the first iteration (device scalar)."""
+    diff_sum: torch.Tensor
+    """The sum of this rank's |engine − trainer| log-prob gaps of the first iteration (`rollout/logprob_diff_mean`:
+    over the generation's trained tokens; device scalar)."""
 
 
 def gather_columns(local: torch.Tensor, dims: Any, device: torch.device) -> tuple[torch.Tensor, list[int]]:

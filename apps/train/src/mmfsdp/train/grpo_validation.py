@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from mmfsdp.data import build_dataset
-from mmfsdp.model.rollout import RolloutRequest, SamplingParams
+from mmfsdp.model.rollout import SamplingParams
+from mmfsdp.train.grpo_engine import prompt_request
 
 __all__ = ["HeldOutRewards", "greedy"]
 
@@ -71,8 +72,7 @@ class HeldOutRewards:
         for call in range(num_calls):
             items = [self.dataset[i] for i in indices[call * self.batch_size : (call + 1) * self.batch_size]]
             items = [item for item in items if "bad_reason" not in item]
-            requests = [RolloutRequest(prompt_index=item["prompt_index"], prompt_ids=item["input_ids"].tolist(),
-                                       media=self.media(item)) for item in items]
+            requests = [prompt_request(item, self.media(item)) for item in items]
             rollouts = self.engine.generate(requests, self.sampling, step)
             if not items:
                 continue

@@ -202,6 +202,11 @@ class Objective(abc.ABC):
         """The stage's own held-out metrics (`mmfsdp.train.evaluate.ObjectiveMetrics`), or None."""
         return None
 
+    def close(self) -> None:
+        """Release what the objective holds outside the training processes (GRPO: a rollout server it launched,
+        its reward workers); the trainer calls it on every rank at the end of the run, also when it stops on an
+        error."""
+
     def validation_metrics(self, step: int) -> dict[str, float]:
         """The stage's own held-out metrics at validation step `step`, beside `val_loss` (a collective: the
         evaluator calls it on every rank; GRPO: the held-out greedy reward, `mmfsdp.train.grpo_validation`)."""

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from mmfsdp.config import Alias, ConfigError, ForeignKey, Ignored, Translate
 
-__all__ = ["DPOConfig", "GRPOConfig", "RolloutConfig"]
+__all__ = ["DPOConfig", "GRPOConfig", "RolloutConfig", "VLLMConfig", "default_vllm_python"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,10 +40,50 @@ class DPOConfig:
             raise ConfigError("rpo_alpha", f"must be >= 0, got {self.rpo_alpha}")
 
 
+def default_vllm_python() -> str:
+    """The Python of the vLLM environment `tools/vllm_env/setup.py` builds: `$MMFSDP_VLLM_ENV`, else
+    `~/.cache/mmfsdp/vllm-env` (under `$XDG_CACHE_HOME` when set)."""
+    if os.environ.get("MMFSDP_VLLM_ENV"):
+        return str(Path(os.environ["MMFSDP_VLLM_ENV"]).expanduser() / "bin" / "python")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(cache / "mmfsdp" / "vllm-env" / "bin" / "python")
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    launch: bool = True
+    """Rank 0 starts the vLLM server (`mmfsdp.model.vllm_server`) with `python` on the run's starting weights and stops it when the run ends; false: use the server at `url`."""
+    python: str = ""
+    """The Python of an environment with vLLM; empty = the one `uv run python tools/vllm_env/setup.py` builds (`$MMFSDP_VLLM_ENV/bin/python`, else `~/.cache/mmfsdp/vllm-env/bin/python`)."""
+    url: str | None = None
+    """With `launch: false`: the address of a running server (`host:port` or a Unix socket path); its key is `$VLLM_SERVER_AUTHKEY` (hex)."""
+    startup_timeout_s: float = 600.0
+    """Most seconds a launched server may take to load its model and accept a connection."""
+    request_timeout_s: float = 600.0
+    """Most seconds one request (a weight chunk, a step's generations) may take; past it the run stops with an error."""
+
+    def __post_init__(self) -> None:
+        if not self.python:
+            self.python = default_vllm_python()
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if not self.launch and not self.url:
+            raise ConfigError("url", "launch: false needs the address of a running server (host:port or a socket path)")
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`, docs/rl.md ("Rollout engines"))."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`); vllm = a vLLM server in its own process and environment, its weights synced every step (`mmfsdp.model.vllm_rollout`, docs/rl.md ("Rollout engines"))."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM server (with `engine: vllm`)."""
+
+    def __post_init__(self) -> None:
+        v = self.vllm
+        if self.engine == "vllm" and v.launch and not Path(v.python).is_file():
+            raise ConfigError("vllm.python", f"{v.python} does not exist: build the vLLM environment with `uv run "
+                                             "python tools/vllm_env/setup.py`, or name an environment with vLLM")
 
 
 @dataclass(kw_only=True, slots=True)

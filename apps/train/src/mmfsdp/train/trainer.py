@@ -397,6 +397,17 @@ def lost_peer(err: BaseException) -> bool:
     return isinstance(err, getattr(dist, "DistNetworkError", ())) or any(mark.lower() in text.lower() for mark in _LOST_PEER_MARKS)
 
 
+def _close_objective(trainer: Trainer | None) -> None:
+    """On the way out after an error: the objective releases what it holds outside the processes (no orphan server);
+    a failure there is logged, never hides the error being reported."""
+    objective = getattr(trainer, "objective", None)
+    if objective is not None:
+        try:
+            objective.close()
+        except Exception as err:  # noqa: BLE001
+            log.warning(f"closing the stage's objective after an error failed: {_first_line(err)}")
+
+
 def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__
@@ -441,12 +452,15 @@ def run(cfg: Config) -> int:
         trainer.heartbeat.pause("the final evaluation")
         trainer.close()
         trainer.evaluator.report(trainer.step)
+        trainer.objective.close()
     except (TrainingError, ConfigError, CheckpointError, DataError) as err:
         # Exit at once: torch's launcher ends the other ranks instead of leaving them in a collective.
         # Only the first rank to fail prints, so an error every rank hits is printed once.
         supervise.report_once(f"error: {err}", rank=rank)
+        _close_objective(trainer)
         os._exit(1)
     except Exception as err:
+        _close_objective(trainer)
         if not lost_peer(err):
             raise
         # Another rank or node is gone (killed, crashed, its host lost): every surviving rank's collective

@@ -300,7 +300,8 @@ class PreferenceDataset(SFTDataset):
 class PromptDataset(SFTDataset):
     """The usable prompts of a split (`attr.prompt_only: true`, online RL): `dataset[i]` is what `SFTDataset` returns
     for the prompt's tokens (labels all ignored: nothing of a prompt is trained) and media, with `prompt_index` (i),
-    `solution` (the ground truth, decoded from its JSON) and `prompt_text` (the last user message). The collator
+    `solution` (the ground truth, decoded from its JSON), `prompt_text` (the last user message) and `image_paths` (its
+    image files, in order: an engine in another process reads them, `RolloutRequest.images`). The collator
     (`PromptCollator`) keeps the items as they are: the stage generates from them and builds its own batches."""
 
     is_prompt = True
@@ -315,6 +316,7 @@ class PromptDataset(SFTDataset):
         return {
             **self._sequence(record["input_ids"], record["labels"]), **media, "prompt_index": int(index) % len(self),
             "solution": json.loads(record["solution"]), "prompt_text": record["prompt_text"],
+            "image_paths": tuple(record["images"] or ()),
         }
 
 

@@ -194,6 +194,10 @@ class RolloutEngine(Protocol):
         Every rank calls it with the same `sampling` and `step` (its draws are keyed by them)."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds outside the training processes (a server it launched); every rank."""
+        ...
+
 
 # -- sampling (pure functions) ------------------------------------------------------------------
 
@@ -331,6 +335,9 @@ class HFRolloutEngine:
         """The embedded engine generates from `model` itself (FSDP2 gathers its current shards): nothing to copy."""
         self.model = model
         self._weights_version = version
+
+    def close(self) -> None:
+        """Nothing outside the training processes to release."""
 
     def _group(self) -> dist.ProcessGroup | None:
         if self.group is not None:

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
     from mmfsdp.ckpt.adapters import StateDictAdapter
 
-__all__ = ["SERVER_SCRIPT", "VLLMRolloutEngine", "VLLMServerError", "collapse_media", "launch_vllm_server"]
+__all__ = ["SERVER_SCRIPT", "VLLMRolloutEngine", "VLLMServerError", "collapse_media", "launch_vllm_server",
+           "write_start_export"]
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 """The server module, run by path with the vLLM environment's Python."""
@@ -106,6 +107,38 @@ def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None 
             time.sleep(0.5)
     process.kill()
     raise VLLMServerError(f"the vLLM server did not start within {startup_timeout_s:.0f} s")
+
+
+def write_start_export(model: nn.Module, adapter: StateDictAdapter, assets: Path, out: Path) -> Path:
+    """An HF directory of `model`'s weights for a server to start from: `assets`' config and processor files,
+    completed as an export's (`architectures`, generation config), and one safetensors file of the tensors in HF
+    names. Every rank calls it (one `full_tensor` collective per tensor: one tensor whole at a time); rank 0 writes
+    the tensors to the file as they come and publishes the directory; the others wait for it."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from mmfsdp.ckpt.adapters import plan_to_hf
+    from mmfsdp.ckpt.export_config import write_export_config
+    from mmfsdp.ckpt.outputs import copy_model_assets, prepare_output_dir, publish_output_dir
+
+    state = get_model_state_dict(model)
+    plans = plan_to_hf(adapter, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank0:
+            tensors.update({k: v.detach().to("cpu").contiguous() for k, v in plans[name].pieces(full).items()})
+    if rank0:
+        tmp = prepare_output_dir(out, True, "rollout start export")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copy_model_assets(assets, tmp)
+        write_export_config(tmp, adapter, None)
+        publish_output_dir(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 def _parse(address: str):
