@@ -2,10 +2,11 @@
 
 The tiny Qwen3-VL (fp32, one process, CPU), synthetic shapes as prompts (image and text-only rows), 3 steps:
 
-- at temperature 1e-6 (the stage refuses 0: the trainer divides the logits by it), the vllm run's completions
-  should equal the hf run's at every step (`completions.jsonl`) and the losses agree within 1e-5. Known to fail
-  (strict xfail): at 1e-6 neither engine is greedy on this model (found 2026-12-06: the two generations of a
-  prompt differ within each run), so the stage needs a true greedy mode before this comparison can hold;
+- at temperature 0 (greedy generation, log-probs of the raw logits) the vllm run's completions equal the hf run's
+  at every step (`completions.jsonl`; a prompt's generations are all the same, so the advantages and losses are 0
+  and the steps do not move the weights: the equality of engines on weights that change is
+  `tests/test_vllm_rollout.py`'s, after 0, 1 and 5 optimizer steps), the losses agree within 1e-5 and the log-prob
+  difference engine vs trainer is logged every step;
 - the server killed (SIGKILL) mid-run: the run exits non-zero with one `rollout.engine vllm` error line within
   60 s, no server process is left, and the last checkpoint is whole (its tracker names a checkpoint that opens).
 
@@ -40,7 +41,7 @@ def _items(tmp: Path, out: Path, engine: str, steps: int = 3, **extra) -> dict:
         "training.lr": 1.0e-2,
         "training.grpo.num_generations": 2,
         "training.grpo.max_completion_length": 6,
-        "training.grpo.temperature": 1.0e-6,
+        "training.grpo.temperature": 0,
         "training.grpo.reward_funcs": REWARDS,
         "training.grpo.log_completions_interval": 1,
         "training.grpo.rollout.engine": engine,
@@ -69,16 +70,19 @@ def _servers(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not greedy yet: at temperature 1e-6 neither engine takes the argmax on this random tiny model (the two "
-    "generations of a prompt differ in both runs; vLLM's sampled tokens sit up to 0.04 below the top logit), so the "
-    "completions differ from step 1; the stage needs a true greedy mode (temperature 0 for generation) first"))
 def test_vllm_engine_run_equals_hf_engine_run(tmp_path):
     outs = {}
     for engine in ("hf", "vllm"):
         outs[engine] = tmp_path / engine
         run(command(QWEN, _items(tmp_path, outs[engine], engine), nproc=1), timeout=900)
-    assert _completions(outs["vllm"]) == _completions(outs["hf"])
+    completions = {engine: _completions(out) for engine, out in outs.items()}
+    assert sorted(completions["hf"]) == [1, 2, 3]
+    assert completions["vllm"] == completions["hf"]
+    for rows in completions["hf"].values():  # greedy: a prompt's two generations are the same
+        by_prompt = {}
+        for prompt, completion in rows:
+            by_prompt.setdefault(prompt, set()).add(completion)
+        assert all(len(texts) == 1 for texts in by_prompt.values()), rows
     hf, vllm = ({r["step"]: r for r in records(outs[e]) if "loss" in r} for e in ("hf", "vllm"))
     assert sorted(vllm) == [1, 2, 3]
     for step in (1, 2, 3):

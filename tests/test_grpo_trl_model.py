@@ -105,6 +105,9 @@ class Family:
     """The completions decoded as our objective decodes them (special tokens skipped): our reward tables' keys."""
     ours: torch.nn.Module
     hf: torch.nn.Module
+    data_cfg: Any = None
+    """The data config (the objective's held-out rewards read it)."""
+    processor: Any = None
 
 
 def _completions(tokenizer, excluded: set[int]) -> list[list[int]]:
@@ -151,7 +154,7 @@ def build_family(model_id: str, tmp: Path) -> Family:
     ours.to(dtype)
     hf.to(dtype)
     ours.set_media_kinds(["image"])
-    return Family(dataset, loader.collator, prompts, completions, texts, ours, hf)
+    return Family(dataset, loader.collator, prompts, completions, texts, ours, hf, cfg.data, processor)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -176,6 +179,9 @@ class FixedRollouts:
     def weights_version(self) -> int:
         return self.version
 
+    def close(self) -> None:
+        pass
+
     def sync_weights(self, model, version: int) -> None:
         self.version = version
 
@@ -199,9 +205,10 @@ def our_objective(family: Family, case: dict, model, reference, tmp_path: Path, 
                             for k, p in enumerate(family.prompts)})
     assert isinstance(engine, RolloutEngine)
     ctx = ObjectiveContext(
-        cfg=SimpleNamespace(training=SimpleNamespace(grpo=g, seed=0, micro_batch_size=len(PROMPTS))), dims=DIMS,
-        device=torch.device("cpu"), rank=0, output_dir=tmp_path, step=step, model=model, train_dataset=family.dataset,
-        evaluator=None, frozen_copy=None, train_collator=family.collator, fresh_loader=None,
+        cfg=SimpleNamespace(data=family.data_cfg, training=SimpleNamespace(
+            grpo=g, seed=0, micro_batch_size=len(PROMPTS), micro_batch_tokens=None, eval_batch_size=len(PROMPTS))),
+        dims=DIMS, device=torch.device("cpu"), rank=0, output_dir=tmp_path, step=step, model=model,
+        train_dataset=family.dataset, evaluator=SimpleNamespace(processor=family.processor), frozen_copy=None, train_collator=family.collator, fresh_loader=None,
         to_device=lambda batch: batch, state=state,
     )
     return GRPOObjective(ctx, engine, FrozenReference(reference) if reference is not None else None)

@@ -30,7 +30,7 @@ def test_grpo_reads_prompts_with_trl_keys():
     ("override", "key"),
     [
         ("training.grpo.num_generations=1", "training.grpo.num_generations"),
-        ("training.grpo.temperature=0", "training.grpo.temperature"),
+        ("training.grpo.temperature=-0.5", "training.grpo.temperature"),
         ("training.grpo.top_p=0", "training.grpo.top_p"),
         ("training.grpo.delta=0.5", "training.grpo.delta"),
         ("training.grpo.loss_type=ppo", "training.grpo.loss_type"),

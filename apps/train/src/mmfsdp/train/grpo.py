@@ -500,7 +500,7 @@ class GRPOObjective(Objective):
     def micro_batch(self, model, index: int, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         plan = self._plans[index]
         keywords = {"shift_labels": plan.targets, "loss_weights": plan.weights, "per_token": True,
-                    "temperature": self.g.temperature}
+                    "temperature": self.g.temperature or 1.0}  # 0: greedy, log-probs of the raw logits
         generation, keep = self._generation, self.g.num_iterations > 1
         ref = generation.ref_logps[index]
         if self.reference is not None and ref is None:

@@ -93,7 +93,7 @@ class GRPOConfig:
     max_completion_length: int = 256
     """Most tokens a completion gets (TRL's `max_completion_length`)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probabilities divide the logits by it too (TRL's)."""
+    """Sampling temperature; the trainer's log-probabilities divide the logits by it too (TRL's). 0: greedy generation (the argmax token, no draw) with the log-probabilities of the raw logits, what both engines return at 0; every completion of a prompt is then the same, so the advantages are 0: for checks (comparing engines, a deterministic run), not for learning."""
     top_p: float = 1.0
     """Nucleus sampling: keep the most likely tokens up to this probability mass; 1 = all."""
     top_k: int = 0
@@ -152,8 +152,8 @@ class GRPOConfig:
         for key in ("max_completion_length", "num_iterations", "reward_workers"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be at least 1, got {getattr(self, key)}")
-        if not self.temperature > 0:
-            raise ConfigError("temperature", f"must be > 0 (the trainer divides the logits by it), got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
