@@ -98,6 +98,11 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         {"speedup_vs_hf": NUMBER, "max_relative_diff_vs_hf": dict, "expert_param_bytes_per_rank_ratio": dict,
          "gpu_command": str},
     ),
+    "tools/bench/rollout.py": (
+        ("--smoke",),
+        {"hf_tokens_per_s": NUMBER, "vllm_tokens_per_s": NUMBER, "vllm_over_hf": NUMBER, "sync_s": NUMBER,
+         "sync_gbps": NUMBER, "copy_s": NUMBER, "sync_over_copy_time": NUMBER, "targets_met": bool},
+    ),
     "tools/bench/train_throughput.py": (
         ("--smoke", "--out", "{tmp}"),
         {"tiny": dict, "tiny_over_plain": NUMBER, "tiny_best_over_plain": NUMBER, "tiny_no_direct_over_plain": NUMBER,
@@ -127,6 +132,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
 }
 """Script → (its arguments after the path, `{tmp}` being the test's temporary directory; the keys of its last
 line's JSON and their types)."""
+
+NEEDS_VLLM = {"tools/bench/rollout.py"}
+"""Scripts that run the vLLM environment's server: their smoke case is marked `vllm` (`.ci/run` builds the
+environment; elsewhere `-m "not vllm"` deselects it, and without the environment the script says how to build it)."""
 
 HELPERS = {
     "tools/bench/_smoke.py": "imported by the bench scripts: their `--smoke` flag",
@@ -216,8 +225,10 @@ def _check_types(result: dict, keys: dict) -> None:
         assert kind is not NUMBER or math.isfinite(value), f"{key}: {value!r}"
 
 
-@pytest.mark.slow  # ~200 CPU-seconds in all (forked: no imports each); ~50 in train_throughput
-@pytest.mark.parametrize("script", sorted(SMOKE))
+@pytest.mark.slow  # ~200 CPU-seconds in all (forked: no imports each); ~50 in train_throughput, ~50 wall in rollout
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=pytest.mark.vllm) if s in NEEDS_VLLM else s for s in sorted(SMOKE)]
+)
 def test_smoke(script, tmp_path):
     args, keys = SMOKE[script]
     if script in INPUTS:
