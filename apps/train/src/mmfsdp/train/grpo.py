@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmfsdp.config import ConfigError, get_logger
+from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
@@ -337,10 +337,10 @@ class GRPOObjective(Objective):
         if self.g.dynamic_sampling:
             selection = sample_rounds(next_round, max_rounds=1 + self.g.max_resample_rounds)
             kept = selection.kept
-            if selection.found < selection.target:
-                log.warning(f"step {self.step}: dynamic sampling found {selection.found} of {selection.target} groups "
-                            f"with varying rewards in {selection.rounds} rounds (training.grpo.max_resample_rounds: "
-                            f"{self.g.max_resample_rounds}); the step trains on those")
+            if selection.found < selection.target:  # said once; the metrics say it for every step
+                warn_once(f"dynamic sampling found fewer groups with varying rewards than the step's prompts after "
+                          f"{selection.rounds} rounds (training.grpo.max_resample_rounds: {self.g.max_resample_rounds}); "
+                          "such a step trains on those it found (rollout/groups_kept)", log)
         else:
             next_round(0)
             kept = torch.ones(len(rounds[0].owners), dtype=torch.bool)

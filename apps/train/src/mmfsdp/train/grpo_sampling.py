@@ -14,7 +14,7 @@ With dynamic sampling a step generates in rounds (`sample_rounds`):
    step of prompts and makes another round: the decision comes from the gathered flags, so all ranks make the same
    rounds and the same collectives, also a rank whose groups are all dropped;
 4. the first N varying groups in the global order are kept (`keep_first_varying`); after the last round with fewer
-   found, all of them (the step trains on what it found, and logs it).
+   found, all of them (the step trains on what it found: `rollout/groups_kept` says so).
 
 The global order is the same on every layout (1 process, FSDP2, Ulysses, Ring): rounds in the order they were
 generated; within a round, a pseudo-random order of the prompts keyed by (seed, generation index, dataset index)
