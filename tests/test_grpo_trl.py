@@ -11,6 +11,10 @@
   a `num_items_in_batch` larger than this micro-batch's tokens, ours with the matching global normalisers (this
   micro-batch is one of two of the step, the other holding as many sequences and 13 more tokens): the shares of
   `mmfsdp.model.rl`'s docstring.
+- `test_sampling_correction_equals_trl`: TRL's vLLM importance-sampling correction (`vllm_importance_sampling_*`,
+  each of its 4 modes) against `sampling_correction` and `policy_objective` with engine log-probabilities: TRL's
+  weight and `sampling/importance_sampling_ratio/*` from `_generate_and_score_completions` (its `use_vllm` path,
+  rollout and old-policy forward replaced by given values), its loss and gradient from `_compute_loss`; 1e-5 relative.
 - `test_group_advantages_equal_trl`: `group_advantages` against TRL's `_generate_and_score_completions` (its
   rollout replaced by fixed completions; a reward function that returns each row's given reward) for
   `scale_rewards` group, batch and none, with `zero_std_groups` against its `frac_reward_zero_std` and
