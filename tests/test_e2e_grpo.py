@@ -154,6 +154,7 @@ CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_si
 DYNAMIC = {"training.grpo.dynamic_sampling": "true", "training.grpo.reward_funcs": f"[accuracy, '{IMAGE_REWARD}']"}
 DROP_ONLY = {**DYNAMIC, "training.grpo.max_resample_rounds": 0}
 BUDGET = {"training.micro_batch_tokens": 48}  # a rank's 8 sequences a step fit 6 to 8 micro-batches: counts differ
+TIS = {"training.grpo.rollout.tis_cap": 2.0}  # verl's spelling: TRL's correction, token_truncate at 2
 VALIDATION = {"training.val_interval": 1}  # val_loss and the held-out greedy reward after every step
 FILLERS = {"grpo_drop_fsdp2"}
 """Cases where a rank must run a filler micro-batch at some step (a rank that keeps no group)."""
@@ -206,6 +207,9 @@ CASES = [
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
     Case("grpo_budget_fsdp2", 2, QWEN, {**BASE, **BUDGET, "training.micro_batch_size": 1}, "grpo_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_tis_ref", 1, QWEN, {**BASE, **TIS}, dataset="shapes", probes=(GRPORecord,)),
+    Case("grpo_tis_fsdp2", 2, QWEN, {**BASE, **TIS, "training.micro_batch_size": 1}, "grpo_tis_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
     Case("grpo_val_ref", 1, QWEN, {**BASE, **VALIDATION}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_val_fsdp2", 2, QWEN, {**BASE, **VALIDATION, "training.micro_batch_size": 1}, "grpo_val_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
@@ -230,6 +234,16 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
     assert {"step", "prompt", "completion", "solution", "reward", "advantage"} <= set(rows[0])
     assert any(row["prompt"].startswith("<image>") for row in rows)
     assert any("<image>" not in row["prompt"] for row in rows)
+
+
+def test_sampling_correction_runs_and_logs(tmp_path_factory):
+    """The stage with TRL's sampling correction on (hf engine): the weight is the sampled distribution's kept mass
+    (media tokens suppressed, docs/rl.md), at most 1, and logged under TRL's names."""
+    cases = [c for c in CASES if c.name == "grpo_tis_ref"]
+    record = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))["grpo_tis_ref"]
+    for step, stats in enumerate(record["grpo"][0]["stats"], start=1):
+        low, mean, high = (stats[f"sampling/importance_sampling_ratio/{s}"] for s in ("min", "mean", "max"))
+        assert 0 < low <= mean <= high <= 1 + 1e-6, f"step {step}: {low}, {mean}, {high}"
 
 
 def test_dynamic_sampling_resamples_and_drops(tmp_path_factory):

@@ -11,6 +11,10 @@
   a `num_items_in_batch` larger than this micro-batch's tokens, ours with the matching global normalisers (this
   micro-batch is one of two of the step, the other holding as many sequences and 13 more tokens): the shares of
   `mmfsdp.model.rl`'s docstring.
+- `test_sampling_correction_equals_trl`: TRL's vLLM importance-sampling correction (`vllm_importance_sampling_*`,
+  each of its 4 modes) against `sampling_correction` and `policy_objective` with engine log-probabilities: TRL's
+  weight and `sampling/importance_sampling_ratio/*` from `_generate_and_score_completions` (its `use_vllm` path,
+  rollout and old-policy forward replaced by given values), its loss and gradient from `_compute_loss`; 1e-5 relative.
 - `test_group_advantages_equal_trl`: `group_advantages` against TRL's `_generate_and_score_completions` (its
   rollout replaced by fixed completions; a reward function that returns each row's given reward) for
   `scale_rewards` group, batch and none, with `zero_std_groups` against its `frac_reward_zero_std` and
@@ -24,10 +28,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from mmfsdp.model.rl import (
+    SAMPLING_CORRECTION_MODES,
     group_advantages,
     mask_truncated,
     policy_objective,
     policy_stats,
+    sampling_correction,
     truncated_completions,
     zero_std_groups,
 )
@@ -231,3 +237,85 @@ def test_group_advantages_equal_trl(scale_rewards, tmp_path):
     truncated = truncated_completions(ROLLOUT_COMPLETIONS, [*trainer.eos_token_ids, PAD_ID])
     assert truncated.any() and not truncated.all()
     assert torch.equal(mask_truncated(full_mask, truncated), theirs["completion_mask"])
+
+
+SAMPLING_CASES = [
+    *((mode, "dapo", 0.0, "on_policy", None, 3.0) for mode in SAMPLING_CORRECTION_MODES),  # TRL's defaults
+    *((mode, "grpo", BETA, "num_iterations_2", 0.5, 2.0) for mode in SAMPLING_CORRECTION_MODES),
+    ("token_truncate", "bnpo", 0.0, "on_policy", 0.8, 1.25),
+    ("sequence_mask", "dr_grpo", BETA, "on_policy", None, None),
+]
+"""(mode, loss type, β, policy, C_min, C_max) of TRL's vLLM importance-sampling correction."""
+SAMPLING_STATS = ("min", "mean", "max")
+
+
+@pytest.mark.parametrize(("mode", "loss_type", "beta", "policy", "clip_min", "clip_max"), SAMPLING_CASES)
+def test_sampling_correction_equals_trl(mode, loss_type, beta, policy, clip_min, clip_max, tmp_path):
+    """TRL's weight comes from `_generate_and_score_completions` (its `use_vllm` path, the rollout replaced by the
+    completions with given engine log-probabilities, its old-policy forward by given log-probabilities), its loss
+    from `_compute_loss` with that weight; ours from `policy_objective` with the engine log-probabilities."""
+    off_policy = policy == "num_iterations_2"
+    data = rollout()
+    batch, length = data.mask.shape
+    generator = torch.Generator().manual_seed(11)
+    engine = data.logps.detach() + 0.6 * torch.randn(data.mask.shape, generator=generator)
+    engine[0, 1] -= 2.0  # a token the engine finds far less likely than the trainer (weight > 3), and the reverse
+    engine[5, 2] += 2.0
+    engine = engine * data.mask
+    old = data.old if off_policy else data.logps.detach()
+    num_items = int(data.mask.sum()) + OTHER_TOKENS
+    trainer = grpo_trainer(
+        tmp_path, loss_type=loss_type, beta=beta, num_iterations=2 if off_policy else 1,
+        gradient_accumulation_steps=ACCUMULATION, vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
+    trainer.use_vllm = True  # the correction's code path; the rollout itself is replaced
+    completion_ids = [list(range(3, 3 + n)) for n in LENGTHS]
+    engine_lists = [engine[row, :n].tolist() for row, n in enumerate(LENGTHS)]
+    trainer._generate = lambda prompts: ([[3, 4]] * batch, completion_ids, None, ["t3"] * batch, engine_lists,
+                                         None, None, None)
+    trainer._get_per_token_logps_and_entropies = lambda model, *args, **kwargs: (
+        (old if model is trainer.model else data.ref), None, None)
+    generated = trainer._generate_and_score_completions([{"prompt": "t3 t4", "reward": 1.0}] * batch)
+    del trainer._get_per_token_logps_and_entropies  # `_compute_loss` runs the stand-in model through it
+    theirs_weight = generated["importance_sampling_ratio"]
+    inputs = {
+        "prompt_ids": torch.randint(3, VOCAB, (batch, PROMPT_LEN)),
+        "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, VOCAB, (batch, length)),
+        "completion_mask": data.mask,
+        "advantages": data.advantages,
+        "num_items_in_batch": torch.tensor(num_items),
+        "old_per_token_logps": old,
+        "importance_sampling_ratio": theirs_weight,
+    }
+    if beta:
+        inputs["ref_per_token_logps"] = data.ref
+    their_loss = trainer._compute_loss(TokenLogps(data.logps, data.entropies, PROMPT_LEN), inputs)
+    (their_grad,) = torch.autograd.grad(their_loss, data.values, retain_graph=True)
+    logged = trainer._metrics["train"]
+
+    correction = {"sampling_correction_mode": mode, "sampling_clip_min": clip_min, "sampling_clip_max": clip_max}
+    weight = sampling_correction(old, engine, data.mask, mode, clip_min, clip_max)
+    loss, terms = policy_objective(
+        data.logps, data.advantages, data.mask, old_logps=data.old if off_policy else None,
+        ref_logps=data.ref if beta else None, entropies=data.entropies, beta=beta, loss_type=loss_type,
+        num_sequences_global=ACCUMULATION * batch, num_tokens_global=num_items, num_batches_global=ACCUMULATION,
+        max_completion_length=MAX_COMPLETION_LENGTH, engine_logps=engine, **correction,
+    )
+    (our_grad,) = torch.autograd.grad(loss, data.values)
+    stats = policy_stats(terms.names, terms.sums, terms.counts, terms.extremes)
+
+    diffs = {"weight": assert_close(weight, theirs_weight, TOL, "importance weight")}
+    bounded = [bound for bound in (clip_min, clip_max) if bound is not None]
+    outside = (weight == 0) if mode.endswith("mask") else torch.isin(weight, torch.tensor(bounded))
+    assert not bounded or outside.any(), "some weight should reach a bound"
+    diffs["loss"] = assert_close(loss, their_loss, TOL, "loss")
+    diffs["grad"] = assert_close(our_grad, their_grad, TOL, "grad of the token log-probabilities")
+    for name in (f"sampling/importance_sampling_ratio/{stat}" for stat in SAMPLING_STATS):
+        diffs[name] = assert_close(torch.tensor(stats[name]), torch.tensor(logged[name][-1]), TOL, name)
+    for name in (name for name in STATS if name != "kl" or beta):
+        diffs[name] = assert_close(torch.tensor(stats[name]), torch.tensor(logged[name][-1]), TOL, name)
+    worst = max(diffs, key=diffs.get)
+    print(f"worst: {worst} {diffs[worst]:.3g} (bound {TOL:g})")

@@ -142,6 +142,7 @@ ALIASES = [
     # online RL: ms-swift's dynamic-sampling keys and verl's `algorithm.filter_groups.enable`, under training.grpo
     ("training.grpo.dynamic_sample", True, "training.grpo.dynamic_sampling", True),
     ("training.grpo.max_resample_times", 5, "training.grpo.max_resample_rounds", 5),
+    ("training.grpo.vllm_importance_sampling_cap", 2.5, "training.grpo.vllm_importance_sampling_clip_max", 2.5),
     ("training.grpo.filter_groups.enable", True, "training.grpo.dynamic_sampling", True),
     ("data.dataset_param.basic_parameters.cutoff_len", 77, "data.dataset_param.preprocess_parameters.cutoff_len", 77),
     *(

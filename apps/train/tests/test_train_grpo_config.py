@@ -46,6 +46,10 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.max_resample_rounds=-1", "training.grpo.max_resample_rounds"),
         ("training.grpo.filter_groups={max_num_gen_batches: 0}", "training.grpo.filter_groups.max_num_gen_batches"),
         ("training.grpo.filter_groups={metric: acc}", "training.grpo.filter_groups.metric"),
+        ("training.grpo.vllm_importance_sampling_mode=token", "training.grpo.vllm_importance_sampling_mode"),
+        ("training.grpo.vllm_importance_sampling_clip_max=0", "training.grpo.vllm_importance_sampling_clip_max"),
+        ("training.grpo.vllm_importance_sampling_clip_min=3.0", "training.grpo.vllm_importance_sampling_clip_min"),
+        ("training.grpo.vllm_importance_sampling_clip_min=-1", "training.grpo.vllm_importance_sampling_clip_min"),
         ("data.dataloader_param.balance=true", "data.dataloader_param.balance"),
         ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
          "data.dataset_param.preprocess_parameters.train_on_prompt"),
@@ -69,6 +73,23 @@ def test_the_vllm_engine_names_its_python_and_how_to_build_it(tmp_path):
     url = _cfg("training.grpo.rollout.engine=vllm", "training.grpo.rollout.vllm.launch=false",
                "training.grpo.rollout.vllm.url=127.0.0.1:8000").training.grpo.rollout.vllm
     assert url.url == "127.0.0.1:8000"
+
+
+def test_sampling_correction_keys_of_trl_and_verl():
+    assert _cfg().training.grpo.correction_terms() == {}  # off by default (TRL's default is on)
+    g = _cfg("training.grpo.vllm_importance_sampling_correction=true").training.grpo
+    assert g.correction_terms() == {"sampling_correction_mode": "sequence_mask", "sampling_clip_min": None,
+                                    "sampling_clip_max": 3.0}  # TRL's defaults
+    g = _cfg("training.grpo.vllm_importance_sampling_correction=true",
+             "training.grpo.vllm_importance_sampling_cap=2.5").training.grpo  # TRL's deprecated name
+    assert g.vllm_importance_sampling_clip_max == 2.5
+    g = _cfg("training.grpo.rollout.tis_cap=2.0").training.grpo  # verl's TIS
+    assert g.correction_terms() == {"sampling_correction_mode": "token_truncate", "sampling_clip_min": None,
+                                    "sampling_clip_max": 2.0}
+    with pytest.raises(ConfigError) as err:  # truncation with no bound
+        _cfg("training.grpo.vllm_importance_sampling_mode=token_truncate",
+             "training.grpo.vllm_importance_sampling_clip_max=null")
+    assert str(err.value).startswith("training.grpo.vllm_importance_sampling_clip_max"), str(err.value)
 
 
 @pytest.mark.parametrize("override", ["parallel.ulysses_parallel_size=2", "parallel.ring_attention_size=2",

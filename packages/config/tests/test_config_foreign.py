@@ -33,6 +33,7 @@ class Model:
         "prof.level": Ignored("another profiler"),
         "old_loss": Alias("model.loss"),
         "pair": Translate(lambda value, section, path: {"model.size": value[0], "tools.start": value[1]}, "two keys"),
+        "sized": Translate(lambda value, section, path: {"model.size": value, "tools.start": 1}, "and a constant"),
     }
 
 
@@ -106,6 +107,8 @@ def test_file_with_anchors_and_overrides_in_either_spelling(tmp_path):
     for override in ("model.size=9", "model.width=9"):
         assert build(Root, load_translated(Root, path, [override]).data).model.size == 9
     assert build(Root, load_translated(Root, path, ["model.loss.kind=per_token_loss"]).data).model.loss.kind == "token"
+    sized = build(Root, load_translated(Root, path, ["model.sized=3"]).data)  # an override sets every key it becomes
+    assert (sized.model.size, sized.tools.start) == (3, 1)
     section = load_translated(Model, path, ["model.width=5", "tools.start=1"], section="model")
     assert build(Model, section.data, "model").size == 5
 

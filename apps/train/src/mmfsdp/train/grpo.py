@@ -33,7 +33,9 @@ completion generated.
 `rollout/logprob_diff_max`: the largest |engine sampling log-prob − trainer log-prob of the sampled distribution|
 over the step's trained tokens, both from the weights before the update (the sampled distribution never draws a
 media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / top-p on they still differ by the log
-of the mass those keep, docs/rl.md ("Rollout engines")).
+of the mass those keep, docs/rl.md ("Rollout engines")). With `vllm_importance_sampling_correction` the policy term
+is weighted by TRL's sampling correction from the old policy's and the engine's log-probabilities (`_Plan.engine_logps`;
+`mmfsdp.model.rl.sampling_correction`), logged as `sampling/importance_sampling_ratio/*`.
 
 `num_iterations` (TRL's μ): each generation batch (`Generation`) trains `num_iterations` optimizer steps. Step s
 generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step when μ = 1);
@@ -78,7 +80,8 @@ from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
 from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
-from mmfsdp.model.rl import POLICY_EXTREME_STATS, group_advantages, policy_objective, zero_std_groups
+from mmfsdp.model.rl import (POLICY_EXTREME_STATS, SAMPLING_RATIO_MEAN, group_advantages, policy_objective,
+                              sequence_mean_stats, zero_std_groups)
 from mmfsdp.model.rollout import SamplingParams
 from mmfsdp.train.grpo_engine import build_rollout_engine, kv_cache_term, prompt_request, sync_stats
 from mmfsdp.train.grpo_sampling import (
@@ -97,7 +100,8 @@ log = get_logger("mmfsdp.train")
 COMPLETIONS_FILE = "completions.jsonl"
 PROMPT_META = ("prompt_index", "solution", "prompt_text", "image_paths")
 """Keys of a `PromptDataset` item that are not the family's sample keys."""
-POLICY_MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+POLICY_MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                SAMPLING_RATIO_MEAN)
 
 
 @dataclass(slots=True)
@@ -242,6 +246,9 @@ class GRPOObjective(Objective):
         self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
         self._extremes = torch.zeros(len(POLICY_EXTREME_STATS), device=self.device)
         self._names: tuple[str, ...] = ()
+        self._correction = self.g.correction_terms()  # {} when off
+        self._sequence_means = sequence_mean_stats(self.g.importance_sampling_level,
+                                                   self._correction.get("sampling_correction_mode"))
         self._any_trained = True
         self._generation: Generation | None = None
         if self.step % self.g.num_iterations:  # resumed inside a generation batch
@@ -312,7 +319,7 @@ class GRPOObjective(Objective):
                                   self.reward_names, num_generations=self.g.num_generations,
                                   dynamic=self.g.dynamic_sampling)
         self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
-        self._extremes = torch.tensor([float("inf"), float("-inf")], device=self.device)
+        self._extremes = torch.tensor([float("inf"), float("-inf")] * 2, device=self.device)
         return [plan.batch for plan in self._plans]
 
     def _generate(self, micro_batches: list[dict[str, Any]]) -> tuple[Generation, list[Round], list[tuple]]:
@@ -518,16 +525,16 @@ class GRPOObjective(Objective):
             num_tokens_global=self._num_tokens, num_batches_global=self._num_batches,
             max_completion_length=self.g.max_completion_length, ref_logps=ref, entropies=entropies, beta=self.g.beta,
             epsilon=self.g.epsilon, epsilon_high=self.g.epsilon_high, delta=self.g.delta,
-            importance_sampling_level=self.g.importance_sampling_level,
+            importance_sampling_level=self.g.importance_sampling_level, engine_logps=plan.engine_logps,
+            **self._correction,
         )
         with torch.no_grad():
             self._names = terms.names
-            per_sequence = self.g.importance_sampling_level == "sequence"
             for name, value in zip(terms.names, terms.sums):
-                count = self._num_sequences if per_sequence and name.startswith("clip_ratio/") else self._num_tokens
+                count = self._num_sequences if name in self._sequence_means else self._num_tokens
                 self._policy[POLICY_MEANS.index(name)] += value / count.clamp(min=1.0)
-            self._extremes = torch.stack([torch.minimum(self._extremes[0], terms.extremes[0]),
-                                          torch.maximum(self._extremes[1], terms.extremes[1])])
+            self._extremes = torch.stack([torch.minimum(self._extremes[0::2], terms.extremes[0::2]),
+                                          torch.maximum(self._extremes[1::2], terms.extremes[1::2])], 1).flatten()
             if old is None:  # the sampler's log-probabilities: the engine never draws a media placeholder
                 kept = out.kept_logmass
                 sampled = logps.detach() - (0.0 if kept is None else kept.reshape(-1)[plan.index])
@@ -548,11 +555,11 @@ class GRPOObjective(Objective):
 
     def stats(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
         reductions = []
-        low, high = self._extremes[0:1].clone(), self._extremes[1:2].clone()
+        low, high = self._extremes[0::2].clone(), self._extremes[1::2].clone()  # [clip ratio, sampling weight]
         diff_max = self._generation.diff_max.clone()  # the generation's: kept (unreduced) for its later steps
         diff_mean = self._generation.diff_sum / self._num_tokens.clamp(min=1.0)  # this rank's share of the mean
         if not self._any_trained and self.g.importance_sampling_level == "token":
-            low.fill_(float("nan")), high.fill_(float("nan"))  # no sequence with a trained token anywhere: TRL's NaN
+            low[0].fill_(float("nan")), high[0].fill_(float("nan"))  # no sequence with a trained token: TRL's NaN
         if self.dims.dp_size > 1:
             group = self.dims.dp_group
             reductions += [dist.all_reduce(self._policy, group=group, async_op=True),
@@ -561,6 +568,8 @@ class GRPOObjective(Objective):
                            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=group, async_op=True),
                            dist.all_reduce(diff_mean, group=group, async_op=True)]
         policy = {name: self._policy[POLICY_MEANS.index(name)] for name in self._names}
+        if self._correction:  # TRL's sampling/importance_sampling_ratio/min and /max
+            policy.update(zip(POLICY_EXTREME_STATS[2:], (low[1], high[1])))
         generate_s, reward_s = self._seconds  # rank 0's (the log line's); the ranks generate in lockstep
         return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
                 "rollout/logprob_diff_max": diff_max, "rollout/logprob_diff_mean": diff_mean,

@@ -79,6 +79,18 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM server (with `engine: vllm`)."""
 
+    foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "tis_cap": Translate(
+            lambda value, section, path: {
+                "training.grpo.vllm_importance_sampling_correction": True,
+                "training.grpo.vllm_importance_sampling_mode": "token_truncate",
+                "training.grpo.vllm_importance_sampling_clip_max": value,
+            },
+            "the token-level truncated correction (verl's TIS) capped at the value: `training.grpo."
+            "vllm_importance_sampling_correction: true`, `_mode: token_truncate`, `_clip_max: <value>`",
+        ),
+    }
+
     def __post_init__(self) -> None:
         v = self.vllm
         if self.engine == "vllm" and v.launch and not Path(v.python).is_file():
@@ -131,7 +143,18 @@ class GRPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engine."""
 
+    vllm_importance_sampling_correction: bool = False
+    """Weight each token's policy loss by a truncated (or masked) importance weight between the old policy and the rollout engine's sampling log-probabilities, correcting their mismatch (TRL's, on by default there; verl's TIS; `mmfsdp.model.rl.sampling_correction`, docs/rl.md ("The loss")). Either engine: with hf the weight is the sampled distribution's kept mass (media tokens suppressed, top-k / top-p)."""
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    """One weight per token or per sequence (exp of the sum of the sequence's log-ratios); out-of-bounds weights clipped to the bounds (truncate) or set to 0 (mask). TRL's names and default."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """C_max: the upper bound of the weight (TRL's; verl's `tis_imp_ratio_cap`); null = none."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """C_min: the lower bound of the weight; null = none."""
+
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
+        "vllm_importance_sampling_cap": Alias("training.grpo.vllm_importance_sampling_clip_max"),  # TRL's old name
         "dynamic_sample": Alias("training.grpo.dynamic_sampling"),  # ms-swift's
         "max_resample_times": Alias("training.grpo.max_resample_rounds"),
         # verl's `algorithm.filter_groups`, moved here by hand (docs/migration.md)
@@ -177,6 +200,25 @@ class GRPOConfig:
         if self.max_resample_rounds < 0:
             raise ConfigError("max_resample_rounds", f"must be >= 0 (0: drop zero-std groups, never resample), got "
                                                      f"{self.max_resample_rounds}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and low < 0:
+            raise ConfigError("vllm_importance_sampling_clip_min", f"must be >= 0, got {low}")
+        if high is not None and not high > 0:
+            raise ConfigError("vllm_importance_sampling_clip_max", f"must be > 0, got {high}")
+        if low is not None and high is not None and low >= high:
+            raise ConfigError("vllm_importance_sampling_clip_min",
+                              f"{low} must be below vllm_importance_sampling_clip_max ({high})")
+        if self.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ConfigError("vllm_importance_sampling_clip_max",
+                              "a truncate mode needs a bound (clip_max or clip_min)")
+
+    def correction_terms(self) -> dict[str, Any]:
+        """The sampling correction's keywords of `mmfsdp.model.rl.policy_terms`; empty when it is off."""
+        if not self.vllm_importance_sampling_correction:
+            return {}
+        return {"sampling_correction_mode": self.vllm_importance_sampling_mode,
+                "sampling_clip_min": self.vllm_importance_sampling_clip_min,
+                "sampling_clip_max": self.vllm_importance_sampling_clip_max}
 
 
 def _extra_rounds(value: Any, path: str) -> int:

@@ -373,6 +373,9 @@ def load_translated(cls: type, path: str | Path, overrides: list[str] | None = N
             for part in where:
                 node = node[part]
             _set(out.data, where, node, text)
+            for leaf, leaf_value in _leaves(valued.data):  # the other keys a `Translate` sets from the same value
+                if leaf[: len(where)] != where:
+                    _set(out.data, leaf, leaf_value, text)
             continue
         for leaf, leaf_value in _leaves(valued.data):  # a mapping value sets each of its keys, wherever they went
             _set(out.data, leaf, leaf_value, text)

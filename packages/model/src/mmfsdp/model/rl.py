@@ -46,6 +46,19 @@ level; `clip_ratio/low_min` and `clip_ratio/high_max` are the minimum and maximu
 clipped fraction (sequences without a trained token left out). `PolicyTerms` carries them as detached sums and
 counts and per-micro-batch extremes, for an all-reduce (SUM; MIN and MAX) before `policy_stats` divides.
 
+Rollout/trainer mismatch (`sampling_correction`, TRL's `vllm_importance_sampling_correction`; verl's TIS): the
+engine samples from its own numerics, μ, not from the old policy. With the engine's sampling log-probabilities `eng`
+(`mode`, TRL's `vllm_importance_sampling_mode`; C_min, C_max its `_clip_min`, `_clip_max`):
+
+    log w_bt = m_bt (old_bt − eng_bt)                 (`token_*`; NaN engine log-probs give 0)
+    log w_b  = Σ_t m_bt (old_bt − eng_bt)             (`sequence_*`: a sum, not GSPO's mean; one weight, broadcast)
+    w ← clamp(w, C_min, C_max)                        (`*_truncate`: TIS)
+    w ← 0 where w < C_min or w > C_max                (`*_mask`: MIS)
+    ℓ_bt = −w · min(ρ̃ A_b, ρ̂ A_b) + β · KL_bt         (the KL term is not weighted; nor are the clip statistics)
+
+w is detached (no gradient); `sampling/importance_sampling_ratio/mean` is its mean over the trained tokens (token
+modes) or over every sequence (sequence modes, empty ones included, as TRL's), `/min` and `/max` its extremes there.
+
 DAPO's helpers: `truncated_completions` / `mask_truncated` (TRL's `mask_truncated_completions`: a completion that
 does not end in a stop or pad token was cut at the length limit and trains nothing) and `zero_std_groups` (the
 groups whose rewards are all equal: their advantages are 0; DAPO's dynamic sampling drops them and samples more).
@@ -53,6 +66,7 @@ groups whose rewards are all equal: their advantages are 0; DAPO's dynamic sampl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
@@ -66,6 +80,11 @@ __all__ = [
     "ScaleRewards",
     "SCALE_REWARDS",
     "ImportanceSamplingLevel",
+    "SamplingCorrectionMode",
+    "SAMPLING_CORRECTION_MODES",
+    "SAMPLING_RATIO_MEAN",
+    "sampling_correction",
+    "sequence_mean_stats",
     "POLICY_EXTREME_STATS",
     "PolicyTerms",
     "group_advantages",
@@ -82,11 +101,15 @@ RL_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 ImportanceSamplingLevel = Literal["token", "sequence"]
+SamplingCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+SAMPLING_CORRECTION_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SAMPLING_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
 
 STD_EPSILON = 1e-4
 """Added to the reward std before dividing (TRL's constant)."""
-POLICY_EXTREME_STATS = ("clip_ratio/low_min", "clip_ratio/high_max")
-"""The statistics that are extremes over sequences (`PolicyTerms.extremes`): reduced with MIN and MAX."""
+POLICY_EXTREME_STATS = ("clip_ratio/low_min", "clip_ratio/high_max",
+                        "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+"""The extreme statistics (`PolicyTerms.extremes`), in that order: even positions reduced with MIN, odd with MAX."""
 
 
 def _bessel_std(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -134,6 +157,45 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     return torch.isclose(std, torch.zeros_like(std))
 
 
+def sampling_correction(
+    old_logps: torch.Tensor,
+    engine_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: SamplingCorrectionMode = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """The detached importance weights w (module docstring) of completions `[B, T]` sampled by an engine with
+    log-probabilities `engine_logps` under the old policy's `old_logps`: `[B, T]` in token modes, `[B, 1]` in
+    sequence modes (TRL's defaults: `sequence_mask`, C_max 3, no C_min)."""
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"unknown sampling correction mode {mode!r}; expected one of "
+                         f"{', '.join(SAMPLING_CORRECTION_MODES)}")
+    with torch.no_grad():
+        mask = mask.to(old_logps.dtype)
+        log_weights = torch.nan_to_num((old_logps - engine_logps.to(old_logps)) * mask, nan=0.0)
+        if mode.startswith("sequence"):
+            log_weights = log_weights.sum(dim=1, keepdim=True)
+        weights = torch.exp(log_weights)
+        if mode.endswith("truncate"):
+            return weights if clip_min is None and clip_max is None else weights.clamp(min=clip_min, max=clip_max)
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def sequence_mean_stats(
+    importance_sampling_level: ImportanceSamplingLevel, sampling_mode: SamplingCorrectionMode | None = None
+) -> frozenset[str]:
+    """The mean statistics of `PolicyTerms` that are means over sequences (every sequence counts), not over the
+    trained tokens: the clip ratios at sequence level, the sampling correction's mean in its sequence modes."""
+    names = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    out = set(names) if importance_sampling_level == "sequence" else set()
+    if sampling_mode is not None and sampling_mode.startswith("sequence"):
+        out.add(SAMPLING_RATIO_MEAN)
+    return frozenset(out)
+
+
 def truncated_completions(completion_ids: Sequence[Sequence[int]], stop_token_ids: Iterable[int]) -> torch.Tensor:
     """Bool `[B]`: True for a completion whose last token is not one of `stop_token_ids` (eos and pad ids): the
     rollout cut it at the length limit. An empty completion is not truncated (it has no token to mask)."""
@@ -154,14 +216,16 @@ class PolicyTerms:
     token_losses: torch.Tensor
     """`[B, T]` ℓ_bt, zero off the mask; differentiable."""
     names: tuple[str, ...]
-    """The mean statistics present: `kl` (β > 0), `entropy` (entropies given), the three `clip_ratio/*_mean`."""
+    """The mean statistics present: `kl` (β > 0), `entropy` (entropies given), the three `clip_ratio/*_mean`,
+    `sampling/importance_sampling_ratio/mean` (with a sampling correction)."""
     sums: torch.Tensor
     """`[len(names)]` detached: each statistic's sum over this micro-batch's tokens (or sequences)."""
     counts: torch.Tensor
     """`[len(names)]` detached: what each sum is over (trained tokens, or sequences at sequence level)."""
     extremes: torch.Tensor
-    """`[2]` detached: the smallest per-sequence low-clipped fraction and the largest high-clipped fraction
-    (`POLICY_EXTREME_STATS`), +inf / −inf when no sequence has a trained token."""
+    """`[4]` detached (`POLICY_EXTREME_STATS`): the smallest per-sequence low-clipped fraction and the largest
+    high-clipped fraction, +inf / −inf when no sequence has a trained token; the smallest and largest sampling
+    correction weight, +inf / −inf without one (or with nothing to average)."""
 
 
 def policy_terms(
@@ -178,15 +242,22 @@ def policy_terms(
     delta: float | None = None,
     importance_sampling_level: ImportanceSamplingLevel = "token",
     kl_bias_correction: bool = True,
+    engine_logps: torch.Tensor | None = None,
+    sampling_correction_mode: SamplingCorrectionMode | None = None,
+    sampling_clip_min: float | None = None,
+    sampling_clip_max: float | None = 3.0,
 ) -> PolicyTerms:
     """The per-token losses ℓ and statistics (module docstring) of completions `[B, T]`: the policy's per-token
     log-probabilities `logps`, `advantages` (`[B]`, or `[B, T]` per token), the trained-token `mask`, and optionally
     the sampling / previous iteration's `old_logps`, the reference's `ref_logps` (required for `beta > 0`) and the
-    policy's per-token `entropies` (for the `entropy` statistic)."""
+    policy's per-token `entropies` (for the `entropy` statistic). With `sampling_correction_mode` the policy term is
+    weighted by `sampling_correction(old, engine_logps, mask, mode, sampling_clip_min, sampling_clip_max)`."""
     if logps.dim() != 2 or mask.shape != logps.shape:
         raise ValueError(f"logps {tuple(logps.shape)} and mask {tuple(mask.shape)} must both be [B, T]")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; expected token or sequence")
+    if sampling_correction_mode is not None and engine_logps is None:
+        raise ValueError("a sampling correction needs the engine's per-token log-probabilities (engine_logps)")
     if beta and ref_logps is None:
         raise ValueError(f"beta={beta} needs the reference's per-token log-probabilities (ref_logps)")
     dtype = loss_dtype(logps.dtype)
@@ -209,6 +280,11 @@ def policy_terms(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     losses = -torch.min(capped * advantages, clipped * advantages)
+    weights = None
+    if sampling_correction_mode is not None:
+        weights = sampling_correction(old_logps, engine_logps, mask, sampling_correction_mode, sampling_clip_min,
+                                      sampling_clip_max)
+        losses = losses * weights
     if beta:
         ref_gap = ref_logps.to(**like) - logps
         kl = torch.exp(ref_gap) - ref_gap - 1
@@ -249,9 +325,22 @@ def policy_terms(
             high_per_sequence = (high.expand_as(mask) * mask).sum(dim=1) / num_tokens.clamp(min=1.0)
             present = num_tokens > 0
         inf = torch.tensor(float("inf"), **like)
+        weight_min, weight_max = inf, -inf
+        if weights is not None:
+            names.append(SAMPLING_RATIO_MEAN)
+            if sampling_correction_mode.startswith("sequence"):  # every sequence counts (TRL's)
+                counted = torch.ones_like(weights, dtype=torch.bool)
+            else:
+                counted = mask.bool()
+            sums.append(torch.where(counted, weights, 0.0).sum())
+            counts.append(counted.sum().to(dtype))
+            if counted.numel():
+                weight_min = torch.where(counted, weights, inf).min()
+                weight_max = torch.where(counted, weights, -inf).max()
         extremes = torch.stack([
             torch.where(present, low_per_sequence, inf).min() if present.numel() else inf,
             torch.where(present, high_per_sequence, -inf).max() if present.numel() else -inf,
+            weight_min, weight_max,
         ])
     return PolicyTerms(
         token_losses=token_losses, names=tuple(names), sums=torch.stack(sums), counts=torch.stack(counts),
@@ -309,7 +398,11 @@ def policy_stats(
 ) -> dict[str, float]:
     """The logged statistics from `PolicyTerms` fields summed over micro-batches and ranks (`sums`, `counts`) and
     reduced with MIN / MAX (`extremes`): means (a zero count gives 0, as TRL's), and the extremes (NaN when no
-    sequence had a trained token, as TRL's `nanmin` / `nanmax`). Reads the values to the host."""
+    sequence had a trained token, as TRL's `nanmin` / `nanmax`); the sampling correction's extremes only with its
+    mean. Reads the values to the host."""
     means = (sums / counts.clamp(min=1.0)).tolist()
-    low_min, high_max = (value if abs(value) != float("inf") else float("nan") for value in extremes.tolist())
-    return {**dict(zip(names, means)), "clip_ratio/low_min": low_min, "clip_ratio/high_max": high_max}
+    extreme = dict(zip(POLICY_EXTREME_STATS,
+                       (value if abs(value) != float("inf") else float("nan") for value in extremes.tolist())))
+    if SAMPLING_RATIO_MEAN not in names:
+        extreme = dict(list(extreme.items())[:2])
+    return {**dict(zip(names, means)), **extreme}
