@@ -155,6 +155,19 @@ CASES = [
 ]
 
 
+def _trl_inputs(data, batch: int, length: int, num_items: int) -> dict:
+    """TRL's `_compute_loss` inputs for `data`'s completions (random prompt and completion ids: the stand-in model's
+    log-probs do not read them)."""
+    return {
+        "prompt_ids": torch.randint(3, VOCAB, (batch, PROMPT_LEN)),
+        "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, VOCAB, (batch, length)),
+        "completion_mask": data.mask,
+        "advantages": data.advantages,
+        "num_items_in_batch": torch.tensor(num_items),
+    }
+
+
 @pytest.mark.parametrize(("loss_type", "beta", "level", "policy", "clip"), CASES)
 def test_policy_objective_equals_trl_loss(loss_type, beta, level, policy, clip, tmp_path):
     off_policy = policy == "num_iterations_2"
@@ -165,14 +178,7 @@ def test_policy_objective_equals_trl_loss(loss_type, beta, level, policy, clip, 
         tmp_path, loss_type=loss_type, beta=beta, importance_sampling_level=level,
         num_iterations=2 if off_policy else 1, gradient_accumulation_steps=ACCUMULATION, **CLIPS[clip],
     )
-    inputs = {
-        "prompt_ids": torch.randint(3, VOCAB, (batch, PROMPT_LEN)),
-        "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
-        "completion_ids": torch.randint(3, VOCAB, (batch, length)),
-        "completion_mask": data.mask,
-        "advantages": data.advantages,
-        "num_items_in_batch": torch.tensor(num_items),
-    }
+    inputs = _trl_inputs(data, batch, length, num_items)
     if off_policy:
         inputs["old_per_token_logps"] = data.old
     if beta:
@@ -281,12 +287,7 @@ def test_sampling_correction_equals_trl(mode, loss_type, beta, policy, clip_min,
     del trainer._get_per_token_logps_and_entropies  # `_compute_loss` runs the stand-in model through it
     theirs_weight = generated["importance_sampling_ratio"]
     inputs = {
-        "prompt_ids": torch.randint(3, VOCAB, (batch, PROMPT_LEN)),
-        "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
-        "completion_ids": torch.randint(3, VOCAB, (batch, length)),
-        "completion_mask": data.mask,
-        "advantages": data.advantages,
-        "num_items_in_batch": torch.tensor(num_items),
+        **_trl_inputs(data, batch, length, num_items),
         "old_per_token_logps": old,
         "importance_sampling_ratio": theirs_weight,
     }

@@ -12,7 +12,6 @@ Marked `vllm` and `slow`: it needs the vLLM environment (`uv run python tools/vl
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import time
@@ -30,11 +29,11 @@ MAX_NEW_TOKENS = 12
 
 
 def _setup():
-    from PIL import Image
     from transformers import AutoProcessor
 
     from mmfsdp.ckpt import get_state_dict_adapter
     from mmfsdp.model import get_model_entry
+    from mmfsdp.model.families.qwen3_vl.testing import rollout_probe_prompts
     from mmfsdp.train.config import load_config
 
     assets = QWEN.parent / "assets"
@@ -43,15 +42,8 @@ def _setup():
     torch.manual_seed(0)
     model = get_model_entry(cfg.model.model_id).build(cfg.model).float()
     processor = AutoProcessor.from_pretrained(assets)
-    image = Image.new("RGB", (64, 64), (235, 235, 235))  # a multiple of 32: neither processor resizes it
-    image.paste((30, 90, 200), (12, 20, 52, 44))
-    png = io.BytesIO()
-    image.save(png, format="PNG")
-    head, tail = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-    with_image = processor(text=[f"{head}<|vision_start|><|image_pad|><|vision_end|>What is this?{tail}"],
-                           images=[image], return_tensors="pt")
-    text_only = processor(text=[f"{head}Count from one to ten:{tail}"], return_tensors="pt")
-    return model, processor, assets, with_image, text_only, png.getvalue(), get_state_dict_adapter("qwen3_vl")
+    with_image, text_only, png = rollout_probe_prompts(processor)
+    return model, processor, assets, with_image, text_only, png, get_state_dict_adapter("qwen3_vl")
 
 
 def _train_step(model, optimizer, inputs) -> None:

@@ -28,7 +28,6 @@ the two ratios, the load average, and `targets_met`.
 
 from __future__ import annotations
 
-import io
 import json
 import mmap
 import os
@@ -86,21 +85,13 @@ def _model_dir(out: Path, hidden: int | None, layers: int | None) -> Path:
 
 def _requests(processor, generations: int):
     """The two prompts (a 64 x 64 image, a multiple of 32 that neither processor resizes; text only)."""
-    from PIL import Image
-
+    from mmfsdp.model.families.qwen3_vl.testing import rollout_probe_prompts
     from mmfsdp.model.rollout import RolloutRequest
 
-    image = Image.new("RGB", (64, 64), (235, 235, 235))
-    image.paste((30, 90, 200), (12, 20, 52, 44))
-    png = io.BytesIO()
-    image.save(png, format="PNG")
-    head, tail = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-    with_image = processor(text=[f"{head}<|vision_start|><|image_pad|><|vision_end|>What is this?{tail}"],
-                           images=[image], return_tensors="pt")
-    text_only = processor(text=[f"{head}Count from one to ten:{tail}"], return_tensors="pt")
+    with_image, text_only, png = rollout_probe_prompts(processor)
     return [
         RolloutRequest(prompt_index=0, prompt_ids=with_image["input_ids"][0].tolist(), num_generations=generations,
-                       images=(png.getvalue(),),
+                       images=(png,),
                        media={"pixel_values": with_image["pixel_values"], "image_grid_thw": with_image["image_grid_thw"]}),
         RolloutRequest(prompt_index=1, prompt_ids=text_only["input_ids"][0].tolist(), num_generations=generations),
     ]

@@ -80,3 +80,22 @@ def qwen3_vl_batch(
     else:
         batch["attention_mask"] = attention_mask
     return batch
+
+
+def rollout_probe_prompts(processor) -> tuple[dict, dict, bytes]:
+    """Two chat prompts for rollout-engine checks, processed by a Qwen3-VL `processor`: one with a 64 x 64 PNG (a
+    multiple of 32, so no processor resizes it: vLLM's pinned transformers resizes other sizes differently), one text
+    only; (with the image, text only, the PNG's bytes)."""
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 64), (235, 235, 235))
+    image.paste((30, 90, 200), (12, 20, 52, 44))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    head, tail = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+    with_image = processor(text=[f"{head}<|vision_start|><|image_pad|><|vision_end|>What is this?{tail}"],
+                           images=[image], return_tensors="pt")
+    text_only = processor(text=[f"{head}Count from one to ten:{tail}"], return_tensors="pt")
+    return with_image, text_only, png.getvalue()
