@@ -1,15 +1,7 @@
-"""LLaVA's state-dict adapter: the files on the Hub and what `save_pretrained` writes (transformers' `llava`
-conversion mapping) use the original layout; `state_dict()` the new one. Names already new pass through.
+"""LLaVA's state-dict adapter: the files on the Hub and what `save_pretrained` writes use the original layout,
+`state_dict()` transformers 5's nested one (`mmfsdp.ckpt.adapters.ORIGINAL_VLM_RENAMES`, its table)."""
 
-| file (original)               | `state_dict()` (new)              |
-| ----------------------------- | --------------------------------- |
-| `language_model.model.*`      | `model.language_model.*`          |
-| `language_model.lm_head.*`    | `lm_head.*`                       |
-| `vision_tower.*`              | `model.vision_tower.*`            |
-| `multi_modal_projector.*`     | `model.multi_modal_projector.*`   |
-"""
-
-from mmfsdp.ckpt.adapters import RenameAdapter
+from mmfsdp.ckpt.adapters import ORIGINAL_VLM_RENAMES, RenameAdapter
 
 __all__ = ["LlavaAdapter"]
 
@@ -18,9 +10,4 @@ class LlavaAdapter(RenameAdapter):
     model_id = "llava"
     hf_model_types = ("llava",)
     architectures = ("LlavaForConditionalGeneration",)
-    renames = (
-        ("language_model.lm_head.", "lm_head."),
-        ("language_model.model.", "model.language_model."),
-        ("vision_tower.", "model.vision_tower."),
-        ("multi_modal_projector.", "model.multi_modal_projector."),
-    )
+    renames = ORIGINAL_VLM_RENAMES

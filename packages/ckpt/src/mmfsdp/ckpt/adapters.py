@@ -57,6 +57,7 @@ __all__ = [
     "ToHF",
     "StateDictAdapter",
     "RenameAdapter",
+    "ORIGINAL_VLM_RENAMES",
     "IdentityAdapter",
     "PlannedFromHF",
     "PlannedToHF",
@@ -163,6 +164,26 @@ class RenameAdapter(StateDictAdapter):
 
     def key_mapping(self) -> dict[str, str]:
         return {"^" + re.escape(hf): model for hf, model in self.renames}
+
+
+ORIGINAL_VLM_RENAMES: tuple[tuple[str, str], ...] = (
+    ("language_model.lm_head.", "lm_head."),
+    ("language_model.model.", "model.language_model."),
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+"""`RenameAdapter.renames` of the vision-language models whose files keep the original layout (a vision tower, a
+projector and a causal LM side by side; the Hub's files and `save_pretrained`'s `save_original_format=True`) while
+transformers 5 nests them under `model.` in `state_dict()` (its conversion mapping for these models):
+
+| file (original)               | `state_dict()` (new)              |
+| ----------------------------- | --------------------------------- |
+| `language_model.model.*`      | `model.language_model.*`          |
+| `language_model.lm_head.*`    | `lm_head.*`                       |
+| `vision_tower.*`              | `model.vision_tower.*`            |
+| `multi_modal_projector.*`     | `model.multi_modal_projector.*`   |
+
+Names already new pass through, so files in either naming load; an export writes the original naming."""
 
 
 class IdentityAdapter(RenameAdapter):

@@ -48,7 +48,7 @@ from mmfsdp.data.video import VideoInfo, VideoOptions, decode_frames, read_video
 from mmfsdp.data.build import build_plugin, build_processor, media_settings
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.rewards import RewardSet, RewardSpec, build_rewards, register_reward, reward_names
-from mmfsdp.data.templates import IGNORE_INDEX, Template, get_template, register_template
+from mmfsdp.data.templates import IGNORE_INDEX, MediaBlocks, Template, get_template, register_template
 
 __all__ = [
     "AUDIO_PLACEHOLDER",
@@ -91,6 +91,7 @@ __all__ = [
     "SampleEncoder",
     "StatefulDataLoader",
     "SyntheticConfig",
+    "MediaBlocks",
     "Template",
     "build_dataloader",
     "build_dataset",

@@ -25,7 +25,7 @@ from mmfsdp.data.errors import BadSample
 from mmfsdp.data.json_rows import INVALID_ROW
 from mmfsdp.data.paths import media_path
 from mmfsdp.data.processor import MMProcessor
-from mmfsdp.data.templates import IGNORE_INDEX, get_template
+from mmfsdp.data.templates import IGNORE_INDEX, MediaBlocks, get_template
 
 __all__ = ["SampleEncoder", "answer_start"]
 
@@ -111,9 +111,11 @@ class SampleEncoder:
         grids = [self.plugin.read_grid(p) for p in paths]
         video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
         audio_grids = self.plugin.read_audio_grids(audio_paths) if audio_paths else []
-        blocks = [self.plugin.image_tokens(grid) for grid in grids]
-        video_blocks = [self.plugin.video_tokens(grid) for grid in video_grids]
-        audio_blocks = [self.plugin.audio_tokens(grid) for grid in audio_grids]
+        media_blocks = MediaBlocks(
+            images=[self.plugin.image_tokens(grid) for grid in grids],
+            videos=[self.plugin.video_tokens(grid) for grid in video_grids],
+            audios=[self.plugin.audio_tokens(grid) for grid in audio_grids],
+        )
         everything = conversation.images + conversation.videos + conversation.audios
         media = {
             "images": paths, "image_grids": [list(g) for g in grids],
@@ -121,24 +123,18 @@ class SampleEncoder:
             "audios": audio_paths, "audio_grids": [list(g) for g in audio_grids],
             "absolute_images": sum(Path(p).expanduser().is_absolute() for p in everything),
         }
-        media_blocks = (blocks, video_blocks, audio_blocks)
         if pair is not None:
-            return {**self.encode_pair(conversation, pair.rejected, *media_blocks), **media}
+            return {**self.encode_pair(conversation, pair.rejected, media_blocks), **media}
         if prompt is not None:
-            return {**self.encode_prompt(conversation, prompt.ground_truth, *media_blocks), **media}
-        input_ids, labels = self.template.encode(conversation, *media_blocks)
+            return {**self.encode_prompt(conversation, prompt.ground_truth, media_blocks), **media}
+        input_ids, labels = self.template.encode(conversation, media_blocks)
         input_ids, labels = self.truncate(input_ids, labels)
         return {"input_ids": input_ids, "labels": labels, **media}
 
-    def encode_pair(
-        self, conversation: Any, rejected: str, blocks: list[list[int]], video_blocks: list[list[int]],
-        audio_blocks: list[list[int]] = (),
-    ) -> dict[str, Any]:
+    def encode_pair(self, conversation: Any, rejected: str, media: MediaBlocks) -> dict[str, Any]:
         """The token columns of a pair (`_EMPTY_PAIR`): the prompt is tokenized once (`Template.encode_pair`); a
         pair with a sequence over `cutoff_len` is `pair_too_long` (DPO's answers are never cut)."""
-        (ids, labels), (rejected_ids, rejected_labels) = self.template.encode_pair(
-            conversation, rejected, blocks, video_blocks, audio_blocks
-        )
+        (ids, labels), (rejected_ids, rejected_labels) = self.template.encode_pair(conversation, rejected, media)
         for name, n in (("chosen", len(ids)), ("rejected", len(rejected_ids))):
             if n > self.cutoff_len:
                 raise BadSample("pair_too_long", f"the {name} sequence has {n} tokens > cutoff_len {self.cutoff_len}")
@@ -151,14 +147,11 @@ class SampleEncoder:
             "rejected_labels": rejected_labels[shared:], "prompt_length": shared,
         }
 
-    def encode_prompt(
-        self, conversation: Conversation, ground_truth: Any, blocks: list[list[int]], video_blocks: list[list[int]],
-        audio_blocks: list[list[int]] = (),
-    ) -> dict[str, Any]:
+    def encode_prompt(self, conversation: Conversation, ground_truth: Any, media: MediaBlocks) -> dict[str, Any]:
         """The token columns of a prompt (`_EMPTY_PROMPT`): the conversation (its last answer empty) encoded by the
         template, up to where the last answer's trained tokens start (`answer_start`); over `cutoff_len` is
         `too_long` (a prompt is never cut)."""
-        ids, labels = self.template.encode(conversation, blocks, video_blocks, audio_blocks)
+        ids, labels = self.template.encode(conversation, media)
         ids = ids[: answer_start(labels)]
         if len(ids) > self.cutoff_len:
             raise BadSample("too_long", f"the prompt has {len(ids)} tokens > cutoff_len {self.cutoff_len}")
@@ -170,7 +163,7 @@ class SampleEncoder:
     def answer_end_ids(self) -> list[int]:
         """The token(s) that end an answer in this template (the last trained token of an empty answer): the stop
         tokens of generation."""
-        ids, labels = self.template.encode(Conversation(system=None, turns=[("?", "")], images=[]), [], [])
+        ids, labels = self.template.encode(Conversation(system=None, turns=[("?", "")], images=[]))
         return [ids[max(i for i, label in enumerate(labels) if label != IGNORE_INDEX)]]
 
     def stop_token_ids(self) -> list[int]:

@@ -16,9 +16,9 @@ the registry is first asked (entry-point group `mmfsdp.data_families`); docs/dat
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from abc import ABC, abstractmethod
-from typing import ClassVar, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Iterator, Sequence
 
 from mmfsdp.config import Registry
 
@@ -28,6 +28,7 @@ from mmfsdp.data.processor import MMProcessor
 __all__ = [
     "IGNORE_INDEX",
     "ControlTokens",
+    "MediaBlocks",
     "Template",
     "get_template",
     "register_template",
@@ -54,8 +55,36 @@ class ControlTokens:
         self.texts = texts
 
 
+@dataclass(frozen=True)
+class MediaBlocks:
+    """The token blocks of a conversation's media, each already expanded by the plugin: the i-th `<image>` of the
+    conversation becomes `images[i]`, the i-th `<video>` `videos[i]`, the i-th `<audio>` `audios[i]`. One object, so a
+    template's signature does not change when a kind of media is added."""
+
+    images: Sequence[list[int]] = ()
+    videos: Sequence[list[int]] = ()
+    audios: Sequence[list[int]] = ()
+
+    def check(self, conversation: Conversation) -> None:
+        """One block per placeholder of each kind (the encoder reads one grid per media file)."""
+        counts = (len(self.images), len(self.videos), len(self.audios))
+        wanted = (len(conversation.images), len(conversation.videos), len(conversation.audios))
+        assert counts == wanted, f"media blocks (images, videos, audios) {counts} for a conversation with {wanted}"
+
+    def cursor(self) -> dict[str, Iterator[list[int]]]:
+        """Placeholder -> an iterator over its blocks; a template shares one cursor between the turns of a
+        conversation (`Template._user_parts`), so the i-th placeholder of a kind takes its i-th block."""
+        return {
+            IMAGE_PLACEHOLDER: iter(self.images), VIDEO_PLACEHOLDER: iter(self.videos), AUDIO_PLACEHOLDER: iter(self.audios),
+        }
+
+
+NO_MEDIA = MediaBlocks()
+"""The blocks of a text-only conversation."""
+
+
 class Template(ABC):
-    """A chat format bound to one tokenizer: `encode(conversation, image_blocks)` -> (input_ids, labels)."""
+    """A chat format bound to one tokenizer: `encode(conversation, media)` -> (input_ids, labels)."""
 
     name: ClassVar[str]
     """The name users write in `preprocess_parameters.template`."""
@@ -79,39 +108,26 @@ class Template(ABC):
                 setattr(self, name, ids if len(ids) > 1 else ids[0])
 
     @abstractmethod
-    def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
-    ) -> list[Part]:
-        """The parts of `conversation` (the comment above `Part`); the i-th `<image>` becomes `image_blocks[i]`, the
-        i-th `<video>` `video_blocks[i]`, the i-th `<audio>` `audio_blocks[i]` (`encode` and `encode_pair` have
-        checked there is one block each)."""
+    def parts(self, conversation: Conversation, media: MediaBlocks) -> list[Part]:
+        """The parts of `conversation` (the comment above `Part`), each media placeholder replaced by its block
+        (`media`; `encode` and `encode_pair` have checked there is one block each)."""
 
-    def encode(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
-    ) -> tuple[list[int], list[int]]:
-        """Ids and labels of `conversation`; the i-th `<image>` becomes `image_blocks[i]`, the i-th `<video>`
-        `video_blocks[i]`, the i-th `<audio>` `audio_blocks[i]`."""
-        _check_blocks(conversation, image_blocks, video_blocks, audio_blocks)
-        return self._assemble(self.parts(conversation, image_blocks, video_blocks, audio_blocks))
+    def encode(self, conversation: Conversation, media: MediaBlocks = NO_MEDIA) -> tuple[list[int], list[int]]:
+        """Ids and labels of `conversation`, each media placeholder replaced by its block of `media`."""
+        media.check(conversation)
+        return self._assemble(self.parts(conversation, media))
 
     def encode_pair(
-        self,
-        conversation: Conversation,
-        rejected: str,
-        image_blocks: list[list[int]],
-        video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
+        self, conversation: Conversation, rejected: str, media: MediaBlocks = NO_MEDIA,
     ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         """(ids, labels) of `conversation` (its last answer the chosen one) and of the same with `rejected` as the
         last answer, each equal to `encode` of its conversation. The parts the two share (the prompt) are
         tokenized once, and the text of all three runs goes through one batched tokenizer call."""
-        _check_blocks(conversation, image_blocks, video_blocks, audio_blocks)
+        media.check(conversation)
         last_user = conversation.turns[-1][0]
         other = replace(conversation, turns=[*conversation.turns[:-1], (last_user, rejected)])
-        chosen_parts = self.parts(conversation, image_blocks, video_blocks, audio_blocks)
-        rejected_parts = self.parts(other, image_blocks, video_blocks, audio_blocks)
+        chosen_parts = self.parts(conversation, media)
+        rejected_parts = self.parts(other, media)
         shared = next(
             (k for k, (a, b) in enumerate(zip(chosen_parts, rejected_parts)) if a != b),
             min(len(chosen_parts), len(rejected_parts)),
@@ -128,14 +144,10 @@ class Template(ABC):
         """What of the template changes the tokens (part of the dataset cache key)."""
         return [self.name, self.train_on_prompt, self.mask_history]
 
-    def _user_parts(
-        self, user: str, images: Iterator[list[int]], videos: Iterator[list[int]], prefix: str = "",
-        audios: Iterable[list[int]] = (),
-    ) -> list[Part]:
-        """A user message's text runs with its image, video and audio blocks in place of the placeholders (each
-        iterator is shared by the turns, so the i-th placeholder of a kind takes its i-th block)."""
+    def _user_parts(self, user: str, blocks: dict[str, Iterator[list[int]]], prefix: str = "") -> list[Part]:
+        """A user message's text runs with its media blocks in place of the placeholders; `blocks` is the
+        conversation's `MediaBlocks.cursor()`, shared by its turns."""
         parts: list[Part] = []
-        blocks = {IMAGE_PLACEHOLDER: images, VIDEO_PLACEHOLDER: videos, AUDIO_PLACEHOLDER: iter(audios)}
         for j, piece in enumerate(_PLACEHOLDERS.split(user)):
             if j % 2:
                 parts.append(("image", next(blocks[piece]), False))
@@ -169,14 +181,6 @@ class Template(ABC):
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
-
-
-def _check_blocks(
-    conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]],
-    audio_blocks: Sequence[list[int]],
-) -> None:
-    assert len(image_blocks) == len(conversation.images) and len(video_blocks) == len(conversation.videos)
-    assert len(audio_blocks) == len(conversation.audios)
 
 
 def _texts(parts: list[Part]) -> list[str]:

@@ -12,10 +12,9 @@ mistral-common does.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from mmfsdp.data.conversation import Conversation
-from mmfsdp.data.templates import ControlTokens, Part, Template, register_template
+from mmfsdp.data.templates import ControlTokens, MediaBlocks, Part, Template, register_template
 
 __all__ = ["MistralTemplate"]
 
@@ -31,19 +30,16 @@ class MistralTemplate(Template):
     system_ids = ControlTokens("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
     user_ids = ControlTokens("[INST]", "[/INST]")
 
-    def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
-    ) -> list[Part]:
+    def parts(self, conversation: Conversation, media: MediaBlocks) -> list[Part]:
         prompt = self.train_on_prompt
         parts: list[Part] = [("ids", [self.bos_id], prompt)]
         if conversation.system is not None:
             parts += [("ids", [self.system_ids[0]], prompt), ("text", conversation.system, prompt), ("ids", [self.system_ids[1]], prompt)]
-        images, videos, audios = iter(image_blocks), iter(video_blocks), iter(audio_blocks)
+        blocks = media.cursor()
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
             parts.append(("ids", [self.user_ids[0]], prompt))
-            parts += self._user_parts(user, images, videos, audios=audios)
+            parts += self._user_parts(user, blocks)
             parts.append(("ids", [self.user_ids[1]], prompt))
             trained = not self.mask_history or i == last
             parts += [("text", assistant.rstrip(" "), trained), ("ids", [self.eos_id], trained)]

@@ -17,11 +17,10 @@ official template for the answers without reasoning.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from mmfsdp.data.conversation import Conversation
 from mmfsdp.data.families.qwen3_vl.template import Qwen3VLTemplate
-from mmfsdp.data.templates import Part, register_template
+from mmfsdp.data.templates import MediaBlocks, Part, register_template
 
 __all__ = ["Qwen3_5Template"]
 
@@ -32,10 +31,7 @@ class Qwen3_5Template(Qwen3VLTemplate):
 
     name = "qwen3_5"
 
-    def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
-    ) -> list[Part]:
+    def parts(self, conversation: Conversation, media: MediaBlocks) -> list[Part]:
         trimmed = Conversation(
             system=None if conversation.system is None else conversation.system.strip(),
             turns=[(user.strip(), answer.strip()) for user, answer in conversation.turns],
@@ -43,7 +39,7 @@ class Qwen3_5Template(Qwen3VLTemplate):
             videos=conversation.videos,
             audios=conversation.audios,
         )
-        return super().parts(trimmed, image_blocks, video_blocks, audio_blocks)
+        return super().parts(trimmed, media)
 
     def _assistant_parts(self, answer: str, is_last: bool, trained: bool) -> list[Part]:
         if not is_last or not self.enable_thinking or self.think_close not in answer:

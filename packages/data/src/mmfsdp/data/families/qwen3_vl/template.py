@@ -19,10 +19,9 @@ MindSpeed-MM configs use):
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from mmfsdp.data.conversation import Conversation
-from mmfsdp.data.templates import ControlTokens, Part, Template, register_template
+from mmfsdp.data.templates import ControlTokens, MediaBlocks, Part, Template, register_template
 
 __all__ = ["Qwen3VLNoThinkTemplate", "Qwen3VLTemplate"]
 
@@ -36,20 +35,17 @@ class Qwen3VLNoThinkTemplate(Template):
     start_id = ControlTokens("<|im_start|>")
     end_id = ControlTokens("<|im_end|>")
 
-    def parts(
-        self, conversation: Conversation, image_blocks: list[list[int]], video_blocks: Sequence[list[int]] = (),
-        audio_blocks: Sequence[list[int]] = (),
-    ) -> list[Part]:
+    def parts(self, conversation: Conversation, media: MediaBlocks) -> list[Part]:
         prompt = self.train_on_prompt
         start, end = ("ids", [self.start_id], prompt), ("ids", [self.end_id], prompt)
         newline = ("text", "\n", prompt)
         parts: list[Part] = []
         if conversation.system is not None:
             parts += [start, ("text", "system\n" + conversation.system, prompt), end, newline]
-        images, videos, audios = iter(image_blocks), iter(video_blocks), iter(audio_blocks)
+        blocks = media.cursor()
         last = len(conversation.turns) - 1
         for i, (user, assistant) in enumerate(conversation.turns):
-            parts += [start, *self._user_parts(user, images, videos, "user\n", audios), end, newline, start]
+            parts += [start, *self._user_parts(user, blocks, "user\n"), end, newline, start]
             trained = not self.mask_history or i == last
             parts += self._assistant_parts(assistant, i == last, trained)
             parts += [("ids", [self.end_id], trained), newline]

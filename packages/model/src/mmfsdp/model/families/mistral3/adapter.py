@@ -5,21 +5,13 @@ Declared under model id `mistral3` in the `mmfsdp.state_dict_adapters` entry-poi
 It is a pure rename, so `key_mapping()` is also the table for transformers' `from_pretrained(key_mapping=...)`.
 
 The files on the Hub (e.g. Magistral-Small-2509), and what `save_pretrained` writes (its
-`save_original_format=True` default; transformers' `llava` conversion mapping), use the original layout;
-`state_dict()` uses the new one. Names that are already new pass through, so files in either naming load;
-export writes the original naming.
-
-| file (original)               | `state_dict()` (new)              |
-| ----------------------------- | --------------------------------- |
-| `language_model.model.*`      | `model.language_model.*`          |
-| `language_model.lm_head.*`    | `lm_head.*`                       |
-| `vision_tower.*`              | `model.vision_tower.*`            |
-| `multi_modal_projector.*`     | `model.multi_modal_projector.*`   |
+`save_original_format=True` default), use the original layout of a vision tower, projector and LM side by side;
+`state_dict()` uses transformers 5's nested one: `mmfsdp.ckpt.adapters.ORIGINAL_VLM_RENAMES` (its table).
 """
 
 from __future__ import annotations
 
-from mmfsdp.ckpt.adapters import RenameAdapter
+from mmfsdp.ckpt.adapters import ORIGINAL_VLM_RENAMES, RenameAdapter
 
 __all__ = ["Mistral3Adapter"]
 
@@ -28,9 +20,4 @@ class Mistral3Adapter(RenameAdapter):
     model_id = "mistral3"
     hf_model_types = ("mistral3",)
     architectures = ("Mistral3ForConditionalGeneration",)
-    renames = (
-        ("language_model.lm_head.", "lm_head."),
-        ("language_model.model.", "model.language_model."),
-        ("vision_tower.", "model.vision_tower."),
-        ("multi_modal_projector.", "model.multi_modal_projector."),
-    )
+    renames = ORIGINAL_VLM_RENAMES
