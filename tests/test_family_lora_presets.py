@@ -38,7 +38,7 @@ def test_lora_presets_resolve_as_the_shared_table_did(model_id):
     for preset, names in TABLE_BEFORE.items():
         before = _written_out(model, names, entry)
         if before is None:
-            with pytest.raises(ConfigError, match=rf"^training\.lora\.target_modules\[0\]"):
+            with pytest.raises(ConfigError, match=r"^training\.lora\.target_modules\[0\]"):
                 resolve_lora_targets(model, [f"preset:{preset}"], entry)
         else:
             assert entry.lora_presets[preset] == names
