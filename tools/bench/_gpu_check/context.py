@@ -105,7 +105,7 @@ class Runs:
             if around_step is not None:
                 step = trainer.train_step
 
-                def wrapped():
+                def wrapped(trainer=trainer):  # bound now: the name is deleted below
                     with around_step(trainer):
                         return step()
 
