@@ -1,7 +1,7 @@
 """Throughput of mmfsdp's data preprocessing against the bare HF image processor + tokenizer.
 
     uv run python tools/bench/data_throughput.py [--num-samples 16] [--image-size 1024] [--workers 2]
-    uv run python tools/bench/data_throughput.py --smoke    # the smallest run (CI): 2 small images, 1 short clip
+    uv run python tools/bench/data_throughput.py --smoke    # the smallest run (CI): 2 small images, 1 short video, 2 short audio clips
 
 Generates JPEG images (smooth gradients plus noise, `--image-size` on the long side,
 4:3) and one-image conversations, and a Magistral-like processor: the real Tekken
@@ -27,6 +27,17 @@ conversations for the tiny Qwen3-VL (`examples/qwen3vl-tiny/assets`), sampled at
 - baseline: transformers' own pipeline on the same clip and text: `load_video(backend="pyav")`
   with the video processor's `sample_frames` at the same fps (HF's PyAV reader; its default,
   torchcodec, is not installed), then `Qwen3VLProcessor` (video processor, timestamps, tokenizer).
+
+The audio case (`audio_*` keys; `--audio-clips 0` skips it) writes `--audio-clips` clips of
+`--audio-seconds` (a tone plus noise; WAV 44.1 kHz stereo and FLAC 48 kHz mono, alternating: what
+both loaders read) and one-clip conversations for Qwen3-Omni (the tiny Qwen3-VL's tokenizer with
+Qwen3-Omni's audio tokens, the published `preprocessor_config.json`). Alternating rounds:
+
+- ours: `SampleEncoder.encode_row` (headers, template, the clip's token count) +
+  `Qwen3OmniPlugin.audio_inputs` (decode with PyAV, resample to 16 kHz, downmix, the feature extractor);
+- baseline: transformers' own pipeline: `load_audio(path, 16000)` (its `auto` backend; soundfile + soxr
+  here, torchcodec where installed), then `Qwen3OmniMoeProcessor` on the rendered text and the waveform
+  (the feature extractor, the placeholder expansion, the tokenizer).
 
 The last line printed is one JSON object with all numbers.
 """
@@ -199,6 +210,143 @@ def _video_case(args, work: Path) -> dict:
     }
 
 
+OMNI_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+}
+"""Qwen3-Omni's named media tokens, as its `tokenizer_config.json` maps them (its processor reads them by name)."""
+OMNI_PREPROCESSOR = {
+    "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "hop_length": 160, "n_fft": 400,
+    "n_samples": 4800000, "sampling_rate": 16000, "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056, "nb_max_frames": 30000,
+    "processor_class": "Qwen3OmniMoeProcessor",
+}
+"""The `preprocessor_config.json` of the Qwen3-Omni-30B-A3B checkpoints."""
+AUDIO_QUESTION = "<audio>How many beeps do you hear?"
+AUDIO_ANSWER = "Three beeps, the last one higher."
+
+
+def _omni_dir(out: Path) -> Path:
+    """A Qwen3-Omni-style model directory: the tiny Qwen3-VL's tokenizer plus the three audio tokens and the named
+    media tokens, the published preprocessor settings, and a `config.json` naming the model type."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "examples" / "qwen3vl-tiny" / "assets")
+    tokenizer.add_tokens(["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"], special_tokens=True)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": OMNI_MEDIA_TOKENS}))
+    (out / "preprocessor_config.json").write_text(json.dumps(OMNI_PREPROCESSOR))
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
+    return out
+
+
+def _audio_clips(out: Path, count: int, seconds: float) -> list[str]:
+    """Tone-plus-noise clips, WAV 44.1 kHz stereo and FLAC 48 kHz mono in turn, written with PyAV."""
+    import av
+
+    rng = np.random.default_rng(2)
+    paths = []
+    for i in range(count):
+        wav = i % 2 == 0
+        rate, channels = (44100, 2) if wav else (48000, 1)
+        path = out / f"clip_{i:03d}.{'wav' if wav else 'flac'}"
+        t = np.arange(int(seconds * rate)) / rate
+        pcm = 0.3 * np.sin(2 * np.pi * (440 + 110 * i) * t) + rng.uniform(-0.1, 0.1, (channels, t.size))
+        samples = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("pcm_s16le" if wav else "flac", rate=rate, layout="stereo" if channels == 2 else "mono")
+            frame = av.AudioFrame.from_ndarray(samples.T.reshape(1, -1).copy(), format="s16", layout=stream.layout.name)
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                container.mux(packet)
+            for packet in stream.encode(None):
+                container.mux(packet)
+        paths.append(str(path))
+    return paths
+
+
+def _audio_case(args, work: Path) -> dict:
+    """Samples/s of ours vs. transformers' `load_audio` + `Qwen3OmniMoeProcessor` on the same clips (module
+    docstring), best of `args.rounds`."""
+    from mmfsdp.config import build
+    from transformers.audio_utils import load_audio
+
+    from mmfsdp.data import DataConfig, SampleEncoder, build_processor
+
+    model_dir = _omni_dir(work / "omni")
+    clip_dir = work / "audios"
+    clip_dir.mkdir(parents=True, exist_ok=True)
+    paths = _audio_clips(clip_dir, args.audio_clips, args.audio_seconds)
+    messages = [{"role": "user", "content": AUDIO_QUESTION}, {"role": "assistant", "content": AUDIO_ANSWER}]
+    rows = [{"messages": messages, "audios": [p], "images": []} for p in paths]
+    cfg = build(
+        DataConfig,
+        {
+            "dataset_param": {
+                "attr": {"audios": "audios"},
+                "preprocess_parameters": {
+                    "model_name_or_path": str(model_dir), "template": "qwen3_omni_nothink", "image_plugin": "qwen3_omni",
+                    "cutoff_len": 32768,
+                },
+                "basic_parameters": {"dataset_dir": str(work), "cache_dir": str(work / "cache")},
+            },
+        },
+        "data",
+    )
+    processor = build_processor(cfg)
+    encoder = SampleEncoder(cfg, processor)
+    plugin = encoder.plugin
+    hf = processor.hf_processor
+    text = hf.tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "<|audio_start|><|audio_pad|><|audio_end|>" + AUDIO_QUESTION[len("<audio>"):]},
+            {"role": "assistant", "content": AUDIO_ANSWER},
+        ],
+        tokenize=False,
+    )
+    rate = hf.feature_extractor.sampling_rate
+
+    def ours() -> int:
+        tokens = 0
+        for row in rows:
+            sample = encoder.encode_row(row)
+            plugin.audio_inputs(sample["audios"], [tuple(g) for g in sample["audio_grids"]])
+            tokens += len(sample["input_ids"])
+        return tokens
+
+    def baseline() -> int:
+        tokens = 0
+        for path in paths:
+            out = hf(text=[text], audio=[load_audio(path, sampling_rate=rate)], return_tensors="pt")
+            tokens += out["input_ids"].shape[1]
+        return tokens
+
+    ours_tokens, hf_tokens = ours(), baseline()  # warm up; the same clips give the same audio tokens
+    best = {"ours": 0.0, "baseline": 0.0}
+    for _ in range(args.rounds):
+        for name, fn in (("ours", ours), ("baseline", baseline)):
+            start = time.perf_counter()
+            fn()
+            best[name] = max(best[name], len(paths) / (time.perf_counter() - start))
+    ratio = best["ours"] / best["baseline"]
+    print(
+        f"audio: ours {best['ours']:.2f} samples/s, load_audio + Qwen3OmniMoeProcessor {best['baseline']:.2f} "
+        f"samples/s, ratio {ratio:.3f} ({ours_tokens // len(paths)} vs {hf_tokens // len(paths)} tokens per sample)"
+    )
+    return {
+        "audio_ours_samples_per_s": round(best["ours"], 3),
+        "audio_baseline_samples_per_s": round(best["baseline"], 3),
+        "audio_ratio": round(ratio, 3),
+        "audio_clips": len(paths),
+        "audio_seconds": args.audio_seconds,
+        "audio_tokens_per_sample": ours_tokens // len(paths),
+        "audio_hf_tokens_per_sample": hf_tokens // len(paths),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-samples", type=int, default=16, help="samples (one image each) per round (default 16)")
@@ -211,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--video-size", type=int, default=640, help="width of the 16:9 clips in pixels (default 640)")
     parser.add_argument("--video-seconds", type=float, default=4.0, help="length of each clip (default 4.0)")
     parser.add_argument("--work-dir", default=None, help="where to write images and caches (default: a temporary directory)")
+    parser.add_argument("--audio-clips", type=int, default=8, help="clips of the audio case; 0 skips it (default 8)")
+    parser.add_argument("--audio-seconds", type=float, default=10.0, help="length of each audio clip (default 10.0)")
     args = parse_args(parser, argv, num_samples=2, image_size=64, rounds=1, workers=0, video_clips=1, video_size=64,
-                      video_seconds=0.5)
+                      video_seconds=0.5, audio_clips=2, audio_seconds=0.5)
 
     from mmfsdp.config import build
     from mmfsdp.data import DataConfig, SampleEncoder, build_dataloader, build_dataset, build_processor
@@ -286,10 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     fed = loader_rate * args.step_seconds >= args.micro_batch_size
     print(f"loader with {args.workers} workers: {loader_rate:.1f} samples/s; a {args.step_seconds:g}s step needs {args.micro_batch_size / args.step_seconds:.2f} samples/s -> {'fed' if fed else 'NOT fed'}")
     video = _video_case(args, work) if args.video_clips > 0 else {}
+    audio = _audio_case(args, work) if args.audio_clips > 0 else {}
     print(
         json.dumps(
             {
                 **video,
+                **audio,
                 "ours_samples_per_s": round(best["ours"], 2),
                 "baseline_samples_per_s": round(best["baseline"], 2),
                 "ratio": round(ratio, 3),

@@ -1,10 +1,10 @@
 """Audio decoding (`mmfsdp.data.audio.decode_audio`, PyAV) against clips of known content, and bad audio as counted
 bad rows with their reasons (strict: file, row and reason), never a crash or a hang.
 
-The reference for decoding is the content itself. transformers' `load_audio` cannot run here: its `torchcodec`
-backend needs FFmpeg's shared libraries on the system (this machine has none; PyAV bundles its own) and its
-`soundfile` backend needs `soundfile` and `soxr`, which the lock does not hold (`test_load_audio_backends` says which
-is missing and compares where one is installed). So the clips are written from known samples:
+Two references. transformers' `load_audio` (its soundfile backend; its `torchcodec` one needs FFmpeg's shared
+libraries on the system, which this machine lacks): lossless clips decode to its samples bit for bit, lossy ones to
+its sample count and within its decoders' difference (`test_load_audio_agrees`). And the content itself, the clips
+being written from known samples:
 
 - 16 kHz PCM WAV decodes to exactly its 16-bit samples / 32768, a stereo one to exactly the mean of its channels;
 - a resampled clip (8, 22.05, 44.1 and 48 kHz; WAV and FLAC) of two tones (440 Hz and 1 kHz, well inside the
@@ -100,18 +100,36 @@ def test_lossy_clips_keep_their_content_aligned(tmp_path, h, name, codec, contai
     assert _snr_db(clip.samples[span], _expected(len(clip.samples), channels)[span]) > 20
 
 
-def test_load_audio_agrees(tmp_path, h):
-    """transformers' `load_audio` with its soundfile backend (soundfile decodes, soxr resamples, channels averaged;
-    both in the dev group for this test) gives the clip within the resamplers' difference (its torchcodec backend
-    needs FFmpeg's shared libraries on the system, and downmixes stereo as 0.707 · (L + R))."""
+@pytest.mark.parametrize(
+    "name, codec, container, rate, channels, max_diff",
+    [
+        ("a.wav", "pcm_s16le", None, 8000, 1, 0.0),
+        ("b.wav", "pcm_s16le", None, 16000, 2, 0.0),
+        ("c.wav", "pcm_s16le", None, 44100, 2, 0.0),
+        ("d.flac", "flac", None, 48000, 2, 0.0),
+        ("e.flac", "flac", None, 22050, 1, 0.0),
+        ("f.mp3", "libmp3lame", None, 44100, 2, 1e-5),
+        ("g.ogg", "libopus", "ogg", 48000, 1, 1e-5),
+        ("h.opus", "libopus", "ogg", 24000, 2, 1e-2),
+    ],
+)
+def test_load_audio_agrees(tmp_path, h, name, codec, container, rate, channels, max_diff):
+    """transformers' `load_audio` with its soundfile backend (soundfile decodes, channels averaged, soxr resamples;
+    soundfile in the dev group) gives the same number of samples, and for lossless clips the same samples bit for bit:
+    `decode_audio` takes its steps. Lossy clips differ by their decoders (libsndfile's mpg123 and libopus against
+    FFmpeg's): 1e-6 here for MP3 and 48 kHz Opus; an Opus stream made at 24 kHz is decoded at 24 kHz by libsndfile
+    and at 48 kHz by FFmpeg, then resampled, so 4e-3. (Its torchcodec backend needs FFmpeg's shared libraries on the
+    system, and downmixes stereo as 0.707 · (L + R).)"""
     from transformers.audio_utils import load_audio
 
-    n = 3 * 44100 + 7
-    path = h.write_audio(tmp_path / "c.wav", _tones(n, 44100, 2), 44100)
+    n = int(1.37 * rate) + 3
+    path = h.write_audio(tmp_path / name, _tones(n, rate, channels), rate, codec, container)
     theirs, ours = load_audio(path, sampling_rate=RATE, backend="soundfile"), decode_audio(path, RATE).samples
-    assert abs(len(theirs) - len(ours)) <= 1
-    span = slice(64, min(len(theirs), len(ours)) - 64)
-    assert np.abs(theirs[span] - ours[span]).max() < 2e-3
+    assert theirs.dtype == ours.dtype == np.float32 and len(theirs) == len(ours)
+    if max_diff == 0.0:
+        assert np.array_equal(theirs, ours)
+    else:
+        assert np.abs(theirs - ours).max() <= max_diff
 
 
 def _row(audios, text="<audio>What is it?"):
@@ -178,7 +196,7 @@ def test_too_long_and_too_short(omni_processor, h, tmp_path, monkeypatch):
     assert bad.value.reason == "audio_too_long"
     # a header without a duration: the decode stops as soon as it passes the limit
     monkeypatch.setattr(audio_module, "_header_seconds", lambda container, stream: None)
-    with pytest.raises(BadSample, match="decodes to over 1.5") as bad:
+    with pytest.raises(BadSample, match=r"decodes to over [0-9.]+ s, over audio_max_seconds 1.5") as bad:
         encoder.encode_row(_row(["two.wav"]))
     assert bad.value.reason == "audio_too_long"
     monkeypatch.undo()
@@ -191,6 +209,24 @@ def test_too_long_and_too_short(omni_processor, h, tmp_path, monkeypatch):
     with pytest.raises(BadSample, match="decodes to no samples") as bad:
         encoder.encode_row(_row(["nothing.wav"]))
     assert bad.value.reason == "empty_audio"
+
+
+@pytest.mark.timeout(60)
+def test_digital_silence_is_a_bad_row(encoder, tmp_path, h):
+    """All-zero samples (a failed recording or export) are `silent_audio`, in any format; one non-zero sample, or
+    quiet noise at -90 dB, is audio."""
+    for name, codec, rate in (("zero.wav", "pcm_s16le", RATE), ("zero.flac", "flac", 44100)):
+        h.write_audio(tmp_path / name, np.zeros((2, rate)), rate, codec)
+        with pytest.raises(BadSample, match="digital silence") as bad:
+            encoder.encode_row(_row([name]))
+        assert bad.value.reason == "silent_audio"
+    one = np.zeros((1, RATE))
+    one[0, RATE // 2] = 1 / 32767
+    h.write_audio(tmp_path / "one.wav", one, RATE)
+    quiet = np.random.default_rng(0).uniform(-3e-5, 3e-5, (1, RATE))
+    h.write_audio(tmp_path / "quiet.wav", quiet, RATE)
+    for name in ("one.wav", "quiet.wav"):
+        assert encoder.encode_row(_row([name]))["audio_grids"][0][0] == RATE
 
 
 @pytest.mark.timeout(60)

@@ -7,9 +7,11 @@ The reference is a user's inference code: `AutoProcessor.from_pretrained` on a m
 tokens, which builds `Qwen3OmniMoeProcessor` with its own defaults (16 kHz, `n_window` 50, `padding=True`); the chat
 template renders the conversation with audio and image items (`data/qwen3_omni_*_chat_template.jinja`, see its README)
 and the processor expands the placeholders and computes the features. It is never given a setting of ours. Each clip
-reaches it as a waveform: a 16 kHz WAV read with the standard library's `wave` (16-bit samples / 32768, channels
-averaged), every other clip as `decode_audio` gives it (transformers' `load_audio` has no backend here:
-`test_data_audio_decode.py`, which also checks the decoding against the clips' known content).
+reaches it as a waveform: every WAV and FLAC clip (any rate, mono or stereo) as transformers' own
+`load_audio(path, 16000)` reads it (its soundfile backend: soundfile decodes, the channels are averaged, soxr
+resamples; soundfile is in the dev group), the lossy ones (MP3, Opus, AAC) as `decode_audio` gives them: another
+decoder of a lossy codec gives other samples (libsndfile's MP3 and Opus decoders differ from FFmpeg's by up to 4e-3,
+`test_data_audio_decode.py::test_load_audio_agrees`, which also checks the decoding against the clips' known content).
 
 Clips of our own making, written once per module: WAV at 8, 16, 44.1 and 48 kHz (mono and stereo, one of 60 s),
 FLAC, MP3, Ogg Opus and M4A AAC, 0.3 s to 60 s, lengths that are no whole number of feature hops; two images.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ from mmfsdp.data import IGNORE_INDEX, SampleEncoder, build_dataloader, build_dat
 DATA = Path(__file__).parent / "data"
 INSTRUCT = "qwen3_omni_instruct_chat_template.jinja"
 THINKING = "qwen3_omni_thinking_chat_template.jinja"
+LOSSLESS = (".wav", ".flac")
+"""Clips the reference loads with transformers' `load_audio` (module docstring)."""
 CLIPS = {  # name: sample rate, channels, seconds, codec, container
     "odd.wav": (16000, 1, 1.2345, "pcm_s16le", None),
     "stereo16.wav": (16000, 2, 4.99, "pcm_s16le", None),
@@ -68,12 +71,11 @@ def _inference_processor(directory: str):
 
 
 def _waveform(path: Path) -> np.ndarray:
-    """A clip as the reference gets it (module docstring)."""
-    if path.suffix == ".wav":
-        with wave.open(str(path)) as f:
-            if f.getframerate() == 16000:
-                pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").reshape(-1, f.getnchannels())
-                return (pcm.astype(np.float64).mean(axis=1) / 32768).astype(np.float32)
+    """A clip as the reference gets it (module docstring): transformers' `load_audio` for the lossless ones."""
+    if path.suffix in LOSSLESS:
+        from transformers.audio_utils import load_audio
+
+        return load_audio(str(path), sampling_rate=16000, backend="soundfile")
     return decode_audio(str(path), 16000).samples
 
 

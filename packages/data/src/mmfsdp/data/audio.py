@@ -1,18 +1,25 @@
-"""Audio files: decoded, resampled and downmixed to the waveform a feature extractor takes, with PyAV.
+"""Audio files: decoded, downmixed and resampled to the waveform a feature extractor takes.
 
 `decode_audio(path, sampling_rate, ...)` reads any container and codec PyAV's bundled FFmpeg decodes (WAV, FLAC,
 MP3, Ogg Vorbis / Opus, M4A / AAC, ...) at any sample rate and channel count, and returns a mono float32 waveform
-at `sampling_rate` (the model's feature extractor's rate, read from the model directory):
+at `sampling_rate` (the model's feature extractor's rate, read from the model directory), by the steps of
+transformers' own `load_audio` (its soundfile backend, which is `librosa.load`'s):
 
-1. every decoded frame goes through one `av.AudioResampler` (FFmpeg's libswresample, its default filter) that
-   converts it to planar float at `sampling_rate`, keeping its channels;
+1. PyAV decodes the clip; every frame's samples become float32 in [-1, 1) as soundfile reads them (integer PCM
+   divided by 2^(bits-1));
 2. the channels are averaged (mono = their mean), as `librosa.load`, transformers' soundfile and torchaudio backends
-   and LLaMA-Factory's loader downmix. (libswresample's own stereo-to-mono matrix is 0.707 · (L + R), 3 dB louder
-   than the mean, so the downmix is not left to it.)
+   and LLaMA-Factory's loader downmix;
+3. a clip at another rate is resampled once, whole, with soxr's high-quality filter (`soxr_hq`) to
+   `ceil(samples · sampling_rate / source rate)` samples (padded with zeros or cut to that length).
+So a WAV or FLAC clip gives exactly what `load_audio(path, sampling_rate)` gives; formats soundfile does not read
+(MP3 in older libsndfile, AAC, Opus) go through the same steps after FFmpeg's decoder.
 
 Unlike a video, whose frames are sampled from its headers, an audio clip's token count needs its exact length after
 resampling, which no header gives for every format: the tokenization pass decodes each clip once for its length,
-and the DataLoader workers decode it again for its features (a clip of a minute decodes in tens of milliseconds).
+and the DataLoader workers decode it again for its features (a clip of a minute decodes in a few milliseconds).
+The container is opened with a bounded probe (`PROBE_BYTES`): FFmpeg's default reads up to 5 MB to find the
+streams, the whole of most clips, where an audio file's headers are at its start; a WAV file is read in packets of
+up to `PACKET_BYTES`.
 
 Bounded: the open and every read get `timeout_s` as PyAV's timeout (FFmpeg's interrupt callback) and the decode loop
 checks the same deadline at every packet and frame (`audio_timeout`); a clip longer than `max_seconds` is refused from
@@ -20,11 +27,13 @@ its header when the header gives a duration, else as soon as that much has been 
 file of hours never fills memory. A file that is missing (`missing_audio`), not a readable container or stream, or
 breaks while decoding, or decodes to under 90 % of the duration its header gives (truncated) is `corrupt_audio`; one
 without an audio stream or of a codec FFmpeg cannot decode is `unsupported_audio`; one that decodes to no sample at
-all is `empty_audio`.
+all is `empty_audio`, one whose samples are all zero (digital silence: nothing to hear, most often a failed
+recording or export) `silent_audio`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,7 +43,8 @@ from mmfsdp.data.av_files import first_stream, open_container
 from mmfsdp.data.errors import BadSample
 
 __all__ = [
-    "AUDIO_MAX_SECONDS", "AUDIO_TIMEOUT_S", "AudioOptions", "DecodedAudio", "TRUNCATED_SHARE", "decode_audio",
+    "AUDIO_MAX_SECONDS", "AUDIO_TIMEOUT_S", "AudioOptions", "DecodedAudio", "PACKET_BYTES", "PROBE_BYTES", "RESAMPLER",
+    "TRUNCATED_SHARE", "decode_audio",
 ]
 
 AUDIO_MAX_SECONDS = 300.0
@@ -45,6 +55,17 @@ AUDIO_TIMEOUT_S = 60.0
 TRUNCATED_SHARE = 0.9
 """A clip that decodes to less than this share of the duration its header gives is truncated (`corrupt_audio`).
 Not tighter: a header's duration is an estimate for some formats (an MP3 without a Xing header)."""
+
+
+PROBE_BYTES = 65536
+"""FFmpeg's `probesize` when opening a clip: bytes read to find its streams (FFmpeg's default, 5 MB, is most clips)."""
+PACKET_BYTES = 262144
+"""The WAV demuxer's packet size bound (its `max_size`; FFmpeg's default 4096 bytes makes a 10 s stereo clip 108
+packets, each a round trip through PyAV); other demuxers have their own packets and ignore it."""
+RESAMPLER = "soxr_hq"
+"""The resampling filter (soxr's quality name), as transformers' `load_audio` and `librosa.load` resample."""
+_INT_SCALE = {"u8": 128.0, "s16": 32768.0, "s32": 2147483648.0, "s64": 9223372036854775808.0}
+"""Integer sample formats -> the divisor that maps them to [-1, 1) (unsigned 8-bit is offset by 128 first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +87,11 @@ class AudioOptions:
 class DecodedAudio:
     """One clip as the feature extractor takes it, and what its file held."""
 
-    samples: np.ndarray
-    """Mono float32 waveform at the requested sampling rate, `[num_samples]`."""
+    samples: np.ndarray | None
+    """Mono float32 waveform at the requested sampling rate, `[num_samples]`; None when only the length was asked
+    for (`decode_audio(..., waveform=False)`)."""
+    num_samples: int
+    """Samples of the waveform at the requested rate: `ceil(source samples · rate / source rate)`."""
     source_rate: int
     """Sample rate of the file's audio stream."""
     channels: int
@@ -91,21 +115,23 @@ def _header_seconds(container, stream) -> float | None:
 
 
 def decode_audio(
-    path: str, sampling_rate: int, *, max_seconds: float = AUDIO_MAX_SECONDS, timeout_s: float = AUDIO_TIMEOUT_S
+    path: str, sampling_rate: int, *, max_seconds: float = AUDIO_MAX_SECONDS, timeout_s: float = AUDIO_TIMEOUT_S,
+    waveform: bool = True,
 ) -> DecodedAudio:
     """The clip at `path` as a mono float32 waveform at `sampling_rate` (module docstring); `BadSample` if it cannot
-    or should not be used."""
+    or should not be used. With `waveform=False` the clip is decoded and checked alike but not resampled: its
+    `num_samples` (what a token count needs) without its samples."""
     import av
 
     deadline = time.monotonic() + timeout_s
-    max_samples = int(max_seconds * sampling_rate)
-    planes: list[np.ndarray] = []
-    total = 0
+    frames: list[np.ndarray] = []
+    formats: list[tuple[str, bool, int]] = []  # each frame's (sample format, planar, channels)
+    total, source_rate = 0, sampling_rate  # source samples decoded so far; the file's rate once its stream is read
 
     def overdue() -> None:
         if time.monotonic() > deadline:
             raise BadSample(
-                "audio_timeout", f"{path}: decoding took over {timeout_s:g} s (at {total / sampling_rate:.1f} s)"
+                "audio_timeout", f"{path}: decoding took over {timeout_s:g} s (at {total / source_rate:.1f} s)"
             )
 
     def too_long(seconds: float, how: str) -> BadSample:
@@ -114,46 +140,85 @@ def decode_audio(
             f"{path} {how} {seconds:.1f} s, over audio_max_seconds {max_seconds:g} (clips are never cut)",
         )
 
-    container = open_container(path, "audio", timeout_s)
+    container = open_container(path, "audio", timeout_s, options={"probesize": PROBE_BYTES, "max_size": PACKET_BYTES})
     try:
         stream = _audio_stream(container, path)
         source_rate, channels, codec = int(stream.rate), int(stream.channels), stream.codec_context.name
         header = _header_seconds(container, stream)
         if header is not None and header > max_seconds:
             raise too_long(header, "lasts")
-        resampler = None
+        max_source = int(max_seconds * source_rate)
         for packet in container.demux(stream):
             overdue()
             for frame in packet.decode():
                 overdue()
-                if resampler is None:
-                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sampling_rate)
-                for out in resampler.resample(frame):
-                    planes.append(out.to_ndarray())
-                    total += out.samples
-                if total > max_samples:
-                    raise too_long(total / sampling_rate, "decodes to over")
-        for out in resampler.resample(None) if resampler is not None else ():
-            planes.append(out.to_ndarray())
-            total += out.samples
+                formats.append((frame.format.name, frame.format.is_planar, len(frame.layout.channels)))
+                frames.append(frame.to_ndarray())
+                total += frame.samples
+                if total > max_source:
+                    raise too_long(total / source_rate, "decodes to over")
     except BadSample:
         raise
     except av.error.ExitError:
         raise BadSample("audio_timeout", f"{path}: a read took over {timeout_s:g} s") from None
     except Exception as err:  # a decoder error mid-stream: the file is damaged
-        detail = f"{path} breaks after {total / sampling_rate:.2f} s ({type(err).__name__}: {err})"
+        detail = f"{path} breaks after {total / source_rate:.2f} s ({type(err).__name__}: {err})"
         raise BadSample("corrupt_audio", detail) from None
     finally:
         container.close()
     if total == 0:
         raise BadSample("empty_audio", f"{path} decodes to no samples")
-    if total > max_samples:
-        raise too_long(total / sampling_rate, "decodes to")
-    if header is not None and total < TRUNCATED_SHARE * header * sampling_rate:
+    if header is not None and total < TRUNCATED_SHARE * header * source_rate:
         raise BadSample(
             "corrupt_audio",
-            f"{path} decodes to {total / sampling_rate:.2f} s, but its header gives {header:.2f} s "
+            f"{path} decodes to {total / source_rate:.2f} s, but its header gives {header:.2f} s "
             "(truncated or damaged file)",
         )
-    samples = np.concatenate(planes, axis=1).mean(axis=0, dtype=np.float32)
-    return DecodedAudio(samples=samples, source_rate=source_rate, channels=channels, codec=codec)
+    if all(_silent(frame, fmt[0]) for frame, fmt in zip(frames, formats)):
+        raise BadSample("silent_audio", f"{path} is digital silence: its {total} samples are all zero")
+    num_samples = math.ceil(total * sampling_rate / source_rate)
+    if not waveform:
+        return DecodedAudio(None, num_samples, source_rate, channels, codec)
+    if len(set(formats)) == 1:  # one conversion for the whole clip
+        mono = _mono(_float_samples(np.concatenate(frames, axis=1), *formats[0]))
+    else:  # a stream whose frames change format or channel layout: each frame converted and downmixed alone
+        mono = np.concatenate([_mono(_float_samples(frame, *fmt)) for frame, fmt in zip(frames, formats)])
+    return DecodedAudio(resample(mono, source_rate, sampling_rate), num_samples, source_rate, channels, codec)
+
+
+def resample(waveform: np.ndarray, source_rate: int, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform at `sampling_rate`: soxr (`RESAMPLER`) on the whole clip, padded with zeros or cut to
+    `ceil(len · sampling_rate / source_rate)` samples, as transformers' `load_audio` and `librosa.load` do."""
+    if source_rate != sampling_rate:
+        import soxr
+
+        length = math.ceil(len(waveform) * sampling_rate / source_rate)
+        waveform = soxr.resample(waveform, source_rate, sampling_rate, quality=RESAMPLER)
+        waveform = np.pad(waveform, (0, max(0, length - len(waveform))))[:length]
+    return np.ascontiguousarray(waveform, dtype=np.float32)
+
+
+def _float_samples(data: np.ndarray, name: str, planar: bool, channels: int) -> np.ndarray:
+    """Decoded samples (`AudioFrame.to_ndarray()`s of one format, concatenated along their last axis) as float32
+    `[channels, samples]` in [-1, 1): float formats as they are, integer ones divided by 2^(bits-1) (soundfile's
+    float reading; unsigned 8-bit offset by 128 first)."""
+    # channel-major in memory: the downmix then adds contiguous rows (4x faster than over a transposed view)
+    data = data.reshape(channels, -1) if planar else np.ascontiguousarray(data.reshape(-1, channels).T)
+    kind = name.rstrip("p")
+    if kind in _INT_SCALE:
+        data = data.astype(np.float32)
+        if kind == "u8":
+            data -= np.float32(128)
+        data /= np.float32(_INT_SCALE[kind])
+        return data
+    return data.astype(np.float32, copy=False)
+
+
+def _silent(data: np.ndarray, name: str) -> bool:
+    """Whether a frame's samples (as decoded, format `name`) are all zero: 128 for unsigned 8-bit."""
+    return bool((data == 128).all()) if name.rstrip("p") == "u8" else not data.any()
+
+
+def _mono(planes: np.ndarray) -> np.ndarray:
+    """`[channels, samples]` -> their mean `[samples]` (float32)."""
+    return planes.mean(axis=0) if planes.shape[0] > 1 else planes[0]

@@ -18,14 +18,17 @@ from mmfsdp.data.errors import BadSample
 __all__ = ["first_stream", "open_container"]
 
 
-def open_container(path: str, kind: str, timeout_s: float) -> Any:
-    """The PyAV input container of the `kind` ("video", "audio") file at `path`; `BadSample` if it cannot be opened."""
+def open_container(path: str, kind: str, timeout_s: float, *, options: dict[str, int] | None = None) -> Any:
+    """The PyAV input container of the `kind` ("video", "audio") file at `path`; `BadSample` if it cannot be opened.
+    `options`: FFmpeg's format options (e.g. `probesize`, the bytes it reads to find the streams); a demuxer ignores
+    the ones it does not have."""
     import av
 
     if not Path(path).is_file():
         raise BadSample(f"missing_{kind}", f"{path} does not exist")
     try:
-        return av.open(path, mode="r", timeout=(timeout_s, timeout_s))
+        settings = {name: str(value) for name, value in (options or {}).items()}
+        return av.open(path, mode="r", timeout=(timeout_s, timeout_s), options=settings)
     except av.error.ExitError:  # FFmpeg's interrupt callback: the open/read timeout fired
         raise BadSample(f"{kind}_timeout", f"{path}: opening it took over {timeout_s:g} s") from None
     except Exception as err:  # PyAV raises FFmpeg's many error types (InvalidDataError, EOFError, ...)

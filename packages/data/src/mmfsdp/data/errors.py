@@ -47,6 +47,7 @@ BAD_REASONS = (
     "corrupt_audio",
     "unsupported_audio",
     "empty_audio",
+    "silent_audio",
     "audio_too_long",
     "audio_timeout",
     "too_long",
@@ -140,6 +141,7 @@ BAD_REASON_ADVICE = {
     ),
     "unsupported_audio": "re-encode the clip with a common codec (WAV, FLAC, MP3, Opus, AAC) into a file with audio",
     "empty_audio": "remove clips without sound: a clip needs at least one feature window (25 ms at 16 kHz)",
+    "silent_audio": "the clip is all zeros (a failed recording or export): re-export it from its source, or drop the row",
     "audio_too_long": "cut long clips into shorter ones, or raise preprocess_parameters.audio_max_seconds",
     "audio_timeout": (
         "the clip decodes too slowly: re-encode it or cut it into shorter clips; "

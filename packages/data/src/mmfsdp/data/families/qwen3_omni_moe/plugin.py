@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mmfsdp.config import ConfigError
-from mmfsdp.data.audio import AUDIO_MAX_SECONDS, AUDIO_TIMEOUT_S, AudioOptions, DecodedAudio, decode_audio
+from mmfsdp.data.audio import AUDIO_MAX_SECONDS, AUDIO_TIMEOUT_S, RESAMPLER, AudioOptions, DecodedAudio, decode_audio
 from mmfsdp.data.errors import BadSample
 from mmfsdp.data.families.qwen3_vl.plugin import Qwen3VLPlugin
 from mmfsdp.data.plugins import MediaSetting, processor_file, register_plugin, setting_source
@@ -121,7 +121,7 @@ class Qwen3OmniPlugin(Qwen3VLPlugin):
         extractor = json.loads(json.dumps(self.feature_extractor.to_dict(), sort_keys=True, default=str))
         return [
             self.name, self.patch_size, self.merge_size, self.min_pixels, self.max_pixels, extractor,
-            repr(self.audio_options), self._audio_kwargs, self.n_window,
+            repr(self.audio_options), self._audio_kwargs, self.n_window, RESAMPLER,
         ]
 
     def media_settings(self) -> list[MediaSetting]:
@@ -149,14 +149,17 @@ class Qwen3OmniPlugin(Qwen3VLPlugin):
 
     # ---------------------------------------------------------------- audio
 
-    def decode(self, path: str) -> DecodedAudio:
-        """The clip at `path` at the feature extractor's rate, mono; `BadSample` if unusable or too short."""
+    def decode(self, path: str, *, waveform: bool = True) -> DecodedAudio:
+        """The clip at `path` at the feature extractor's rate, mono (without `waveform`: its length only);
+        `BadSample` if unusable or too short."""
         options = self.audio_options
-        clip = decode_audio(path, self.sampling_rate, max_seconds=options.max_seconds, timeout_s=options.timeout_s)
-        if len(clip.samples) < self.min_samples:
+        clip = decode_audio(
+            path, self.sampling_rate, max_seconds=options.max_seconds, timeout_s=options.timeout_s, waveform=waveform,
+        )
+        if clip.num_samples < self.min_samples:
             raise BadSample(
                 "empty_audio",
-                f"{path} decodes to {len(clip.samples)} samples at {self.sampling_rate} Hz, fewer than one feature "
+                f"{path} decodes to {clip.num_samples} samples at {self.sampling_rate} Hz, fewer than one feature "
                 f"window (n_fft = {self.min_samples})",
             )
         return clip
@@ -173,8 +176,8 @@ class Qwen3OmniPlugin(Qwen3VLPlugin):
         return int(_get_feat_extract_output_lengths(frames, self.n_window))
 
     def read_audio_grids(self, paths: list[str]) -> list[tuple[int, ...]]:
-        clips = [self.decode(path) for path in paths]
-        lengths = [len(clip.samples) for clip in clips]
+        clips = [self.decode(path, waveform=False) for path in paths]
+        lengths = [clip.num_samples for clip in clips]
         return [
             (length, frames, self.num_tokens(frames), clip.source_rate, clip.channels)
             for clip, length, frames in zip(clips, lengths, self.feature_frames(lengths))
