@@ -64,7 +64,8 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke", "--work-dir", "{tmp}"),
         {"ratio": NUMBER, "ours_samples_per_s": NUMBER, "baseline_samples_per_s": NUMBER,
          "loader_samples_per_s": NUMBER, "keeps_step_fed": bool, "tokens_per_sample": int, "video_ratio": NUMBER,
-         "video_tokens_per_sample": int},
+         "video_tokens_per_sample": int, "audio_ratio": NUMBER, "audio_tokens_per_sample": int,
+         "audio_hf_tokens_per_sample": int},
     ),
     "tools/bench/dpo_memory.py": (
         ("--smoke",),
@@ -200,9 +201,15 @@ def _check_tolerance_margins(result: dict, tmp: Path) -> None:
     assert all(m is None or m >= 1 for m in margins) and margins == sorted(margins, key=lambda m: math.inf if m is None else m)
 
 
+def _check_data_throughput(result: dict, tmp: Path) -> None:
+    assert result["video_tokens_per_sample"] == result["video_hf_tokens_per_sample"]  # the same clips, the same tokens
+    assert result["audio_tokens_per_sample"] == result["audio_hf_tokens_per_sample"]
+
+
 INPUTS = {"tools/data/llava_instruct_to_mllm.py": _llava_inputs}
 CHECKS = {
     "tools/bench/cp_hybrid.py": _check_cp_hybrid,
+    "tools/bench/data_throughput.py": _check_data_throughput,
     "tools/data/llava_instruct_to_mllm.py": _check_llava,
     "tools/probe/vision_attention.py": _check_probe,
     "tools/suite_timings.py": _check_suite_timings,
