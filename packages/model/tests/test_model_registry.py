@@ -229,3 +229,20 @@ def test_freeze_modules_by_pattern(tiny_config):
         assert param.requires_grad is not frozen, name
     with pytest.raises(ConfigError, match=re.escape("model.freeze[0]")):
         freeze_modules(model, ["model.vision_towr"])
+
+
+def test_current_module_name_reads_another_layouts_names():
+    from mmfsdp.model.spec import current_module_name
+
+    legacy = (("visual", "model.visual"), ("audio_tower", "model.audio_tower"), ("model", "model.language_model"))
+    cases = {
+        "visual.blocks.{*}": "model.visual.blocks.{*}", "visual": "model.visual", "audio_tower": "model.audio_tower",
+        "model.layers.{*}": "model.language_model.layers.{*}", "model.embed_tokens": "model.language_model.embed_tokens",
+        "model": "model.language_model",
+        # already the model's names, or names of neither layout: unchanged
+        "model.visual.blocks.{*}": "model.visual.blocks.{*}", "model.language_model.layers.{*}": "model.language_model.layers.{*}",
+        "model.audio_tower": "model.audio_tower", "lm_head": "lm_head", "visualizer": "visualizer", "q_proj": "q_proj",
+        "preset:attention": "preset:attention",
+    }
+    assert {name: current_module_name(name, legacy) for name in cases} == cases
+    assert current_module_name("visual.blocks", ()) == "visual.blocks"

@@ -314,7 +314,44 @@ class Config:
 
     def __post_init__(self) -> None:
         fill_family_data_defaults(self.model.model_id, self.data)
+        translate_module_names(self)
         objective_class(self.training.stage).configure(self)
+
+
+MODULE_LISTS = (
+    "parallel.fsdp_plan.apply_modules", "parallel.recompute_plan.apply_modules", "parallel.ep_plan.apply_modules",
+    "features.activation_offload_plan.apply_modules", "features.compile_plan.apply_modules", "model.freeze",
+    "training.lora.target_modules",
+)
+"""The configured lists of module names (`translate_module_names`)."""
+
+
+def translate_module_names(cfg: Config) -> None:
+    """Module names of another layout in the configured module lists (`MODULE_LISTS`) rewritten to the model's, by
+    the family's `legacy_module_names` (`mmfsdp.model.spec.current_module_name`), each rewrite logged once: so a
+    published config written for the seed system's own modeling file (MindSpeed-MM's Qwen3-Omni: `visual.blocks.{*}`,
+    `model.layers.{*}`, `audio_tower`) plans, freezes and checks the modules it means."""
+    from mmfsdp.config import warn_once
+    from mmfsdp.model.spec import current_module_name
+
+    if cfg.model.model_id is None:
+        return
+    legacy = get_model_entry(cfg.model.model_id).legacy_module_names
+    if not legacy:
+        return
+    for key in MODULE_LISTS:
+        *path, last = key.split(".")
+        owner = cfg
+        for part in path:
+            owner = getattr(owner, part)
+        names = getattr(owner, last)
+        if not names:
+            continue
+        current = [current_module_name(name, legacy) for name in names]
+        for old, new in zip(names, current):
+            if old != new:
+                warn_once(f"{key}: {old!r} is read as {new!r} (the {cfg.model.model_id} model's name for it)")
+        setattr(owner, last, current)
 
 
 def fill_family_data_defaults(model_id: str | None, data_cfg: DataConfig) -> None:

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from mmfsdp.parallel import MeshPlan, ParallelConfig, ParallelDims
 
 __all__ = [
-    "Capabilities", "DataNames", "ModelEntry", "REQUIRED_MEMBERS", "StepTerms", "get_model_entry", "missing_members",
-    "register_model",
+    "Capabilities", "DataNames", "ModelEntry", "REQUIRED_MEMBERS", "StepTerms", "current_module_name", "get_model_entry",
+    "missing_members", "register_model",
 ]
 
 
@@ -161,6 +161,11 @@ class ModelEntry:
     """(module name, why) of modules that the family's published training configs name but its model does not
     build (Qwen3.5's multi-token-prediction head `mtp`): a configured plan pattern equal to one is skipped with a
     warning instead of failing as a pattern that matches nothing."""
+    legacy_module_names: tuple[tuple[str, str], ...] = ()
+    """(module prefix in another layout, the model's prefix): the names its published training configs may use
+    for the same modules (transformers 4's layout, or the seed system's own modeling file). A configured module name
+    under one of the left prefixes and under none of the right ones means the right one (`current_module_name`);
+    the app rewrites the configured module lists so before anything reads them."""
     capabilities: Capabilities = Capabilities()
     """What the family supports (context parallel, packing, expert layout, video); off unless declared."""
     data: DataNames = DataNames()
@@ -258,3 +263,21 @@ def get_model_entry(model_id: str) -> ModelEntry:
     entry = find_family(model_id)
     assert isinstance(entry, ModelEntry), f"{model_id!r} is registered as {type(entry).__name__}, not a ModelEntry"
     return entry
+
+
+def current_module_name(name: str, legacy: tuple[tuple[str, str], ...]) -> str:
+    """`name` (a configured module name or pattern) in the model's layout: unchanged when it is under one of the
+    model's prefixes (the right side of `legacy`, a family's `legacy_module_names`) or under none of the other
+    layout's; else its longest legacy prefix replaced by the model's (`visual.blocks.{*}` ->
+    `model.visual.blocks.{*}`, `model.layers.{*}` -> `model.language_model.layers.{*}`)."""
+
+    def under(prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    if any(under(current) for _, current in legacy):
+        return name
+    for old, current in sorted(legacy, key=lambda pair: -len(pair[0])):
+        if under(old):
+            return current + name[len(old):]
+    return name
+
