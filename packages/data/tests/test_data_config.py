@@ -54,7 +54,7 @@ def test_registry_names_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="image_plugin: unknown image plugin 'llava'; registered: pixtral, qwen3_omni, qwen3_vl"):
         get_plugin("llava")
     cfg = build(DataConfig, {"dataset_param": {"dataset_type": "webdataset"}}, "data")
-    with pytest.raises(ConfigError, match="dataset_type: unknown dataset type 'webdataset'; registered: huggingface, synthetic_shapes"):
+    with pytest.raises(ConfigError, match="dataset_type: unknown dataset type 'webdataset'; registered: huggingface, synthetic_beeps, synthetic_shapes"):
         prepare_dataset(cfg)
 
 

@@ -252,8 +252,8 @@ class BasicParametersConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyntheticConfig:
-    """Generated coloured-shapes data for `dataset_type: synthetic_shapes` and `synthetic_shapes_pairs` (YAML
-    `data.dataset_param.synthetic:`)."""
+    """Generated data for `dataset_type: synthetic_shapes` and `synthetic_shapes_pairs` (coloured shapes) and
+    `synthetic_beeps` (beeps to count beside shapes and text rows) (YAML `data.dataset_param.synthetic:`)."""
 
     num_train: int = 512
     """Training samples to generate."""
@@ -264,7 +264,9 @@ class SyntheticConfig:
     seed: int = 0
     """Seed of the generator."""
     text_only_share: float = 0.3
-    """Share of the training rows that have no image (a text question, "What colour is a banana?" -> "yellow"); the eval rows all have one, so the held-out accuracy stays the image task's. In [0, 1)."""
+    """Share of the training rows that have no image (a text question, "What colour is a banana?" -> "yellow"); the eval rows all have one, so the held-out accuracy stays the image task's. In [0, 1). `synthetic_beeps`: the share of text-only training rows."""
+    image_share: float = 0.1
+    """`synthetic_beeps` only: the share of training rows that are the shapes image question (the rest are clips). With `text_only_share`, in [0, 1)."""
     patch_size: int = 8
     """Vision patch size of the tiny processor written when `model_name_or_path` does not exist yet."""
     spatial_merge_size: int = 2
@@ -276,6 +278,8 @@ class SyntheticConfig:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         if not 0.0 <= self.text_only_share < 1.0:
             raise ConfigError("text_only_share", f"must be in [0, 1), got {self.text_only_share}")
+        if not 0.0 <= self.image_share < 1.0 - self.text_only_share:
+            raise ConfigError("image_share", f"must be in [0, 1 - text_only_share), got {self.image_share}")
         if self.image_size < self.patch_size * self.spatial_merge_size:
             raise ConfigError("image_size", f"{self.image_size} is smaller than patch_size × spatial_merge_size")
 
@@ -286,7 +290,8 @@ class DatasetParamConfig:
 
     dataset_type: str = "huggingface"
     """Dataset source (registry: huggingface = JSON/JSONL files read with HF datasets; synthetic_shapes = generated;
-    synthetic_shapes_pairs = generated preference pairs, with `attr.ranking: true`)."""
+    synthetic_shapes_pairs = generated preference pairs, with `attr.ranking: true`; synthetic_beeps = generated
+    audio clips to count beeps in, with `attr.audios: audios`)."""
     attr: AttrConfig = field(default_factory=AttrConfig)
     """Column and role names of the rows."""
     preprocess_parameters: PreprocessParametersConfig = field(default_factory=PreprocessParametersConfig)
@@ -294,7 +299,7 @@ class DatasetParamConfig:
     basic_parameters: BasicParametersConfig = field(default_factory=BasicParametersConfig)
     """Files, cache, order, packing and bad-row handling."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    """Generator settings, used only by `dataset_type: synthetic_shapes` and `synthetic_shapes_pairs`."""
+    """Generator settings, used only by the `synthetic_*` dataset types."""
 
 
 @dataclass(kw_only=True, slots=True)

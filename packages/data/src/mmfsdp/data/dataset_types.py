@@ -2,7 +2,8 @@
 
 A `DatasetType` makes its files exist (`prepare`, run once before training, e.g. generating synthetic data) and
 lists the JSON/JSONL files of a split (`files`). `huggingface` reads the user's files (`basic_parameters.dataset`,
-`eval_dataset`); `synthetic_shapes` and `synthetic_shapes_pairs` generate theirs (`mmfsdp.data.synthetic`).
+`eval_dataset`); `synthetic_shapes` and `synthetic_shapes_pairs` generate theirs (`mmfsdp.data.synthetic`), `synthetic_beeps`
+its own (`mmfsdp.data.synthetic_audio`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mmfsdp.config import ConfigError, Registry
 
 from mmfsdp.data.config import DataConfig
 from mmfsdp.data.synthetic import prepare_synthetic, prepare_synthetic_pairs, synthetic_files, synthetic_pair_files
+from mmfsdp.data.synthetic_audio import prepare_beeps
 
 __all__ = [
     "DatasetType",
@@ -90,6 +92,7 @@ def _nothing_to_prepare(data_cfg: DataConfig) -> None:
 register_dataset_type(DatasetType("huggingface", _nothing_to_prepare, _json_files))
 register_dataset_type(DatasetType("synthetic_shapes", prepare_synthetic, synthetic_files))
 register_dataset_type(DatasetType("synthetic_shapes_pairs", prepare_synthetic_pairs, synthetic_pair_files))
+register_dataset_type(DatasetType("synthetic_beeps", prepare_beeps, synthetic_files))
 
 
 def dataset_files(data_cfg: DataConfig, split: str = "train") -> list[Path]:

@@ -17,13 +17,19 @@ from __future__ import annotations
 import json
 import wave
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mmfsdp.config import ConfigError
 from mmfsdp.data.synthetic import COLOURS, PROMPT, SHAPES, TEXT_ONLY_OBJECTS, _draw, _existing_meta, _publish
 
-__all__ = ["BEEP_COUNTS", "BEEP_PITCHES", "BEEPS_PROMPT", "beeps_answer", "make_beeps_dataset", "write_beeps_clip"]
+if TYPE_CHECKING:
+    from mmfsdp.data.config import DataConfig
+
+__all__ = [
+    "BEEP_COUNTS", "BEEP_PITCHES", "BEEPS_PROMPT", "beeps_answer", "make_beeps_dataset", "prepare_beeps", "write_beeps_clip",
+]
 
 BEEPS_PROMPT = "<audio>What do you hear?"
 """The audio question; the answer is `beeps_answer(count, pitch)`."""
@@ -125,3 +131,18 @@ def make_beeps_dataset(
 
     _publish(out_dir, write)
     return json.loads((out_dir / "meta.json").read_text())
+
+
+def prepare_beeps(data_cfg: DataConfig) -> None:
+    """`dataset_type: synthetic_beeps`: the beeps data in `basic_parameters.dataset_dir` from the `synthetic`
+    section (`num_train`, `num_eval`, `seed`, `image_share`, `text_only_share`, `image_size`); its splits are
+    `train.jsonl` and `eval.jsonl` there, its clips read through `attr.audios: audios`."""
+    param = data_cfg.dataset_param
+    if param.attr.audios != "audios":
+        raise ConfigError("data.dataset_param.attr.audios", "must be 'audios' for dataset_type synthetic_beeps (its rows' clips)")
+    syn = param.synthetic
+    make_beeps_dataset(
+        Path(param.basic_parameters.dataset_dir).expanduser(), num_train=syn.num_train, num_eval=syn.num_eval,
+        seed=syn.seed, image_share=syn.image_share, text_only_share=syn.text_only_share, image_size=syn.image_size,
+    )
+
