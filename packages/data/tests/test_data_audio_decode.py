@@ -211,6 +211,19 @@ def test_too_long_and_too_short(omni_processor, h, tmp_path, monkeypatch):
     assert bad.value.reason == "empty_audio"
 
 
+def test_a_large_tag_before_the_audio_is_skipped(tmp_path, h):
+    """An MP3 behind a 200 kB ID3v2 tag (embedded cover art) decodes as without it: the container is opened with a
+    16 KiB probe (`PROBE_BYTES`), and FFmpeg skips the tag before probing."""
+    path = h.write_audio(tmp_path / "a.mp3", _tones(44100, 44100, 2), 44100, "libmp3lame")
+    body = b"owner\x00" + bytes(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8))
+    frame = b"PRIV" + len(body).to_bytes(4, "big") + b"\x00\x00" + body
+    size = len(frame)
+    syncsafe = bytes([(size >> 21) & 0x7F, (size >> 14) & 0x7F, (size >> 7) & 0x7F, size & 0x7F])
+    (tmp_path / "tagged.mp3").write_bytes(b"ID3\x03\x00\x00" + syncsafe + frame + open(path, "rb").read())
+    plain, tagged = decode_audio(path, RATE), decode_audio(str(tmp_path / "tagged.mp3"), RATE)
+    assert (tagged.source_rate, tagged.channels) == (44100, 2) and np.array_equal(plain.samples, tagged.samples)
+
+
 @pytest.mark.timeout(60)
 def test_digital_silence_is_a_bad_row(encoder, tmp_path, h):
     """All-zero samples (a failed recording or export) are `silent_audio`, in any format; one non-zero sample, or

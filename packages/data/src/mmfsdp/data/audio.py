@@ -57,7 +57,7 @@ TRUNCATED_SHARE = 0.9
 Not tighter: a header's duration is an estimate for some formats (an MP3 without a Xing header)."""
 
 
-PROBE_BYTES = 65536
+PROBE_BYTES = 16384
 """FFmpeg's `probesize` when opening a clip: bytes read to find its streams (FFmpeg's default, 5 MB, is most clips)."""
 PACKET_BYTES = 262144
 """The WAV demuxer's packet size bound (its `max_size`; FFmpeg's default 4096 bytes makes a 10 s stereo clip 108
