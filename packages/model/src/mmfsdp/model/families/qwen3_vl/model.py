@@ -137,7 +137,7 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
     """The training forward with Qwen3-VL's input hooks (M-RoPE per packed sample, DeepStack CP split); the
     dense and the MoE model classes mix it into their HF class."""
 
-    vision_inputs = {"image": "pixel_values", "video": "pixel_values_videos"}
+    media_inputs = {"image": "pixel_values", "video": "pixel_values_videos"}
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""
