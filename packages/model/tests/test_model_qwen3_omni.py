@@ -221,3 +221,46 @@ def test_build_from_a_full_checkpoint_trains_its_thinker(full_checkpoint, config
     assert all(torch.equal(value, expected[key]) for key, value in state.items())
     meta = ENTRY.build(model_cfg, device="meta")
     assert all(p.is_meta for p in meta.parameters())
+
+
+def _fsdp_audio_vs_images(rank: int, world_size: int, _) -> tuple[float, float, list[str]]:
+    """One step of FSDP2: rank 0 a clip, rank 1 an image (1 process: both micro-batches); the loss, the grad norm
+    and the order in which this rank ran its encoders."""
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims, clip_grad_norm
+
+    config = ENTRY.testkit.tiny_config()
+    parallel_cfg = ParallelConfig()
+    dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
+    torch.manual_seed(0)
+    model = ENTRY.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
+    order: list[str] = []
+    for name in ENTRY.vision_modules:
+        model.get_submodule(name).register_forward_pre_hook(lambda *_, name=name: order.append(name))
+    ENTRY.parallelize(model, parallel_cfg, dims)
+    model.set_media_kinds({"image", "audio"})
+    batches = [omni_batch([[omni_sample(config, 30, [], [60], seed=1)]], seq_len=30),
+               omni_batch([[omni_sample(config, 30, [(4, 4)], [], seed=2)]], seq_len=30)]
+    mine = batches if world_size == 1 else [batches[rank]]
+    targets = [shift_labels(b["labels"]) for b in mine]
+    weights = compute_loss_weights(targets, group=dims.dp_group, num_micro_batches=len(mine))
+    total = torch.zeros(())
+    for i, (batch, target, weight) in enumerate(zip(mine, targets, weights, strict=True)):
+        model.set_requires_gradient_sync(i == len(mine) - 1)
+        loss = model(**model_inputs(batch), shift_labels=target, loss_weights=weight).loss
+        (loss * world_size).backward()
+        total += loss.detach()
+    if world_size > 1:
+        torch.distributed.all_reduce(total)
+    return float(total), float(clip_grad_norm(list(model.parameters()), 1e9)), order
+
+
+def test_fsdp2_ranks_with_a_clip_and_with_an_image_run_their_encoders_in_one_order():
+    """A rank with a clip and no image and a rank with an image and no clip run the audio tower, then the vision
+    tower (a real pass or a placeholder), and two processes give one process's loss and grad norm."""
+    from mmfsdp.parallel.testing import run_distributed
+
+    (one,) = run_distributed(_fsdp_audio_vs_images, 1, None)
+    two = run_distributed(_fsdp_audio_vs_images, 2, None)
+    assert two[0][2] == two[1][2] == ["model.audio_tower", "model.visual"]
+    assert_within(abs(two[0][0] - one[0]) / abs(one[0]), TOL, "loss")
+    assert_within(abs(two[0][1] - one[1]) / one[1], TOL, "grad norm")

@@ -34,11 +34,12 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    among the kinds the run's data holds (`set_media_kinds`, told by the
    trainer from its datasets; a run without videos has no video pass) that
    kind's encoder runs once more, on its smallest input (the vision tower on
-   `placeholder_vision_inputs`; a kind named in `media_placeholders` through
-   the family's own method), at the decoder's entry: the decoder receives
-   `inputs_embeds + 0 · Σ features`. Every rank thus runs the same number of
-   encoder passes, hence the same FSDP2 all-gathers and reduce-scatters in the
-   same order, whatever its micro-batch holds (a rank that skipped a pass would
+   `placeholder_vision_inputs`, at the decoder's entry; a kind named in
+   `media_placeholders` through the family's own method, right after the
+   token embedding, where HF merges it before the vision tower runs): the
+   decoder receives `inputs_embeds + 0 · Σ features`. Every rank thus runs the
+   same encoder passes in the same order, hence the same FSDP2 all-gathers and
+   reduce-scatters in the same order, whatever its micro-batch holds (a rank that skipped a pass would
    pair its collectives with the wrong ones of the others: gloo aborts, NCCL
    hangs), and the placeholder contributes exactly zero to the loss and to every
    gradient (docs/model.md, "Text-only micro-batches").
@@ -125,14 +126,16 @@ class _Uncast:
 
 class _DecoderCall:
     """What the decoder's next forward receives on top of its HF keywords: varlen lengths, the CP split and
-    the kinds of media whose placeholders run at its entry."""
+    the kinds of media whose placeholders run at its entry, and those that run after the token embedding."""
 
-    __slots__ = ("extra_kwargs", "cp_batch", "placeholders")
+    __slots__ = ("extra_kwargs", "cp_batch", "placeholders", "embedding_placeholders")
 
-    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, placeholders: tuple[str, ...]):
+    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, placeholders: tuple[str, ...],
+                 embedding_placeholders: tuple[str, ...]):
         self.extra_kwargs = extra_kwargs
         self.cp_batch = cp_batch
         self.placeholders = placeholders
+        self.embedding_placeholders = embedding_placeholders
 
 
 def _feature_tensors(value: Any) -> list[torch.Tensor]:
@@ -167,7 +170,9 @@ class TrainingForwardMixin:
     media_placeholders: ClassVar[dict[str, str]] = {}
     """Kind -> the name of the model's method `(device, dtype) -> list[Tensor]` that runs that kind's encoder on
     its smallest input, for the kinds whose encoder is not the vision tower (Qwen3-Omni: `"audio"`); every other
-    kind's placeholder is `vision_placeholder_features`."""
+    kind's placeholder is `vision_placeholder_features`. These run right after the token embedding (HF's forward
+    merges such a kind before it runs the vision tower), the vision kinds' at the decoder's entry, so that every
+    rank runs its encoders in one order, real or placeholder."""
     media_input_keys: tuple[str, ...] = ("pixel_values",)
     """The keywords of the kinds the run's data holds (`set_media_kinds`; default: every kind of
     `media_inputs`): a call runs the placeholder of each of them it lacks."""
@@ -181,6 +186,8 @@ class TrainingForwardMixin:
         self._vision_dp: VisionDataParallel | None = None
         self._decoder_call: _DecoderCall | None = None
         self.get_submodule(self.decoder_name).register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
+        if self.media_placeholders:
+            self.get_input_embeddings().register_forward_hook(self._embedding_hook)
 
     # -- family hooks ----------------------------------------------------------------------------
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
@@ -260,11 +267,34 @@ class TrainingForwardMixin:
         self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, placeholders: tuple[str, ...] = ()
     ) -> Iterator[None]:
         needed = extra_kwargs or cp_batch is not None or placeholders
-        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, placeholders) if needed else None
+        own = tuple(kind for kind in placeholders if kind in self.media_placeholders)
+        vision = tuple(kind for kind in placeholders if kind not in self.media_placeholders)
+        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, vision, own) if needed else None
         try:
             yield
         finally:
             self._decoder_call = None
+
+    def _with_placeholders(self, embeds: torch.Tensor, kinds: tuple[str, ...]) -> torch.Tensor:
+        """`embeds + 0 · Σ` the features of the placeholders of `kinds`; `0 · Σ` is exactly zero for finite features."""
+        own_pass = contextlib.nullcontext()
+        if self._vision_dp is not None:
+            own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
+        with own_pass:
+            features = [f for kind in kinds for f in self.placeholder_features(kind, embeds.device, embeds.dtype)]
+        if not features:
+            return embeds
+        zero = sum(feature.float().mul(0).sum() for feature in features)
+        return embeds + zero.to(embeds.dtype)
+
+    def _embedding_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):
+        # The kinds with their own encoder (`media_placeholders`) run here, right after the token embedding, where
+        # HF's forward merges them before it runs the vision tower: every rank then runs the encoders in one order.
+        call = self._decoder_call
+        if call is None or not call.embedding_placeholders:
+            return None
+        kinds, call.embedding_placeholders = call.embedding_placeholders, ()
+        return self._with_placeholders(output, kinds)
 
     def _decoder_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         call, self._decoder_call = self._decoder_call, None
@@ -272,22 +302,11 @@ class TrainingForwardMixin:
             return None
         assert not args, "the decoder is called with keyword arguments"
         kwargs = {**kwargs, **call.extra_kwargs}
-        if call.placeholders and kwargs.get("inputs_embeds") is not None:
-            # Here, after the embedding and where the real merge would have run the encoders, so that the
-            # collectives keep their order in forward and backward; `0 · Σ` is exactly zero for finite features.
-            embeds = kwargs["inputs_embeds"]
-            own_pass = contextlib.nullcontext()
-            if self._vision_dp is not None:
-                own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
-            with own_pass:
-                features = [
-                    feature
-                    for kind in call.placeholders
-                    for feature in self.placeholder_features(kind, embeds.device, embeds.dtype)
-                ]
-            if features:
-                zero = sum(feature.float().mul(0).sum() for feature in features)
-                kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
+        kinds = call.embedding_placeholders + call.placeholders  # the first: no embedding call (inputs_embeds given)
+        if kinds and kwargs.get("inputs_embeds") is not None:
+            # Here, after the embedding and where the real merge would have run the vision tower, so that the
+            # collectives keep their order in forward and backward.
+            kwargs["inputs_embeds"] = self._with_placeholders(kwargs["inputs_embeds"], kinds)
         if call.cp_batch is not None:
             kwargs = self._context_parallel.split_decoder_inputs(kwargs, call.cp_batch, self.split_decoder_kwargs)
         return args, kwargs

@@ -14,8 +14,9 @@ the vision placeholder, vision DP) and adds only what Omni has on its own:
   each sample alone (`omni_position_ids`).
 - Audio placeholder: `media_inputs` has the kind `"audio"` (keyword `input_features`), and
   `media_placeholders` names `audio_placeholder_features`, one silent one-frame clip through the audio tower;
-  a micro-batch without audio, in a run whose data holds audio, runs it at the decoder's entry
-  (`mmfsdp.model.training_forward`, step 4), so every FSDP2 rank runs the audio tower's collectives.
+  a micro-batch without audio, in a run whose data holds audio, runs it right after the token embedding, where
+  HF's forward merges real clips, before the vision tower (`mmfsdp.model.training_forward`, step 4), so every
+  FSDP2 rank runs the audio tower's collectives, and before the vision tower's.
 - Context parallel: the audio features are merged into `inputs_embeds` before the decoder, so the decoder's
   keywords are Qwen3-VL-MoE's (positions, DeepStack) and its split is `Qwen3VLTrainingMixin.split_decoder_kwargs`.
 - Configs: a model directory holds the full `Qwen3OmniMoeConfig` (thinker, talker, code2wav); the family builds
