@@ -273,13 +273,16 @@ def test_contract_flop_count_equals_the_measured_matmuls(family):
     counted = tower_forward(dataclasses.replace(shape.decoder, attention_dim=0), [seq_len] * rows)
     patches = entry.costs.image_patches(config, batch)
     assert patches, "the test batch has images"
-    # a placeholder pass of the tower for each kind of media the batch lacks (Qwen3-VL: videos) is computed too
-    missing = ours._needs_vision_placeholder(model_inputs(batch))
+    # a placeholder pass of the vision tower for each kind of media it reads that the batch lacks (Qwen3-VL: videos)
+    missing = sum(kind not in ours.media_placeholders for kind in ours._missing_media(model_inputs(batch)))
     if missing:
         placeholder = ours.placeholder_vision_inputs(torch.device("cpu"), torch.float32)
         patches = patches + entry.costs.image_patches(config, placeholder) * missing
     if entry.vision_modules:
         assert shape.vision is not None, "a family with a vision tower describes it (vision_flops)"
         counted = counted + tower_forward(dataclasses.replace(shape.vision, attention_dim=0, params_outside=0), patches)
+    windows = entry.costs.audio_windows(config, batch)
+    if shape.audio is not None and windows:  # an audio tower's layers and projections (its convolutions aside)
+        counted = counted + tower_forward(dataclasses.replace(shape.audio, attention_dim=0), windows)
     total = counted.layers + counted.other
     assert abs(total - measured) <= 0.01 * measured, (entry.model_id, total, measured)

@@ -64,7 +64,8 @@ class FlopMeter:
     def count(self, batch: dict[str, Any]) -> ForwardFlops:
         """Forward FLOPs of one collated micro-batch (on the host, before it moves to the device)."""
         lens = sample_lengths(batch["attention_mask"], batch.get("cu_seq_lens"))
-        return count_forward(self.shape, lens, self.costs.image_patches(self.model_config, batch))
+        return count_forward(self.shape, lens, self.costs.image_patches(self.model_config, batch),
+                             self.costs.audio_windows(self.model_config, batch))
 
     def scalars(self, flops: ForwardFlops, step_time_s: float) -> dict[str, float]:
         """`tflops`, `mfu` (and `hfu` with recompute) of a step whose data-parallel group computed `flops`."""

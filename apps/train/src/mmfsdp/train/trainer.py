@@ -236,8 +236,8 @@ class Trainer:
         states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
         seed_everything(self.cfg.training.seed)
         model = self._build_model(frozen=True)
-        if hasattr(self.model, "vision_input_keys"):  # the same vision placeholder passes as the policy's
-            model.vision_input_keys = self.model.vision_input_keys
+        if hasattr(self.model, "media_input_keys"):  # the same placeholder passes as the policy's
+            model.media_input_keys = self.model.media_input_keys
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])

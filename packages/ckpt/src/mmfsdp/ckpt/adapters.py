@@ -128,6 +128,14 @@ class StateDictAdapter:
     """(file key prefix, why) of tensors the published files hold and the model has no place for (e.g. a
     multi-token-prediction head the model class does not build): left out when reading, with a log line; every other file key must be
     used. Written HF directories do not hold them."""
+    passthrough_hf_prefixes: tuple[tuple[str, str], ...] = ()
+    """(file key prefix, why) of tensors the model does not build but a checkpoint of it must keep (e.g. the speech
+    generator beside a trained thinker): not read, as `skipped_hf_prefixes`, and every export (`dcp_to_hf`, so
+    `mm-convert` and `training.save_format: hf`) copies them byte for byte from its assets directory's weights."""
+
+    def passes_through(self, hf_key: str) -> bool:
+        """Whether the file tensor `hf_key` is one exports copy from the assets (`passthrough_hf_prefixes`)."""
+        return any(hf_key.startswith(prefix) for prefix, _ in self.passthrough_hf_prefixes)
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
         """Model key -> how to make it, for the file tensors `hf_shapes` (key -> shape); use every key once."""
@@ -253,8 +261,8 @@ def plan_from_hf(
     adapter: StateDictAdapter, hf_specs: Mapping[str, tuple[Shape, torch.dtype]]
 ) -> dict[str, PlannedFromHF]:
     """Model key -> checked plan for the file tensors `hf_specs` (key -> (shape, dtype)), using each key once
-    (less the adapter's `skipped_hf_prefixes`)."""
-    for prefix, why in adapter.skipped_hf_prefixes:
+    (less the adapter's `skipped_hf_prefixes` and `passthrough_hf_prefixes`)."""
+    for prefix, why in (*adapter.skipped_hf_prefixes, *adapter.passthrough_hf_prefixes):
         skipped = [key for key in hf_specs if key.startswith(prefix)]
         if skipped:
             info_rank0(f"state-dict adapter {adapter.name}: {len(skipped)} file tensor(s) {prefix}* not read: {why}")

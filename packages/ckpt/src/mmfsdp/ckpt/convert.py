@@ -5,7 +5,8 @@
   tensors whose planner reads (and combines) each model tensor's file tensors only when DCP writes it.
 - `dcp_to_hf`: a training checkpoint or release -> HF safetensors shards in the naming and layout of
   `model_assets_dir`, validated against its headers and `config.json`, its non-weight files copied and completed
-  for servers (`export_config`: `architectures`, the recorded stop tokens).
+  for servers (`export_config`: `architectures`, the recorded stop tokens), and the assets' tensors the model does
+  not train (the adapter's `passthrough_hf_prefixes`) copied into shards of their own.
 - `export_checkpoint_hf`: `<save>/iter_N` -> `<save>/hf/iter_N` (`training.save_format: hf`).
 
 Names and layouts are the family's state-dict adapter's (`adapters`). Outputs are written beside their final
@@ -210,8 +211,8 @@ def _check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, asse
         )
 
 
-def _check_against_assets(shapes: dict[str, tuple[int, ...]], assets_weights: SafetensorsDir) -> None:
-    expected = {key: info.shape for key, info in assets_weights.tensors.items()}
+def _check_against_assets(shapes: dict[str, tuple[int, ...]], assets_weights: SafetensorsDir,
+                          expected: dict[str, tuple[int, ...]]) -> None:
     missing = [key for key in expected if key not in shapes]
     unexpected = [key for key in shapes if key not in expected]
     mismatched = [f"{key}: checkpoint {shapes[key]}, assets {expected[key]}"
@@ -308,6 +309,18 @@ class _DCPSource:
             writer.close()
 
 
+def _copy_assets_shard(out: Path, assets_weights: SafetensorsDir, keys: list[str], bar: tqdm) -> None:
+    """Write the assets' tensors `keys` as they are (same bytes) as one safetensors file, one tensor in memory."""
+    specs = {key: (assets_weights.tensors[key].shape, assets_weights.tensors[key].dtype) for key in keys}
+    writer = SafetensorsWriter(out, specs, {"format": "pt"})
+    try:
+        for key in writer.order:
+            writer.write_tensor(key, assets_weights.read(key))
+            bar.update(writer.nbytes(key))
+    finally:
+        writer.close()
+
+
 def _copy_file_range(stored: tuple[Path, int, int], out: BinaryIO) -> None:
     """Append `nbytes` at `offset` of `file` to `out`, in the kernel when the OS allows it."""
     file, offset, nbytes = stored
@@ -375,11 +388,13 @@ def dcp_to_hf(
         raise CheckpointError(f"--model_assets_dir {assets} has no config.json; pass the original HF model directory")
     has_asset_weights = any(assets.glob("*.safetensors"))
     assets_weights = SafetensorsDir(assets) if has_asset_weights else None
-    asset_shapes = {key: info.shape for key, info in assets_weights.tensors.items()} if assets_weights else None
+    family = _adapter(adapter, config)
+    passthrough = [key for key in assets_weights.tensors if family.passes_through(key)] if assets_weights else []
+    asset_shapes = ({key: info.shape for key, info in assets_weights.tensors.items() if key not in passthrough}
+                    if assets_weights else None)
     asset_keys = set(asset_shapes) if asset_shapes is not None else None
 
     model_specs = {name: (tuple(entry.size), entry.properties.dtype) for name, entry in entries.items()}
-    family = _adapter(adapter, config)
     plans = _plan_export(model_specs, family, asset_shapes)
     if _tied(config):
         for name in [n for n in plans if n.endswith("lm_head.weight")]:
@@ -387,7 +402,7 @@ def dcp_to_hf(
                 del plans[name]  # tied to the input embedding; transformers does not store it
     shapes = {key: spec[0] for plan in plans.values() for key, spec in plan.specs.items()}
     if assets_weights is not None:
-        _check_against_assets(shapes, assets_weights)
+        _check_against_assets(shapes, assets_weights, asset_shapes)
     _check_against_config(shapes, config, assets)
 
     save_dir = Path(save_dir)
@@ -399,15 +414,20 @@ def dcp_to_hf(
         return sum(TensorInfo(tmp_dir, *spec).nbytes for spec in plans[name].specs.values())
 
     shards = plan_shards([(name, nbytes(name)) for name in plans], max_shard_bytes)
+    kept_shards = plan_shards([(key, assets_weights.tensors[key].nbytes) for key in passthrough], max_shard_bytes)
     weight_map: dict[str, str] = {}
-    total = sum(nbytes(name) for name in plans)
+    total = sum(nbytes(name) for name in plans) + sum(assets_weights.tensors[key].nbytes for key in passthrough)
     source = _DCPSource(path, metadata)
     try:
         with _progress(total, "dcp_to_hf", progress) as bar:
             for index, shard in enumerate(shards):
-                filename = shard_filename(index, len(shards))
+                filename = shard_filename(index, len(shards) + len(kept_shards))
                 source.write_shard(tmp_dir / filename, {name: plans[name] for name in shard}, model_specs, bar)
                 weight_map.update({key: filename for name in shard for key in plans[name].specs})
+            for index, shard in enumerate(kept_shards, start=len(shards)):
+                filename = shard_filename(index, len(shards) + len(kept_shards))
+                _copy_assets_shard(tmp_dir / filename, assets_weights, shard, bar)
+                weight_map.update({key: filename for key in shard})
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / INDEX_FILENAME).write_text(json.dumps(index_json, indent=2) + "\n")
         copy_model_assets(assets, tmp_dir)

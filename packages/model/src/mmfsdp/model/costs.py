@@ -25,10 +25,10 @@ class FamilyCosts:
 
     def flop_shape(self, config: PretrainedConfig) -> FlopShape:
         """The model's towers for FLOP counting: the decoder from `config.text_config` (grouped-query attention,
-        `decoder_mlp_params`, `lm_head`) and the vision tower from `vision_flops`."""
+        `decoder_mlp_params`, `lm_head`), the vision tower from `vision_flops` and the audio tower from `audio_flops`."""
         text_config = config.text_config
         return FlopShape(decoder=gated_decoder(text_config, self.decoder_mlp_params(text_config)),
-                         vision=self.vision_flops(config))
+                         vision=self.vision_flops(config), audio=self.audio_flops(config))
 
     def decoder_mlp_params(self, text_config: PretrainedConfig) -> int:
         """Matmul weights of the decoder's MLPs one token passes through, all layers together: by default a gated MLP
@@ -43,6 +43,14 @@ class FamilyCosts:
     def image_patches(self, config: PretrainedConfig, batch: dict[str, torch.Tensor]) -> list[int]:
         """Vision-tower patches of each image of a collated `batch` of the model of HF `config`, in order (FLOP
         counting); [] when it has none."""
+        return []
+
+    def audio_flops(self, config: PretrainedConfig) -> TowerFlops | None:
+        """The audio tower for FLOP counting (per frame after its convolutions); None: the family has none."""
+        return None
+
+    def audio_windows(self, config: PretrainedConfig, batch: dict[str, torch.Tensor]) -> list[int]:
+        """Frames of each attention window of the audio tower for a collated `batch`, in order; [] without audio."""
         return []
 
     def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:

@@ -14,6 +14,9 @@ Forward FLOPs of one micro-batch, multiply-add = 2 FLOPs:
 - vision tower, per patch: `2 · params_per_token` (patch embedding and the blocks), per merged token
   (`merge` patches) `2 · params_per_merged_token` (projector / patch mergers); attention per image of `n` patches
   and per block over all `n²` pairs, `2 · 2 · attention_dim · n²`.
+- audio tower (a family that has one: `entry.costs.audio_flops`, `audio_windows`), per frame after its
+  convolutions: `2 · params_per_token` (the blocks) and `2 · params_outside` (the projections in and out);
+  attention per attention window of `n` frames as for a vision image. The convolutions are not counted.
 
 A training step is 3× its forward (the backward computes the gradients of activations and of weights, 2× the
 forward). That is the *model* FLOPs MFU is reported on. With activation checkpointing the recomputed blocks run
@@ -66,6 +69,8 @@ class FlopShape:
     decoder: TowerFlops
     vision: TowerFlops | None = None
     """None for a text-only model (or one whose entry does not describe its tower)."""
+    audio: TowerFlops | None = None
+    """None for a model without an audio tower."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +108,16 @@ def tower_forward(tower: TowerFlops, lengths: Sequence[int]) -> ForwardFlops:
     return ForwardFlops(layers, other)
 
 
-def count_forward(shape: FlopShape, sample_lens: Sequence[int], image_patches: Sequence[int]) -> ForwardFlops:
-    """Forward FLOPs of one micro-batch: its samples' real lengths and its images' patch counts."""
+def count_forward(
+    shape: FlopShape, sample_lens: Sequence[int], image_patches: Sequence[int], audio_windows: Sequence[int] = ()
+) -> ForwardFlops:
+    """Forward FLOPs of one micro-batch: its samples' real lengths, its images' patch counts and the frames of its
+    audio tower's attention windows."""
     flops = tower_forward(shape.decoder, sample_lens)
     if shape.vision is not None and image_patches:
         flops = flops + tower_forward(shape.vision, image_patches)
+    if shape.audio is not None and audio_windows:
+        flops = flops + tower_forward(shape.audio, audio_windows)
     return flops
 
 

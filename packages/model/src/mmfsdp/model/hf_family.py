@@ -82,15 +82,21 @@ class HFFamilyEntry(ModelEntry):
         return model
 
     def read_config(self, model_cfg: ModelConfig) -> PretrainedConfig:
-        """The config.json of `model.model_name_or_path`; a `ConfigError` unless it describes `config_class`."""
+        """The config of the model class from the config.json of `model.model_name_or_path` (`model_config`); a
+        `ConfigError` unless it describes `config_class`."""
         path = model_dir(model_cfg)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+        config = self.model_config(AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code))
         if not isinstance(config, self.config_class):
             raise ConfigError(
                 "model.model_name_or_path",
                 f"{path}/config.json describes model_type {getattr(config, 'model_type', '?')!r}, not "
                 f"{self.config_class.model_type!r}; set model.model_id to the matching family",
             )
+        return config
+
+    def model_config(self, config: PretrainedConfig) -> PretrainedConfig:
+        """The config the model class takes, from a directory's `config.json`: itself by default; a family that
+        trains one part of a composite model takes that part's (Qwen3-Omni: the thinker of the full config)."""
         return config
 
     def validate_parallel(self, model_cfg: ModelConfig, plan: MeshPlan) -> None:

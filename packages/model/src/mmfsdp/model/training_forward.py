@@ -27,16 +27,19 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    the cumulative lengths alone say which tokens attend to which; and the plan itself (`BATCH_PLAN_KEY`), so no
    layer reads a boundary from the device. They go to the decoder only — the vision tower keeps its own
    per-image lengths.
-4. The HF forward runs the vision tower once per kind of media in the call
-   (`vision_inputs`: Qwen3-VL's images and videos are two passes). For each
-   kind a call lacks (a micro-batch of text-only samples, or of images but no
-   video) among the kinds the run's data holds (`set_media_kinds`, told by the
-   trainer from its datasets; a run without videos has no video pass) the
-   vision side runs once more, on the family's smallest input
-   (`placeholder_vision_inputs`), at the decoder's entry: the decoder receives
-   `inputs_embeds + 0 · Σ features`. Every rank thus runs the same number of
-   tower passes, hence the same FSDP2 all-gathers and reduce-scatters in the
-   same order, whatever its micro-batch holds (a rank that skipped a pass would
+4. The HF forward runs an encoder once per kind of media in the call
+   (`media_inputs`: Qwen3-VL's images and videos are two passes of its vision
+   tower, Qwen3-Omni's audio clips one of its audio tower). For each kind a
+   call lacks (a micro-batch of text-only samples, or of images but no video)
+   among the kinds the run's data holds (`set_media_kinds`, told by the
+   trainer from its datasets; a run without videos has no video pass) that
+   kind's encoder runs once more, on its smallest input (the vision tower on
+   `placeholder_vision_inputs`, at the decoder's entry; a kind named in
+   `media_placeholders` through the family's own method, right after the
+   token embedding, where HF merges it before the vision tower runs): the
+   decoder receives `inputs_embeds + 0 · Σ features`. Every rank thus runs the
+   same encoder passes in the same order, hence the same FSDP2 all-gathers and
+   reduce-scatters in the same order, whatever its micro-batch holds (a rank that skipped a pass would
    pair its collectives with the wrong ones of the others: gloo aborts, NCCL
    hangs), and the placeholder contributes exactly zero to the loss and to every
    gradient (docs/model.md, "Text-only micro-batches").
@@ -123,14 +126,16 @@ class _Uncast:
 
 class _DecoderCall:
     """What the decoder's next forward receives on top of its HF keywords: varlen lengths, the CP split and
-    how many times the vision placeholder runs at its entry."""
+    the kinds of media whose placeholders run at its entry, and those that run after the token embedding."""
 
-    __slots__ = ("extra_kwargs", "cp_batch", "vision_placeholder")
+    __slots__ = ("extra_kwargs", "cp_batch", "placeholders", "embedding_placeholders")
 
-    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, vision_placeholder: int):
+    def __init__(self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None, placeholders: tuple[str, ...],
+                 embedding_placeholders: tuple[str, ...]):
         self.extra_kwargs = extra_kwargs
         self.cp_batch = cp_batch
-        self.vision_placeholder = vision_placeholder
+        self.placeholders = placeholders
+        self.embedding_placeholders = embedding_placeholders
 
 
 def _feature_tensors(value: Any) -> list[torch.Tensor]:
@@ -158,22 +163,31 @@ class TrainingForwardMixin:
     """The text decoder: it receives the varlen keywords and, under CP, runs on the shard."""
     lm_head_name: ClassVar[str] = "lm_head"
     """The output projection that receives the loss function under chunk loss."""
-    vision_inputs: ClassVar[dict[str, str]] = {"image": "pixel_values"}
-    """Kind of media (`"image"`, `"video"`) -> the keyword that carries it to the vision side, one tower pass
-    each (a family with videos adds `"video": "pixel_values_videos"`)."""
-    vision_input_keys: tuple[str, ...] = ("pixel_values",)
+    media_inputs: ClassVar[dict[str, str]] = {"image": "pixel_values"}
+    """Kind of media (`"image"`, `"video"`, `"audio"`) -> the keyword that carries it to its encoder, one encoder
+    pass each (a family with videos adds `"video": "pixel_values_videos"`, one with audio `"audio":
+    "input_features"`)."""
+    media_placeholders: ClassVar[dict[str, str]] = {}
+    """Kind -> the name of the model's method `(device, dtype) -> list[Tensor]` that runs that kind's encoder on
+    its smallest input, for the kinds whose encoder is not the vision tower (Qwen3-Omni: `"audio"`); every other
+    kind's placeholder is `vision_placeholder_features`. These run right after the token embedding (HF's forward
+    merges such a kind before it runs the vision tower), the vision kinds' at the decoder's entry, so that every
+    rank runs its encoders in one order, real or placeholder."""
+    media_input_keys: tuple[str, ...] = ("pixel_values",)
     """The keywords of the kinds the run's data holds (`set_media_kinds`; default: every kind of
-    `vision_inputs`): a call runs the vision placeholder once for each of them it lacks."""
+    `media_inputs`): a call runs the placeholder of each of them it lacks."""
 
     def init_training_forward(self) -> None:
         """Call at the end of the family's `__init__`."""
-        self.vision_input_keys = tuple(self.vision_inputs.values())
+        self.media_input_keys = tuple(self.media_inputs.values())
         use_chunk_loss_head(self.get_submodule(self.lm_head_name))
         self.chunk_loss_size: int | None = None
         self._context_parallel: ContextParallel | None = None
         self._vision_dp: VisionDataParallel | None = None
         self._decoder_call: _DecoderCall | None = None
         self.get_submodule(self.decoder_name).register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
+        if self.media_placeholders:
+            self.get_input_embeddings().register_forward_hook(self._embedding_hook)
 
     # -- family hooks ----------------------------------------------------------------------------
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
@@ -210,6 +224,10 @@ class TrainingForwardMixin:
             return []
         return vision_features(self.get_image_features(**inputs))
 
+    def placeholder_features(self, kind: str, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The encoder of media `kind` run on its smallest input (`media_placeholders`, else the vision tower)."""
+        return getattr(self, self.media_placeholders.get(kind, "vision_placeholder_features"))(device, dtype)
+
     # -- switches --------------------------------------------------------------------------------
     def enable_context_parallel(self, parallel_dims: Any, *, vision_dp: bool = False) -> None:
         """Split the decoder's sequence over `parallel_dims`' CP group in the training forward
@@ -222,12 +240,12 @@ class TrainingForwardMixin:
             self._vision_dp = VisionDataParallel(self, group, dist.get_rank(group), dist.get_world_size(group), width)
 
     def set_media_kinds(self, kinds: Iterable[str]) -> None:
-        """The kinds of media (`"image"`, `"video"`) the run's data holds (training and evaluation splits); a
-        call runs the vision placeholder only for these, so a run without videos pays no video pass. Every
+        """The kinds of media (`"image"`, `"video"`, `"audio"`) the run's data holds (training and evaluation
+        splits); a call runs placeholders only for these, so a run without videos pays no video pass. Every
         rank must be told the same kinds, and every call must carry only these. With none, the first kind
         (images) stays: a text-only run keeps one placeholder pass per call, as before."""
-        keys = tuple(key for kind, key in self.vision_inputs.items() if kind in set(kinds))
-        self.vision_input_keys = keys or tuple(self.vision_inputs.values())[:1]
+        keys = tuple(key for kind, key in self.media_inputs.items() if kind in set(kinds))
+        self.media_input_keys = keys or tuple(self.media_inputs.values())[:1]
 
     def set_chunk_loss(self, chunk_size: int | None) -> None:
         """Compute the training loss inside `lm_head`, `chunk_size` tokens at a time (None: plain logits + CE)."""
@@ -236,23 +254,47 @@ class TrainingForwardMixin:
         self.chunk_loss_size = chunk_size
 
     # -- forward ---------------------------------------------------------------------------------
-    def _needs_vision_placeholder(self, kwargs: dict[str, Any]) -> int:
-        """How many placeholder passes of the vision side this call needs (0: none)."""
-        # a decoding step of generation (a filled cache) runs no vision side on any path
+    def _missing_media(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The kinds of media of the run this call lacks, whose placeholders it runs (none: `()`)."""
+        # a decoding step of generation (a filled cache) runs no encoder on any path
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return 0
-        return sum(kwargs.get(key) is None for key in self.vision_input_keys)
+            return ()
+        kinds = {key: kind for kind, key in self.media_inputs.items()}
+        return tuple(kinds[key] for key in self.media_input_keys if kwargs.get(key) is None)
 
     @contextlib.contextmanager
     def _calling_decoder(
-        self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, vision_placeholder: int = 0
+        self, extra_kwargs: dict[str, Any], cp_batch: CPBatch | None = None, placeholders: tuple[str, ...] = ()
     ) -> Iterator[None]:
-        needed = extra_kwargs or cp_batch is not None or vision_placeholder
-        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, vision_placeholder) if needed else None
+        needed = extra_kwargs or cp_batch is not None or placeholders
+        own = tuple(kind for kind in placeholders if kind in self.media_placeholders)
+        vision = tuple(kind for kind in placeholders if kind not in self.media_placeholders)
+        self._decoder_call = _DecoderCall(extra_kwargs, cp_batch, vision, own) if needed else None
         try:
             yield
         finally:
             self._decoder_call = None
+
+    def _with_placeholders(self, embeds: torch.Tensor, kinds: tuple[str, ...]) -> torch.Tensor:
+        """`embeds + 0 · Σ` the features of the placeholders of `kinds`; `0 · Σ` is exactly zero for finite features."""
+        own_pass = contextlib.nullcontext()
+        if self._vision_dp is not None:
+            own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
+        with own_pass:
+            features = [f for kind in kinds for f in self.placeholder_features(kind, embeds.device, embeds.dtype)]
+        if not features:
+            return embeds
+        zero = sum(feature.float().mul(0).sum() for feature in features)
+        return embeds + zero.to(embeds.dtype)
+
+    def _embedding_hook(self, module: nn.Module, args: tuple, output: torch.Tensor):
+        # The kinds with their own encoder (`media_placeholders`) run here, right after the token embedding, where
+        # HF's forward merges them before it runs the vision tower: every rank then runs the encoders in one order.
+        call = self._decoder_call
+        if call is None or not call.embedding_placeholders:
+            return None
+        kinds, call.embedding_placeholders = call.embedding_placeholders, ()
+        return self._with_placeholders(output, kinds)
 
     def _decoder_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         call, self._decoder_call = self._decoder_call, None
@@ -260,22 +302,11 @@ class TrainingForwardMixin:
             return None
         assert not args, "the decoder is called with keyword arguments"
         kwargs = {**kwargs, **call.extra_kwargs}
-        if call.vision_placeholder and kwargs.get("inputs_embeds") is not None:
-            # Here, after the embedding and where the real merge would have run the tower, so that the
-            # collectives keep their order in forward and backward; `0 · Σ` is exactly zero for finite features.
-            embeds = kwargs["inputs_embeds"]
-            own_pass = contextlib.nullcontext()
-            if self._vision_dp is not None:
-                own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
-            with own_pass:
-                features = [
-                    feature
-                    for _ in range(call.vision_placeholder)
-                    for feature in self.vision_placeholder_features(embeds.device, embeds.dtype)
-                ]
-            if features:
-                zero = sum(feature.float().mul(0).sum() for feature in features)
-                kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
+        kinds = call.embedding_placeholders + call.placeholders  # the first: no embedding call (inputs_embeds given)
+        if kinds and kwargs.get("inputs_embeds") is not None:
+            # Here, after the embedding and where the real merge would have run the vision tower, so that the
+            # collectives keep their order in forward and backward.
+            kwargs["inputs_embeds"] = self._with_placeholders(kwargs["inputs_embeds"], kinds)
         if call.cp_batch is not None:
             kwargs = self._context_parallel.split_decoder_inputs(kwargs, call.cp_batch, self.split_decoder_kwargs)
         return args, kwargs
@@ -315,13 +346,13 @@ class TrainingForwardMixin:
             kwargs = self.prepare_inputs(kwargs, cu_seq_lens)
         if cu_seq_lens is not None:
             kwargs["attention_mask"] = None
-        placeholder = not args and self._needs_vision_placeholder(kwargs)
+        placeholders = () if args else self._missing_media(kwargs)
         if loss_weights is None:
             if shift_labels is not None:
                 kwargs["shift_labels"] = shift_labels
             if plan is not None:
                 self.plan_layers(plan, None)
-            with self._calling_decoder(decoder_kwargs, vision_placeholder=placeholder):
+            with self._calling_decoder(decoder_kwargs, placeholders=placeholders):
                 return super().forward(*args, **kwargs)
         if args:
             raise TypeError("the training forward (with loss_weights) takes its inputs by keyword")
@@ -348,9 +379,9 @@ class TrainingForwardMixin:
         if plan is not None:
             self.plan_layers(plan, None if cp_batch is None else cp_batch.layout)
         vision_dp = contextlib.nullcontext()
-        if self._vision_dp is not None and placeholder < len(self.vision_input_keys):  # the call has media
+        if self._vision_dp is not None and len(placeholders) < len(self.media_input_keys):  # the call has media
             vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
-        with self._calling_decoder(decoder_kwargs, cp_batch, placeholder), vision_dp:
+        with self._calling_decoder(decoder_kwargs, cp_batch, placeholders), vision_dp:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 if per_token:

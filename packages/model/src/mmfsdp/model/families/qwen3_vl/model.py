@@ -55,6 +55,7 @@ __all__ = [
     "VISION_FSDP_MODULES",
     "mm_token_types",
     "mrope_position_ids",
+    "per_packed_sample",
     "split_mrope_position_ids",
     "split_visual_embeds",
 ]
@@ -104,16 +105,29 @@ def mrope_position_ids(
         return get_rope_index(
             input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, attention_mask=attention_mask
         )[0]
-    B, S = input_ids.shape
     flat_ids, flat_types = input_ids.reshape(1, -1), mm_token_type_ids.reshape(1, -1)
-    positions = torch.zeros(3, B * S, dtype=input_ids.dtype, device=input_ids.device)
-    starts = sample_starts((B * S,), cu_seq_lens, input_ids.device).nonzero().squeeze(1).tolist()
-    next_image = next_video = 0
-    for start, end in zip(starts, [*starts[1:], B * S]):
+    taken = {"image": 0, "video": 0}
+
+    def sample_positions(start: int, end: int) -> torch.Tensor:
         types = flat_types[:, start:end]
-        images, next_image = _take_grids(image_grid_thw, next_image, int((types == _IMAGE).sum()), spatial_merge_size)
-        videos, next_video = _take_grids(video_grid_thw, next_video, int((types == _VIDEO).sum()), spatial_merge_size)
-        positions[:, start:end] = get_rope_index(flat_ids[:, start:end], types, image_grid_thw=images, video_grid_thw=videos)[0][:, 0]
+        images, taken["image"] = _take_grids(image_grid_thw, taken["image"], int((types == _IMAGE).sum()), spatial_merge_size)
+        videos, taken["video"] = _take_grids(video_grid_thw, taken["video"], int((types == _VIDEO).sum()), spatial_merge_size)
+        return get_rope_index(flat_ids[:, start:end], types, image_grid_thw=images, video_grid_thw=videos)[0][:, 0]
+
+    return per_packed_sample(input_ids.shape, cu_seq_lens, sample_positions, input_ids.dtype, input_ids.device)
+
+
+def per_packed_sample(
+    shape: torch.Size, cu_seq_lens: torch.Tensor, sample_positions: Callable[[int, int], torch.Tensor],
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """`[3, B, S]` positions of a packed batch of `shape` `(B, S)`, made one packed sample of `cu_seq_lens` (over
+    the flattened `B·S` tokens) at a time, in order: `sample_positions(start, end)` gives that sample's `[3, n]`."""
+    B, S = shape
+    positions = torch.zeros(3, B * S, dtype=dtype, device=device)
+    starts = sample_starts((B * S,), cu_seq_lens, device).nonzero().squeeze(1).tolist()
+    for start, end in zip(starts, [*starts[1:], B * S]):
+        positions[:, start:end] = sample_positions(start, end)
     return positions.reshape(3, B, S)
 
 
@@ -137,7 +151,7 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
     """The training forward with Qwen3-VL's input hooks (M-RoPE per packed sample, DeepStack CP split); the
     dense and the MoE model classes mix it into their HF class."""
 
-    vision_inputs = {"image": "pixel_values", "video": "pixel_values_videos"}
+    media_inputs = {"image": "pixel_values", "video": "pixel_values_videos"}
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""

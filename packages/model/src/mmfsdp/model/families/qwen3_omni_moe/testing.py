@@ -1,0 +1,89 @@
+"""Qwen3-Omni's test helpers: synthetic samples with images and audio clips, and batches of them, for a tiny config.
+
+A sample is Qwen3-VL's (`qwen3_vl_sample`: prompt, images, text) with audio clips after its images, each
+`<audio_start>`, one `<audio_pad>` per token the audio tower makes of its frames, `<audio_end>`; a batch is
+Qwen3-VL's (`qwen3_vl_batch`) with the clips' `input_features` `[n_clips, num_mel_bins, T]` and
+`feature_attention_mask` `[n_clips, T]`, in sample order and zero-padded to the longest clip, as the `qwen3_omni`
+collator lays them out.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+from mmfsdp.model.loss import IGNORE_INDEX
+
+__all__ = ["audio_tokens", "omni_batch", "omni_sample", "tiny_full_config"]
+
+
+def audio_tokens(config: PretrainedConfig, frames: int) -> int:
+    """Decoder tokens of a clip of `frames` mel frames (HF's `_get_feat_extract_output_lengths`)."""
+    return int(_get_feat_extract_output_lengths(torch.tensor(frames), config.audio_config.n_window))
+
+
+def omni_sample(
+    config: PretrainedConfig, length: int, grids: Sequence[tuple[int, int]] = (), clips: Sequence[int] = (), *,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """One sample of `length` tokens: `qwen3_vl_sample`'s images (`(h, w)` patches each), then one clip of each
+    of `clips` mel frames (random features); labels from the end of the last clip on (-100 before)."""
+    sample = qwen3_vl_sample(config, length, grids, seed=seed)
+    if not clips:
+        return sample
+    merge = config.vision_config.spatial_merge_size
+    at = 2 + sum(h * w // merge**2 + 2 for h, w in grids)
+    input_ids, labels = sample["input_ids"], sample["labels"]
+    for frames in clips:
+        count = audio_tokens(config, frames)
+        if at + count + 2 > length:
+            raise ValueError(f"a clip of {frames} frames ({count} tokens) does not fit in {length} tokens")
+        input_ids[at] = config.audio_start_token_id
+        input_ids[at + 1 : at + 1 + count] = config.audio_token_id
+        input_ids[at + 1 + count] = config.audio_end_token_id
+        at += count + 2
+    labels[:at] = IGNORE_INDEX
+    generator = torch.Generator().manual_seed(seed + 1000)
+    longest = max(clips)
+    mels = config.audio_config.num_mel_bins
+    sample["input_features"] = torch.stack([F.pad(torch.randn(mels, n, generator=generator), (0, longest - n)) for n in clips])
+    sample["feature_attention_mask"] = torch.stack([(torch.arange(longest) < n).long() for n in clips])
+    return sample
+
+
+def omni_batch(
+    rows: Sequence[Sequence[dict[str, torch.Tensor]]], *, seq_len: int, packing: bool = False
+) -> dict[str, torch.Tensor]:
+    """`qwen3_vl_batch` of `omni_sample`s plus their clips' features and masks, in sample order, padded with zeros
+    (mask 0) to the longest clip."""
+    batch = qwen3_vl_batch(rows, seq_len=seq_len, packing=packing)
+    clips = [sample for row in rows for sample in row if "input_features" in sample]
+    if clips:
+        frames = max(sample["input_features"].shape[-1] for sample in clips)
+        for key in ("input_features", "feature_attention_mask"):
+            batch[key] = torch.cat([F.pad(sample[key], (0, frames - sample[key].shape[-1])) for sample in clips])
+    return batch
+
+
+def tiny_full_config(thinker_config: PretrainedConfig) -> PretrainedConfig:
+    """A full `Qwen3OmniMoeConfig` around a tiny thinker config: a one-layer MoE talker (4 experts) with a
+    one-layer code predictor, and a one-layer code2wav, as small as their modules allow (for checkpoint tests)."""
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                 vocab_size=64)
+    talker_text = dict(small, num_key_value_heads=1, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                       num_experts=4, num_experts_per_tok=2, rope_parameters=rope)
+    talker = dict(thinker_hidden_size=thinker_config.text_config.hidden_size, text_config=talker_text,
+                  code_predictor_config=dict(small, num_key_value_heads=1, num_code_groups=4), num_code_groups=4,
+                  accept_hidden_layer=1, spatial_merge_size=thinker_config.vision_config.spatial_merge_size)
+    code2wav = dict(small, num_key_value_heads=2, codebook_size=64, num_quantizers=4, decoder_dim=32,
+                    upsample_rates=[2, 2], upsampling_ratios=[2], sliding_window=8)
+    del code2wav["vocab_size"], code2wav["head_dim"]
+    return Qwen3OmniMoeConfig(thinker_config=thinker_config.to_dict(), talker_config=talker, code2wav_config=code2wav)
