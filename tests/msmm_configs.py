@@ -317,6 +317,8 @@ MINDSPEED_TRITON_GDN_COMMIT = "88d984dce537f1f1e5fff7bd81294de9e56a1c5d"
 `parallel:`, and `training.load` naming the DCP conversion of the HF weights (`prepare` converts the tiny models as
 a user would with `mm-convert GenericDCPConverter hf_to_dcp`)."""
 _MINDSPEED_PATHS = [  # their placeholder → ours; the longer paths first
+    ("./ckpt/convert_path/Qwen3-Omni-30B-A3B-Instruct", "@MODEL@-dcp"),  # qwen3omni: its DCP conversion
+    ("ckpt/hf_path/Qwen3-Omni-30B-A3B-Instruct", "@MODEL@"),
     ("./ckpt/hf_path/Qwen35-xxB-dcp", "@MODEL@-dcp"),
     ("./ckpt/hf_path/Qwen35-xxB", "@MODEL@"),
     ("./data/COCO2017", "@DATA@"),
@@ -343,6 +345,7 @@ CONFIGS = {
     "qwen3_5_35b": _mindspeed("qwen3_5_35B_config.yaml"),
     "qwen3_5_27b_88d984d": _mindspeed("88d984d/qwen3_5_27B_config.yaml"),
     "qwen3_5_35b_88d984d": _mindspeed("88d984d/qwen3_5_35B_config.yaml"),
+    "qwen3omni": _mindspeed("qwen3omni/qwen3omni_config_v1.yaml"),
 }
 MODELS = {
     "qwen3vl_30b": "qwen3vl-moe-tiny",
@@ -352,6 +355,7 @@ MODELS = {
     "qwen3_5_35b": "qwen3_5_moe-tiny",
     "qwen3_5_27b_88d984d": "qwen3_5-tiny",
     "qwen3_5_35b_88d984d": "qwen3_5_moe-tiny",
+    "qwen3omni": "qwen3omni-tiny",
 }
 """Each config's tiny model: an example's assets, or `qwen3_5_moe-tiny`, the qwen3_5-tiny example's with a MoE
 decoder (`_qwen3_5_moe_config`)."""
@@ -405,7 +409,7 @@ def prepare(tmp: Path) -> dict[str, Path]:
     paths = {"data": tmp / "data", "cache": tmp / "cache"}
     for name in sorted(set(MODELS.values())):
         paths[name] = _weights(name, tmp / "models" / name)
-    for name in ("qwen3_5-tiny", "qwen3_5_moe-tiny"):  # 88d984d's configs load the DCP conversion
+    for name in ("qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen3omni-tiny"):  # their configs load the DCP conversion
         _dcp(paths[name], Path(f"{paths[name]}-dcp"))
     return paths
 
@@ -440,6 +444,7 @@ def _weights(name: str, out: Path) -> Path:
         Mistral3ForConditionalGeneration,
         Qwen3_5ForConditionalGeneration,
         Qwen3_5MoeForConditionalGeneration,
+        Qwen3OmniMoeForConditionalGeneration,
         Qwen3VLMoeForConditionalGeneration,
     )
 
@@ -450,6 +455,7 @@ def _weights(name: str, out: Path) -> Path:
         "mistral3": Mistral3ForConditionalGeneration,
         "qwen3_5": Qwen3_5ForConditionalGeneration,
         "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
+        "qwen3_omni_moe": Qwen3OmniMoeForConditionalGeneration,  # thinker, talker and code2wav
     }
     if name == "qwen3_5_moe-tiny":
         assets = ROOT / "examples" / "qwen3_5-tiny" / "assets"

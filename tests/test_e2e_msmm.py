@@ -174,7 +174,8 @@ def runs(tmp_path_factory):
     paths = msmm_configs.prepare(tmp)
     host = [*msmm_configs.CPU_OVERRIDES, f"training.train_iters={STEPS}"]
     planned: list[tuple[str, Path, list[str]]] = []
-    names = ["qwen3vl_30b", "magistral", "qwen3_5_27b", "qwen3_5_35b", "qwen3_5_27b_88d984d", "qwen3_5_35b_88d984d"]
+    names = ["qwen3vl_30b", "magistral", "qwen3_5_27b", "qwen3_5_35b", "qwen3_5_27b_88d984d", "qwen3_5_35b_88d984d",
+             "qwen3omni"]
     names += [] if msmm_configs.lora_pending() else ["qwen3vl_30b_lora"]
     for name in names:
         config = msmm_configs.write_config(name, paths, tmp / "configs")
@@ -195,7 +196,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "name",
     ["qwen3vl_30b", "qwen3vl_30b_lora", "magistral", "qwen3_5_27b", "qwen3_5_35b", "qwen3_5_27b_88d984d",
-     "qwen3_5_35b_88d984d"],
+     "qwen3_5_35b_88d984d", "qwen3omni"],
 )
 def test_layout_trains_three_steps_on_two_processes(runs, name):
     if name == "qwen3vl_30b_lora" and msmm_configs.lora_pending():
