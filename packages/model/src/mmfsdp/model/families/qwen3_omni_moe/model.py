@@ -244,6 +244,9 @@ class Qwen3OmniMoeEntry(QwenMoeEntryMixin, Qwen3VLEntry):
     """The encoders: the vision tower (first: the memory plan's) and the audio tower, replicated over context
     parallel and run whole."""
     capabilities = Capabilities(context_parallel=True, packing=True, expert_layout="hf_fused")
+    legacy_module_names = (("visual", "model.visual"), ("audio_tower", "model.audio_tower"), ("model", "model.language_model"))
+    """MindSpeed-MM's Qwen3-Omni configs name the modules of its own thinker class (transformers 4's layout:
+    `visual`, `audio_tower`, the text model `model`); they are read in this model's names."""
     data = DataNames(templates=("qwen3_omni", "qwen3_omni_nothink"), image_plugins=("qwen3_omni",), collators=("qwen3_omni",))
     lora_presets = {
         "attention": tuple(f"model.language_model.layers.{{*}}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
