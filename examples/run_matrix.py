@@ -32,6 +32,7 @@ EXAMPLES = {
     "grpo": "qwen3vl-grpo-tiny",
     "qwen3_5": "qwen3_5-tiny",
     "qwen3_5_moe": "qwen3_5-moe-tiny",
+    "omni": "qwen3omni-tiny",
 }
 """Short name -> directory under examples/ (the directory name is accepted too)."""
 WRITES_DATA = {"qwen3vl-video-tiny"}

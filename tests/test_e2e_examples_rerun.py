@@ -1,7 +1,7 @@
 """Every fast example's README command runs twice in a row (CONVENTIONS: "Every command a README shows works when
 run twice in a row"), each time as the README gives it with tiny sizes as command-line overrides: 2 steps, 32 rows.
 
-- The examples that train without `training.save` (tiny, qwen3vl-tiny, qwen3vl-moe-tiny, qwen3vl-video-tiny,
+- The examples that train without `training.save` (tiny, qwen3vl-tiny, qwen3vl-moe-tiny, qwen3vl-video-tiny, qwen3omni-tiny,
   qwen3_5-tiny, qwen3_5-moe-tiny) train again into the same output directory; the video example's `make_assets.py`
   keeps the data it wrote the first time.
 - `examples/qwen3vl-dpo-tiny/run.py` saves both stages without optimizer state (`no_save_optim`): run again, each
@@ -34,6 +34,7 @@ TRAIN_EXAMPLES = {
     "qwen3vl-moe-tiny": apprun.MOE,
     "qwen3_5-tiny": apprun.QWEN3_5,
     "qwen3_5-moe-tiny": apprun.EXAMPLES / "qwen3_5-moe-tiny" / "config.yaml",
+    "qwen3omni-tiny": apprun.EXAMPLES / "qwen3omni-tiny" / "config.yaml",
 }
 """Examples whose README command is `uv run apps/train examples/<name>/config.yaml`."""
 
