@@ -8,14 +8,16 @@ Every case gives its 1-process reference's per-step loss, gradient norm and toke
 - padding-free micro-batches (the samples end to end, `cu_seq_lens`) on 1 process = padded;
 - FSDP2 on 2 processes (data parallel 2, half the micro-batch): the ranks' micro-batches differ in what they hold,
   and in at least one step one rank's micro-batch has no clip while the other's has (`AudioPerRank` records it and
-  the test asserts it): that rank runs the audio tower on its placeholder clip, so the audio tower's FSDP2
-  collectives match and nothing hangs;
+  the test asserts it; with this data, steps 1-3: rank 0 holds only image and text-only rows): that rank runs the
+  audio tower on its placeholder clip, so the audio tower's FSDP2 collectives match and nothing hangs;
 - Ulysses 2, Ring 2 (padded and padding-free): the decoder's sequence is split after the audio and image features
   are merged into `inputs_embeds`; every CP rank runs the whole audio tower, the images are shared out among the
   CP ranks (vision data parallel, on by default);
 - Ring 2 with packing (rows of several samples): the 1-process reference pads each packed sample to the multiple
   Ring 2 needs (`PadSamplesAsRing2`), so both pack the same rows;
-- expert parallel 2 with the router aux loss on (its per-step value too, `AuxLoss`).
+- Ulysses 2 × Ring 2 on 4 processes;
+- the router aux loss on (coefficient 0.5; off in the cases above), against its own 1-process run, with its per-step
+  value too (`AuxLoss`): Ulysses 2, Ring 2, expert parallel 2, and EP 2 × Ulysses 2 on 4 processes.
 
 CP ranks share one data stream, so a CP case's micro-batch is its reference's. The cases are a table run by
 `tests/parity.py` (each world size spawned once).
@@ -87,8 +89,13 @@ CASES = {
         _case("ring2", 2, {**PADDED, **R2}, "single", {"dp": 1, "ring": 2}),
         _case("ring2_padding_free", 2, R2, "single", {"dp": 1, "ring": 2}),
         _case("ring2_packed", 2, {**PACKED, **R2}, "single_packed", {"dp": 1, "ring": 2}),
+        _case("moe_ulysses2", 2, {**AUX, **U2}, "moe_single", {"dp": 1, "ulysses": 2}, (AuxLoss,)),
+        _case("moe_ring2", 2, {**AUX, **R2}, "moe_single", {"dp": 1, "ring": 2}, (AuxLoss,)),
         _case("moe_ep2", 2, {**AUX, **MBS2, "parallel.expert_parallel_size": 2}, "moe_single", {"dp": 2, "ep": 2},
               (AuxLoss,)),
+        _case("ulysses2_ring2", 4, {**U2, **R2}, "single", {"dp": 1, "ulysses": 2, "ring": 2}),
+        _case("moe_ep2_ulysses2", 4, {**AUX, **MBS2, **U2, "parallel.expert_parallel_size": 2}, "moe_single",
+              {"dp": 2, "ep": 2, "ulysses": 2}, (AuxLoss,)),
     ]
 }
 

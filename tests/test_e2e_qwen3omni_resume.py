@@ -63,5 +63,6 @@ def test_qwen3omni_kill_and_restart_is_exact(tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
         got = tuple(record[k] for k in KEYS)
-        assert got == reference[record["step"]], f"step {record['step']}: {dict(zip(KEYS, got))} vs {reference[record['step']]}"
+        expected = reference[record["step"]]
+        assert got == expected, f"step {record['step']}: {dict(zip(KEYS, got))} vs {dict(zip(KEYS, expected))}"
     assert read_tracker(out / "ckpt") == STEPS
