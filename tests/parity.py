@@ -244,8 +244,8 @@ def full_tensor(tensor):
 
 class HFFirstStep(Probe):
     """Loss and gradient norm of plain HF (`<class>(**inputs, labels=)`, sdpa) on the case's first batch, from its
-    initial weights: the class and `config.json` are the case's model's; `hf_config` edits the text config and
-    `hf_kwargs` adds call arguments (a subclass sets them)."""
+    initial weights: the class and `config.json` are the case's model's (the part its family trains:
+    `model_config`); `hf_config` edits the text config and `hf_kwargs` adds call arguments (a subclass sets them)."""
 
     name = "hf_step1"
     hf_config: dict = {}
@@ -255,18 +255,19 @@ class HFFirstStep(Probe):
         self.first = first_batch_and_weights(trainer)
         self.model_class = type(trainer.model).__mro__
         self.assets = trainer.cfg.model.model_name_or_path
+        self.model_id = trainer.cfg.model.model_id
 
     def result(self, trainer) -> tuple[float, float]:
         import torch
         import transformers
 
-        from mmfsdp.model import model_inputs
+        from mmfsdp.model import get_model_entry, model_inputs
 
         batch, weights = self.first
         cls = next(c for c in self.model_class if c.__module__.startswith("transformers."))
         cls = getattr(transformers, cls.__name__)
         with torch.random.fork_rng():
-            config = transformers.AutoConfig.from_pretrained(self.assets)
+            config = get_model_entry(self.model_id).model_config(transformers.AutoConfig.from_pretrained(self.assets))
             for key, value in self.hf_config.items():
                 setattr(config.text_config, key, value)
             model = cls._from_config(config, attn_implementation="sdpa")

@@ -19,6 +19,11 @@ Every case gives its 1-process reference's per-step loss, gradient norm and toke
 - the router aux loss on (coefficient 0.5; off in the cases above), against its own 1-process run, with its per-step
   value too (`AuxLoss`): Ulysses 2, Ring 2, expert parallel 2, and EP 2 × Ulysses 2 on 4 processes.
 
+The padded 1-process run's first step is also checked against plain HF: HF's
+`Qwen3OmniMoeThinkerForConditionalGeneration` (the assets' `thinker_config`) with that run's initial weights, given
+the first batch (clips and images) with `labels=`, has the same loss and gradient norm, so the trainer's loss
+weighting, M-RoPE positions (images and clips) and audio and image paths are HF's on the processor's real batches.
+
 CP ranks share one data stream, so a CP case's micro-batch is its reference's. The cases are a table run by
 `tests/parity.py` (each world size spawned once).
 """
@@ -26,7 +31,9 @@ CP ranks share one data stream, so a CP case's micro-batch is its reference's. T
 import pytest
 
 from apprun import EXAMPLES, close
-from parity import Case, PadSamplesAsRing2, Probe, SamplesPerRow, assert_matches, learns, run_cases, session_dir
+from parity import (
+    Case, HFFirstStep, PadSamplesAsRing2, Probe, SamplesPerRow, assert_matches, learns, run_cases, session_dir,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 CONFIG, ASSETS = EXAMPLES / "qwen3omni-tiny" / "config.yaml", EXAMPLES / "qwen3omni-tiny" / "assets"
@@ -73,6 +80,15 @@ class AudioPerRank(Probe):
         return self.has_audio
 
 
+class HFFirstStepWithMedia(HFFirstStep):
+    """`HFFirstStep` on a first batch that holds clips and images."""
+
+    def result(self, trainer) -> tuple[float, float]:
+        batch = self.first[0]
+        assert batch.get("input_features") is not None and batch.get("pixel_values") is not None, list(batch)
+        return super().result(trainer)
+
+
 def _case(name, world, overrides, reference=None, layout=None, probes=()):
     return Case(name, world, CONFIG, {**BASE, **overrides}, reference, dataset="audio", probes=probes, layout=layout)
 
@@ -80,7 +96,7 @@ def _case(name, world, overrides, reference=None, layout=None, probes=()):
 CASES = {
     case.name: case
     for case in [
-        _case("single", 1, PADDED),
+        _case("single", 1, PADDED, probes=(HFFirstStepWithMedia,)),
         _case("single_padding_free", 1, {}, "single"),
         _case("single_packed", 1, PACKED, probes=(PadSamplesAsRing2, SamplesPerRow)),
         _case("moe_single", 1, {**PADDED, **AUX}, probes=(AuxLoss,)),
@@ -113,6 +129,13 @@ def test_qwen3omni_layout_matches_one_process(results, name):
         got, expected = results[name]["aux_loss"][0], results[case.reference]["aux_loss"][0]
         assert all(value is not None and value > 0 for value in expected), expected
         assert all(close(a, b, 1e-5, f"{name} aux loss") for a, b in zip(got, expected, strict=True)), (got, expected)
+
+
+def test_qwen3omni_first_step_matches_plain_hf(results):
+    loss, norm, _ = results["single"]["steps"][0]
+    hf_loss, hf_norm = results["single"]["hf_step1"][0]
+    assert close(loss, hf_loss, what="step 1 loss vs HF"), f"step 1: trainer loss {loss} vs HF {hf_loss}"
+    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
 
 
 def test_qwen3omni_a_rank_without_audio_beside_one_with(results):
