@@ -115,3 +115,32 @@ def make_mixed_pairs_dataset(out_dir: Path, *, num_train: int, num_eval: int, se
             row["rejected"] = rejected
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out_dir
+
+
+def make_mixed_audio_dataset(out_dir: Path, *, num_train: int, num_eval: int, seed: int) -> Path:
+    """`make_beeps_dataset`'s rows (clips of 0.4-1.6 s, so 40-160 mel frames: one or two audio chunks; 25% shapes
+    image rows, 30% text-only rows) with more media in some clip rows, by index among the clip rows of a split:
+    `% 4 == 0` a second clip (the next clip row's, of another length) before the question, `% 4 == 1` an image (an
+    image row's) before the clip. Text-only rows and image-only rows stay as written."""
+    from mmfsdp.data.synthetic_audio import make_beeps_dataset
+
+    make_beeps_dataset(out_dir, num_train=num_train, num_eval=num_eval, seed=seed, seconds=(0.4, 1.6),
+                       image_share=0.25, text_only_share=0.3)
+    if (out_dir / "mixed_audio.done").is_file():
+        return out_dir
+    images = sorted(str(path.relative_to(out_dir)) for path in (out_dir / "images").glob("*.png"))
+    for split in ("train", "eval"):
+        path = out_dir / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        clip_rows = [row for row in rows if row["audios"]]
+        for index, row in enumerate(clip_rows):
+            user = row["messages"][0]
+            if index % 4 == 0 and len(clip_rows) > 1:
+                row["audios"].append(clip_rows[(index + 1) % len(clip_rows)]["audios"][0])
+                user["content"] = "<audio>" + user["content"]
+            elif index % 4 == 1 and images:
+                row["images"] = [images[index % len(images)]]
+                user["content"] = "<image>" + user["content"]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (out_dir / "mixed_audio.done").touch()
+    return out_dir

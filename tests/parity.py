@@ -5,8 +5,8 @@ A `Case` names a run: its world size, example config, dataset, overrides, the ru
 module lists its cases and calls `run_cases`, which
 
 1. builds each dataset the cases name once per pytest session (`DATASETS`: the mixed image / text-only rows of
-   `tests/mixed_data.py`, the variable-length rows, the video mix, the synthetic shapes) under the session's
-   shared directory, with one tokenised cache per dataset and tokenizer;
+   `tests/mixed_data.py`, the variable-length rows, the video mix, the audio mix, the synthetic shapes) under the
+   session's shared directory, with one tokenised cache per dataset and tokenizer;
 2. takes every reference run it can from the session's cache: in memory, then on disk (the xdist workers of one
    session share the parent of their `basetemp`; a file lock per run makes a reference two files need run once);
 3. spawns each world size once (`mmfsdp.parallel.testing.run_distributed`) and runs its cases in turn on every rank
@@ -65,6 +65,12 @@ def _video(out: Path) -> None:
     from mixed_data import make_mixed_video_dataset
 
     make_mixed_video_dataset(out, num_train=30, num_eval=3, seed=7)
+
+
+def _audio(out: Path) -> None:
+    from mixed_data import make_mixed_audio_dataset
+
+    make_mixed_audio_dataset(out, num_train=40, num_eval=4, seed=11)
 
 
 def _varlen(min_images: int) -> Callable[[Path], None]:
@@ -126,6 +132,11 @@ DATASETS = {
     # the longest sample has 87 tokens; at this row budget padding before planning would change the rows
     "varlen": Dataset(_varlen(0), _jsonl(**{"data.dataset_param.preprocess_parameters.cutoff_len": 136})),
     "varlen_img": Dataset(_varlen(1), _jsonl(**{"data.dataset_param.preprocess_parameters.cutoff_len": 136})),
+    # clip rows (1-2 clips of 40-160 mel frames, some with an image), shapes image rows and text-only rows
+    "audio": Dataset(_audio, _jsonl(**{
+        "data.dataset_param.attr.audios": "audios",
+        "data.dataset_param.preprocess_parameters.cutoff_len": 160,
+    })),
     "shapes": Dataset(_shapes(32, 4), _shapes_overrides("{dir}", 32, 4)),
     "shapes64": Dataset(_shapes(64, 8), _shapes_overrides("{dir}", 64, 8)),
     "shapes256": Dataset(_shapes(256, 8), _shapes_overrides("{dir}", 256, 8)),
@@ -233,8 +244,8 @@ def full_tensor(tensor):
 
 class HFFirstStep(Probe):
     """Loss and gradient norm of plain HF (`<class>(**inputs, labels=)`, sdpa) on the case's first batch, from its
-    initial weights: the class and `config.json` are the case's model's; `hf_config` edits the text config and
-    `hf_kwargs` adds call arguments (a subclass sets them)."""
+    initial weights: the class and `config.json` are the case's model's (the part its family trains:
+    `model_config`); `hf_config` edits the text config and `hf_kwargs` adds call arguments (a subclass sets them)."""
 
     name = "hf_step1"
     hf_config: dict = {}
@@ -244,18 +255,19 @@ class HFFirstStep(Probe):
         self.first = first_batch_and_weights(trainer)
         self.model_class = type(trainer.model).__mro__
         self.assets = trainer.cfg.model.model_name_or_path
+        self.model_id = trainer.cfg.model.model_id
 
     def result(self, trainer) -> tuple[float, float]:
         import torch
         import transformers
 
-        from mmfsdp.model import model_inputs
+        from mmfsdp.model import get_model_entry, model_inputs
 
         batch, weights = self.first
         cls = next(c for c in self.model_class if c.__module__.startswith("transformers."))
         cls = getattr(transformers, cls.__name__)
         with torch.random.fork_rng():
-            config = transformers.AutoConfig.from_pretrained(self.assets)
+            config = get_model_entry(self.model_id).model_config(transformers.AutoConfig.from_pretrained(self.assets))
             for key, value in self.hf_config.items():
                 setattr(config.text_config, key, value)
             model = cls._from_config(config, attn_implementation="sdpa")

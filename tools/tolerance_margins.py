@@ -45,6 +45,7 @@ PARITY = [
     "tests/test_e2e_fsdp_parity.py",
     "tests/test_e2e_qwen3vl_parity.py",
     "tests/test_e2e_qwen3_5_parity.py",
+    "tests/test_e2e_qwen3omni_parity.py",
     "tests/test_e2e_text_only_parity.py",
     "tests/test_e2e_varlen_parity.py",
     "tests/test_e2e_video_parity.py",

@@ -1,0 +1,150 @@
+"""Qwen3-Omni (`qwen3_omni_moe`: the thinker's audio tower, vision tower and MoE decoder) through the real trainer:
+the random-init tiny model of `examples/qwen3omni-tiny/assets`, fp32 on gloo, 4 steps, on the `audio` rows of
+`tests/parity.py` (`tests/mixed_data.py`'s `make_mixed_audio_dataset`): clip rows with one or two clips of 40-160
+mel frames (one or two audio chunks), some with an image, shapes image rows and text-only rows.
+
+Every case gives its 1-process reference's per-step loss, gradient norm and tokens (relative difference <= 1e-5):
+
+- padding-free micro-batches (the samples end to end, `cu_seq_lens`) on 1 process = padded;
+- FSDP2 on 2 processes (data parallel 2, half the micro-batch): the ranks' micro-batches differ in what they hold,
+  and in at least one step one rank's micro-batch has no clip while the other's has (`AudioPerRank` records it and
+  the test asserts it; with this data, steps 1-3: rank 0 holds only image and text-only rows): that rank runs the
+  audio tower on its placeholder clip, so the audio tower's FSDP2 collectives match and nothing hangs;
+- Ulysses 2, Ring 2 (padded and padding-free): the decoder's sequence is split after the audio and image features
+  are merged into `inputs_embeds`; every CP rank runs the whole audio tower, the images are shared out among the
+  CP ranks (vision data parallel, on by default);
+- Ring 2 with packing (rows of several samples): the 1-process reference pads each packed sample to the multiple
+  Ring 2 needs (`PadSamplesAsRing2`), so both pack the same rows;
+- Ulysses 2 × Ring 2 on 4 processes;
+- the router aux loss on (coefficient 0.5; off in the cases above), against its own 1-process run, with its per-step
+  value too (`AuxLoss`): Ulysses 2, Ring 2, expert parallel 2, and EP 2 × Ulysses 2 on 4 processes.
+
+The padded 1-process run's first step is also checked against plain HF: HF's
+`Qwen3OmniMoeThinkerForConditionalGeneration` (the assets' `thinker_config`) with that run's initial weights, given
+the first batch (clips and images) with `labels=`, has the same loss and gradient norm, so the trainer's loss
+weighting, M-RoPE positions (images and clips) and audio and image paths are HF's on the processor's real batches.
+
+CP ranks share one data stream, so a CP case's micro-batch is its reference's. The cases are a table run by
+`tests/parity.py` (each world size spawned once).
+"""
+
+import pytest
+
+from apprun import EXAMPLES, close
+from parity import (
+    Case, HFFirstStep, PadSamplesAsRing2, Probe, SamplesPerRow, assert_matches, learns, run_cases, session_dir,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+CONFIG, ASSETS = EXAMPLES / "qwen3omni-tiny" / "config.yaml", EXAMPLES / "qwen3omni-tiny" / "assets"
+STEPS = 4
+COEF = 0.5
+BASE = {
+    "model.model_name_or_path": str(ASSETS),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(ASSETS),
+    "features.loss_cfg.router_aux_loss_coef": 0.0,
+    "training.micro_batch_size": 4,
+    "training.train_iters": STEPS,
+}
+PADDED = {"data.dataloader_param.padding_free": "false"}
+MBS2 = {"training.micro_batch_size": 2}
+PACKED = {
+    "data.dataset_param.basic_parameters.packing": "true",
+    "data.dataset_param.preprocess_parameters.cutoff_len": 256,
+    "training.micro_batch_size": 1,
+}
+AUX = {"features.loss_cfg.router_aux_loss_coef": COEF}
+U2, R2 = {"parallel.ulysses_parallel_size": 2}, {"parallel.ring_attention_size": 2}
+
+
+class AuxLoss(Probe):
+    """The router aux loss of every step."""
+
+    name = "aux_loss"
+
+    def result(self, trainer) -> list:
+        return [r.stats.get("aux_loss") for r in trainer.history]
+
+
+class AudioPerRank(Probe):
+    """Whether each of this rank's first `STEPS` micro-batches holds a clip (read before training, loader rewound)."""
+
+    name = "audio_per_rank"
+
+    def attach(self, trainer) -> None:
+        state = trainer.loader.state_dict()
+        self.has_audio = [next(trainer.loader).get("input_features") is not None for _ in range(STEPS)]
+        trainer.loader.load_state_dict(state)
+
+    def result(self, trainer) -> list[bool]:
+        return self.has_audio
+
+
+class HFFirstStepWithMedia(HFFirstStep):
+    """`HFFirstStep` on a first batch that holds clips and images."""
+
+    def result(self, trainer) -> tuple[float, float]:
+        batch = self.first[0]
+        assert batch.get("input_features") is not None and batch.get("pixel_values") is not None, list(batch)
+        return super().result(trainer)
+
+
+def _case(name, world, overrides, reference=None, layout=None, probes=()):
+    return Case(name, world, CONFIG, {**BASE, **overrides}, reference, dataset="audio", probes=probes, layout=layout)
+
+
+CASES = {
+    case.name: case
+    for case in [
+        _case("single", 1, PADDED, probes=(HFFirstStepWithMedia,)),
+        _case("single_padding_free", 1, {}, "single"),
+        _case("single_packed", 1, PACKED, probes=(PadSamplesAsRing2, SamplesPerRow)),
+        _case("moe_single", 1, {**PADDED, **AUX}, probes=(AuxLoss,)),
+        _case("fsdp2", 2, {**PADDED, **MBS2}, "single", {"dp": 2}, (AudioPerRank,)),
+        _case("ulysses2", 2, U2, "single", {"dp": 1, "ulysses": 2}),
+        _case("ring2", 2, {**PADDED, **R2}, "single", {"dp": 1, "ring": 2}),
+        _case("ring2_padding_free", 2, R2, "single", {"dp": 1, "ring": 2}),
+        _case("ring2_packed", 2, {**PACKED, **R2}, "single_packed", {"dp": 1, "ring": 2}),
+        _case("moe_ulysses2", 2, {**AUX, **U2}, "moe_single", {"dp": 1, "ulysses": 2}, (AuxLoss,)),
+        _case("moe_ring2", 2, {**AUX, **R2}, "moe_single", {"dp": 1, "ring": 2}, (AuxLoss,)),
+        _case("moe_ep2", 2, {**AUX, **MBS2, "parallel.expert_parallel_size": 2}, "moe_single", {"dp": 2, "ep": 2},
+              (AuxLoss,)),
+        _case("ulysses2_ring2", 4, {**U2, **R2}, "single", {"dp": 1, "ulysses": 2, "ring": 2}),
+        _case("moe_ep2_ulysses2", 4, {**AUX, **MBS2, **U2, "parallel.expert_parallel_size": 2}, "moe_single",
+              {"dp": 2, "ep": 2, "ulysses": 2}, (AuxLoss,)),
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_cases(list(CASES.values()), tmp_path_factory.mktemp("qwen3omni"), session_dir(tmp_path_factory))
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.reference is not None])
+def test_qwen3omni_layout_matches_one_process(results, name):
+    case = CASES[name]
+    assert_matches(results, case)
+    if AuxLoss in case.probes:
+        got, expected = results[name]["aux_loss"][0], results[case.reference]["aux_loss"][0]
+        assert all(value is not None and value > 0 for value in expected), expected
+        assert all(close(a, b, 1e-5, f"{name} aux loss") for a, b in zip(got, expected, strict=True)), (got, expected)
+
+
+def test_qwen3omni_first_step_matches_plain_hf(results):
+    loss, norm, _ = results["single"]["steps"][0]
+    hf_loss, hf_norm = results["single"]["hf_step1"][0]
+    assert close(loss, hf_loss, what="step 1 loss vs HF"), f"step 1: trainer loss {loss} vs HF {hf_loss}"
+    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
+
+
+def test_qwen3omni_a_rank_without_audio_beside_one_with(results):
+    """In some step of the DP 2 run one rank's micro-batch has no clip and the other's has."""
+    rank0, rank1 = results["fsdp2"]["audio_per_rank"]
+    assert any(a != b for a, b in zip(rank0, rank1)), (rank0, rank1)
+
+
+def test_qwen3omni_references_pack_and_learn(results):
+    assert max(results["single_packed"]["samples_per_row"][0]) > 1
+    for ref in ("single", "single_packed", "moe_single"):
+        assert learns(results[ref]), f"{ref} should learn"
