@@ -13,6 +13,8 @@ family does not build them (their tensors pass through exports untouched).
 import json
 from pathlib import Path
 
+from qwen3vl_30b_config import QWEN3_VL_30B_A3B_INSTRUCT
+
 QWEN3_OMNI_30B_A3B_THINKER = {
     "model_type": "qwen3_omni_moe_thinker",
     "audio_token_id": 151675,
@@ -58,24 +60,10 @@ QWEN3_OMNI_30B_A3B_THINKER = {
         "use_qk_norm": True,
         "vocab_size": 152064,
     },
+    # Qwen3-VL-30B-A3B's vision tower (`tests/qwen3vl_30b_config.py`), under Omni's model type
     "vision_config": {
-        "model_type": "qwen3_omni_moe_vision_encoder",
-        "apply_vit_abs_pos_embed": True,
-        "deepstack_visual_indexes": [8, 16, 24],
-        "depth": 27,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 1152,
-        "image_size": 768,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": 4304,
-        "num_heads": 16,
-        "num_position_embeddings": 2304,
-        "out_hidden_size": 2048,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "tokens_per_second": 2,
+        **QWEN3_VL_30B_A3B_INSTRUCT["vision_config"], "model_type": "qwen3_omni_moe_vision_encoder",
+        "apply_vit_abs_pos_embed": True, "image_size": 768, "tokens_per_second": 2,
     },
     "audio_config": {
         "model_type": "qwen3_omni_moe_audio_encoder",

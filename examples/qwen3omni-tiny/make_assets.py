@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from mmfsdp.data.families.qwen3_omni_moe.plugin import MEDIA_TOKEN_NAMES
 from mmfsdp.model import get_model_entry
 from mmfsdp.model.families.qwen3_omni_moe.testing import tiny_full_config
 
@@ -30,12 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "examples" / "qwen3vl-tiny" / "assets"
 CHAT_TEMPLATE = ROOT / "packages" / "data" / "tests" / "data" / "qwen3_omni_instruct_chat_template.jinja"
 AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
-MEDIA_TOKENS = {
-    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
-    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-}
-"""Qwen3-Omni's named media tokens, as its `tokenizer_config.json` maps them."""
 FEATURE_EXTRACTOR = {
     "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "hop_length": 160, "n_fft": 400,
     "n_samples": 4800000, "nb_max_frames": 30000, "sampling_rate": 16000, "chunk_length": 300,
@@ -49,7 +44,7 @@ def write_tokenizer(out: Path) -> dict[str, int]:
     tokenizer.add_tokens(list(AUDIO_TOKENS), special_tokens=True)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "tokenizer_config.json").read_text())
-    config.update(extra_special_tokens=MEDIA_TOKENS, chat_template=CHAT_TEMPLATE.read_text())
+    config.update(extra_special_tokens=MEDIA_TOKEN_NAMES, chat_template=CHAT_TEMPLATE.read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "chat_template.jinja").unlink(missing_ok=True)  # the template lives in tokenizer_config.json
     names = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", *AUDIO_TOKENS, "<|im_end|>",

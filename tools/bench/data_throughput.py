@@ -30,8 +30,8 @@ conversations for the tiny Qwen3-VL (`examples/qwen3vl-tiny/assets`), sampled at
 
 The audio case (`audio_*` keys; `--audio-clips 0` skips it) writes `--audio-clips` clips of
 `--audio-seconds` (a tone plus noise; WAV 44.1 kHz stereo and FLAC 48 kHz mono, alternating: what
-both loaders read) and one-clip conversations for Qwen3-Omni (the tiny Qwen3-VL's tokenizer with
-Qwen3-Omni's audio tokens, the published `preprocessor_config.json`). Alternating rounds:
+both loaders read) and one-clip conversations for the tiny Qwen3-Omni (`examples/qwen3omni-tiny/assets`:
+Qwen3-Omni's audio tokens and its published feature extractor). Alternating rounds:
 
 - ours: `SampleEncoder.encode_row` (headers, template, the clip's token count) +
   `Qwen3OmniPlugin.audio_inputs` (decode with PyAV, resample to 16 kHz, downmix, the feature extractor);
@@ -120,6 +120,30 @@ VIDEO_ANSWER = "It moves to the right across the picture."
 VIDEO_FPS, VIDEO_MAXLEN = 2.0, 16
 
 
+def _race(kind: str, reference: str, ours, baseline, count: int, rounds: int) -> dict:
+    """`ours` and `baseline` (each encodes the `count` samples and returns their tokens) in alternating rounds after
+    one warm-up each; the best samples/s of each, their ratio and both token counts per sample, as `<kind>_*` keys."""
+    ours_tokens, hf_tokens = ours(), baseline()  # warm up, and the same inputs give the same token counts
+    best = {"ours": 0.0, "baseline": 0.0}
+    for _ in range(rounds):
+        for name, fn in (("ours", ours), ("baseline", baseline)):
+            start = time.perf_counter()
+            fn()
+            best[name] = max(best[name], count / (time.perf_counter() - start))
+    ratio = best["ours"] / best["baseline"]
+    print(
+        f"{kind}: ours {best['ours']:.2f} samples/s, {reference} {best['baseline']:.2f} samples/s, ratio "
+        f"{ratio:.3f} ({ours_tokens // count} vs {hf_tokens // count} tokens per sample)"
+    )
+    return {
+        f"{kind}_ours_samples_per_s": round(best["ours"], 3),
+        f"{kind}_baseline_samples_per_s": round(best["baseline"], 3),
+        f"{kind}_ratio": round(ratio, 3),
+        f"{kind}_tokens_per_sample": ours_tokens // count,
+        f"{kind}_hf_tokens_per_sample": hf_tokens // count,
+    }
+
+
 def _video_case(args, work: Path) -> dict:
     """Samples/s of ours vs. `Qwen3VLProcessor` on the same clips (module docstring), best of `args.rounds`."""
     from mmfsdp.config import build
@@ -186,61 +210,12 @@ def _video_case(args, work: Path) -> dict:
             tokens += out["input_ids"].shape[1]
         return tokens
 
-    ours_tokens, hf_tokens = ours(), baseline()  # warm up, and the same clips give the same token counts
-    best = {"ours": 0.0, "baseline": 0.0}
-    for _ in range(args.rounds):
-        for name, fn in (("ours", ours), ("baseline", baseline)):
-            start = time.perf_counter()
-            fn()
-            best[name] = max(best[name], len(paths) / (time.perf_counter() - start))
-    ratio = best["ours"] / best["baseline"]
-    print(
-        f"video: ours {best['ours']:.2f} samples/s, Qwen3VLProcessor {best['baseline']:.2f} samples/s, ratio "
-        f"{ratio:.3f} ({ours_tokens // len(paths)} vs {hf_tokens // len(paths)} tokens per sample)"
-    )
-    return {
-        "video_ours_samples_per_s": round(best["ours"], 3),
-        "video_baseline_samples_per_s": round(best["baseline"], 3),
-        "video_ratio": round(ratio, 3),
-        "video_clips": len(paths),
-        "video_size": args.video_size,
-        "video_seconds": args.video_seconds,
-        "video_tokens_per_sample": ours_tokens // len(paths),
-        "video_hf_tokens_per_sample": hf_tokens // len(paths),
-    }
+    result = _race("video", "Qwen3VLProcessor", ours, baseline, len(paths), args.rounds)
+    return {**result, "video_clips": len(paths), "video_size": args.video_size, "video_seconds": args.video_seconds}
 
 
-OMNI_MEDIA_TOKENS = {
-    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
-    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-}
-"""Qwen3-Omni's named media tokens, as its `tokenizer_config.json` maps them (its processor reads them by name)."""
-OMNI_PREPROCESSOR = {
-    "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "hop_length": 160, "n_fft": 400,
-    "n_samples": 4800000, "sampling_rate": 16000, "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
-    "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056, "nb_max_frames": 30000,
-    "processor_class": "Qwen3OmniMoeProcessor",
-}
-"""The `preprocessor_config.json` of the Qwen3-Omni-30B-A3B checkpoints."""
 AUDIO_QUESTION = "<audio>How many beeps do you hear?"
 AUDIO_ANSWER = "Three beeps, the last one higher."
-
-
-def _omni_dir(out: Path) -> Path:
-    """A Qwen3-Omni-style model directory: the tiny Qwen3-VL's tokenizer plus the three audio tokens and the named
-    media tokens, the published preprocessor settings, and a `config.json` naming the model type."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "examples" / "qwen3vl-tiny" / "assets")
-    tokenizer.add_tokens(["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"], special_tokens=True)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": OMNI_MEDIA_TOKENS}))
-    (out / "preprocessor_config.json").write_text(json.dumps(OMNI_PREPROCESSOR))
-    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
-    return out
 
 
 def _audio_clips(out: Path, count: int, seconds: float) -> list[str]:
@@ -276,7 +251,7 @@ def _audio_case(args, work: Path) -> dict:
 
     from mmfsdp.data import DataConfig, SampleEncoder, build_processor
 
-    model_dir = _omni_dir(work / "omni")
+    model_dir = Path(__file__).resolve().parents[2] / "examples" / "qwen3omni-tiny" / "assets"
     clip_dir = work / "audios"
     clip_dir.mkdir(parents=True, exist_ok=True)
     paths = _audio_clips(clip_dir, args.audio_clips, args.audio_seconds)
@@ -324,27 +299,8 @@ def _audio_case(args, work: Path) -> dict:
             tokens += out["input_ids"].shape[1]
         return tokens
 
-    ours_tokens, hf_tokens = ours(), baseline()  # warm up; the same clips give the same audio tokens
-    best = {"ours": 0.0, "baseline": 0.0}
-    for _ in range(args.rounds):
-        for name, fn in (("ours", ours), ("baseline", baseline)):
-            start = time.perf_counter()
-            fn()
-            best[name] = max(best[name], len(paths) / (time.perf_counter() - start))
-    ratio = best["ours"] / best["baseline"]
-    print(
-        f"audio: ours {best['ours']:.2f} samples/s, load_audio + Qwen3OmniMoeProcessor {best['baseline']:.2f} "
-        f"samples/s, ratio {ratio:.3f} ({ours_tokens // len(paths)} vs {hf_tokens // len(paths)} tokens per sample)"
-    )
-    return {
-        "audio_ours_samples_per_s": round(best["ours"], 3),
-        "audio_baseline_samples_per_s": round(best["baseline"], 3),
-        "audio_ratio": round(ratio, 3),
-        "audio_clips": len(paths),
-        "audio_seconds": args.audio_seconds,
-        "audio_tokens_per_sample": ours_tokens // len(paths),
-        "audio_hf_tokens_per_sample": hf_tokens // len(paths),
-    }
+    result = _race("audio", "load_audio + Qwen3OmniMoeProcessor", ours, baseline, len(paths), args.rounds)
+    return {**result, "audio_clips": len(paths), "audio_seconds": args.audio_seconds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from mmfsdp.data.families.qwen3_omni_moe.plugin import MEDIA_TOKEN_NAMES
 import torch
 from PIL import Image
 
@@ -371,11 +373,7 @@ def qwen_processor(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return build_processor(data_config(qwen_dir, tmp_path_factory.mktemp("unused"), preprocess={"template": "qwen3_vl_nothink"}))
 
 
-OMNI_MEDIA_TOKENS = {
-    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
-    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-}
+OMNI_MEDIA_TOKENS = MEDIA_TOKEN_NAMES
 """Qwen3-Omni's named media tokens, as its tokenizer_config.json maps them (the processor reads them by name)."""
 OMNI_PREPROCESSOR = {
     "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "hop_length": 160, "n_fft": 400,

@@ -44,7 +44,15 @@ from mmfsdp.data.plugins import MediaSetting, processor_file, register_plugin, s
 from mmfsdp.data.processor import MMProcessor
 from mmfsdp.data.video import VideoOptions
 
-__all__ = ["Qwen3OmniPlugin"]
+__all__ = ["MEDIA_TOKEN_NAMES", "Qwen3OmniPlugin"]
+
+MEDIA_TOKEN_NAMES = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+}
+"""Qwen3-Omni's named media tokens, as its `tokenizer_config.json` maps them (`extra_special_tokens`): the processor
+reads them by name."""
 
 _KEY = "data.dataset_param.preprocess_parameters"
 _AUDIO_FILES = ("preprocessor_config.json",)
@@ -80,7 +88,7 @@ class Qwen3OmniPlugin(Qwen3VLPlugin):
             raise ConfigError(
                 f"{_KEY}.model_name_or_path",
                 f"the tokenizer in {str(model_dir)!r} does not name Qwen3-Omni's media tokens ({err}); its "
-                "tokenizer_config.json must map audio_token, audio_bos_token, ... in extra_special_tokens",
+                f"tokenizer_config.json must map {', '.join(MEDIA_TOKEN_NAMES)} in extra_special_tokens",
             ) from None
 
     def __init__(
