@@ -45,6 +45,6 @@ def test_run_py_chains_the_stages_through_the_hf_export(tmp_path):
     assert sft[-2:] == [f"training.output_dir={tmp_path / 'sft'}", f"training.save={tmp_path}/sft/ckpt"]
     assert grpo[-3:] == [f"training.output_dir={tmp_path / 'grpo'}", f"training.save={tmp_path}/grpo/ckpt",
                          f"training.load={tmp_path / 'sft' / 'ckpt' / 'hf' / 'iter_0000007'}"]  # fmt: skip
-    assert run.sft_iters([]) == 200  # sft.yaml's, the iteration grpo.yaml's training.load names
+    assert run.sft_iters([]) == 300  # sft.yaml's, the iteration grpo.yaml's training.load names
     sft, grpo = run.stage_commands(out, ["sft:training.train_iters=5", "grpo:training.seed=3"])
     assert "training.train_iters=5" in sft and grpo[-1].endswith("iter_0000005") and "training.seed=3" not in sft
