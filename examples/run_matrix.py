@@ -42,7 +42,7 @@ DRIVERS = {"qwen3vl-dpo-tiny": ("run.py", "dpo"), "qwen3vl-grpo-tiny": ("run.py"
 """Examples run by a script of theirs (`uv run python examples/<name>/<script>`, with the same overrides) instead of
 `uv run apps/train examples/<name>/config.yaml`, and the stage directory under `<output_dir>` whose metrics.jsonl
 gives the last loss; the script writes `<output_dir>/eval.json` as a run does."""
-CLAIMS = {"qwen3vl-dpo-tiny": "reward_accuracy"}
+CLAIMS = {"qwen3vl-dpo-tiny": "reward_accuracy", "qwen3vl-grpo-tiny": "policy_accuracy"}
 """Examples whose claimed number (checked against `--min-accuracy`) is another key of eval.json than `accuracy`."""
 LAYOUTS = {"padded": "false", "padding_free": "true"}
 """Layout name -> `data.dataloader_param.padding_free`."""
@@ -107,7 +107,8 @@ def run_cell(example: str, seed: int, layout: str, out_root: Path, overrides: li
     if rc == 0 and eval_path.exists():
         result = json.loads(eval_path.read_text())
         cell.update(accuracy=result["accuracy"], chance=result.get("chance"), num_samples=result.get("num_samples"))
-        cell.update({key: result[key] for key in ("reward_accuracy", "sft_accuracy") if key in result})
+        cell.update({key: result[key] for key in ("reward_accuracy", "sft_accuracy", "policy_accuracy",
+                                                  "start_policy_accuracy") if key in result})
     final_loss = _final_loss(out_dir / (DRIVERS[example][1] if example in DRIVERS else "") / "metrics.jsonl")
     if final_loss is not None:
         cell["final_loss"] = final_loss
@@ -127,6 +128,9 @@ def _row(cell: dict) -> str:
     acc = f"{cell['accuracy']:.3f}" if "accuracy" in cell else f"failed (rc {cell['rc']})"
     if "reward_accuracy" in cell:
         acc += f" (SFT {cell['sft_accuracy']:.3f}; reward accuracy {cell['reward_accuracy']:.3f})"
+    elif "policy_accuracy" in cell:
+        acc = (f"{cell['start_policy_accuracy']:.3f} -> {cell['policy_accuracy']:.3f} as the engine decodes "
+               f"(whole vocabulary: SFT {cell['sft_accuracy']:.3f} -> {cell['accuracy']:.3f})")
     elif "sft_accuracy" in cell:
         acc += f" (SFT {cell['sft_accuracy']:.3f})"
     loss = f"{cell['final_loss']:.4f}" if "final_loss" in cell else "-"

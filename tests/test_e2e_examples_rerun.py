@@ -96,6 +96,13 @@ def test_the_grpo_example_twice(tmp_path):
     assert "held-out accuracy" in second.stdout and "after GRPO" in second.stdout
     result = json.loads((out / "eval.json").read_text())
     assert {"accuracy", "sft_accuracy", "sft_wall_s", "grpo_wall_s"} <= set(result) and result["num_samples"] == 8
+    # "before" is the GRPO stage's evaluation of its starting weights (training.eval_on_start): SFT's export, so
+    # the same exact matches as the SFT stage's own evaluation on the same held-out rows
+    start = json.loads((out / "grpo" / "eval_start.json").read_text())
+    sft = json.loads((out / "sft" / "eval.json").read_text())
+    assert start["step"] == 0 and (start["num_correct"], start["num_samples"]) == (sft["num_correct"], 8)
+    assert result["start_accuracy"] == sft["accuracy"] and result["start_policy_accuracy"] >= sft["accuracy"]
+    assert result["policy_accuracy"] >= result["accuracy"]
 
 
 def test_the_magistral_smoke_twice(tmp_path):

@@ -48,3 +48,38 @@ def test_run_py_chains_the_stages_through_the_hf_export(tmp_path):
     assert run.sft_iters([]) == 300  # sft.yaml's, the iteration grpo.yaml's training.load names
     sft, grpo = run.stage_commands(out, ["sft:training.train_iters=5", "grpo:training.seed=3"])
     assert "training.train_iters=5" in sft and grpo[-1].endswith("iter_0000005") and "training.seed=3" not in sft
+
+
+def test_policy_accuracy_takes_the_argmax_over_the_tokens_the_engine_samples():
+    """eval.json's `policy_accuracy` (`PolicyArgmax`): a row whose whole-vocabulary argmax is a suppressed media
+    placeholder counts as the engine decodes it (the next-best token), while `exact_match` (`accuracy`) misses it;
+    a row wrong among the kept tokens stays wrong; padding rows' -100 targets are ignored."""
+    import torch
+
+    from mmfsdp.train.evaluate import exact_match
+    from mmfsdp.train.grpo_validation import PolicyArgmax
+
+    vocab, placeholder = 6, 5
+    targets = torch.tensor([[1, 2, -100], [1, 3, -100], [4, -100, -100]])
+    logits = torch.zeros(3, 3, vocab)
+    logits[0, 0, 1], logits[0, 1, placeholder], logits[0, 1, 2] = 3.0, 9.0, 2.0  # placeholder first, then right
+    logits[1, 0, 1], logits[1, 1, placeholder], logits[1, 1, 0] = 3.0, 9.0, 2.0  # placeholder first, then wrong
+    logits[2, 0, 4] = 1.0  # right outright
+    metrics = PolicyArgmax((placeholder,))
+    sums = metrics.batch({}, {}, logits, targets)
+    assert exact_match(logits, targets).tolist() == [False, False, True]
+    assert sums.tolist() == [2.0, 3.0]
+    assert metrics.result(sums.tolist()) == {"policy_accuracy": 2 / 3}
+
+
+def test_eval_on_start_needs_evaluation_data(tmp_path):
+    """`training.eval_on_start` with a JSON dataset and no eval_dataset: a config error naming the key."""
+    from mmfsdp.config import ConfigError
+    from mmfsdp.train.config import load_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    cfg_path = EXAMPLE / "sft.yaml"
+    with pytest.raises(ConfigError, match="training.eval_on_start"):
+        load_config(cfg_path, ["training.eval_on_start=true", "data.dataset_param.dataset_type=huggingface",
+                               f"data.dataset_param.basic_parameters.dataset={data}"])

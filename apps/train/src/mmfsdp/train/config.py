@@ -109,6 +109,8 @@ class TrainingConfig:
     """Samples per rank per forward pass during the final evaluation and the periodic validation."""
     val_interval: int = 0
     """Every N steps, the mean loss per trained token over the evaluation data (`val_loss` in the log line and metrics.jsonl); 0 = off. Needs evaluation data (`basic_parameters.eval_dataset`). With `stage: grpo` also the held-out greedy reward (`val_reward`, `val_rewards/<function>/mean`; docs/rl.md)."""
+    eval_on_start: bool = False
+    """Before step 1 of a run that starts at step 0: the end's held-out evaluation (`eval.json`'s numbers) on the starting weights, logged and written to `<output_dir>/eval_start.json` (HF TrainingArguments' `eval_on_start`): "before" beside `eval.json`'s "after". Needs evaluation data."""
     save_format: Literal["dcp", "hf"] = "dcp"
     """dcp: each save writes the DCP checkpoint (resumable); hf: also exports the model as HF safetensors to `<save>/hf/iter_NNNNNNN`, loadable with `from_pretrained` (config and tokenizer from `model.model_name_or_path`)."""
     deterministic: bool = False
@@ -475,6 +477,12 @@ def check_sections(cfg: Config) -> None:
             "training.val_interval",
             f"{t.val_interval} needs evaluation data: set data.dataset_param.basic_parameters.eval_dataset "
             "(MindSpeed-MM: data.val_dataset_param), or set val_interval to 0",
+        )
+    if t.eval_on_start and not has_eval_data(cfg.data):
+        raise ConfigError(
+            "training.eval_on_start",
+            "true needs evaluation data: set data.dataset_param.basic_parameters.eval_dataset (or a synthetic "
+            "dataset's num_eval), or set eval_on_start to false",
         )
     for sink, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if sink in cfg.tools.report_to and importlib.util.find_spec(module) is None:

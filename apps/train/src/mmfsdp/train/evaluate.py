@@ -246,8 +246,9 @@ class Evaluator:
         dist.all_reduce(tokens, group=self.dims.dp_group)
         return float(total / tokens.clamp(min=1))
 
-    def report(self, step: int) -> dict | None:
-        """The final held-out accuracy, logged and written to `<output_dir>/eval.json` (None without eval data)."""
+    def report(self, step: int, file_name: str = "eval.json") -> dict | None:
+        """The held-out accuracy after `step` (the final one; 0: `training.eval_on_start`), logged and written to
+        `<output_dir>/<file_name>` (None without eval data)."""
         if not has_eval_split(self.data):
             return None
         result = self.accuracy(step)
@@ -257,7 +258,7 @@ class Evaluator:
         if self.objective_metrics is not None:
             log.info(f"eval: {self.objective_metrics.describe(result)}")
         if self.rank == 0:
-            path = self.output_dir / "eval.json"
+            path = self.output_dir / file_name
             path.write_text(json.dumps(result, indent=2) + "\n")
             log.info(f"wrote {path}")
         return result

@@ -62,7 +62,8 @@ without context parallel. LoRA: with β > 0 the reference is the policy with its
 family's step terms (router aux loss) are added by the trainer as in SFT.
 
 Validation: `val_loss` on the held-out split as SFT rows (`eval_data`), the greedy reward (`validation_metrics`,
-`mmfsdp.train.grpo_validation`). A token budget packs each rank's kept sequences after generation (`grpo_sampling`;
+`mmfsdp.train.grpo_validation`); at the end eval.json's `policy_accuracy` beside `accuracy` (the exact match with
+the argmax over the tokens the engine samples, `eval_metrics`). A token budget packs each rank's kept sequences after generation (`grpo_sampling`;
 the loader hands whole prompts, `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
 """
 
@@ -88,7 +89,7 @@ from mmfsdp.train.grpo_sampling import (
     Generation, Round, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout, micro_batch_count,
     round_order, sample_rounds, split_evenly, write_completions,
 )
-from mmfsdp.train.grpo_validation import HeldOutRewards
+from mmfsdp.train.grpo_validation import HeldOutRewards, PolicyArgmax
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
 from mmfsdp.train.references import LIVE_REFERENCES, frozen_copy_bytes, live_reference_kind
 from mmfsdp.train.supervise import beat
@@ -547,6 +548,10 @@ class GRPOObjective(Objective):
     def close(self) -> None:
         self.engine.close()
         self.rewards.close()
+
+    def eval_metrics(self) -> PolicyArgmax:
+        """eval.json's `policy_accuracy`: the held-out exact match as the engine decodes (`PolicyArgmax`)."""
+        return PolicyArgmax(self.sampling.suppress_token_ids)
 
     def validation_metrics(self, step: int) -> dict[str, float]:
         """The held-out greedy reward (`mmfsdp.train.grpo_validation`) on the weights after `step`."""

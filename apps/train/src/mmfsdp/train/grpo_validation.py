@@ -34,7 +34,40 @@ from mmfsdp.data import build_dataset
 from mmfsdp.model.rollout import SamplingParams
 from mmfsdp.train.grpo_engine import prompt_request
 
-__all__ = ["HeldOutRewards", "greedy"]
+__all__ = ["HeldOutRewards", "PolicyArgmax", "greedy"]
+
+
+class PolicyArgmax:
+    """The stage's held-out accuracy as its policy decodes (`GRPOObjective.eval_metrics`, eval.json's
+    `policy_accuracy`): the evaluator's exact match (every answer token the argmax, under teacher forcing) with the
+    argmax taken over the tokens the rollout engine can emit, the media placeholders suppressed
+    (`SamplingParams.suppress_token_ids`). The policy GRPO trains is that distribution (the sampler never draws a
+    placeholder, and the loss's log-probs are of the renormalised kept mass), so a placeholder's logit is never
+    trained down; greedy decoding through the engine (temperature 0, `greedy`) answers exactly when this counts a
+    hit. eval.json's `accuracy` stays the argmax over the whole vocabulary (SFT's definition)."""
+
+    num_sums = 2
+    """Per batch: exact matches, samples."""
+
+    def __init__(self, suppressed: tuple[int, ...]):
+        self.suppressed = torch.tensor(suppressed, dtype=torch.long)
+
+    def batch(self, batch: dict[str, Any], inputs: dict[str, Any], logits: torch.Tensor,
+              targets: torch.Tensor) -> torch.Tensor:
+        from mmfsdp.train.evaluate import exact_match
+
+        kept = logits.index_fill(-1, self.suppressed.to(logits.device), float("-inf"))
+        hits = exact_match(kept, targets)
+        return torch.tensor([float(hits.sum()), float(hits.numel())], dtype=torch.float64)
+
+    def result(self, sums: list[float]) -> dict[str, float]:
+        hits, samples = sums
+        return {"policy_accuracy": hits / max(samples, 1)}
+
+    @staticmethod
+    def describe(result: dict[str, Any]) -> str:
+        return (f"policy accuracy {result['policy_accuracy']:.3f} (the argmax over the tokens the rollout engine "
+                f"samples) on {result['num_samples']} held-out samples")
 
 
 def greedy(sampling: SamplingParams) -> SamplingParams:

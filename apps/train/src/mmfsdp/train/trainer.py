@@ -325,6 +325,9 @@ class Trainer:
         """The loop: steps until `training.train_iters`, each component called at its fixed point."""
         if self.step >= self.cfg.training.train_iters:
             log.info(f"nothing to train: resumed at step {self.step} of {self.cfg.training.train_iters}")
+        elif self.step == 0 and self.cfg.training.eval_on_start:
+            with self.heartbeat.paused("the evaluation on start", 0):
+                self.evaluator.report(0, file_name="eval_start.json")
         try:
             with self.profiling:
                 while self.step < self.cfg.training.train_iters:
