@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
 from mmfsdp.model import get_model_entry
 from mmfsdp.model.registry import installed_model_ids
 from mmfsdp.model.rollout import (
-    HFRolloutEngine, Rollout, RolloutEngine, RolloutRequest, SamplingParams, gumbel_noise, row_keys, sample_tokens,
-    warp_logits,
+    HFRolloutEngine, Rollout, RolloutEngine, RolloutRequest, SamplingParams, gumbel_from_hash, gumbel_noise, row_keys,
+    sample_tokens, warp_logits,
 )
 from mmfsdp.model.testing import assert_close
 from mmfsdp.parallel.testing import run_distributed
@@ -74,6 +74,19 @@ def test_noise_is_a_function_of_its_keys():
     assert torch.isfinite(noise).all() and not torch.equal(noise, gumbel_noise(keys, 4, 1000))
     # standard Gumbel: mean = Euler-Mascheroni constant, variance = π² / 6
     assert abs(noise.mean().item() - 0.5772) < 0.05 and abs(noise.var().item() - 1.6449) < 0.15
+
+
+def test_noise_is_finite_at_every_hash_and_a_suppressed_token_is_never_drawn():
+    """The extreme hashes give finite noise (the largest used to give u = 1, G = +∞: the draw took that token
+    whatever its logit, and a suppressed token's −∞ + ∞ = NaN won the argmax); a suppressed token under the largest
+    noise is not sampled."""
+    hashes = torch.tensor([0, 1, 2**9 - 1, 2**31, 2**32 - 2**9, 2**32 - 1], dtype=torch.int64)
+    noise = gumbel_from_hash(hashes)
+    assert torch.isfinite(noise).all() and noise[0] == noise[2] and noise[-2] == noise[-1] < 17.0
+    scores = torch.tensor([[0.0, 5.0, -1.0]])
+    sampling = SamplingParams(max_new_tokens=1, temperature=1.0, suppress_token_ids=(1,))
+    warped = warp_logits(scores, sampling)
+    assert (warped + gumbel_from_hash(torch.tensor([[0, 2**32 - 1, 0]]))).argmax(-1).item() == 0
 
 
 def test_requests_and_results_are_plain_data():

@@ -85,6 +85,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutRequest",
     "SamplingParams",
+    "gumbel_from_hash",
     "gumbel_noise",
     "row_keys",
     "sample_tokens",
@@ -229,13 +230,22 @@ def row_keys(seed: int, step: int, prompt_index: torch.Tensor, generation_index:
     return _mix(_mix(key, prompt_index.to(torch.int64)), generation_index.to(torch.int64))
 
 
+def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """fp32 standard Gumbel noise from 32-bit hashes: `u = (h >> 9 + ½) / 2²³`, `G = −log(−log u)`.
+
+    23 bits, so that `u` is exact in fp32 and strictly inside (0, 1): u ∈ [2⁻²⁴, 1 − 2⁻²⁴], G ∈ [−2.8, 16.6]. (24
+    bits, as this was first written, rounds the largest hash's `2²⁴ − ½` up to 2²⁴: u = 1, G = +∞, so that draw took
+    whichever token the hash fell on, about one sampled token in a hundred at a 152k vocabulary, and a suppressed
+    token's −∞ + ∞ = NaN won the argmax: a media placeholder in a completion.)"""
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(u))
+
+
 def gumbel_noise(keys_R: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
     """fp32 `[R, V]` standard Gumbel noise for generated token `position` of each row, a pure function of
-    (row key, position, vocabulary index): `u = (h >> 8 + ½) / 2²⁴` of a 32-bit hash, `G = −log(−log u)`."""
+    (row key, position, vocabulary index): `gumbel_from_hash` of a 32-bit hash of the three."""
     vocab_V = _hash32(torch.arange(vocab_size, device=keys_R.device, dtype=torch.int64))
-    h_RV = _hash32(_mix(keys_R, position)[:, None] ^ vocab_V[None, :])
-    u_RV = ((h_RV >> 8).to(torch.float32) + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(u_RV))
+    return gumbel_from_hash(_hash32(_mix(keys_R, position)[:, None] ^ vocab_V[None, :]))
 
 
 def warp_logits(logits_RV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
