@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample
+from mmfsdp.model.families.qwen3_vl.testing import qwen3_vl_batch, qwen3_vl_sample, write_span
 from mmfsdp.model.loss import IGNORE_INDEX
 
 __all__ = ["audio_tokens", "omni_batch", "omni_sample", "tiny_full_config"]
@@ -39,14 +39,9 @@ def omni_sample(
     merge = config.vision_config.spatial_merge_size
     at = 2 + sum(h * w // merge**2 + 2 for h, w in grids)
     input_ids, labels = sample["input_ids"], sample["labels"]
+    ids = (config.audio_start_token_id, config.audio_token_id, config.audio_end_token_id)
     for frames in clips:
-        count = audio_tokens(config, frames)
-        if at + count + 2 > length:
-            raise ValueError(f"a clip of {frames} frames ({count} tokens) does not fit in {length} tokens")
-        input_ids[at] = config.audio_start_token_id
-        input_ids[at + 1 : at + 1 + count] = config.audio_token_id
-        input_ids[at + 1 + count] = config.audio_end_token_id
-        at += count + 2
+        at = write_span(input_ids, at, ids, audio_tokens(config, frames), f"a clip of {frames} frames")
     labels[:at] = IGNORE_INDEX
     generator = torch.Generator().manual_seed(seed + 1000)
     longest = max(clips)

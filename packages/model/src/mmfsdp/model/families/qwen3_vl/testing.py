@@ -9,7 +9,18 @@ from transformers import PretrainedConfig
 
 from mmfsdp.model.loss import IGNORE_INDEX
 
-__all__ = ["qwen3_vl_sample", "qwen3_vl_batch"]
+__all__ = ["qwen3_vl_sample", "qwen3_vl_batch", "write_span"]
+
+
+def write_span(input_ids: torch.Tensor, at: int, ids: tuple[int, int, int], count: int, what: str) -> int:
+    """Write one media span at `at` of `input_ids`: `ids` = (start, placeholder, end) tokens, `count`
+    placeholders between the two; returns the position after it (`ValueError` naming `what` when it does not
+    fit)."""
+    if at + count + 2 > len(input_ids):
+        raise ValueError(f"{what} ({count} tokens) does not fit in {len(input_ids)} tokens")
+    start, token, end = ids
+    input_ids[at], input_ids[at + 1 : at + 1 + count], input_ids[at + 1 + count] = start, token, end
+    return at + count + 2
 
 
 def qwen3_vl_sample(
@@ -27,13 +38,8 @@ def qwen3_vl_sample(
     labels = input_ids.clone()
     at = prompt_len
     for h, w in grids:
-        count = h * w // vision.spatial_merge_size**2
-        if at + count + 2 > length:
-            raise ValueError(f"image {h}x{w} ({count} tokens) does not fit in {length} tokens")
-        input_ids[at] = config.vision_start_token_id
-        input_ids[at + 1 : at + 1 + count] = config.image_token_id
-        input_ids[at + 1 + count] = config.vision_end_token_id
-        at += count + 2
+        ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
+        at = write_span(input_ids, at, ids, h * w // vision.spatial_merge_size**2, f"image {h}x{w}")
     labels[:at] = IGNORE_INDEX
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     sample = {"input_ids": input_ids, "labels": labels}
