@@ -100,7 +100,9 @@ def test_compile_keys_and_their_other_names(tmp_path):
         assert load_config(_write(tmp_path, f"features:\n  {name}: true\n")).features.compile is True
     cfg = load_config(_write(tmp_path, "features:\n  compile: true\n  compile_plan:\n    backend: aot_eager\n"))
     assert (cfg.features.compile, cfg.features.compile_plan.backend, cfg.features.compile_plan.dynamic) == (
-        True, "aot_eager", True)
+        True, "aot_eager", None)
+    cfg = load_config(_write(tmp_path, "features:\n  compile_plan:\n    dynamic: true\n"))
+    assert cfg.features.compile_plan.dynamic is True
     with pytest.raises(ConfigError, match=r"^features\.compile_plan\.backend: must be a torch.compile backend"):
         load_config(_write(tmp_path, "features:\n  compile_plan:\n    backend: ''\n"))
     with pytest.raises(ConfigError, match=r"^parallel\.fsdp_plan\.min_group_params: must be >= 0"):

@@ -154,8 +154,8 @@ class CompilePlanConfig:
     """Module name patterns ({*} and {a-b} allowed) whose forward is compiled one by one; null = the model's decoder layers."""
     backend: str = "inductor"
     """torch.compile backend: inductor (generated kernels; a C++ compiler on the CPU), aot_eager (traced, no code generation) or eager."""
-    dynamic: bool = True
-    """Compile with symbolic shapes from the first step, so variable sequence lengths run one graph instead of recompiling."""
+    dynamic: bool | None = None
+    """null (torch.compile's default, as torchtitan compiles): the first step specialises on its shapes, and the first micro-batch of another length recompiles once with only the dimensions that changed symbolic (the sequence), then every length runs that graph; true: every dimension symbolic from the first call (hidden sizes too: several times slower to trace, and kernels that cannot specialise on them); false: specialise on every shape (a recompile per new length, eager after torch's recompile limit)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
