@@ -185,6 +185,7 @@ def fsdp_runs():
     return {size: run_distributed(_fsdp_steps, size, FAMILIES)[0] for size in (1, 2)}
 
 
+@pytest.mark.slow  # every family on 1 and 2 processes
 def test_contract_fsdp2_two_processes_equal_one(family, fsdp_runs):
     entry = family[0]
     one, two = fsdp_runs[1][entry.model_id], fsdp_runs[2][entry.model_id]

@@ -102,6 +102,7 @@ def test_varlen_layout_matches_one_process(results, name):
     assert_matches(results, CASES[name])
 
 
+@pytest.mark.slow  # reads the same runs as the comparisons
 def test_varlen_references_are_varied_and_learn(results):
     """The references really pack several samples per row and learn, so the comparisons above mean something."""
     packed, unpacked = results["ref_packed"]["steps"], results["ref_per_token"]["steps"]
