@@ -127,6 +127,7 @@ def decode_audio(
     frames: list[np.ndarray] = []
     formats: list[tuple[str, bool, int]] = []  # each frame's (sample format, planar, channels)
     total, source_rate = 0, sampling_rate  # source samples decoded so far; the file's rate once its stream is read
+    heard = False  # a frame with a non-zero sample decoded
 
     def overdue() -> None:
         if time.monotonic() > deadline:
@@ -152,8 +153,12 @@ def decode_audio(
             overdue()
             for frame in packet.decode():
                 overdue()
-                formats.append((frame.format.name, frame.format.is_planar, len(frame.layout.channels)))
-                frames.append(frame.to_ndarray())
+                if waveform or not heard:  # the length pass reads samples only until it has heard a sound
+                    data, name = frame.to_ndarray(), frame.format.name
+                    heard = heard or not _silent(data, name)
+                    if waveform:
+                        formats.append((name, frame.format.is_planar, len(frame.layout.channels)))
+                        frames.append(data)
                 total += frame.samples
                 if total > max_source:
                     raise too_long(total / source_rate, "decodes to over")
@@ -174,7 +179,7 @@ def decode_audio(
             f"{path} decodes to {total / source_rate:.2f} s, but its header gives {header:.2f} s "
             "(truncated or damaged file)",
         )
-    if all(_silent(frame, fmt[0]) for frame, fmt in zip(frames, formats)):
+    if not heard:
         raise BadSample("silent_audio", f"{path} is digital silence: its {total} samples are all zero")
     num_samples = math.ceil(total * sampling_rate / source_rate)
     if not waveform:
