@@ -25,6 +25,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # multi-process training runs: the full suite
 def test_meta_init_from_hf_and_from_dcp_match_eager_loading(tmp_path, tmp_path_factory):
     torch.manual_seed(7)
     config = AutoConfig.from_pretrained(TINY.parent / "assets")

@@ -3,6 +3,7 @@ collectives, alone and as FSDP2's collectives in training."""
 
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -134,6 +135,7 @@ def _assert_bitwise_same(results):
             assert torch.equal(ours[kind][name], theirs[kind][name]), f"{kind} {name}"
 
 
+@pytest.mark.slow  # multi-process training runs: the full suite
 def test_parallel_direct_comm_trains_bitwise_like_gloo_collectives():
     """On a shard group of 2 the direct exchanges give the same bits as gloo's collectives: 1-D FSDP on 2 ranks
     and HSDP 2 × 2 on 4 (its replicas all-reduce with gloo as before)."""

@@ -283,6 +283,7 @@ def _hsdp_and_cp_layouts(rank, world_size):
     return _to_bytes(results)
 
 
+@pytest.mark.slow  # multi-process training runs: the full suite
 def test_parallel_fsdp_hsdp_and_cp_layouts_on_four_ranks():
     reference = _reference(clip=0.05)
     for result in map(_from_bytes, run_distributed(_hsdp_and_cp_layouts, 4)):

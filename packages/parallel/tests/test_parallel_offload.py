@@ -5,6 +5,7 @@ pack/unpack path runs on the CPU. Tolerance: relative 1e-6 (the copies are
 exact; the bound leaves room only for a different memory layout of a saved tensor).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -117,6 +118,7 @@ def _fsdp_worker(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # multi-process training runs: the full suite
 def test_offload_under_fsdp2_with_and_without_recompute():
     for out in run_distributed(_fsdp_worker, 2):
         for recompute in (False, True):
