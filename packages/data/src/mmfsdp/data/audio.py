@@ -15,8 +15,12 @@ So a WAV or FLAC clip gives exactly what `load_audio(path, sampling_rate)` gives
 (MP3 in older libsndfile, AAC, Opus) go through the same steps after FFmpeg's decoder.
 
 Unlike a video, whose frames are sampled from its headers, an audio clip's token count needs its exact length after
-resampling, which no header gives for every format: the tokenization pass decodes each clip once for its length,
-and the DataLoader workers decode it again for its features (a clip of a minute decodes in a few milliseconds).
+resampling, which no header gives for every format: the tokenization pass (`waveform=False`) reads each clip once
+for its length, and the DataLoader workers decode it again for its features (a clip of a minute decodes in a few
+milliseconds). The tokenization pass converts samples only until it has heard a sound (the silence check); after
+that, a PCM or FLAC clip's remaining packets are counted from their durations (exactly their samples for these
+codecs) without decoding, while other codecs (MP3, AAC, Opus, Vorbis: encoder delay and padding make the decoded
+length differ from the packets') are decoded to the end.
 The container is opened with a bounded probe (`PROBE_BYTES`): FFmpeg's default reads up to 5 MB to find the
 streams, the whole of most clips, where an audio file's headers are at its start; a WAV file is read in packets of
 up to `PACKET_BYTES`.
@@ -141,7 +145,9 @@ def decode_audio(
             f"{path} {how} {seconds:.1f} s, over audio_max_seconds {max_seconds:g} (clips are never cut)",
         )
 
-    container = open_container(path, "audio", timeout_s, options={"probesize": PROBE_BYTES, "max_size": PACKET_BYTES})
+    # large WAV packets for a decode (fewer calls), FFmpeg's small ones for a count (its open reads one packet less)
+    options = {"probesize": PROBE_BYTES, **({"max_size": PACKET_BYTES} if waveform else {})}
+    container = open_container(path, "audio", timeout_s, options=options)
     try:
         stream = _audio_stream(container, path)
         source_rate, channels, codec = int(stream.rate), int(stream.channels), stream.codec_context.name
@@ -149,8 +155,18 @@ def decode_audio(
         if header is not None and header > max_seconds:
             raise too_long(header, "lasts")
         max_source = int(max_seconds * source_rate)
+        # the length pass of a codec whose packets are its samples: once a sound is heard, packets are counted from
+        # their durations instead of decoded (a damaged packet is then found by the load's decode, counted there)
+        counted = not waveform and (codec.startswith("pcm_") or codec == "flac") and stream.time_base is not None
         for packet in container.demux(stream):
             overdue()
+            if counted and heard and packet.size and packet.duration:
+                samples = packet.duration * stream.time_base * source_rate
+                if samples.denominator == 1:
+                    total += int(samples)
+                    if total > max_source:
+                        raise too_long(total / source_rate, "decodes to over")
+                    continue
             for frame in packet.decode():
                 overdue()
                 if waveform or not heard:  # the length pass reads samples only until it has heard a sound
