@@ -133,6 +133,17 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
+def assert_steps_equal(out: Path, reference: dict[int, tuple], keys: tuple[str, ...] | list[str], steps: int) -> None:
+    """`out/metrics.jsonl` logs each of steps 1..`steps` once, and each step's values of `keys` equal `reference`'s
+    (step → values) bitwise: a resumed run continued as the uninterrupted one."""
+    rows = records(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
+    for row in rows:
+        got = tuple(row[k] for k in keys)
+        expected = reference[row["step"]]
+        assert got == expected, f"step {row['step']}: {dict(zip(keys, got))} vs {dict(zip(keys, expected))}"
+
+
 def consoles(out: Path) -> list[str]:
     """The app launcher's log files under `out/logs` (its console and every rank's), one per run in the order they
     started: what a run started by `start`, whose console is not kept, printed."""

@@ -457,6 +457,16 @@ def assert_steps(name: str, got: list, expected: list, tol: float = 1e-5, what: 
         assert close(norm, ref_norm, tol, f"{name} step {step} grad norm"), f"{name}, step {step}: grad norm {norm} vs {ref_norm} {what}"
 
 
+def assert_first_step_matches_hf(result: dict, extra_loss: float = 0.0, what: str = "loss") -> None:
+    """A 1-process run's first step (its `HFFirstStep` probe's value beside it) equals plain HF's: the loss (plus
+    `extra_loss`, e.g. the router's weighted aux loss, which HF's loss includes) and the gradient norm."""
+    loss, norm, _ = result["steps"][0]
+    hf_loss, hf_norm = result["hf_step1"][0]
+    assert close(loss + extra_loss, hf_loss, what=f"step 1 {what} vs HF"), (
+        f"step 1: trainer {what} {loss} + {extra_loss} vs HF {hf_loss}")
+    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
+
+
 def assert_matches(results: dict, case: Case, reference_world: int = 1) -> None:
     """`case` ran as its layout says and gives its reference's steps (and validation losses, where both validated);
     the reference ran on `reference_world` processes."""

@@ -38,7 +38,9 @@ from pathlib import Path
 import pytest
 
 from apprun import MOE, MOE_ASSETS, TINY, close
-from parity import STEPS, Case, HFFirstStep, Probe, assert_matches, full_tensor, run_cases, session_dir
+from parity import (
+    STEPS, Case, HFFirstStep, Probe, assert_first_step_matches_hf, assert_matches, full_tensor, run_cases, session_dir,
+)
 from mmfsdp.train.config import load_config
 from mmfsdp.parallel.testing import assert_within
 
@@ -264,11 +266,8 @@ def test_accumulation_reference_has_the_same_lm_loss(results):
 
 
 def test_first_step_lm_plus_aux_loss_matches_plain_hf(results):
-    loss, norm, _ = results["ref"]["steps"][0]
     aux, load = results["ref"]["router"][0][0]
-    hf_loss, hf_norm = results["ref"]["hf_step1"][0]
-    assert close(loss + COEF * aux, hf_loss, what="step 1 loss + coef x aux vs HF"), f"step 1: {loss} + {COEF} x {aux} vs HF {hf_loss}"
-    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: grad norm {norm} vs HF {hf_norm}"
+    assert_first_step_matches_hf(results["ref"], COEF * aux, what="loss + coef x aux")
     assert load["max"] >= load["mean"] > 0
 
 

@@ -97,9 +97,5 @@ def test_qwen3_5_meta_init_from_hf_then_kill_and_restart_is_exact(setup, tmp_pat
     )
     restart, _ = apprun.kill_and_restart(cmd, out, 3, STEPS)
     assert "iter_0000003 (step 3" in restart.stdout, restart.stdout[-2000:]
-    records = apprun.records(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for record in records:
-        got = tuple(record[k] for k in keys)
-        assert got == reference[record["step"]], f"step {record['step']}: {dict(zip(keys, got))} vs reference"
+    apprun.assert_steps_equal(out, reference, keys, STEPS)
     assert read_tracker(out / "ckpt") == STEPS

@@ -32,7 +32,8 @@ import pytest
 
 from apprun import EXAMPLES, close
 from parity import (
-    Case, HFFirstStep, PadSamplesAsRing2, Probe, SamplesPerRow, assert_matches, learns, run_cases, session_dir,
+    Case, HFFirstStep, PadSamplesAsRing2, Probe, SamplesPerRow, assert_first_step_matches_hf, assert_matches, learns,
+    run_cases, session_dir,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -132,10 +133,7 @@ def test_qwen3omni_layout_matches_one_process(results, name):
 
 
 def test_qwen3omni_first_step_matches_plain_hf(results):
-    loss, norm, _ = results["single"]["steps"][0]
-    hf_loss, hf_norm = results["single"]["hf_step1"][0]
-    assert close(loss, hf_loss, what="step 1 loss vs HF"), f"step 1: trainer loss {loss} vs HF {hf_loss}"
-    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
+    assert_first_step_matches_hf(results["single"])
 
 
 def test_qwen3omni_a_rank_without_audio_beside_one_with(results):

@@ -59,10 +59,5 @@ def test_qwen3omni_kill_and_restart_is_exact(tmp_path):
     }))
     restart, before = apprun.kill_and_restart(cmd, out, 3, STEPS)
     assert "iter_0000003 (step 3" in restart.stdout, restart.stdout[-2000:]
-    records = apprun.records(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for record in records:
-        got = tuple(record[k] for k in KEYS)
-        expected = reference[record["step"]]
-        assert got == expected, f"step {record['step']}: {dict(zip(KEYS, got))} vs {dict(zip(KEYS, expected))}"
+    apprun.assert_steps_equal(out, reference, KEYS, STEPS)
     assert read_tracker(out / "ckpt") == STEPS

@@ -19,10 +19,11 @@ The cases are a table run by `tests/parity.py` (each world size spawned once).
 
 import pytest
 
-from apprun import MOE, MOE_ASSETS, QWEN, close
+from apprun import MOE, MOE_ASSETS, QWEN
 from mixed_data import row_media
 from parity import (
-    QWEN_SETTINGS, Case, HFFirstStep, Probe, SamplesPerRow, assert_matches, dataset_dir, learns, run_cases, session_dir,
+    QWEN_SETTINGS, Case, HFFirstStep, Probe, SamplesPerRow, assert_first_step_matches_hf, assert_matches, dataset_dir,
+    learns, run_cases, session_dir,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -111,10 +112,7 @@ def test_layouts_are_what_they_say(results):
 
 
 def test_first_step_matches_plain_hf(results):
-    loss, norm, _ = results["ref"]["steps"][0]
-    hf_loss, hf_norm = results["ref"]["hf_step1"][0]
-    assert close(loss, hf_loss, what="step 1 loss vs HF"), f"step 1: trainer loss {loss} vs HF {hf_loss}"
-    assert close(norm, hf_norm, what="step 1 grad norm vs HF"), f"step 1: trainer grad norm {norm} vs HF {hf_norm}"
+    assert_first_step_matches_hf(results["ref"])
 
 
 def test_the_data_really_mixes(shared, results):
