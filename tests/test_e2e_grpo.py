@@ -24,7 +24,10 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   and FSDP2 2 and Ulysses 2 keep the same groups and train the same steps (the kept groups are chosen in one global
   order, `mmfsdp.train.grpo_sampling`); without resampling (`max_resample_rounds: 0`) on FSDP2 2, the rank whose
   prompts are all text-only at step 3 keeps no group and runs a filler micro-batch (the same collectives, exactly
-  zero loss and gradient): its tokens are the only difference from the one-process run, counted exactly.
+  zero loss and gradient): its tokens are the only difference from the one-process run, counted exactly;
+- balanced steps (`data.dataloader_param.balance`: every rank's kept completions planned over the ranks by the cost
+  model, some trained on the rank that did not generate them) on FSDP2 2 = one process without balance, and with a
+  token budget and dynamic sampling = the 1-process dynamic run.
 
 The rewards: `accuracy` (0 for a random model) and a user reward file (`tests/grpo_rewards.py`) whose values vary
 within a group. The cases are a table run by `tests/parity.py`.
@@ -86,12 +89,15 @@ class GRPORecord(Probe):
         self.images: list[list[list[bool]]] = []  # per step, micro-batch and prompt: whether it has an image
         self.fillers: list[int] = []  # per step, the tokens of this rank's filler micro-batches (the trainer's count)
         self.budget: list[tuple[int, int, int]] = []  # per step: micro-batches within the budget, run, largest tokens
+        self.moved_prompts: list[int] = []  # per step: prompts it trains that its loader did not hand it (balance)
         objective, start_step = trainer.objective, trainer.objective.start_step
         counted = trainer.dims.cp_rank == 0  # the trainer counts a CP group's tokens once
 
         def recording(micro_batches):
             self.images.append([["pixel_values" in item for item in mb["prompts"]] for mb in micro_batches])
             trained = start_step(micro_batches)
+            own = {item["prompt_index"] for mb in micro_batches for item in mb["prompts"]}
+            self.moved_prompts.append(sum(item["prompt_index"] not in own for item in objective._generation.prompts))
             chunks = objective._generation.chunks  # 0: a filler (dynamic sampling, mmfsdp.train.grpo_sampling)
             self.fillers.append(sum(int(mb["attention_mask"].sum()) for mb, size in zip(trained, chunks)
                                     if counted and not size))
@@ -108,7 +114,7 @@ class GRPORecord(Probe):
         moved = float((_first_weights(trainer) - self.before).abs().max())
         return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
                 "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats),
-                "budget": self.budget}
+                "budget": self.budget, "moved_prompts": self.moved_prompts}
 
 
 def _text_only_rank_step(*ranks) -> bool:
@@ -154,6 +160,7 @@ CHUNK = {"features.enable_chunk_loss": "true", "features.chunkloss_plan.chunk_si
 DYNAMIC = {"training.grpo.dynamic_sampling": "true", "training.grpo.reward_funcs": f"[accuracy, '{IMAGE_REWARD}']"}
 DROP_ONLY = {**DYNAMIC, "training.grpo.max_resample_rounds": 0}
 BUDGET = {"training.micro_batch_tokens": 48}  # a rank's 8 sequences a step fit 6 to 8 micro-batches: counts differ
+BALANCE = {"data.dataloader_param.balance": "true"}  # every rank's kept completions planned over the ranks
 TIS = {"training.grpo.rollout.tis_cap": 2.0}  # verl's spelling: TRL's correction, token_truncate at 2
 VALIDATION = {"training.val_interval": 1}  # val_loss and the held-out greedy reward after every step
 FILLERS = {"grpo_drop_fsdp2"}
@@ -206,6 +213,11 @@ CASES = [
     Case("grpo_drop_fsdp2", 2, QWEN, {**BASE, **DROP_ONLY, "training.micro_batch_size": 1}, "grpo_drop_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
     Case("grpo_budget_fsdp2", 2, QWEN, {**BASE, **BUDGET, "training.micro_batch_size": 1}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_balance_fsdp2", 2, QWEN, {**BASE, **BALANCE, "training.micro_batch_size": 1}, "grpo_ref",
+         dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_balance_budget_dynamic_fsdp2", 2, QWEN,
+         {**BASE, **BALANCE, **BUDGET, **DYNAMIC, "training.micro_batch_size": 1}, "grpo_dynamic_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
     Case("grpo_tis_ref", 1, QWEN, {**BASE, **TIS}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_tis_fsdp2", 2, QWEN, {**BASE, **TIS, "training.micro_batch_size": 1}, "grpo_tis_ref",
@@ -301,7 +313,15 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
         assert_within(abs(norm - ref_norm) / ref_norm, case.tol, f"step {step} grad norm: {norm} vs {ref_norm}")
     if got_run["layout"]["dp"] == 2:  # ranks with different media: the same collectives, no hang
         assert _text_only_rank_step(got_run["grpo"][0]["images"], got_run["grpo"][1]["images"]), name
-    if "training.micro_batch_tokens" in case.overrides:  # the budget's path: counts differ between ranks and steps
+    balanced = "data.dataloader_param.balance" in case.overrides
+    if balanced:  # completions moved between ranks by the plan, which the log line shows
+        assert all(0 < stats["planned_imbalance"] < 2 for stats in got_run["grpo"][0]["stats"])
+        if "training.grpo.dynamic_sampling" not in case.overrides:  # (else a later round's prompts count as moved)
+            assert sum(sum(record["moved_prompts"]) for record in got_run["grpo"]) > 0, "no completion changed rank"
+        if "training.micro_batch_tokens" in case.overrides:
+            budget = case.overrides["training.micro_batch_tokens"]
+            assert all(step[2] <= budget for record in got_run["grpo"] for step in record["budget"])
+    if "training.micro_batch_tokens" in case.overrides and not balanced:  # counts differ between ranks and steps
         budget = case.overrides["training.micro_batch_tokens"]
         within, run = ([[step[k] for step in record["budget"]] for record in got_run["grpo"]] for k in (0, 1))
         assert run[0] == run[1] and len(set(run[0])) > 1, f"micro-batches run per step and rank: {run}"
@@ -318,7 +338,7 @@ def test_grpo_layout_matches_one_process(tmp_path_factory, name):
                    <= set(stats) for stats in expected)
         assert any(stats["val_rewards/shared_letters/mean"] > 0 for stats in expected), "greedy rewards all 0"
     for step, (ours, ref) in enumerate(zip(got, expected), start=1):
-        assert ours.keys() == ref.keys()
+        assert ours.keys() - {"planned_imbalance"} == ref.keys()
         for key in ref:
             if key.startswith("time/"):  # wall-clock seconds of the step's phases, not numerics
                 continue

@@ -12,7 +12,8 @@ statistic (rewards, lengths, entropy, clip ratios, `rollout/logprob_diff_max`) e
   prompts come from the run's loader, whose checkpointed position counts them, so the restart draws the prompts the
   uninterrupted run drew (a resampling step before the kill is checked); with `num_iterations: 1` killed after step
   2, and with `num_iterations: 2` killed inside the batch generated at step 3 (its kept groups, micro-batch layout
-  and fillers restored from the checkpoint).
+  and fillers restored from the checkpoint); that run also balances its steps (`data.dataloader_param.balance`:
+  each rank's checkpoint holds the completions it trains, generated on either rank, and where they are).
 """
 
 import json
@@ -35,7 +36,7 @@ RUNS = {  # name: (num_iterations, steps, the checkpoint the run is killed after
     "one_iteration": (1, 4, 2, {}),
     "two_iterations": (2, 5, 3, {}),
     "dynamic_sampling": (1, 4, 2, DYNAMIC),
-    "dynamic_sampling_two_iterations": (2, 5, 3, DYNAMIC),
+    "dynamic_sampling_two_iterations_balanced": (2, 5, 3, {**DYNAMIC, "data.dataloader_param.balance": "true"}),
 }
 
 

@@ -50,7 +50,6 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.vllm_importance_sampling_clip_max=0", "training.grpo.vllm_importance_sampling_clip_max"),
         ("training.grpo.vllm_importance_sampling_clip_min=3.0", "training.grpo.vllm_importance_sampling_clip_min"),
         ("training.grpo.vllm_importance_sampling_clip_min=-1", "training.grpo.vllm_importance_sampling_clip_min"),
-        ("data.dataloader_param.balance=true", "data.dataloader_param.balance"),
         ("data.dataset_param.preprocess_parameters.train_on_prompt=true",
          "data.dataset_param.preprocess_parameters.train_on_prompt"),
     ],
@@ -175,10 +174,16 @@ def test_validation_loads():
     assert _cfg("training.val_interval=2").training.val_interval == 2
 
 
-def test_token_budget_loads_but_not_with_bnpo():
-    """The budget packs the completions after generation (tests/test_e2e_grpo.py: parity with the run without one);
-    `bnpo`'s loss is a mean of micro-batch means, which the budget decides: refused by key."""
-    assert _cfg("training.micro_batch_tokens=256").training.micro_batch_tokens == 256
+@pytest.mark.parametrize("setting", ["training.micro_batch_tokens=256", "data.dataloader_param.balance=true"])
+def test_token_budget_and_balance_load_but_not_with_bnpo(setting):
+    """The budget packs the completions after generation, balance plans them over the ranks (tests/test_e2e_grpo.py:
+    parity with the run without either); `bnpo`'s loss is a mean of micro-batch means, which they decide: refused by
+    key, naming the setting. The loader hands whole prompts in order either way."""
+    from mmfsdp.train.grpo import GRPOObjective
+
+    cfg = _cfg(setting)
+    data, budget = GRPOObjective.loader_plan(cfg)
+    assert budget is None and data.dataloader_param.balance is False
     with pytest.raises(ConfigError) as err:
-        _cfg("training.micro_batch_tokens=256", "training.grpo.loss_type=bnpo")
-    assert err.value.key == "training.grpo.loss_type" or str(err.value).startswith("training.grpo.loss_type")
+        _cfg(setting, "training.grpo.loss_type=bnpo")
+    assert str(err.value).startswith("training.grpo.loss_type") and setting.split("=")[0] in str(err.value)

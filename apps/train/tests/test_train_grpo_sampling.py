@@ -2,14 +2,15 @@
 varying ones in the global order, whatever the ranks' order), when the rounds stop (enough found, or the cap), where
 the kept groups are on each rank, and how a rank's completions fill the same number of micro-batches as every other
 rank's; with a token budget, how a rank's sequences fill micro-batches within it and how the ranks come to the same
-count."""
+count; with balance, how the kept completions of all ranks are planned over them."""
 
+import numpy as np
 import pytest
 import torch
 
 from mmfsdp.train.grpo_sampling import (
-    budget_chunks, equal_chunks, group_owners, keep_first_varying, kept_layout, micro_batch_count, round_order,
-    sample_rounds, split_evenly,
+    balanced_layout, budget_chunks, equal_chunks, group_owners, keep_first_varying, kept_layout, micro_batch_count,
+    round_order, sample_rounds, split_evenly,
 )
 
 
@@ -144,3 +145,30 @@ def test_equal_chunks_split_the_widest_then_add_fillers():
     assert equal_chunks([2, 1], 5) == [1, 1, 1, 0, 0]  # fewer sequences than micro-batches: fillers
     assert equal_chunks([], 2) == [0, 0]
     assert sum(equal_chunks([5, 2, 7], 6)) == 14
+
+
+def test_balanced_layout_gives_every_kept_completion_to_one_rank_in_as_many_micro_batches():
+    """Balanced steps: every rank computes the same plan from the gathered numbers; each completion trains on
+    exactly one rank, the ranks run as many micro-batches, the heavy sequences spread over the ranks, and a step
+    that kept nothing runs one filler everywhere."""
+    from mmfsdp.data.balance import CostModel
+
+    tokens = np.array([300, 20, 20, 20, 280, 20, 20, 20])  # the two long ones in one rank's groups before balance
+    zeros = np.zeros(8, dtype=np.int64)
+    for budget, packing in ((None, False), (None, True), (320, True), (320, False)):
+        layouts = [balanced_layout(tokens, zeros, zeros, dp_size=2, dp_rank=r, micro_batch_size=4, budget=budget,
+                                   packing=packing, cost_model=CostModel()) for r in range(2)]
+        assert sorted(p for layout in layouts for p in layout.positions) == list(range(8)), budget
+        assert len(layouts[0].chunks) == len(layouts[1].chunks)
+        assert all(sum(layout.chunks) == len(layout.positions) for layout in layouts)
+        assert layouts[0].num_batches == layouts[1].num_batches == sum(c > 0 for l in layouts for c in l.chunks)
+        assert layouts[0].imbalance == layouts[1].imbalance
+        if budget is None:  # SFT's fixed micro-batches: micro_batch_size sequences of similar lengths move whole
+            assert all(c <= 4 for layout in layouts for c in layout.chunks)
+            assert {0, 4} <= set(layouts[0].positions) or {0, 4} <= set(layouts[1].positions)
+        else:  # sequence by sequence: the two long ones on different ranks
+            assert {0, 4} & set(layouts[0].positions) and {0, 4} & set(layouts[1].positions)
+            assert layouts[0].imbalance < 1.1
+    empty = balanced_layout(np.array([], dtype=np.int64), zeros[:0], zeros[:0], dp_size=2, dp_rank=1,
+                            micro_batch_size=4, budget=None, packing=False, cost_model=CostModel())
+    assert (empty.positions, empty.chunks, empty.num_batches) == ([], [0], 0)

@@ -106,6 +106,24 @@ def test_a_rank_short_of_samples_gets_a_filler_and_splits_come_first():
     assert counts == [2, 2] and plan.num_micro_batches == 2
 
 
+def test_a_balanced_count_that_does_not_divide_over_the_ranks_is_planned_whole():
+    """GRPO's kept completions (dynamic sampling keeps any number): every sample once, the same micro-batch count on
+    every rank, fillers where a rank is short; without a budget at most micro_batch_size samples a micro-batch."""
+    stats = SampleStats.text_only([90, 10, 50, 30, 70, 20, 60])
+    for budget, packing in ((None, False), (100, True), (100, False)):
+        plan = plan_step(range(7), stats, dp_size=2, micro_batch_size=2, micro_batch_tokens=budget, balance=True,
+                         packing=packing, cost_model=COST)
+        real = sorted(i for r in plan.ranks for mb in r for row in mb for i in row if not is_filler(i))
+        assert real == list(range(7)), (budget, plan.ranks)
+        assert len({len(r) for r in plan.ranks}) == 1
+        if budget is None:
+            assert all(sum(len(row) for row in mb) <= 2 for r in plan.ranks for mb in r)
+    plan = plan_step(range(2), SampleStats.text_only([40, 30]), dp_size=4, micro_batch_size=2, micro_batch_tokens=None,
+                     balance=True, packing=False, cost_model=COST)
+    assert [[is_filler(i) for mb in r for row in mb for i in row] for r in plan.ranks] == [[False, False], [True],
+                                                                                        [True], [True]]
+
+
 def test_grids_count_vision_blocks_per_image_and_per_video_frame_group():
     stats = sample_stats([10, 20, 30], [[], [(4, 5)], [(1, 6, 6), (3, 2, 2)]])
     assert stats.patches.tolist() == [0, 20, 36 + 12]

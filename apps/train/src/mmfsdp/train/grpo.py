@@ -16,7 +16,8 @@ tokens, media, ground truth); a group (a prompt's `num_generations` completions)
 4. training micro-batches: micro-batch i holds the completions of the prompts of prompt micro-batch i, each
    sequence prompt + completion with labels on the completion (zeroed for a truncated completion with
    `mask_truncated_completions`), collated by the family's collator as the run's layout says (padded or
-   padding-free); the host works out, once, where each completion's tokens lie in the batch (`_Plan.index`).
+   padding-free); the host works out, once, where each completion's tokens lie in the batch
+   (`mmfsdp.train.grpo_batches`).
 
 With `dynamic_sampling` (DAPO's; `mmfsdp.train.grpo_sampling`) steps 1-3 run in rounds: groups whose rewards do not
 vary are dropped and every rank draws the loader's next prompts (`ObjectiveContext.draw_step`) until the step has
@@ -34,8 +35,8 @@ completion generated.
 over the step's trained tokens, both from the weights before the update (the sampled distribution never draws a
 media placeholder: the trainer's log-prob minus `.kept_logmass`; with top-k / top-p on they still differ by the log
 of the mass those keep, docs/rl.md ("Rollout engines")). With `vllm_importance_sampling_correction` the policy term
-is weighted by TRL's sampling correction from the old policy's and the engine's log-probabilities (`_Plan.engine_logps`;
-`mmfsdp.model.rl.sampling_correction`), logged as `sampling/importance_sampling_ratio/*`.
+is weighted by TRL's sampling correction from the old policy's and the engine's log-probabilities
+(`TrainingPlan.engine_logps`; `mmfsdp.model.rl.sampling_correction`), logged as `sampling/importance_sampling_ratio/*`.
 
 `num_iterations` (TRL's μ): each generation batch (`Generation`) trains `num_iterations` optimizer steps. Step s
 generates when (s − 1) % μ = 0, its draws keyed by the generation index (s − 1) // μ + 1 (the step when μ = 1);
@@ -63,15 +64,17 @@ family's step terms (router aux loss) are added by the trainer as in SFT.
 
 Validation: `val_loss` on the held-out split as SFT rows (`eval_data`), the greedy reward (`validation_metrics`,
 `mmfsdp.train.grpo_validation`); at the end eval.json's `policy_accuracy` beside `accuracy` (the exact match with
-the argmax over the tokens the engine samples, `eval_metrics`). A token budget packs each rank's kept sequences after generation (`grpo_sampling`;
-the loader hands whole prompts, `loader_plan`). Not done yet (refused by `check_config`): balanced steps.
+the argmax over the tokens the engine samples, `eval_metrics`).
+
+A token budget packs each rank's kept sequences after generation, and balanced steps (`data.dataloader_param.balance`)
+plan the kept completions of all ranks over the ranks by the cost model and move them (`grpo_sampling`); the loader
+hands whole prompts in order either way (`loader_plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,14 +83,14 @@ import torch.distributed as dist
 from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.data.balance import CostModel
 from mmfsdp.data.rewards import build_rewards
-from mmfsdp.model.loss import IGNORE_INDEX, sample_ids, shift_labels
 from mmfsdp.model.rl import (POLICY_EXTREME_STATS, SAMPLING_RATIO_MEAN, group_advantages, policy_objective,
                               sequence_mean_stats, zero_std_groups)
 from mmfsdp.model.rollout import SamplingParams
+from mmfsdp.train.grpo_batches import TrainingPlan, training_plan, training_sequence
 from mmfsdp.train.grpo_engine import build_rollout_engine, kv_cache_term, prompt_request, sync_stats
 from mmfsdp.train.grpo_sampling import (
-    Generation, Round, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout, micro_batch_count,
-    round_order, sample_rounds, split_evenly, write_completions,
+    Generation, Round, balanced_share, budget_chunks, equal_chunks, gather_columns, group_owners, kept_layout,
+    micro_batch_count, round_order, sample_rounds, split_evenly, write_completions,
 )
 from mmfsdp.train.grpo_validation import HeldOutRewards, PolicyArgmax
 from mmfsdp.train.objective import MemoryTerm, Objective, ObjectiveContext
@@ -103,24 +106,6 @@ PROMPT_META = ("prompt_index", "solution", "prompt_text", "image_paths")
 """Keys of a `PromptDataset` item that are not the family's sample keys."""
 POLICY_MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                 SAMPLING_RATIO_MEAN)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """One training micro-batch: its batch, targets, unit weights on the trained tokens, and per completion
-    (rows in the order of `rows`) where its tokens lie in the flattened batch and the engine's log-probs."""
-
-    batch: dict[str, Any]
-    targets: torch.Tensor
-    weights: torch.Tensor
-    index: torch.Tensor
-    """int64 `[n, T]`: the flattened positions of completion k's trained tokens, 0-padded (see `mask`)."""
-    mask: torch.Tensor
-    """fp32 `[n, T]`: 1 on completion tokens that train."""
-    engine_logps: torch.Tensor
-    """fp32 `[n, T]`: the engine's sampling log-probs of the same tokens."""
-    advantages: torch.Tensor
-    """fp32 `[n]`."""
 
 
 class GRPOObjective(Objective):
@@ -145,12 +130,11 @@ class GRPOObjective(Objective):
     @classmethod
     def check_config(cls, cfg) -> None:
         t, g = cfg.training, cfg.training.grpo
-        if cfg.data.dataloader_param.balance:
-            raise ConfigError("data.dataloader_param.balance", "balanced steps are not done yet for stage: grpo")
-        if t.micro_batch_tokens is not None and g.loss_type == "bnpo":
-            raise ConfigError("training.grpo.loss_type", "bnpo averages each micro-batch's token mean, and "
-                              "training.micro_batch_tokens decides the micro-batches: use dapo, grpo or dr_grpo, or no "
-                              "token budget")
+        planner = ("training.micro_batch_tokens" if t.micro_batch_tokens is not None
+                   else "data.dataloader_param.balance" if cfg.data.dataloader_param.balance else None)
+        if planner and g.loss_type == "bnpo":
+            raise ConfigError("training.grpo.loss_type", f"bnpo averages each micro-batch's token mean, and {planner} "
+                              "decides the micro-batches: use dapo, grpo or dr_grpo, or leave that setting off")
         if cfg.data.dataset_param.attr.ranking:
             raise ConfigError("data.dataset_param.attr.ranking", "grpo reads prompts (attr.prompt_only), not pairs; "
                                                                  "set it false")
@@ -171,7 +155,9 @@ class GRPOObjective(Objective):
 
     @classmethod
     def loader_plan(cls, cfg) -> tuple[Any, int | None]:
-        return cfg.data, None  # whole prompts, `micro_batch_size` a micro-batch: the budget packs completions
+        """Whole prompts in order, `micro_batch_size` a micro-batch: the budget and balance plan the completions."""
+        loader = dataclasses.replace(cfg.data.dataloader_param, balance=False)
+        return dataclasses.replace(cfg.data, dataloader_param=loader), None
 
     @classmethod
     def sequence_shape(cls, cfg) -> tuple[int, int]:
@@ -218,9 +204,12 @@ class GRPOObjective(Objective):
         self.draw_step = ctx.draw_step
         self.micro_batch_size = ctx.cfg.training.micro_batch_size
         self.budget = ctx.cfg.training.micro_batch_tokens
-        if self.budget is not None:  # a prompt's vision work in token equivalents, by dataset index (as SFT's)
-            cost_model = CostModel.load(ctx.cfg.data.dataloader_param.cost_model)
-            self._vision = cost_model.vision_tokens(ctx.train_dataset.sample_stats())
+        self.balance = ctx.cfg.data.dataloader_param.balance
+        self._dataset = ctx.train_dataset  # a balanced step reads the prompts it did not generate from again
+        if self.budget is not None or self.balance:  # prompt tokens and vision work by dataset index (as SFT's)
+            self._cost_model = CostModel.load(ctx.cfg.data.dataloader_param.cost_model)
+            self._prompt_stats = ctx.train_dataset.sample_stats()
+            self._vision = self._cost_model.vision_tokens(self._prompt_stats)
         self._budget_bins = 0  # this rank's micro-batches within the budget before the ranks run M (tests read it)
         encoder = ctx.train_dataset.encoder
         self.tokenizer = encoder.processor.tokenizer
@@ -239,7 +228,7 @@ class GRPOObjective(Objective):
             data_cfg=ctx.cfg.data, processor=ctx.evaluator.processor, engine=engine, sampling=self.sampling,
             rewards=self.rewards, reward_names=self.reward_names, dims=ctx.dims, device=ctx.device,
             batch_size=ctx.cfg.training.eval_batch_size, media=self._media)
-        self._plans: list[_Plan] = []
+        self._plans: list[TrainingPlan] = []
         self._stats: dict[str, torch.Tensor] = {}
         self._num_sequences = torch.ones((), device=self.device)
         self._num_tokens = torch.ones((), device=self.device)
@@ -271,7 +260,8 @@ class GRPOObjective(Objective):
     def _restore(self, saved: dict[str, Any] | None) -> Generation | None:
         """The generation batch of a checkpoint taken inside it, with its training micro-batches rebuilt; None (a
         warning: the next step generates a new batch) when the checkpoint has none for this rank."""
-        names = [field.name for field in dataclasses.fields(Generation)]
+        fields = dataclasses.fields(Generation)
+        names = [f.name for f in fields if f.default is dataclasses.MISSING or f.name in (saved or {})]
         if not saved or saved["num_generations"] != self.g.num_generations or not set(names) <= set(saved):
             log.warning(f"the checkpoint of step {self.step} was taken inside a generation batch "
                         f"(num_iterations: {self.g.num_iterations}) but does not hold it for this rank (another world "
@@ -316,7 +306,9 @@ class GRPOObjective(Objective):
             interval = self.g.log_completions_interval
             if interval and self.rank == 0 and any((self.step + k) % interval == 0
                                                    for k in range(self.g.num_iterations)):
-                write_completions(self.output_dir / COMPLETIONS_FILE, self.step, rounds, groups, advantages,
+                own = self._generation.offset  # this rank's own kept groups' completions (balanced: trained anywhere)
+                write_completions(self.output_dir / COMPLETIONS_FILE, self.step, rounds, groups,
+                                  advantages[own : own + len(groups) * self.g.num_generations],
                                   self.reward_names, num_generations=self.g.num_generations,
                                   dynamic=self.g.dynamic_sampling)
         self._policy = torch.zeros(len(POLICY_MEANS), device=self.device)
@@ -356,7 +348,18 @@ class GRPOObjective(Objective):
                              dp_rank=self.dims.dp_rank)
         prompts = [rounds[r].prompts[p] for r, p in layout.groups]
         rollouts = [rounds[r].rollouts[p * G + g] for r, p in layout.groups for g in range(G)]
-        if self.budget is not None:  # micro-batches within the budget, as many on every rank (grpo_sampling)
+        table = torch.cat([r.table for r in rounds], dim=1)
+        completions = [list(r.completion_ids) for r in rollouts]
+        engine_logps = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
+        balanced = {}
+        if self.balance:  # the kept completions of every rank, planned over the ranks (grpo_sampling)
+            prompts, completions, engine_logps, balanced = balanced_share(
+                table, layout.columns, prompts, rollouts, prompt_stats=self._prompt_stats,
+                read=self._dataset.__getitem__,
+                dims=self.dims, device=self.device, micro_batch_size=self.micro_batch_size * G, budget=self.budget,
+                packing=self.collator.packing, cost_model=self._cost_model, width=self.g.max_completion_length)
+            chunks, num_batches = balanced.pop("chunks"), balanced.pop("num_batches")
+        elif self.budget is not None:  # micro-batches within the budget, as many on every rank (grpo_sampling)
             owners = [prompts[k // G] for k in range(len(rollouts))]
             chunks = budget_chunks([len(p["input_ids"]) + len(r.completion_ids) for p, r in zip(owners, rollouts)],
                                    [float(self._vision[p["prompt_index"]]) for p in owners], self.budget,
@@ -375,14 +378,13 @@ class GRPOObjective(Objective):
             num_batches = len(chunks) * dp
         first = rounds[0]
         generation = Generation(
-            number=number, prompts=prompts, completions=[list(r.completion_ids) for r in rollouts],
-            engine_logps=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts], chunks=chunks,
+            number=number, prompts=prompts, completions=completions, engine_logps=engine_logps, chunks=chunks,
             filler={"prompt": first.prompts[0], "completion": list(first.rollouts[0].completion_ids)}
             if 0 in chunks else None,
-            table=torch.cat([r.table for r in rounds], dim=1), columns=layout.columns, offset=layout.offset,
+            table=table, columns=layout.columns, offset=layout.offset,
             num_batches=max(1, num_batches), rounds=len(rounds), old_logps=[None] * len(chunks),
             ref_logps=[None] * len(chunks), diff_max=torch.zeros((), device=self.device),
-            diff_sum=torch.zeros((), device=self.device),
+            diff_sum=torch.zeros((), device=self.device), **balanced,
         )
         return generation, rounds, layout.groups
 
@@ -413,15 +415,17 @@ class GRPOObjective(Objective):
 
     def _build(self, generation: Generation) -> torch.Tensor:
         """Steps 4-5 of the module docstring, from a generation batch alone (also a restored one): advantages,
-        global normalisers, reward statistics and the training micro-batches (`_plans`). Returns this rank's
-        advantages."""
+        global normalisers, reward statistics and the training micro-batches (`_plans`). Returns the advantages of the
+        step's kept completions, every rank's, in the order of `generation.columns`."""
         G = self.g.num_generations
         offset, count = generation.offset, len(generation.completions)
         table = generation.table[:, generation.columns]
         F = table.shape[0] - 4
         totals, lengths, truncated = table[0], table[1 + F], table[2 + F]
         advantages = group_advantages(totals.float(), G, self.g.scale_rewards)
-        mine = advantages[offset : offset + count]
+        positions = generation.positions if generation.positions is not None else range(offset, offset + count)
+        owners = generation.owners if generation.owners is not None else [k // G for k in range(count)]
+        mine = advantages[list(positions)]
         trains = torch.ones_like(truncated) if not self.g.mask_truncated_completions else 1 - truncated
         self._num_sequences = torch.tensor(float(totals.numel()), device=self.device)
         trained_tokens = float((lengths * trains).sum())
@@ -435,50 +439,19 @@ class GRPOObjective(Objective):
         for size in generation.chunks:
             if not size:  # a filler: the same collectives, no trained token (grpo_sampling)
                 filler = generation.filler
-                sequence = self._sequence(self._sample(filler["prompt"]), filler["completion"], False)
+                sequence = training_sequence(self._sample(filler["prompt"]), filler["completion"], False, self.plugin)
                 self._plans.append(self._plan([sequence], [torch.zeros(len(filler["completion"]))], torch.zeros(1)))
                 continue
-            sequences = [self._sequence(samples[k // G], generation.completions[k], bool(trains[offset + k]))
-                         for k in range(start, start + size)]
+            sequences = [training_sequence(samples[owners[k]], generation.completions[k], bool(trains[positions[k]]),
+                                           self.plugin) for k in range(start, start + size)]
             self._plans.append(self._plan(sequences, generation.engine_logps[start : start + size],
                                           mine[start : start + size]))
             start += size
-        return mine
+        return advantages
 
-    def _sequence(self, sample: dict[str, Any], completion: list[int], trains: bool) -> dict[str, Any]:
-        """Prompt + completion as a sample of the family collator: labels on the completion (none when it does not
-        train), the plugin's per-token inputs 0 on it (completion tokens are text), the prompt's media."""
-        prompt_ids = sample["input_ids"]
-        ids = torch.cat([prompt_ids, torch.tensor(completion, dtype=prompt_ids.dtype)])
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        if trains:
-            labels[len(prompt_ids) :] = ids[len(prompt_ids) :]
-        out = {**sample, "input_ids": ids, "labels": labels}
-        for key in self.plugin.token_inputs(prompt_ids[:1]):
-            values = torch.as_tensor(sample[key])
-            out[key] = torch.cat([values, values.new_zeros(len(completion))])
-        return out
-
-    def _plan(self, sequences: list[dict[str, Any]], engine: list[torch.Tensor], advantages: torch.Tensor) -> _Plan:
-        rows = [sequences] if self.collator.packing else [[s] for s in sequences]
-        batch = self.collator(rows)
-        cu = batch.get("cu_seq_lens")
-        targets = shift_labels(batch["labels"], cu)
-        ids = sample_ids(targets.shape, cu).reshape(-1)
-        trained = (targets.reshape(-1) != IGNORE_INDEX)
-        width = max([len(e) for e in engine] + [1])
-        index = torch.zeros(len(sequences), width, dtype=torch.int64)
-        mask = torch.zeros(len(sequences), width)
-        engine_logps = torch.zeros(len(sequences), width)
-        for k, logps in enumerate(engine):
-            positions = torch.nonzero((ids == k) & trained).reshape(-1)
-            index[k, : len(positions)] = positions
-            mask[k, : len(positions)] = 1.0
-            engine_logps[k, : len(logps)] = logps
-        to = self.device
-        return _Plan(batch=batch, targets=targets.to(to), weights=trained.reshape(targets.shape).float().to(to),
-                     index=index.to(to), mask=mask.to(to), engine_logps=engine_logps.to(to),
-                     advantages=advantages.float().to(to))
+    def _plan(self, sequences: list[dict[str, Any]], engine: list[torch.Tensor],
+              advantages: torch.Tensor) -> TrainingPlan:
+        return training_plan(sequences, engine, advantages, collator=self.collator, device=self.device)
 
     def _reward_stats(self, generation: Generation) -> dict[str, torch.Tensor]:
         """TRL's reward and completion statistics of every completion generated (float64 on the host -> device
@@ -499,6 +472,8 @@ class GRPOObjective(Objective):
         for name, values in zip(self.reward_names, functions):
             stats[f"rewards/{name}/mean"] = values.mean()
             stats[f"rewards/{name}/std"] = values.std() if values.numel() > 1 else values.new_zeros(())
+        if generation.planned_imbalance is not None:  # balanced: the plan's (the trainer's meter has no loader plan)
+            stats["planned_imbalance"] = generation.planned_imbalance
         if self.g.dynamic_sampling:
             kept, groups = len(generation.columns) // G, table.shape[1] // G
             stats.update({"rollout/gen_rounds": generation.rounds, "rollout/groups_kept": kept,

@@ -38,6 +38,14 @@ as the rows spend them, plus the prompts' vision work in token equivalents, a se
 (M), a rank with fewer splits its widest micro-batches in two until it has M, and fillers make up the rest
 (`equal_chunks`). Advantages and normalisers are over the step's sequences, so the loss is the run's without a
 budget, except `bnpo`'s (a mean of micro-batch means: refused with a budget).
+
+Balanced steps (`data.dataloader_param.balance`, as SFT's): the kept completions move between ranks. Every rank
+gathers every kept completion's tokens and sampling log-probs (a float64 table of 2 × `max_completion_length` rows,
+a few KB a completion), plans the step's kept sequences over the ranks by the cost model (`balanced_layout`: LPT,
+heaviest first to the least-loaded rank; `micro_batch_size` × `num_generations` sequences or the token budget a
+micro-batch), and takes its share: a prompt it did not generate from is read again from the dataset by its index
+(the same tokens and pixels; no pixels cross ranks). Advantages and normalisers are the step's, so the loss is the
+run's without balance, except `bnpo`'s (refused, as with a budget).
 """
 
 from __future__ import annotations
@@ -54,12 +62,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmfsdp.data.balance import fill_budget
+from mmfsdp.data.balance import CostModel, SampleStats, fill_budget, is_filler, plan_step
 
 __all__ = [
-    "Generation", "KeptLayout", "Round", "Selection", "budget_chunks", "equal_chunks", "gather_columns",
-    "group_owners", "keep_first_varying", "kept_layout", "micro_batch_count", "round_order", "sample_rounds",
-    "split_evenly", "write_completions",
+    "BalancedLayout", "Generation", "KeptLayout", "Round", "Selection", "balanced_layout", "balanced_share",
+    "budget_chunks",
+    "equal_chunks", "gather_columns", "group_owners", "keep_first_varying", "kept_layout", "micro_batch_count",
+    "round_order", "sample_rounds", "split_evenly", "write_completions",
 ]
 
 
@@ -146,6 +155,77 @@ def equal_chunks(chunks: Sequence[int], count: int) -> list[int]:
     return chunks + [0] * (count - len(chunks))
 
 
+@dataclass(frozen=True, slots=True)
+class BalancedLayout:
+    """This rank's training micro-batches of a balanced step (`balanced_layout`)."""
+
+    positions: list[int]
+    """The kept completions it trains (entries of the step's kept columns), micro-batch by micro-batch."""
+    chunks: list[int]
+    """How many of `positions` each micro-batch takes, in order; 0 = a filler."""
+    num_batches: int
+    """Micro-batches that hold completions, over the data-parallel ranks."""
+    imbalance: float
+    """The plan's max / mean of the ranks' costs."""
+
+
+def balanced_layout(tokens: np.ndarray, patches: np.ndarray, patch_sq: np.ndarray, *, dp_size: int, dp_rank: int,
+                    micro_batch_size: int, budget: int | None, packing: bool, cost_model: CostModel) -> BalancedLayout:
+    """Balanced steps (`data.dataloader_param.balance`): the step's kept completions (each of `tokens` prompt +
+    completion tokens and its prompt's vision patches) planned over the data-parallel ranks as SFT plans a step's
+    samples (`mmfsdp.data.balance.plan_step`, balance on): LPT on the cost model, `micro_batch_size` sequences or the
+    budget a micro-batch, the same number of micro-batches on every rank, fillers where a rank is short. A pure
+    function of the gathered numbers: every rank computes the same plan."""
+    if not len(tokens):
+        return BalancedLayout([], [0], 0, 1.0)
+    plan = plan_step(range(len(tokens)), SampleStats(np.asarray(tokens, dtype=np.int64), np.asarray(patches),
+                                                     np.asarray(patch_sq)),
+                     dp_size=dp_size, micro_batch_size=micro_batch_size, micro_batch_tokens=budget, balance=True,
+                     packing=packing and budget is not None, cost_model=cost_model)
+    members = [[[i for row in mb for i in row if not is_filler(i)] for mb in rank] for rank in plan.ranks]
+    mine = members[dp_rank]
+    return BalancedLayout([i for mb in mine for i in mb], [len(mb) for mb in mine],
+                          sum(bool(mb) for rank in members for mb in rank), plan.imbalance)
+
+
+def balanced_share(table: torch.Tensor, columns: torch.Tensor, prompts: list[dict[str, Any]], rollouts: list[Any], *,
+                   prompt_stats: SampleStats, read: Callable[[int], dict[str, Any]], dims: Any, device: torch.device,
+                   micro_batch_size: int, budget: int | None, packing: bool, cost_model: CostModel,
+                   width: int) -> tuple[list[dict[str, Any]], list[list[int]], list[torch.Tensor], dict[str, Any]]:
+    """A balanced step: this rank's share of every rank's kept completions (the `columns` of the rounds' `table`) by
+    `balanced_layout` — its prompts (its own `prompts`, or `read(prompt index)` from the dataset for one generated
+    on another rank), their completions and sampling log-probs (all-gathered from every rank's kept `rollouts`,
+    `width` = `max_completion_length` tokens each) — and the `Generation` fields that say where they are."""
+    width = max(1, width)
+    kept = table[:, columns]
+    index, lengths = kept[-1].long().numpy(), kept[kept.shape[0] - 3].long().numpy()
+    plan = balanced_layout(prompt_stats.tokens[index] + lengths, prompt_stats.patches[index],
+                           prompt_stats.patch_sq[index], dp_size=dims.dp_size, dp_rank=dims.dp_rank,
+                           micro_batch_size=micro_batch_size, budget=budget, packing=packing, cost_model=cost_model)
+    local = torch.zeros(2 * width, len(rollouts), dtype=torch.float64)  # tokens, then log-probs (exact in float64)
+    for k, rollout in enumerate(rollouts):
+        n = len(rollout.completion_ids)
+        local[:n, k] = torch.tensor(rollout.completion_ids, dtype=torch.float64)
+        local[width : width + n, k] = torch.tensor(rollout.logprobs, dtype=torch.float64)
+    every, _ = gather_columns(local, dims, device)  # in the order of `columns`: rank by rank, round, position
+    items = {int(item["prompt_index"]): item for item in prompts}
+    order: dict[int, int] = {}
+    owners, completions, engine_logps = [], [], []
+    for position in plan.positions:
+        prompt, n = int(index[position]), int(lengths[position])
+        if prompt not in items:  # generated on another rank: the same item again, from the dataset
+            items[prompt] = read(prompt)
+            if "bad_reason" in items[prompt]:
+                raise RuntimeError(f"prompt {prompt}, read again for a balanced step, could not be decoded: "
+                                   f"{items[prompt]['bad_reason']}: {items[prompt].get('bad_detail')}")
+        owners.append(order.setdefault(prompt, len(order)))
+        completions.append([int(t) for t in every[:n, position]])
+        engine_logps.append(every[width : width + n, position].float())
+    fields = {"positions": plan.positions, "owners": owners, "planned_imbalance": plan.imbalance,
+              "chunks": plan.chunks, "num_batches": plan.num_batches}
+    return [items[prompt] for prompt in order], completions, engine_logps, fields
+
+
 def group_owners(offsets: Sequence[int], num_generations: int) -> list[tuple[int, int]]:
     """(data-parallel rank, position among its prompts) of each group of a gathered table in which rank r holds the
     columns `offsets[r]:offsets[r + 1]`."""
@@ -222,7 +302,7 @@ class Generation:
     columns: torch.Tensor
     """int64: the columns of `table` that train, rank by rank (all, in order, without dynamic sampling)."""
     offset: int
-    """This rank's first entry of `columns`."""
+    """This rank's first entry of `columns`: its own kept completions (the completions log's)."""
     num_batches: int
     """Training micro-batches that hold completions, over the data-parallel ranks (`bnpo`'s normaliser)."""
     rounds: int
@@ -238,6 +318,13 @@ class Generation:
     diff_sum: torch.Tensor
     """The sum of this rank's |engine − trainer| log-prob gaps of the first iteration (`rollout/logprob_diff_mean`:
     over the generation's trained tokens; device scalar)."""
+    positions: list[int] | None = None
+    """Balanced steps (`balanced_layout`): the entry of `columns` of each of `completions`; None: this rank's own,
+    `offset` on."""
+    owners: list[int] | None = None
+    """Balanced steps: the entry of `prompts` of each of `completions`; None: completion k's is k // num_generations."""
+    planned_imbalance: float | None = None
+    """Balanced steps: the plan's max / mean of the ranks' costs."""
 
 
 def gather_columns(local: torch.Tensor, dims: Any, device: torch.device) -> tuple[torch.Tensor, list[int]]:

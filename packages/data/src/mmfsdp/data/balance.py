@@ -229,7 +229,7 @@ def fill_budget(members: list[int], tokens: np.ndarray, vision: np.ndarray, budg
 def _split_to(bins: list[list[int]], count: int, tokens: np.ndarray) -> list[list[int]]:
     """Split the micro-batches with the most samples until there are `count` (or every one holds one sample)."""
     bins = [list(b) for b in bins]
-    while len(bins) < count:
+    while bins and len(bins) < count:
         widest = max(range(len(bins)), key=lambda k: (len(bins[k]), -k))
         b = bins[widest]
         if len(b) < 2:
@@ -252,10 +252,12 @@ def plan_step(
     packing: bool,
     cost_model: CostModel,
 ) -> StepPlan:
-    """The micro-batches of every rank for the step made of the samples `indices` (module docstring)."""
+    """The micro-batches of every rank for the step made of the samples `indices` (module docstring). Balanced, their
+    number need not divide over the ranks (GRPO's kept completions, `mmfsdp.train.grpo_sampling`): without a budget
+    a rank then takes at most ⌈groups / dp_size⌉ of the `micro_batch_size` groups, and fillers even out the rest."""
     indices = [int(i) for i in indices]
     assert micro_batch_tokens is not None or not packing, "packing plans steps only with a token budget"
-    assert len(indices) % dp_size == 0, f"{len(indices)} samples do not split over {dp_size} ranks"
+    assert balance or len(indices) % dp_size == 0, f"{len(indices)} samples do not split over {dp_size} ranks"
     per_rank = len(indices) // dp_size
     costs = cost_model.sample_cost(stats)
     tokens = stats.tokens
@@ -265,7 +267,7 @@ def plan_step(
         ordered = sorted(indices, key=lambda i: (-int(tokens[i]), i))
         groups = [ordered[k:k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
         group_costs = np.array([cost_model.micro_batch_cost(g, stats, packing=False) for g in groups])
-        assigned = _lpt(list(range(len(groups))), group_costs, dp_size, len(groups) // dp_size)
+        assigned = _lpt(list(range(len(groups))), group_costs, dp_size, -(-len(groups) // dp_size))
         bins_per_rank = [[groups[g] for g in sorted(a)] for a in assigned]
         shares = [[i for g in bins for i in g] for bins in bins_per_rank]
     elif micro_batch_tokens is None:
