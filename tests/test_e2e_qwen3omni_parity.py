@@ -11,8 +11,10 @@ Every case gives its 1-process reference's per-step loss, gradient norm and toke
   the test asserts it; with this data, steps 1-3: rank 0 holds only image and text-only rows): that rank runs the
   audio tower on its placeholder clip, so the audio tower's FSDP2 collectives match and nothing hangs;
 - Ulysses 2, Ring 2 (padded and padding-free): the decoder's sequence is split after the audio and image features
-  are merged into `inputs_embeds`; every CP rank runs the whole audio tower, the images are shared out among the
-  CP ranks (vision data parallel, on by default);
+  are merged into `inputs_embeds`; the clips and the images are shared out among the CP ranks (audio and vision
+  data parallel, `parallel.vision_dp`, on by default): each rank encodes its share, the features are gathered
+  (`AudioShares` records each rank's share of every audio call: they add up to the call's clips, both ranks
+  encode some, and a rank with no clip of a call encodes the placeholder);
 - Ring 2 with packing (rows of several samples): the 1-process reference pads each packed sample to the multiple
   Ring 2 needs (`PadSamplesAsRing2`), so both pack the same rows;
 - Ulysses 2 × Ring 2 on 4 processes;
@@ -81,6 +83,16 @@ class AudioPerRank(Probe):
         return self.has_audio
 
 
+class AudioShares(Probe):
+    """Per audio call under audio data parallel: (clips this rank encoded, clips of the call); None when off."""
+
+    name = "audio_dp"
+
+    def result(self, trainer):
+        audio_dp = trainer.model._audio_dp
+        return None if audio_dp is None else list(audio_dp.encoded)
+
+
 class HFFirstStepWithMedia(HFFirstStep):
     """`HFFirstStep` on a first batch that holds clips and images."""
 
@@ -102,8 +114,8 @@ CASES = {
         _case("single_packed", 1, PACKED, probes=(PadSamplesAsRing2, SamplesPerRow)),
         _case("moe_single", 1, {**PADDED, **AUX}, probes=(AuxLoss,)),
         _case("fsdp2", 2, {**PADDED, **MBS2}, "single", {"dp": 2}, (AudioPerRank,)),
-        _case("ulysses2", 2, U2, "single", {"dp": 1, "ulysses": 2}),
-        _case("ring2", 2, {**PADDED, **R2}, "single", {"dp": 1, "ring": 2}),
+        _case("ulysses2", 2, U2, "single", {"dp": 1, "ulysses": 2}, (AudioShares,)),
+        _case("ring2", 2, {**PADDED, **R2}, "single", {"dp": 1, "ring": 2}, (AudioShares,)),
         _case("ring2_padding_free", 2, R2, "single", {"dp": 1, "ring": 2}),
         _case("ring2_packed", 2, {**PACKED, **R2}, "single_packed", {"dp": 1, "ring": 2}),
         _case("moe_ulysses2", 2, {**AUX, **U2}, "moe_single", {"dp": 1, "ulysses": 2}, (AuxLoss,)),
@@ -130,6 +142,21 @@ def test_qwen3omni_layout_matches_one_process(results, name):
         got, expected = results[name]["aux_loss"][0], results[case.reference]["aux_loss"][0]
         assert all(value is not None and value > 0 for value in expected), expected
         assert all(close(a, b, 1e-5, f"{name} aux loss") for a, b in zip(got, expected, strict=True)), (got, expected)
+
+
+def test_qwen3omni_audio_dp_shares_the_clips(results):
+    """Under CP each rank encoded a share of every audio call's clips; the shares add up to the call's clips; both
+    ranks encoded clips of some call, and some call had a rank with none (it ran the placeholder clip)."""
+    for name in ("ulysses2", "ring2"):
+        per_rank = results[name]["audio_dp"]
+        assert all(calls is not None for calls in per_rank), f"{name}: audio DP is on by default under CP"
+        calls = list(zip(*per_rank))
+        assert calls and all(len(rank_calls) == len(calls) for rank_calls in per_rank), name
+        for call in calls:
+            assert len({total for _, total in call}) == 1, f"{name}: the CP ranks saw different calls {call}"
+            assert sum(mine for mine, _ in call) == call[0][1], f"{name}: shares {call} do not add up"
+        assert any(all(mine > 0 for mine, _ in call) for call in calls), f"{name}: no call was split: {calls}"
+        assert any(any(mine == 0 for mine, _ in call) for call in calls), f"{name}: no rank ran the placeholder"
 
 
 def test_qwen3omni_first_step_matches_plain_hf(results):

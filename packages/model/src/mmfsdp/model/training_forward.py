@@ -48,7 +48,8 @@ The flow of `model(**batch_inputs, shift_labels=, loss_weights=)`:
    by the family's `split_decoder_kwargs`, default `split_sequence_kwargs`). With vision data parallel
    (`enable_context_parallel(..., vision_dp=True)`) the base model's `get_image_features` is replaced for
    the HF forward: the CP ranks share out the media (the family's `vision_media_patches` and
-   `select_vision_media`) and all-gather the features (`mmfsdp.model.vision_dp`).
+   `select_vision_media`) and all-gather the features (`mmfsdp.model.vision_dp`); a family with an audio tower
+   (`placeholder_audio_inputs`) has its `get_audio_features` replaced the same way (its clips shared out).
 6. Without chunk loss the HF forward computes the logits and
    `weighted_cross_entropy` the loss; with chunk loss the HF base model stops at
    the final hidden states and `lm_head` computes the loss chunk by chunk
@@ -92,7 +93,7 @@ from mmfsdp.model.chunk_loss import LinearCrossEntropy, use_chunk_loss_head
 from mmfsdp.model.context_parallel import CPBatch, ContextParallel, split_sequence_kwargs
 from mmfsdp.model.loss import sequence_cross_entropy, token_cross_entropy, weighted_cross_entropy
 from mmfsdp.parallel.cp import CPLayout
-from mmfsdp.model.vision_dp import VisionDataParallel
+from mmfsdp.model.vision_dp import AudioDataParallel, VisionDataParallel
 
 __all__ = ["TrainingForwardMixin", "NON_INPUT_KEYS", "model_inputs", "packed_attention_kwargs", "vision_features"]
 
@@ -184,6 +185,7 @@ class TrainingForwardMixin:
         self.chunk_loss_size: int | None = None
         self._context_parallel: ContextParallel | None = None
         self._vision_dp: VisionDataParallel | None = None
+        self._audio_dp: AudioDataParallel | None = None
         self._decoder_call: _DecoderCall | None = None
         self.get_submodule(self.decoder_name).register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
         if self.media_placeholders:
@@ -217,6 +219,23 @@ class TrainingForwardMixin:
         encoded and their features dropped."""
         raise NotImplementedError(f"{type(self).__name__} does not split its vision inputs (vision DP)")
 
+    def placeholder_audio_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The keywords of the smallest `get_audio_features` call (one silent clip), for audio data parallel;
+        None: the family has no audio tower."""
+        return None
+
+    def audio_media_frames(self, call: dict[str, Any]) -> list[int]:
+        """Audio DP: the mel frames of each clip of a `get_audio_features` call's keywords."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its audio inputs (audio DP)")
+
+    def audio_media_rows(self, call: dict[str, Any]) -> list[int]:
+        """Audio DP: the feature rows (tokens) `get_audio_features` returns for each clip of the call."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its audio inputs (audio DP)")
+
+    def select_audio_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """Audio DP: the keywords of a `get_audio_features` call that encodes the clips `indices` (ascending)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its audio inputs (audio DP)")
+
     def vision_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """The vision side run on `placeholder_vision_inputs`: the features the merge would use (`vision_features`)."""
         inputs = self.placeholder_vision_inputs(device, dtype)
@@ -234,10 +253,13 @@ class TrainingForwardMixin:
         (`mmfsdp.model.context_parallel`); with `vision_dp` the CP ranks also share the encoding of the media
         (`mmfsdp.model.vision_dp`)."""
         self._context_parallel = cp = ContextParallel(self.get_submodule(self.decoder_name), parallel_dims)
+        group = cp.cp_group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
         if vision_dp and self.placeholder_vision_inputs(torch.device("cpu"), torch.float32) is not None:
-            group = cp.cp_group
             width = int(self.config.vision_config.hidden_size)
-            self._vision_dp = VisionDataParallel(self, group, dist.get_rank(group), dist.get_world_size(group), width)
+            self._vision_dp = VisionDataParallel(self, group, rank, size, width)
+        if vision_dp and self.placeholder_audio_inputs(torch.device("cpu"), torch.float32) is not None:
+            self._audio_dp = AudioDataParallel(self, group, rank, size, 0)
 
     def set_media_kinds(self, kinds: Iterable[str]) -> None:
         """The kinds of media (`"image"`, `"video"`, `"audio"`) the run's data holds (training and evaluation
@@ -277,9 +299,10 @@ class TrainingForwardMixin:
 
     def _with_placeholders(self, embeds: torch.Tensor, kinds: tuple[str, ...]) -> torch.Tensor:
         """`embeds + 0 · Σ` the features of the placeholders of `kinds`; `0 · Σ` is exactly zero for finite features."""
-        own_pass = contextlib.nullcontext()
-        if self._vision_dp is not None:
-            own_pass = self._vision_dp.suspended(getattr(self, self.base_model_prefix))
+        own_pass = contextlib.ExitStack()
+        for media_dp in (self._vision_dp, self._audio_dp):
+            if media_dp is not None:
+                own_pass.enter_context(media_dp.suspended(getattr(self, self.base_model_prefix)))
         with own_pass:
             features = [f for kind in kinds for f in self.placeholder_features(kind, embeds.device, embeds.dtype)]
         if not features:
@@ -378,10 +401,12 @@ class TrainingForwardMixin:
                 sequence_ids = cp_batch.split(sequence_ids)
         if plan is not None:
             self.plan_layers(plan, None if cp_batch is None else cp_batch.layout)
-        vision_dp = contextlib.nullcontext()
-        if self._vision_dp is not None and len(placeholders) < len(self.media_input_keys):  # the call has media
-            vision_dp = self._vision_dp.patched(getattr(self, self.base_model_prefix))
-        with self._calling_decoder(decoder_kwargs, cp_batch, placeholders), vision_dp:
+        media_dp = contextlib.ExitStack()
+        if len(placeholders) < len(self.media_input_keys):  # the call has media: the CP ranks share it out
+            for encoder_dp in (self._vision_dp, self._audio_dp):
+                if encoder_dp is not None:
+                    media_dp.enter_context(encoder_dp.patched(getattr(self, self.base_model_prefix)))
+        with self._calling_decoder(decoder_kwargs, cp_batch, placeholders), media_dp:
             if self.chunk_loss_size is None:
                 outputs = super().forward(**kwargs)
                 if per_token:

@@ -35,6 +35,14 @@ parameters receive nothing from that item; the placeholder contributes exactly z
 A micro-batch without any media never calls `get_image_features`: the training forward's placeholder
 runs on every rank as without vision DP. Only the features above are gathered; the rest of the local
 output (`last_hidden_state`, `hidden_states`) is this rank's share and must not be used by the merge.
+
+Audio clips (`AudioDataParallel`, Qwen3-Omni's audio tower) are shared out the same way, by the same switch:
+the base model's `get_audio_features` is replaced, each clip costs its mel frames (the tower attends within
+fixed windows: linear in the frames), the family's `audio_media_frames`, `select_audio_media` and
+`placeholder_audio_inputs` play the vision hooks' parts, and the features gathered are the rows of
+`last_hidden_state` (the merge's), `audio_media_rows(call)` rows per clip. A clip's features do not depend on the
+other clips of the call (the tower cuts each clip into its own chunks and windows), so any split gives the
+features of the whole call.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["VisionDataParallel", "assign_media", "gather_media", "media_costs"]
+__all__ = ["AudioDataParallel", "VisionDataParallel", "assign_media", "gather_media", "media_costs"]
 
 
 def media_costs(patches: list[int], width: int) -> list[float]:
@@ -116,8 +124,10 @@ def _per_item(value: Any, sizes: list[int]) -> list[torch.Tensor]:
     return list(value)
 
 
-class VisionDataParallel:
-    """The vision-DP replacement of a base model's `get_image_features` (module docstring); family hooks on `model`."""
+class _EncoderDataParallel:
+    """Replaces a base model's encoder method (`method`) by `encode` within `patched` (module docstring)."""
+
+    method = ""
 
     def __init__(self, model: Any, group: dist.ProcessGroup, rank: int, size: int, width: int):
         self.model, self.group, self.rank, self.size, self.width = model, group, rank, size, width
@@ -126,35 +136,43 @@ class VisionDataParallel:
 
     @contextlib.contextmanager
     def patched(self, base: torch.nn.Module) -> Iterator[None]:
-        """`base.get_image_features` runs vision DP inside the block."""
-        original = base.get_image_features
-        base.get_image_features = self._wrap(original)
+        """`base.<method>` runs this data parallel inside the block."""
+        setattr(base, self.method, self._wrap(getattr(base, self.method)))
         try:
             yield
         finally:
-            del base.get_image_features
+            delattr(base, self.method)
 
     @contextlib.contextmanager
     def suspended(self, base: torch.nn.Module) -> Iterator[None]:
-        """Inside `patched`: `base.get_image_features` is the original again (the placeholder pass of a media kind
-        the call lacks is every rank's own, like the rest of the placeholder: nothing to share or gather)."""
-        patched = base.__dict__.pop("get_image_features", None)
+        """Inside `patched`: `base.<method>` is the original again (the placeholder pass of a media kind the call
+        lacks is every rank's own, like the rest of the placeholder: nothing to share or gather)."""
+        patched = base.__dict__.pop(self.method, None)
         try:
             yield
         finally:
             if patched is not None:
-                base.get_image_features = patched
+                setattr(base, self.method, patched)
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
         var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
-        def get_image_features(*args: Any, **kwargs: Any) -> Any:
+        def encoder(*args: Any, **kwargs: Any) -> Any:
             call = dict(signature.bind(*args, **kwargs).arguments)
             call.update(call.pop(var_keyword, {}) if var_keyword else {})
             return self.encode(original, call)
 
-        return get_image_features
+        return encoder
+
+    def encode(self, original: Callable[..., Any], call: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+
+class VisionDataParallel(_EncoderDataParallel):
+    """The vision-DP replacement of a base model's `get_image_features` (module docstring); family hooks on `model`."""
+
+    method = "get_image_features"
 
     def encode(self, original: Callable[..., Any], call: dict[str, Any]) -> Any:
         """This rank's share of the call's media encoded, every item's features gathered (module docstring)."""
@@ -184,4 +202,31 @@ class VisionDataParallel:
         output.pooler_output = tuple(parts[0] for parts in split)
         if deepstack is not None:
             output.deepstack_features = [tuple(parts[k] for parts in split) for k in range(1, len(kinds))]
+        return output
+
+
+class AudioDataParallel(_EncoderDataParallel):
+    """The audio-DP replacement of a base model's `get_audio_features` (module docstring); family hooks on `model`
+    (`audio_media_frames`, `audio_media_rows`, `select_audio_media`, `placeholder_audio_inputs`). `width` is unused:
+    a clip costs its frames."""
+
+    method = "get_audio_features"
+
+    def encode(self, original: Callable[..., Any], call: dict[str, Any]) -> Any:
+        """This rank's share of the call's clips encoded, every clip's feature rows gathered in the call's order."""
+        frames = self.model.audio_media_frames(call)
+        shares = assign_media([float(f) for f in frames], self.size)
+        mine = shares[self.rank]
+        call = {**call, "return_dict": True}
+        if mine:
+            selected = self.model.select_audio_media(call, mine)
+            output = original(**selected)
+            rows = self.model.audio_media_rows(selected)
+            local_RF = output.last_hidden_state
+        else:
+            features = next(v for v in call.values() if torch.is_tensor(v) and v.is_floating_point())
+            output = original(**{**call, **self.model.placeholder_audio_inputs(features.device, features.dtype)})
+            rows, local_RF = [], output.last_hidden_state[:0]  # no rows, but the placeholder's graph
+        self.encoded.append((len(mine), len(frames)))
+        output.last_hidden_state = torch.cat(gather_media(local_RF, rows, shares, self.rank, self.group))
         return output

@@ -94,7 +94,7 @@ class ParallelConfig:
     ring_attention_size: int = 1
     """Ring-attention context-parallel size."""
     vision_dp: bool = True
-    """Under context parallel, each rank of a CP group encodes a cost-balanced share of the micro-batch's images and videos and the features are all-gathered (docs/parallelism.md, "Vision data parallel"); on by default since its parity through the trainer is proven (tests/test_e2e_text_only_parity.py). false = every CP rank encodes every media item."""
+    """Under context parallel, each rank of a CP group encodes a cost-balanced share of the micro-batch's images, videos and audio clips and the features are all-gathered (docs/parallelism.md, "Vision data parallel"); on by default since its parity through the trainer is proven (tests/test_e2e_text_only_parity.py, tests/test_e2e_qwen3omni_parity.py). false = every CP rank encodes every media item."""
     tensor_parallel_size: int = 1
     """Must be 1: tensor parallelism is not supported."""
     expert_parallel_size: int = 1

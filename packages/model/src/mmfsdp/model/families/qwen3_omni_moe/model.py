@@ -38,6 +38,7 @@ from transformers import PretrainedConfig
 from transformers.models.qwen3_omni_moe import (
     Qwen3OmniMoeConfig, Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration,
 )
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_omni
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerTextSparseMoeBlock, get_audio_cu_seqlens,
 )
@@ -132,12 +133,37 @@ class Qwen3OmniMoeTrainingMixin(Qwen3VLTrainingMixin):
         )
         return kwargs
 
-    def audio_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The audio tower on its smallest input, one silent clip of one mel frame (one token): its features."""
+    def placeholder_audio_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        """One silent clip of one mel frame (one token)."""
         mels = self.config.audio_config.num_mel_bins
-        features = torch.zeros(1, mels, 1, device=device, dtype=dtype)
-        mask = torch.ones(1, 1, device=device, dtype=torch.long)
-        return vision_features(self.get_audio_features(features, mask))
+        return {"input_features": torch.zeros(1, mels, 1, device=device, dtype=dtype),
+                "feature_attention_mask": torch.ones(1, 1, device=device, dtype=torch.long),
+                "audio_feature_lengths": None}
+
+    def audio_placeholder_features(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The audio tower on its smallest input (`placeholder_audio_inputs`): its features."""
+        return vision_features(self.get_audio_features(**self.placeholder_audio_inputs(device, dtype)))
+
+    @staticmethod
+    def _clip_frames(call: dict[str, Any]) -> torch.Tensor:
+        mask = call.get("feature_attention_mask")
+        return mask.sum(-1) if mask is not None else call["audio_feature_lengths"]
+
+    def audio_media_frames(self, call: dict[str, Any]) -> list[int]:
+        """Each clip's mel frames (`feature_attention_mask`, else `audio_feature_lengths`)."""
+        return self._clip_frames(call).tolist()
+
+    def audio_media_rows(self, call: dict[str, Any]) -> list[int]:
+        """Each clip's tokens out of the audio tower (HF's `_get_feat_extract_output_lengths`)."""
+        frames = self._clip_frames(call)
+        return hf_omni._get_feat_extract_output_lengths(frames, self.config.audio_config.n_window).tolist()
+
+    def select_audio_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        """The clips `indices` of `input_features` `[C, M, T]` and their mask / lengths `[C, ...]`."""
+        picked = torch.tensor(indices, device=call["input_features"].device)
+        return {**call, **{key: call[key].index_select(0, picked.to(call[key].device))
+                           for key in ("input_features", "feature_attention_mask", "audio_feature_lengths")
+                           if call.get(key) is not None}}
 
 
 class Qwen3OmniMoeThinkerForConditionalGenerationFSDP(
