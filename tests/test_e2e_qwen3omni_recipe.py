@@ -98,3 +98,34 @@ def test_16_ranks_fit_with_the_decoder_activations_offloaded(setup, capsys):
     assert code == 0, out[-3000:]
     fits = re.search(r"^  fits: ([\d.]+) GiB of 64.0 GiB device memory$", out, re.M)
     assert fits and float(fits.group(1)) == _total(out) <= 64.0, out[-2000:]
+
+
+def test_a_trained_audio_tower_adds_its_activations_by_hand(setup):
+    """The recipe freezes both towers; trained, each adds its saved activations on the micro-batch's media tokens,
+    and a token is an image token or an audio token, so the plan adds the larger of the two: the audio tower's
+    here by the hand count of `Qwen3OmniCosts.audio_values_per_token` (one encoder position per decoder audio token;
+    recompute on: each of the 32 layers keeps its input, one layer is recomputed; the three convolutions over the
+    100 / 13 mel frames behind a token; the projections' inputs), in bf16 over the 262,144 tokens."""
+    from mmfsdp.train.config import load_config
+    from mmfsdp.train.memory import memory_plan
+
+    config, _, _ = setup
+    base = ["model.random_init=true", "training.load=null", "training.init_model_with_meta_device=false",
+            *msmm_configs.CPU_OVERRIDES]
+    freeze = {  # model.freeze for: both towers frozen (as written), audio only trained, both trained
+        "frozen": "[model.visual, model.audio_tower]", "audio": "[model.visual]", "both": "[]",
+    }
+    plans = {name: memory_plan(load_config(config, [*base, f"model.freeze={value}"]), 16, 64 * 2**30)
+             for name, value in freeze.items()}
+    cfg = load_config(config, base)
+    assert cfg.parallel.recompute and cfg.data.dataset_param.preprocess_parameters.cutoff_len == 262_144
+    width, layers, ffn, mels, channels = 1280, 32, 5120, 128, 480
+    convs = 2 * channels * mels * (100 / 13) * (1 / 4 + 1 / 16 + 1 / 64)
+    outside = channels * 16 + 2 * width + 2 * 2048
+    per_token = convs + outside + layers * width + 8 * width + 3 * ffn
+    audio = int(262_144 * per_token * 2)
+    assert plans["audio"].activations - plans["frozen"].activations == pytest.approx(audio, abs=2)
+    assert plans["both"].activations >= plans["audio"].activations
+    vision_only = memory_plan(load_config(config, [*base, "model.freeze=[model.audio_tower]"]), 16, 64 * 2**30)
+    added = max(vision_only.activations, plans["audio"].activations) - plans["frozen"].activations
+    assert plans["both"].activations - plans["frozen"].activations == added

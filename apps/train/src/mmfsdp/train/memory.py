@@ -21,7 +21,8 @@ Magistral-Small-2509 worked through):
   family's bytes per token, hidden unit and layer (`FamilyCosts.decoder_values_per_token`, the spec's
   `costs`); recompute keeps only each layer's input plus one layer being recomputed, offload moves the saved
   tensors of the matched layers to the host (one layer in flight); the logits (or one chunk of them with chunk
-  loss) come on top. A frozen vision tower saves nothing.
+  loss) come on top, and the vision tower's on the micro-batch's image tokens (or the audio tower's on its audio
+  tokens, whichever is more: `FamilyCosts.audio_values_per_token`). A frozen tower saves nothing.
 - the stage (`training.stage`, its objective class in `mmfsdp.train.objective`): a sample of `micro_batch_size`
   brings `sequences_per_sample` sequences (DPO: a pair, two), and the models the stage holds beside the policy add
   their `memory_terms` (DPO with the live frozen reference: the copy's parameter shards, the master copy / shard
@@ -187,7 +188,12 @@ def _activations(
         vision_input = patches * vis.hidden_size * compute
         depth = entry.costs.vision_num_layers(model.config)
         vision = depth * vision_input + vision_layer if recompute else depth * vision_layer
-    return int(decoder + logits + vision)
+    audio, audio_tower = 0, entry.costs.audio_tower
+    if audio_tower and any(p.requires_grad for p in model.get_submodule(audio_tower).parameters()):
+        per_token = entry.costs.audio_values_per_token(model.config, recompute=recompute)
+        audio = tokens * image_token_share * per_token * compute
+    # a token of a micro-batch is an image token or an audio token, not both: the worse of the two towers
+    return int(decoder + logits + max(vision, audio))
 
 
 _TIMESTAMP_TOKENS = 8
@@ -277,8 +283,9 @@ def memory_plan(cfg: Config, world_size: int, device_memory_bytes: int | None = 
                 _meta: tuple[torch.nn.Module, ModelEntry] | None = None) -> MemoryPlan:
     """The per-rank memory plan of `cfg` on `world_size` processes (meta build: reads only config.json).
 
-    `image_token_share` is the part of a micro-batch's tokens that are image tokens, which sets the vision
-    tower's patches; 1.0, the default, is the worst case (a micro-batch of image tokens only)."""
+    `image_token_share` is the part of a micro-batch's tokens that are image tokens (or audio tokens), which sets
+    the vision tower's patches (and the audio tower's positions); 1.0, the default, is the worst case (a
+    micro-batch of image tokens only, or of audio tokens only where that costs more)."""
     if not 0.0 <= image_token_share <= 1.0:
         raise ValueError(f"image_token_share must be within [0, 1], got {image_token_share}")
     mesh = check_world(cfg, world_size)

@@ -53,6 +53,14 @@ class FamilyCosts:
         """Frames of each attention window of the audio tower for a collated `batch`, in order; [] without audio."""
         return []
 
+    audio_tower: str | None = None
+    """The module of the audio tower, for the memory plan (whether it trains); None: the family has none."""
+
+    def audio_values_per_token(self, config: PretrainedConfig, *, recompute: bool) -> float:
+        """Values the audio tower saves for backward per decoder audio token, all its layers together (the memory
+        plan; `recompute`: each layer keeps only its input, plus one layer being recomputed); 0 without a tower."""
+        return 0.0
+
     def decoder_values_per_token(self, text_config: PretrainedConfig) -> float:
         """Values one decoder layer saves for backward per token, in units of `hidden_size` (the memory plan).
 

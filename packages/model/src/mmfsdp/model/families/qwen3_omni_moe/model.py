@@ -203,6 +203,24 @@ class Qwen3OmniMoeCosts(Qwen3VLMoeCosts):
             params_outside=audio.downsample_hidden_size * freq * width + width * width + width * audio.output_dim,
         )
 
+    audio_tower = "model.audio_tower"
+
+    def audio_values_per_token(self, config: PretrainedConfig, *, recompute: bool) -> float:
+        """One encoder position per decoder audio token: each Whisper-style layer keeps its input, norms, q, k, v,
+        the attention output and residual (8 × `d_model`) and fc1's output, its GELU and fc2's input (3 ×
+        `encoder_ffn_dim`); before them the three stride-2 convolutions keep their outputs and GELUs over the
+        `2·n_window / tokens` mel frames behind a token, and the projections their inputs."""
+        audio = config.audio_config
+        width, layers = audio.d_model, audio.encoder_layers
+        layer = 8 * width + 3 * audio.encoder_ffn_dim
+        chunk = 2 * audio.n_window
+        frames = chunk / float(hf_omni._get_feat_extract_output_lengths(torch.tensor(chunk), audio.n_window))
+        channels, mels = audio.downsample_hidden_size, audio.num_mel_bins
+        convs = 2 * channels * mels * frames * (1 / 4 + 1 / 16 + 1 / 64)
+        freq = (((mels + 1) // 2 + 1) // 2 + 1) // 2
+        outside = channels * freq + 2 * width + 2 * audio.output_dim
+        return convs + outside + (layers * width + layer if recompute else layers * layer)
+
     def audio_windows(self, config: PretrainedConfig, batch: dict[str, torch.Tensor]) -> list[int]:
         """Tokens of each attention window of the batch's clips (`feature_attention_mask`)."""
         mask = batch.get("feature_attention_mask")
