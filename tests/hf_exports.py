@@ -37,8 +37,9 @@ class Export:
     """The example's chat template's stop tokens (`SampleEncoder.stop_token_ids`)."""
 
 
-def export_example(config: Path, out: Path, *, seed: int = 0) -> Export:
-    """The HF export (under `out`) of a random-init model of example `config`, as a training save makes it."""
+def export_example(config: Path, out: Path, *, seed: int = 0, assets: Path | None = None) -> Export:
+    """The HF export (under `out`) of a random-init model of example `config` (its tiny assets, or `assets`), as a
+    training save makes it."""
     from mmfsdp.ckpt import generation_metadata, save_checkpoint
     from mmfsdp.ckpt.cli import main as mm_convert
     from mmfsdp.data import build_processor
@@ -46,7 +47,7 @@ def export_example(config: Path, out: Path, *, seed: int = 0) -> Export:
     from mmfsdp.model import get_model_entry
     from mmfsdp.train.config import load_config
 
-    assets = config.parent / "assets"
+    assets = assets or config.parent / "assets"
     cfg = load_config(config, [f"model.model_name_or_path={assets}",
                                f"data.dataset_param.preprocess_parameters.model_name_or_path={assets}"])
     processor = build_processor(cfg.data)

@@ -7,7 +7,8 @@ Run it with the vLLM environment's Python (`tools/vllm_env/setup.py` builds it a
 Its last line on stdout (after vLLM's log) is one JSON line: the versions, the seconds to load and to generate,
 and per prompt the prompt's token ids as vLLM processed them (image placeholders expanded), the completion's token
 ids and text and the finish reason. `tests/test_vllm_env.py` compares those ids with transformers' greedy
-generation of the same directory.
+generation of the same directory. Several directories (`MODEL_DIR[:DTYPE] ...`) load one after the other in the
+same process (vLLM imported once; each engine shut down before the next), one JSON line each, in order.
 
 The prompts are raw text, no chat template (`--image-prompt`, `--text-prompt` replace them): the image placeholder
 written from the processor's own tokens (the image token, between the vision start and end tokens where the
@@ -44,7 +45,9 @@ def _image_placeholder(processor) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="an HF model directory (an mmfsdp export, or any model vLLM supports)")
+    parser.add_argument("model", nargs="+",
+                        help="HF model directories (mmfsdp exports, or any model vLLM supports), each optionally "
+                             "`DIR:DTYPE` (e.g. `:bfloat16` for a model whose CPU kernels need it; default --dtype)")
     parser.add_argument("--image-prompt", default=None,
                         help="the prompt with the image, `{image}` where the image goes (default: a question about it)")
     parser.add_argument("--text-prompt", default="Count from one to ten:", help="the text-only prompt")
@@ -64,13 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(args.model)
+    for spec in args.model:
+        model, _, dtype = spec.partition(":") if ":" in spec and not os.path.isdir(spec) else (spec, "", "")
+        print(json.dumps(_generate(vllm, AutoProcessor, args, model, dtype or args.dtype)
+                         | {"vllm": vllm.__version__, "torch": torch.__version__,
+                            "transformers": transformers.__version__}), flush=True)
+    return 0
+
+
+def _generate(vllm, auto_processor, args, model: str, dtype: str) -> dict:
+    """One directory loaded in `vllm.LLM`, its greedy completions of the two prompts, the engine shut down."""
+    import gc
+
+    processor = auto_processor.from_pretrained(model)
     image_prompt = (args.image_prompt or "{image}What shape and colour is this?").replace(
         "{image}", _image_placeholder(processor)
     )
     start = time.perf_counter()
     llm = vllm.LLM(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+        model=model, dtype=dtype, max_model_len=args.max_model_len, enforce_eager=True,
         limit_mm_per_prompt={"image": 1}, max_num_seqs=2, seed=0, distributed_executor_backend="uni",
     )
     loaded = time.perf_counter()
@@ -89,12 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         for prompt, result in zip(prompts, results)
     ]
-    print(json.dumps({
-        "model": args.model, "vllm": vllm.__version__, "torch": torch.__version__,
-        "transformers": transformers.__version__, "load_s": round(loaded - start, 2),
-        "generate_s": round(done - loaded, 2), "outputs": outputs,
-    }))
-    return 0
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {"model": model, "dtype": dtype, "load_s": round(loaded - start, 2), "generate_s": round(done - loaded, 2),
+            "outputs": outputs}
 
 
 if __name__ == "__main__":

@@ -333,3 +333,21 @@ def test_exports_name_the_architecture_and_the_recorded_stop_tokens(tmp_path, as
     assert json.loads((out / "generation_config.json").read_text()) == expected
     if recorded is None:
         assert (out / "generation_config.json").read_text() == assets_generation  # untouched
+
+
+def test_exports_add_the_adapters_config_defaults_only_where_absent(tmp_path):
+    """`StateDictAdapter.export_config_defaults`: a dotted key the copied `config.json` lacks is written, one it has
+    keeps its value, one under a section the config does not have is not invented."""
+    from mmfsdp.ckpt import IdentityAdapter, dcp_to_hf
+
+    class Defaults(IdentityAdapter):
+        export_config_defaults = (("text_config.norm_topk_prob", True), ("text_config.hidden_act", "gelu"),
+                                  ("vision_config.depth", 2))
+
+    tensors = {k: v for k, v in _toy_tensors().items() if k != "step"}
+    config = {**json.loads(ASSETS["config.json"]), "text_config": {"hidden_act": "silu"}}
+    hf = _write_hf(tmp_path / "hf", tensors, shards=1, assets={**ASSETS, "config.json": json.dumps(config)})
+    save_checkpoint(tmp_path / "save", 1, model=_module_of(tensors))
+    out = dcp_to_hf(tmp_path / "save", tmp_path / "out", hf, adapter=Defaults(), progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert written == {**config, "text_config": {"hidden_act": "silu", "norm_topk_prob": True}}

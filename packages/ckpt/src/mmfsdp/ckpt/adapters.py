@@ -43,7 +43,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -118,6 +118,10 @@ class StateDictAdapter:
     """The HF model class(es) the tensors `to_hf` writes are (a `...ForConditionalGeneration` class): what an
     export's `config.json` names under `architectures`, so that servers (vLLM, transformers' Auto classes) build
     that class (`mmfsdp.ckpt.export_config`). Empty: the export keeps the assets' value."""
+    export_config_defaults: tuple[tuple[str, Any], ...] = ()
+    """(dotted `config.json` key, value) an export writes where the copied config lacks the key: settings the model
+    always computes with that the lock's transformers no longer writes, which other readers of the config (vLLM)
+    still look up with another default (`mmfsdp.ckpt.export_config`)."""
 
     @property
     def name(self) -> str:

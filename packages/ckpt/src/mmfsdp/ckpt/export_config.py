@@ -8,6 +8,10 @@ its `--model_assets_dir`, then `write_export_config` completes two of them:
   vision-language config by its `model_type` to the bare `...Model` class, which has no `lm_head`, takes it for an
   embedding model and refuses to generate. An assets directory made by hand (the tiny examples') has none; one
   from `save_pretrained` has the same value.
+- `config.json` settings the model computes with that the copied config may lack
+  (`StateDictAdapter.export_config_defaults`, written only where absent): e.g. a MoE router that always
+  renormalises its top-k weights where transformers 5.2x no longer records it (`text_config.norm_topk_prob`),
+  a key vLLM's MoE block reads with the default false.
 - `generation_config.json` `eos_token_id`: the tokens that end an answer in the chat template the checkpoint was
   trained with, which the trainer records in the checkpoint's metadata (`generation_metadata`, under
   `GENERATION_METADATA`): first those, then any other the assets' own generation config lists; `pad_token_id`
@@ -59,11 +63,21 @@ def write_export_config(out: Path, adapter: StateDictAdapter, checkpoint_metadat
     """Complete the copied `config.json` and `generation_config.json` of the export directory `out` (module
     docstring); a file whose content would not change is left as copied."""
     config_path = out / CONFIG_FILENAME
-    if adapter.architectures and config_path.is_file():
+    if (adapter.architectures or adapter.export_config_defaults) and config_path.is_file():
         config = json.loads(config_path.read_text())
-        if config.get("architectures") != list(adapter.architectures):
-            rest = {key: value for key, value in config.items() if key != "architectures"}
-            _write_json(config_path, {"architectures": list(adapter.architectures), **rest})
+        updated = json.loads(config_path.read_text())  # a copy to change, nested sections too
+        if adapter.architectures and config.get("architectures") != list(adapter.architectures):
+            updated = {"architectures": list(adapter.architectures),
+                       **{key: value for key, value in config.items() if key != "architectures"}}
+        for dotted, value in adapter.export_config_defaults:
+            *parents, key = dotted.split(".")
+            section = updated
+            for name in parents:
+                section = section.get(name) if isinstance(section, dict) else None
+            if isinstance(section, dict) and key not in section:
+                section[key] = value
+        if updated != config:
+            _write_json(config_path, updated)
 
     fields = (checkpoint_metadata or {}).get(GENERATION_METADATA)
     if not fields:

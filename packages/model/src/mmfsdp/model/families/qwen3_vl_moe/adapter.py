@@ -52,6 +52,7 @@ class Qwen3VLMoeAdapter(StateDictAdapter):
     model_id = "qwen3_vl_moe"
     hf_model_types = ("qwen3_vl_moe",)
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    export_config_defaults = (("text_config.norm_topk_prob", True),)  # HF's router always renormalises its top k
 
     def from_hf(self, hf_shapes: Mapping[str, Shape]) -> dict[str, FromHF]:
         keys = sort_expert_keys(hf_shapes)
