@@ -3,8 +3,9 @@
 A server is launched with the vLLM environment's Python on an export of other random weights (seed 1); the
 policy's weights reach it through `sync_weights` (shared memory, the model's `load_weights`). Greedy completions of a
 prompt with an image and a text-only prompt equal the hf engine's token ids after 0, 1 and 5 optimizer steps (the
-steps change the completions, so the sync is what makes them equal); the engines' per-token log-probs are
-compared (printed: the numbers docs/rl.md reports). A stale version is refused, and a server killed mid-run is a
+steps change the completions, so the sync is what makes them equal), and after LoRA adapters (random B) are put
+on the policy: the sync sends the merged weights; the engines' per-token log-probs are compared (printed: the
+numbers docs/rl.md reports). A stale version is refused, and a server killed mid-run is a
 `VLLMServerError` within 60 s, its process gone.
 
 Marked `vllm` and `slow`: it needs the vLLM environment (`uv run python tools/vllm_env/setup.py`).
@@ -100,10 +101,25 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
             seen.append([r.completion_ids for r in ours])
         assert seen[0] != seen[-1]  # the training moved the greedy tokens: the sync carried them
 
+        # LoRA: the server gets the merged weights (W + (alpha / r) B A); random B, so the adapters matter
+        from mmfsdp.model.lora import LoraConfig, apply_lora, init_lora_adapters
+
+        lora = LoraConfig(enable=True, rank=4, alpha=32.0, target_modules=["q_proj", "v_proj", "o_proj"],
+                          init_lora_weights=False)
+        apply_lora(model, lora)
+        init_lora_adapters(model, lora, seed=3)
+        engine.sync_weights(model, version=6)
+        hf.sync_weights(model, version=6)
+        ours, theirs = engine.generate(requests, sampling, step=6), hf.generate(requests, sampling, step=6)
+        assert [r.completion_ids for r in ours] == [r.completion_ids for r in theirs], ("lora", ours, theirs)
+        assert [r.completion_ids for r in ours] != seen[-1], "the adapters should change the greedy tokens"
+        sync = engine.last_sync
+        print(f"LoRA (merged): sync {sync['seconds']:.3f} s, {sync['bytes'] / 1e6:.1f} MB, {sync['gbps']:.3f} GB/s")
+
         os.kill(process.pid, signal.SIGKILL)  # the server dies mid-run: a clear error, quickly
         started = time.monotonic()
         with pytest.raises(VLLMServerError, match="vLLM server"):
-            engine.generate(requests, sampling, step=6)
+            engine.generate(requests, sampling, step=7)
         assert time.monotonic() - started < 60
     finally:
         engine.close()

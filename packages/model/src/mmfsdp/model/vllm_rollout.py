@@ -7,7 +7,8 @@ by rank 0 (`launch_vllm_server`) or already running; rank 0 alone talks to it ov
 1. `sync_weights(model, version)`, every rank: for each tensor of `get_model_state_dict(model)` (clean FQNs,
    FSDP2 DTensors), `full_tensor()` (a collective every rank calls: one parameter at a time is whole, never the
    model), split and renamed to HF names by the family's state-dict adapter (`mmfsdp.ckpt.plan_to_hf`, the names
-   vLLM's `load_weights` reads from a checkpoint); rank 0 copies it into a shared-memory file (`/dev/shm`) of
+   vLLM's `load_weights` reads from a checkpoint; a LoRA model's are its merged weights, `merged_tensors`: the
+   server serves the base model without adapters); rank 0 copies it into a shared-memory file (`/dev/shm`) of
    `chunk_bytes` and, when the chunk is full, sends the server the chunk's table and waits while the server loads
    it through the vLLM model's `load_weights`. The last chunk carries `version`: only then does the server's
    weights version change. Rank 0 broadcasts the outcome so every rank raises together on a failure.
@@ -36,7 +37,7 @@ import tempfile
 import time
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,10 +50,37 @@ if TYPE_CHECKING:
     from mmfsdp.ckpt.adapters import StateDictAdapter
 
 __all__ = ["SERVER_SCRIPT", "VLLMRolloutEngine", "VLLMServerError", "collapse_media", "launch_vllm_server",
-           "write_start_export"]
+           "merged_tensors", "write_start_export"]
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 """The server module, run by path with the vLLM environment's Python."""
+
+
+def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`state` (`get_model_state_dict(model)`) whole, one tensor at a time, under the names weights files give them
+    (`mmfsdp.ckpt.lora.stored_key`): a LoRA layer's `x.base_layer.weight` as `x.weight` with its adapters merged in,
+    `W + (alpha / r) · B · A` (fp32, stored in W's dtype), the adapter tensors themselves left out. Every rank must
+    iterate it: a sharded tensor's `full_tensor()` is a collective."""
+    from torch.distributed.tensor import DTensor
+
+    from mmfsdp.ckpt.lora import ADAPTER_NAME, adapter_keys, is_adapter_key, stored_key
+    from mmfsdp.model.lora import lora_layers
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    layers = lora_layers(model)
+    for key, value in state.items():
+        if is_adapter_key(key):
+            continue
+        full = whole(value)
+        module = key.removesuffix(".base_layer.weight")
+        if module != key and module in layers:
+            a_key, b_key = adapter_keys(module)
+            a, b = whole(state[a_key]).float(), whole(state[b_key]).float()
+            scale = float(layers[module].scaling[ADAPTER_NAME])
+            full = (full.float() + scale * (b @ a)).to(full.dtype)
+        yield stored_key(key), full
 
 
 class VLLMServerError(RuntimeError):
@@ -110,24 +138,24 @@ def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None 
 
 
 def write_start_export(model: nn.Module, adapter: StateDictAdapter, assets: Path, out: Path) -> Path:
-    """An HF directory of `model`'s weights for a server to start from: `assets`' config and processor files,
-    completed as an export's (`architectures`, generation config), and one safetensors file of the tensors in HF
-    names. Every rank calls it (one `full_tensor` collective per tensor: one tensor whole at a time); rank 0 writes
+    """An HF directory of `model`'s weights (a LoRA model's merged, `merged_tensors`) for a server to start from:
+    `assets`' config and processor files, completed as an export's (`architectures`, generation config), and one
+    safetensors file of the tensors in HF names. Every rank calls it (one `full_tensor` collective per tensor: one tensor whole at a time); rank 0 writes
     the tensors to the file as they come and publishes the directory; the others wait for it."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
     from mmfsdp.ckpt.adapters import plan_to_hf
     from mmfsdp.ckpt.export_config import write_export_config
+    from mmfsdp.ckpt.lora import stored_key
     from mmfsdp.ckpt.outputs import copy_model_assets, prepare_output_dir, publish_output_dir
 
     state = get_model_state_dict(model)
-    plans = plan_to_hf(adapter, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+    shapes = {stored_key(k): (tuple(v.shape), v.dtype) for k, v in state.items() if stored_key(k) is not None}
+    plans = plan_to_hf(adapter, shapes)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+    for name, full in merged_tensors(model, state):  # a LoRA model's merged weights
         if rank0:
             tensors.update({k: v.detach().to("cpu").contiguous() for k, v in plans[name].pieces(full).items()})
     if rank0:
@@ -214,12 +242,13 @@ class VLLMRolloutEngine:
     # -- weights ----------------------------------------------------------------------------------------------
     def sync_weights(self, model: nn.Module, version: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        from torch.distributed.tensor import DTensor
 
         from mmfsdp.ckpt.adapters import plan_to_hf
+        from mmfsdp.ckpt.lora import stored_key
 
         state = get_model_state_dict(model)
-        plans = plan_to_hf(self.adapter, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+        shapes = {stored_key(k): (tuple(v.shape), v.dtype) for k, v in state.items() if stored_key(k) is not None}
+        plans = plan_to_hf(self.adapter, shapes)
         rank0, error = self._rank() == 0, None
         started, total = time.perf_counter(), 0
         path = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / (
@@ -234,8 +263,7 @@ class VLLMRolloutEngine:
                 fd = os.open(path, os.O_RDWR)
                 buffer = mmap.mmap(fd, self.chunk_bytes)
                 os.close(fd)
-            for name, value in state.items():
-                full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank: a collective
+            for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
                 if not rank0 or error is not None:
                     continue
                 for hf_name, piece in plans[name].pieces(full.detach()).items():
