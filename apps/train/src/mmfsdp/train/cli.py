@@ -326,10 +326,14 @@ RANK_PRELOAD = (
     "mmfsdp.train.trainer",
     "mmfsdp.train.check",
     "mmfsdp.train.evaluate",
+    # a processor's class checks import it (its tokenizer may be any of the allowed classes), ~0.5 s; it needs the
+    # optional mistral-common package, so a failed import is skipped
+    "transformers.tokenization_mistral_common",
 )
 """What the launcher imports before it forks ranks: what every rank imports anyway (its first lookups of a
 tokenizer, processor, template and token cache import these lazily), so it is paid once, not once per rank; the
-test suite's rank forkserver preloads the same (conftest.py)."""
+test suite's rank forkserver preloads the same (conftest.py). A module that fails to import is skipped (the rank
+imports it itself if it needs it, as multiprocessing's forkserver preload does)."""
 
 
 def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> int:
@@ -351,8 +355,13 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> in
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch's OpenMP runtime loads, which reads it once
     family = _family_module(model_id)
-    for name in (*RANK_PRELOAD, *([family] if family else [])):
-        importlib.import_module(name)
+    for name in RANK_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if family:
+        importlib.import_module(family)
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
