@@ -21,6 +21,8 @@ ALLOWED = {
     # transformers' own `AutoTokenizer.from_pretrained` keyword, passed through as the YAML key of the same name
     ("packages/data/src/mmfsdp/data/config.py", "fix_mistral_regex"),
     ("packages/data/src/mmfsdp/data/processor.py", "fix_mistral_regex"),
+    # a transformers module every processor's tokenizer-class check imports (any family's), preloaded before forking
+    ("apps/train/src/mmfsdp/train/cli.py", "transformers.tokenization_mistral_common"),
 }
 
 

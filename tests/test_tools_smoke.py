@@ -154,7 +154,7 @@ COVERED_ELSEWHERE = {
     ),
     "tools/bench/gpu_check.py": ("tests/test_tools_gpu_check.py", "test_every_section_runs_on_the_cpu"),
     "tools/vllm_env/setup.py": ("tests/test_vllm_env.py", "test_setup_help_and_a_matching_stamp_builds_nothing"),
-    "tools/vllm_env/smoke.py": ("tests/test_vllm_env.py", "test_vllm_greedy_equals_transformers_on_an_export"),
+    "tools/vllm_env/smoke.py": ("tests/test_vllm_env.py", "test_every_familys_export_generates_in_vllm_as_in_transformers"),
 }
 """Scripts run by another test (file, test name): gen_config_reference's `--check` is its smallest mode; gpu_check's
 is `--cpu`, whose sections that test checks one by one; the vLLM environment's scripts run outside the workspace's
