@@ -157,7 +157,9 @@ def build_family(model_id: str, tmp: Path) -> Family:
     return Family(dataset, loader.collator, prompts, completions, texts, ours, hf, cfg.data, processor)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# the quick tier compares the Qwen3-VL cases; the Qwen3.5 ones (fp64, twice the seconds) run in the full suite
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "qwen3_5" else [])
+                                        for name in FAMILIES])
 def family(request, tmp_path_factory) -> Family:
     return build_family(request.param, tmp_path_factory.mktemp(request.param))
 
