@@ -24,6 +24,7 @@ This module names no family and no template: the adapter and the checkpoint say 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -65,7 +66,7 @@ def write_export_config(out: Path, adapter: StateDictAdapter, checkpoint_metadat
     config_path = out / CONFIG_FILENAME
     if (adapter.architectures or adapter.export_config_defaults) and config_path.is_file():
         config = json.loads(config_path.read_text())
-        updated = json.loads(config_path.read_text())  # a copy to change, nested sections too
+        updated = copy.deepcopy(config)  # nested sections change too
         if adapter.architectures and config.get("architectures") != list(adapter.architectures):
             updated = {"architectures": list(adapter.architectures),
                        **{key: value for key, value in config.items() if key != "architectures"}}

@@ -228,8 +228,9 @@ class TrainingForwardMixin:
         """Audio DP: the mel frames of each clip of a `get_audio_features` call's keywords."""
         raise NotImplementedError(f"{type(self).__name__} does not split its audio inputs (audio DP)")
 
-    def audio_media_rows(self, call: dict[str, Any]) -> list[int]:
-        """Audio DP: the feature rows (tokens) `get_audio_features` returns for each clip of the call."""
+    def audio_media_rows(self, frames: list[int]) -> list[int]:
+        """Audio DP: the feature rows (tokens) `get_audio_features` returns for clips of `frames` mel frames each
+        (host numbers: no device read)."""
         raise NotImplementedError(f"{type(self).__name__} does not split its audio inputs (audio DP)")
 
     def select_audio_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:

@@ -40,7 +40,8 @@ Audio clips (`AudioDataParallel`, Qwen3-Omni's audio tower) are shared out the s
 the base model's `get_audio_features` is replaced, each clip costs its mel frames (the tower attends within
 fixed windows: linear in the frames), the family's `audio_media_frames`, `select_audio_media` and
 `placeholder_audio_inputs` play the vision hooks' parts, and the features gathered are the rows of
-`last_hidden_state` (the merge's), `audio_media_rows(call)` rows per clip. A clip's features do not depend on the
+`last_hidden_state` (the merge's), `audio_media_rows(frames)` rows per clip (from the frames already on the host:
+one host read of the clips' sizes per call, as vision's grids). A clip's features do not depend on the
 other clips of the call (the tower cuts each clip into its own chunks and windows), so any split gives the
 features of the whole call.
 """
@@ -219,9 +220,8 @@ class AudioDataParallel(_EncoderDataParallel):
         mine = shares[self.rank]
         call = {**call, "return_dict": True}
         if mine:
-            selected = self.model.select_audio_media(call, mine)
-            output = original(**selected)
-            rows = self.model.audio_media_rows(selected)
+            output = original(**self.model.select_audio_media(call, mine))
+            rows = self.model.audio_media_rows([frames[i] for i in mine])
             local_RF = output.last_hidden_state
         else:
             features = next(v for v in call.values() if torch.is_tensor(v) and v.is_floating_point())

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from mmfsdp.ckpt.adapters import StateDictAdapter
 
 __all__ = ["SERVER_SCRIPT", "VLLMRolloutEngine", "VLLMServerError", "collapse_media", "launch_vllm_server",
-           "merged_tensors", "write_start_export"]
+           "merged_plans", "merged_tensors", "write_start_export"]
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 """The server module, run by path with the vLLM environment's Python."""
@@ -81,6 +81,16 @@ def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator
             scale = float(layers[module].scaling[ADAPTER_NAME])
             full = (full.float() + scale * (b @ a)).to(full.dtype)
         yield stored_key(key), full
+
+
+def merged_plans(adapter: StateDictAdapter, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The family adapter's HF plans of `merged_tensors`' names (`mmfsdp.ckpt.plan_to_hf`): shapes and dtypes from
+    `state`, a LoRA layer's base weight under its own name, no adapter tensor."""
+    from mmfsdp.ckpt.adapters import plan_to_hf
+    from mmfsdp.ckpt.lora import stored_key
+
+    return plan_to_hf(adapter, {stored_key(k): (tuple(v.shape), v.dtype) for k, v in state.items()
+                                if stored_key(k) is not None})
 
 
 class VLLMServerError(RuntimeError):
@@ -140,19 +150,17 @@ def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None 
 def write_start_export(model: nn.Module, adapter: StateDictAdapter, assets: Path, out: Path) -> Path:
     """An HF directory of `model`'s weights (a LoRA model's merged, `merged_tensors`) for a server to start from:
     `assets`' config and processor files, completed as an export's (`architectures`, generation config), and one
-    safetensors file of the tensors in HF names. Every rank calls it (one `full_tensor` collective per tensor: one tensor whole at a time); rank 0 writes
-    the tensors to the file as they come and publishes the directory; the others wait for it."""
+    safetensors file of the tensors in HF names. Every rank calls it (one `full_tensor` collective per tensor: one
+    tensor whole at a time); rank 0 writes the tensors to the file as they come and publishes the directory; the
+    others wait for it."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from mmfsdp.ckpt.adapters import plan_to_hf
     from mmfsdp.ckpt.export_config import write_export_config
-    from mmfsdp.ckpt.lora import stored_key
     from mmfsdp.ckpt.outputs import copy_model_assets, prepare_output_dir, publish_output_dir
 
     state = get_model_state_dict(model)
-    shapes = {stored_key(k): (tuple(v.shape), v.dtype) for k, v in state.items() if stored_key(k) is not None}
-    plans = plan_to_hf(adapter, shapes)
+    plans = merged_plans(adapter, state)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tensors: dict[str, torch.Tensor] = {}
     for name, full in merged_tensors(model, state):  # a LoRA model's merged weights
@@ -243,12 +251,8 @@ class VLLMRolloutEngine:
     def sync_weights(self, model: nn.Module, version: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from mmfsdp.ckpt.adapters import plan_to_hf
-        from mmfsdp.ckpt.lora import stored_key
-
         state = get_model_state_dict(model)
-        shapes = {stored_key(k): (tuple(v.shape), v.dtype) for k, v in state.items() if stored_key(k) is not None}
-        plans = plan_to_hf(self.adapter, shapes)
+        plans = merged_plans(self.adapter, state)
         rank0, error = self._rank() == 0, None
         started, total = time.perf_counter(), 0
         path = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / (

@@ -153,10 +153,10 @@ class Qwen3OmniMoeTrainingMixin(Qwen3VLTrainingMixin):
         """Each clip's mel frames (`feature_attention_mask`, else `audio_feature_lengths`)."""
         return self._clip_frames(call).tolist()
 
-    def audio_media_rows(self, call: dict[str, Any]) -> list[int]:
-        """Each clip's tokens out of the audio tower (HF's `_get_feat_extract_output_lengths`)."""
-        frames = self._clip_frames(call)
-        return hf_omni._get_feat_extract_output_lengths(frames, self.config.audio_config.n_window).tolist()
+    def audio_media_rows(self, frames: list[int]) -> list[int]:
+        """Each clip's tokens out of the audio tower (HF's `_get_feat_extract_output_lengths`, on the host)."""
+        lengths = torch.tensor(frames, dtype=torch.long)
+        return hf_omni._get_feat_extract_output_lengths(lengths, self.config.audio_config.n_window).tolist()
 
     def select_audio_media(self, call: dict[str, Any], indices: list[int]) -> dict[str, Any]:
         """The clips `indices` of `input_features` `[C, M, T]` and their mask / lengths `[C, ...]`."""
