@@ -121,7 +121,8 @@ def make_mixed_audio_dataset(out_dir: Path, *, num_train: int, num_eval: int, se
     """`make_beeps_dataset`'s rows (clips of 0.4-1.6 s, so 40-160 mel frames: one or two audio chunks; 25% shapes
     image rows, 30% text-only rows) with more media in some clip rows, by index among the clip rows of a split:
     `% 4 == 0` a second clip (the next clip row's, of another length) before the question, `% 4 == 1` an image (an
-    image row's) before the clip. Text-only rows and image-only rows stay as written."""
+    image row's) before the clip, `% 4 == 2`, `% 8 == 3` the clip as the audio track of a video (`video_with_track`:
+    read with `use_audio_in_video`). Text-only rows and image-only rows stay as written."""
     from mmfsdp.data.synthetic_audio import make_beeps_dataset
 
     make_beeps_dataset(out_dir, num_train=num_train, num_eval=num_eval, seed=seed, seconds=(0.4, 1.6),
@@ -141,6 +142,41 @@ def make_mixed_audio_dataset(out_dir: Path, *, num_train: int, num_eval: int, se
             elif index % 4 == 1 and images:
                 row["images"] = [images[index % len(images)]]
                 user["content"] = "<image>" + user["content"]
+            elif index % 4 >= 2 and index % 8 != 7:
+                name = f"videos/{split}_{index:04d}.mkv"
+                video_with_track(out_dir / name, out_dir / row["audios"][0], np.random.default_rng(index))
+                row["videos"], row["audios"] = [name], []
+                user["content"] = user["content"].replace("<audio>", "<video>")
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (out_dir / "mixed_audio.done").touch()
     return out_dir
+
+
+def video_with_track(path: Path, clip: Path, rng: np.random.Generator, *, size: tuple[int, int] = (48, 32)) -> None:
+    """A Matroska video (mpeg4 at 4 fps, a bright square moving right over noise, as long as the clip) whose audio
+    track is the WAV `clip`'s samples (16-bit PCM)."""
+    import av
+
+    with av.open(str(clip)) as source:
+        stream = source.streams.audio[0]
+        rate, layout = stream.rate, stream.layout.name
+        pcm = np.concatenate([frame.to_ndarray() for frame in source.decode(stream)], axis=1)
+    width, height = size
+    frames = max(2, int(np.ceil(pcm.shape[1] / rate * 4)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    background = rng.integers(0, 96, (height, width, 3), dtype=np.uint8)
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("mpeg4", rate=4)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = out.add_stream("pcm_s16le", rate=rate, layout=layout)
+        for i in range(frames):
+            frame = background.copy()
+            x = i * (width - 8) // max(1, frames - 1)
+            frame[height // 3 : height // 3 + 8, x : x + 8] = 255
+            out.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(video.encode())
+        for start in range(0, pcm.shape[1], 1024):
+            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, start : start + 1024]), format="s16", layout=layout)
+            chunk.sample_rate, chunk.pts = rate, start
+            out.mux(audio.encode(chunk))
+        out.mux(audio.encode(None))

@@ -133,9 +133,14 @@ DATASETS = {
     "varlen": Dataset(_varlen(0), _jsonl(**{"data.dataset_param.preprocess_parameters.cutoff_len": 136})),
     "varlen_img": Dataset(_varlen(1), _jsonl(**{"data.dataset_param.preprocess_parameters.cutoff_len": 136})),
     # clip rows (1-2 clips of 40-160 mel frames, some with an image), shapes image rows and text-only rows
+    # videos of 2 sampled frames (one temporal group: the Omni processor's 128+ merged patches) with their tracks
     "audio": Dataset(_audio, _jsonl(**{
         "data.dataset_param.attr.audios": "audios",
-        "data.dataset_param.preprocess_parameters.cutoff_len": 160,
+        "data.dataset_param.attr.videos": "videos",
+        "data.dataset_param.preprocess_parameters.cutoff_len": 320,
+        "data.dataset_param.preprocess_parameters.use_audio_in_video": "true",
+        "data.dataset_param.preprocess_parameters.video_fps": 2.0,
+        "data.dataset_param.preprocess_parameters.video_maxlen": 2,
     })),
     "shapes": Dataset(_shapes(32, 4), _shapes_overrides("{dir}", 32, 4)),
     "shapes64": Dataset(_shapes(64, 8), _shapes_overrides("{dir}", 64, 8)),

@@ -1,7 +1,9 @@
 """Qwen3-Omni (`qwen3_omni_moe`: the thinker's audio tower, vision tower and MoE decoder) through the real trainer:
 the random-init tiny model of `examples/qwen3omni-tiny/assets`, fp32 on gloo, 4 steps, on the `audio` rows of
 `tests/parity.py` (`tests/mixed_data.py`'s `make_mixed_audio_dataset`): clip rows with one or two clips of 40-160
-mel frames (one or two audio chunks), some with an image, shapes image rows and text-only rows.
+mel frames (one or two audio chunks), some with an image, some a video whose audio track is the clip (read with
+`use_audio_in_video`: the track's pads interleaved with the video's, `VideoSteps` asserts such micro-batches), shapes
+image rows and text-only rows.
 
 Every case gives its 1-process reference's per-step loss, gradient norm and tokens (relative difference <= 1e-5):
 
@@ -48,6 +50,9 @@ BASE = {
     "features.loss_cfg.router_aux_loss_coef": 0.0,
     "training.micro_batch_size": 4,
     "training.train_iters": STEPS,
+    # an order whose first steps hold videos with their tracks, a call of one clip (a CP rank runs the placeholder),
+    # clips and images in the first micro-batch, and a DP 2 step with a clip on one rank only
+    "training.seed": 1240,
 }
 PADDED = {"data.dataloader_param.padding_free": "false"}
 MBS2 = {"training.micro_batch_size": 2}
@@ -93,8 +98,33 @@ class AudioShares(Probe):
         return None if audio_dp is None else list(audio_dp.encoded)
 
 
+class VideoSteps(Probe):
+    """Per micro-batch of this rank's first `STEPS` (read before training, loader rewound): its videos, and how many
+    of them have their audio track interleaved (`<|vision_start|><|audio_start|>`)."""
+
+    name = "video_steps"
+
+    def attach(self, trainer) -> None:
+        config = trainer.model.config
+        state = trainer.loader.state_dict()
+        self.videos = []
+        for _ in range(STEPS):
+            batch = next(trainer.loader)
+            ids = batch["input_ids"]
+            tracks = (ids[:, :-1] == config.vision_start_token_id) & (ids[:, 1:] == config.audio_start_token_id)
+            grids = batch.get("video_grid_thw")
+            self.videos.append((0 if grids is None else len(grids), int(tracks.sum())))
+        trainer.loader.load_state_dict(state)
+
+    def result(self, trainer) -> list[tuple[int, int]]:
+        return self.videos
+
+
 class HFFirstStepWithMedia(HFFirstStep):
-    """`HFFirstStep` on a first batch that holds clips and images."""
+    """`HFFirstStep` on a first batch that holds clips and images; HF told of the videos' interleaved tracks (every
+    video of this data has one)."""
+
+    hf_kwargs = {"use_audio_in_video": True}
 
     def result(self, trainer) -> tuple[float, float]:
         batch = self.first[0]
@@ -109,12 +139,12 @@ def _case(name, world, overrides, reference=None, layout=None, probes=()):
 CASES = {
     case.name: case
     for case in [
-        _case("single", 1, PADDED, probes=(HFFirstStepWithMedia,)),
+        _case("single", 1, PADDED, probes=(HFFirstStepWithMedia, VideoSteps)),
         _case("single_padding_free", 1, {}, "single"),
         _case("single_packed", 1, PACKED, probes=(PadSamplesAsRing2, SamplesPerRow)),
         _case("moe_single", 1, {**PADDED, **AUX}, probes=(AuxLoss,)),
         _case("fsdp2", 2, {**PADDED, **MBS2}, "single", {"dp": 2}, (AudioPerRank,)),
-        _case("ulysses2", 2, U2, "single", {"dp": 1, "ulysses": 2}, (AudioShares,)),
+        _case("ulysses2", 2, U2, "single", {"dp": 1, "ulysses": 2}, (AudioShares, VideoSteps)),
         _case("ring2", 2, {**PADDED, **R2}, "single", {"dp": 1, "ring": 2}, (AudioShares,)),
         _case("ring2_padding_free", 2, R2, "single", {"dp": 1, "ring": 2}),
         _case("ring2_packed", 2, {**PACKED, **R2}, "single_packed", {"dp": 1, "ring": 2}),
@@ -157,6 +187,15 @@ def test_qwen3omni_audio_dp_shares_the_clips(results):
             assert sum(mine for mine, _ in call) == call[0][1], f"{name}: shares {call} do not add up"
         assert any(all(mine > 0 for mine, _ in call) for call in calls), f"{name}: no call was split: {calls}"
         assert any(any(mine == 0 for mine, _ in call) for call in calls), f"{name}: no rank ran the placeholder"
+
+
+def test_qwen3omni_steps_hold_videos_with_their_audio_tracks(results):
+    """Some micro-batches of the runs hold videos, each with its audio track interleaved (`use_audio_in_video`), so
+    the video path, its positions and the tracks' clips are in every layout's numbers."""
+    for name in ("single", "ulysses2"):
+        steps = results[name]["video_steps"][0]
+        assert any(videos for videos, _ in steps), f"{name}: no video in the first {STEPS} steps: {steps}"
+        assert all(videos == tracks for videos, tracks in steps), f"{name}: a video without its track: {steps}"
 
 
 def test_qwen3omni_first_step_matches_plain_hf(results):

@@ -354,11 +354,6 @@ def test_the_warning_is_logged_once_and_on_rank_0_only(tmp_path, monkeypatch):
             "features.chunkloss_plan.apply_module",
             "set it to lm_head",
         ),
-        (
-            "data:\n  dataset_param:\n    preprocess_parameters:\n      use_audio_in_video: true\n",
-            "data.dataset_param.preprocess_parameters.use_audio_in_video",
-            "the audio track of a video is not read yet",
-        ),
         ("tools:\n  profile:\n    profile_type: dynamic\n", "tools.profile.profile_type", "set it to static"),
     ],
 )

@@ -133,10 +133,12 @@ def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = 
 
 
 def write_video(
-    path: Path, num_frames: int, width: int, height: int, fps: Any = 8, codec: str = "mpeg4", seed: int = 0
+    path: Path, num_frames: int, width: int, height: int, fps: Any = 8, codec: str = "mpeg4", seed: int = 0,
+    audio: tuple[np.ndarray, int] | None = None, audio_codec: str = "aac",
 ) -> str:
     """A clip of a white square moving right over noise, written with PyAV (its wheels have mpeg4 and libx264);
-    returns its path."""
+    with `audio` (`[channels, n]` samples in [-1, 1], their rate) also an audio track of that codec; returns its
+    path."""
     import av
 
     rng = np.random.default_rng(seed)
@@ -146,13 +148,41 @@ def write_video(
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        track = None if audio is None else _audio_stream(container, audio[0].shape[0], audio[1], audio_codec)
         for i in range(num_frames):
             frame = background.copy()
             x = (i * max(1, (width - side) // max(1, num_frames - 1))) % (width - side + 1)
             frame[height // 3 : height // 3 + side, x : x + side] = 255
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if track is not None:
+            _mux_audio(container, track, audio[0])
     return str(path)
+
+
+def _audio_stream(container: Any, channels: int, rate: int, codec: str) -> Any:
+    return container.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+
+
+def _mux_audio(container: Any, stream: Any, samples: np.ndarray) -> None:
+    """`samples` (`[channels, n]`, floats in [-1, 1]) as 16-bit integers into `stream` of `container` (its rate),
+    resampled to the encoder's own sample format, with timestamps (an MP4 gets its edit list, an Ogg its
+    pre-skip)."""
+    import av
+
+    rate, layout = stream.codec_context.sample_rate, "mono" if samples.shape[0] == 1 else "stereo"
+    pcm = np.round(np.clip(samples, -1, 1) * 32767).astype(np.int16)
+    frame_size = stream.codec_context.frame_size or 1024
+    fmt = stream.codec_context.codec.audio_formats[0].name
+    resampler = av.AudioResampler(format=fmt, layout=layout, rate=rate, frame_size=frame_size)
+    for start in range(0, pcm.shape[1], frame_size):
+        frame = av.AudioFrame.from_ndarray(pcm[:, start : start + frame_size].T.reshape(1, -1), format="s16", layout=layout)
+        frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
+        for chunk in resampler.resample(frame):
+            container.mux(stream.encode(chunk))
+    for chunk in resampler.resample(None):
+        container.mux(stream.encode(chunk))
+    container.mux(stream.encode(None))
 
 
 def write_audio(path: Path, samples: np.ndarray, rate: int, codec: str = "pcm_s16le", container: str | None = None) -> str:
@@ -161,23 +191,9 @@ def write_audio(path: Path, samples: np.ndarray, rate: int, codec: str = "pcm_s1
     timestamps (so that an MP4 gets its edit list and an Ogg its pre-skip); returns its path."""
     import av
 
-    channels = samples.shape[0]
-    layout = "mono" if channels == 1 else "stereo"
-    pcm = np.round(np.clip(samples, -1, 1) * 32767).astype(np.int16)
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate, layout=layout)
-        frame_size = stream.codec_context.frame_size or 1024
-        fmt = stream.codec_context.codec.audio_formats[0].name
-        resampler = av.AudioResampler(format=fmt, layout=layout, rate=rate, frame_size=frame_size)
-        for start in range(0, pcm.shape[1], frame_size):
-            frame = av.AudioFrame.from_ndarray(pcm[:, start : start + frame_size].T.reshape(1, -1), format="s16", layout=layout)
-            frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
-            for chunk in resampler.resample(frame):
-                out.mux(stream.encode(chunk))
-        for chunk in resampler.resample(None):
-            out.mux(stream.encode(chunk))
-        out.mux(stream.encode(None))
+        _mux_audio(out, _audio_stream(out, samples.shape[0], rate, codec), samples)
     return str(path)
 
 

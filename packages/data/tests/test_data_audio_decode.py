@@ -64,6 +64,9 @@ def test_16khz_wav_decodes_to_its_samples(tmp_path, h, channels):
         ("d.wav", "pcm_s16le", None, 48000, 1),
         ("e.flac", "flac", None, 48000, 2),
         ("f.flac", "flac", None, 44100, 1),
+        # Matroska times packets in milliseconds: a short last packet's duration is rounded, so its length is decoded
+        ("g.mka", "pcm_s16le", "matroska", 16000, 1),
+        ("h.mka", "flac", "matroska", 44100, 2),
     ],
 )
 def test_lossless_clips_resample_to_their_content(tmp_path, h, name, codec, container, rate, channels):

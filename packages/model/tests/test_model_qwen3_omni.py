@@ -99,6 +99,69 @@ def test_training_forward_equals_hf_loss_aux_loss_and_grads(config, chunk_size):
     assert any(n.startswith("model.audio_tower.") for n in actual) and any(".mlp.experts." in n for n in actual)
 
 
+def _assert_packed_equals_alone(ours, packed, samples) -> None:
+    """The packed batch's summed loss and gradients equal the sum of each sample's run alone."""
+    _train_forward(ours, packed, _summed(packed)).loss.backward()
+    grads = _grads(ours)
+    loss = _train_forward(ours, packed, _summed(packed)).loss.detach()
+    expected_loss, expected_grads = torch.zeros(()), {}
+    for sample in samples:
+        alone = omni_batch([[sample]], seq_len=len(sample["input_ids"]))
+        out = _train_forward(ours, alone, _summed(alone))
+        out.loss.backward()
+        expected_loss += out.loss.detach()
+        for name, grad in _grads(ours).items():
+            expected_grads[name] = expected_grads.get(name, 0) + grad
+    assert_close(loss, expected_loss, TOL, "loss")
+    _assert_same_grads(grads, expected_grads)
+
+
+def _video_rows(config, track: bool):
+    """Four rows: a video (2 temporal groups of 4 tokens; with `track`, its 64-frame audio track interleaved) after
+    an image; a clip then a video (its track, if any, the row's second clip); an image and a clip; text only.
+    Every clip's frames are a multiple of 8, so that a clip's features do not depend on its call (`_samples`)."""
+    frames = 64 if track else 0
+    return [
+        [omni_sample(config, 40, [(4, 4)], videos=[(2, 4, 4, frames)], seed=11)],
+        [omni_sample(config, 44, [], [32], videos=[(2, 4, 2, frames)], seed=12)],
+        [omni_sample(config, 30, [(2, 4)], [64], seed=13)],
+        [omni_sample(config, 20, seed=14)],
+    ]
+
+
+@pytest.mark.parametrize("track", [False, True], ids=["video", "audio_in_video"])
+def test_videos_with_and_without_their_audio_track_equal_hf(config, track):
+    """Rows with videos (their audio tracks interleaved by time, `use_audio_in_video`, or not) beside image, clip and
+    text-only rows: the loss + coef x aux loss and every gradient equal HF's thinker given the same flag; the
+    positions equal HF's `get_rope_index` (ours take the flag from the tokens)."""
+    ours, reference = model_pair(config)
+    batch = omni_batch(_video_rows(config, track), seq_len=44)
+    in_video = (batch["input_ids"] == config.audio_start_token_id) & (batch["input_ids"].roll(1, 1) == config.vision_start_token_id)
+    assert int(in_video.sum()) == (2 if track else 0) and batch["video_grid_thw"].shape[0] == 2
+    hf = reference(**batch, use_audio_in_video=track, output_router_logits=True)
+    hf.loss.backward()
+    outputs = _train_forward(ours, batch)
+    total = outputs.loss + config.text_config.router_aux_loss_coef * load_balancing_loss(outputs.router_load)
+    total.backward()
+    assert_close(total, hf.loss.detach(), TOL, "loss + coef x aux")
+    _assert_same_grads(_grads(ours), _grads(reference))
+    positions = ours.prepare_inputs(model_inputs(batch), None)["position_ids"]
+    expected = reference.model.get_rope_index(
+        batch["input_ids"], batch["image_grid_thw"], batch["video_grid_thw"], batch["attention_mask"], track,
+        batch["feature_attention_mask"].sum(-1), batch["video_second_per_grid"],
+    )[0]
+    assert torch.equal(positions, expected)
+
+
+def test_packed_videos_with_their_audio_tracks_equal_separate_runs(config):
+    """[row 1 | row 2] and [row 3 | row 4] of the audio-in-video rows packed: per-sample loss sums and gradients equal
+    each sample alone."""
+    ours, _ = model_pair(config)
+    samples = [row[0] for row in _video_rows(config, True)]
+    packed = omni_batch([samples[:2], samples[2:]], seq_len=84, packing=True)
+    _assert_packed_equals_alone(ours, packed, samples)
+
+
 def _samples(config):
     """a: two images and a clip; b: text; c: a clip of two chunks and an image.
 
@@ -120,19 +183,7 @@ def test_packed_samples_equal_separate_runs(config):
     a, b, c = _samples(config)
     packed = omni_batch([[a, b], [c]], seq_len=64, packing=True)
     assert packed["cu_seq_lens"].tolist() == [0, 40, 64, 100, 128]
-    _train_forward(ours, packed, _summed(packed)).loss.backward()
-    grads = _grads(ours)
-    loss = _train_forward(ours, packed, _summed(packed)).loss.detach()
-    expected_loss, expected_grads = torch.zeros(()), {}
-    for sample in (a, b, c):
-        alone = omni_batch([[sample]], seq_len=len(sample["input_ids"]))
-        out = _train_forward(ours, alone, _summed(alone))
-        out.loss.backward()
-        expected_loss += out.loss.detach()
-        for name, grad in _grads(ours).items():
-            expected_grads[name] = expected_grads.get(name, 0) + grad
-    assert_close(loss, expected_loss, TOL, "loss")
-    _assert_same_grads(grads, expected_grads)
+    _assert_packed_equals_alone(ours, packed, (a, b, c))
     positions = ours.prepare_inputs(model_inputs(packed), packed["cu_seq_lens"])["position_ids"]
     alone = omni_batch([[c]], seq_len=36)
     own = ours.prepare_inputs(model_inputs(alone), None)["position_ids"]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from mmfsdp.data.errors import BadSample
 
 __all__ = [
     "AUDIO_MAX_SECONDS", "AUDIO_TIMEOUT_S", "AudioOptions", "DecodedAudio", "PACKET_BYTES", "PROBE_BYTES", "RESAMPLER",
-    "TRUNCATED_SHARE", "decode_audio",
+    "TRUNCATED_SHARE", "decode_audio", "has_audio_stream",
 ]
 
 AUDIO_MAX_SECONDS = 300.0
@@ -80,11 +81,24 @@ class AudioOptions:
     """`audio_max_seconds`: longest clip accepted; longer is the bad row `audio_too_long` (never cut)."""
     timeout_s: float = AUDIO_TIMEOUT_S
     """`audio_timeout`: bound on opening / decoding one clip."""
+    in_video: bool = False
+    """`use_audio_in_video`: a video's own audio track is read as a clip of its sample (a plugin that interleaves
+    it with the video's tokens)."""
 
     @classmethod
     def from_config(cls, pp) -> AudioOptions:
         """From a `PreprocessParametersConfig`."""
-        return cls(max_seconds=pp.audio_max_seconds, timeout_s=pp.audio_timeout)
+        return cls(max_seconds=pp.audio_max_seconds, timeout_s=pp.audio_timeout, in_video=pp.use_audio_in_video)
+
+
+def has_audio_stream(path: str, timeout_s: float = AUDIO_TIMEOUT_S) -> bool:
+    """Whether the (video) file at `path` holds an audio stream, from its headers; `BadSample` if it cannot be
+    opened."""
+    container = open_container(path, "video", timeout_s, options={"probesize": PROBE_BYTES})
+    try:
+        return bool(container.streams.audio)
+    finally:
+        container.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +126,12 @@ def _audio_stream(container, path: str):
 
 
 def _header_seconds(container, stream) -> float | None:
-    """The stream's duration from the headers (None when they give none)."""
+    """The stream's duration from the headers (None when they give none): its own, else the container's where the
+    stream is all it holds (a video's container lasts as long as its longest stream, not its audio track)."""
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
-    return container.duration / 1_000_000 if container.duration else None
+    alone = len(container.streams) == 1
+    return container.duration / 1_000_000 if container.duration and alone else None
 
 
 def decode_audio(
@@ -156,8 +172,11 @@ def decode_audio(
             raise too_long(header, "lasts")
         max_source = int(max_seconds * source_rate)
         # the length pass of a codec whose packets are its samples: once a sound is heard, packets are counted from
-        # their durations instead of decoded (a damaged packet is then found by the load's decode, counted there)
-        counted = not waveform and (codec.startswith("pcm_") or codec == "flac") and stream.time_base is not None
+        # their durations instead of decoded (a damaged packet is then found by the load's decode, counted there) —
+        # where the container times them to the sample (WAV, FLAC: 1 / rate), not in milliseconds (Matroska), whose
+        # rounded durations miscount a short last packet
+        fine = stream.time_base is not None and stream.time_base <= Fraction(1, source_rate)
+        counted = not waveform and (codec.startswith("pcm_") or codec == "flac") and fine
         for packet in container.demux(stream):
             overdue()
             if counted and heard and packet.size and packet.duration:

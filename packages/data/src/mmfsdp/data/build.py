@@ -5,7 +5,7 @@ plugins and templates, which use `MMProcessor`, are not imported by the module t
 
 from __future__ import annotations
 
-from mmfsdp.config import get_logger
+from mmfsdp.config import ConfigError, get_logger
 
 from mmfsdp.data.audio import AudioOptions
 from mmfsdp.data.config import DataConfig
@@ -36,6 +36,11 @@ def build_plugin(data_cfg: DataConfig, processor: MMProcessor) -> ImagePlugin:
     its audio settings, for a plugin with `supports_audio`)."""
     pp = data_cfg.dataset_param.preprocess_parameters
     plugin_cls = get_plugin(pp.image_plugin or get_template(pp.template).default_plugin)
+    if pp.use_audio_in_video and not (plugin_cls.supports_audio and plugin_cls.supports_video):
+        raise ConfigError(
+            "data.dataset_param.preprocess_parameters.use_audio_in_video",
+            f"image plugin {plugin_cls.name!r} (this model family) reads no audio track of a video; set it to false",
+        )
     audio = {"audio": AudioOptions.from_config(pp)} if plugin_cls.supports_audio else {}
     return plugin_cls(
         processor,

@@ -151,6 +151,10 @@ class PreprocessParametersConfig:
     never cut. The default is Qwen3-Omni's published feature-extractor window (300 s)."""
     audio_timeout: float = AUDIO_TIMEOUT_S
     """Seconds one audio clip may take to open and decode before its row is skipped (`audio_timeout`)."""
+    use_audio_in_video: bool = False
+    """Read a video's own audio track too (Qwen3-Omni): its audio tokens are interleaved with the video's by time
+    and its features join the sample's clips, as `Qwen3OmniMoeProcessor(..., use_audio_in_video=True)` makes them; a
+    video without an audio stream stays video only. A plugin that reads no audio refuses it."""
     train_on_prompt: bool = False
     """Also train on system and user text (image tokens stay masked)."""
     mask_history: bool = False
@@ -165,7 +169,6 @@ class PreprocessParametersConfig:
             "(16000 for Qwen3-Omni)",
             allowed=(16000,),
         ),
-        "use_audio_in_video": Ignored("the audio track of a video is not read yet", allowed=(False,)),
     }
 
     def __post_init__(self) -> None:

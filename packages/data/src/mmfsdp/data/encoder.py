@@ -109,8 +109,11 @@ class SampleEncoder:
             for kind, items in (("video", conversation.videos), ("audio", conversation.audios))
         )
         grids = [self.plugin.read_grid(p) for p in paths]
-        video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
-        audio_grids = self.plugin.read_audio_grids(audio_paths) if audio_paths else []
+        if hasattr(self.plugin, "read_media_grids"):  # a plugin whose clips' tokens depend on its videos' tracks
+            video_grids, audio_grids = self.plugin.read_media_grids(video_paths, audio_paths)
+        else:
+            video_grids = self.plugin.read_video_grids(video_paths) if video_paths else []
+            audio_grids = self.plugin.read_audio_grids(audio_paths) if audio_paths else []
         media_blocks = MediaBlocks(
             images=[self.plugin.image_tokens(grid) for grid in grids],
             videos=[self.plugin.video_tokens(grid) for grid in video_grids],
@@ -124,12 +127,16 @@ class SampleEncoder:
             "absolute_images": sum(Path(p).expanduser().is_absolute() for p in everything),
         }
         if pair is not None:
-            return {**self.encode_pair(conversation, pair.rejected, media_blocks), **media}
-        if prompt is not None:
-            return {**self.encode_prompt(conversation, prompt.ground_truth, media_blocks), **media}
-        input_ids, labels = self.template.encode(conversation, media_blocks)
-        input_ids, labels = self.truncate(input_ids, labels)
-        return {"input_ids": input_ids, "labels": labels, **media}
+            tokens = self.encode_pair(conversation, pair.rejected, media_blocks)
+        elif prompt is not None:
+            tokens = self.encode_prompt(conversation, prompt.ground_truth, media_blocks)
+        else:
+            input_ids, labels = self.template.encode(conversation, media_blocks)
+            input_ids, labels = self.truncate(input_ids, labels)
+            tokens = {"input_ids": input_ids, "labels": labels}
+        if hasattr(self.plugin, "arrange_media"):  # the media lists in the order their tokens came out
+            media = self.plugin.arrange_media(tokens["input_ids"], media)
+        return {**tokens, **media}
 
     def encode_pair(self, conversation: Any, rejected: str, media: MediaBlocks) -> dict[str, Any]:
         """The token columns of a pair (`_EMPTY_PAIR`): the prompt is tokenized once (`Template.encode_pair`); a

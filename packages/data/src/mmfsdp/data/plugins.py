@@ -26,6 +26,10 @@ Every plugin implements `ImagePlugin`. The dataset sees only that protocol:
   each clip once for its exact length, `mmfsdp.data.audio`), `audio_tokens(grid)`, `audio_inputs(paths, grids)`
   (workers: decodes again and runs the feature extractor). Such a plugin's constructor takes `audio=AudioOptions`.
   An audio row for a plugin without it is a bad row (`audio_not_supported`).
+- optional `read_media_grids(video_paths, audio_paths)` -> (video grids, audio grids) read together, for a plugin
+  whose clips' tokens depend on its videos' audio tracks (Qwen3-Omni's `use_audio_in_video`), and optional
+  `arrange_media(input_ids, media)` -> the sample's media lists in the order their tokens came out (its tracks
+  among its clips).
 
 Pixels (and audio features) are made only in `pixel_inputs` / `video_inputs` / `audio_inputs`, i.e. in DataLoader
 workers. Each family's plugin

@@ -4,7 +4,8 @@ Text, packing and images as the `qwen3_vl` collator lays them out, but no `mm_to
 processor returns none and its thinker finds media by their token ids. Audio: `input_features`
 `[Σ clips, feature_size, T]` and `feature_attention_mask` `[Σ clips, T]`, the samples' clips in order, each sample's
 features as its processor call gave them (`T` its longest clip's frames) and padded with zeros (mask 0) to the
-batch's longest `T`; both are absent when no sample has a clip. The audio encoder reads only the frames the mask
+batch's longest `T`; both are absent when no sample has a clip. Videos as `qwen3_vl`'s, and
+`video_second_per_grid` `[Σ videos]` beside their grids. The audio encoder reads only the frames the mask
 keeps, so the padding changes nothing.
 """
 
@@ -33,6 +34,9 @@ class Qwen3OmniCollator(Qwen3VLCollator):
 
     def _media(self, rows: list[list[dict[str, Any]]]) -> dict[str, torch.Tensor]:
         media = super()._media(rows)
+        videos = [sample["video_second_per_grid"] for row in rows for sample in row if "video_second_per_grid" in sample]
+        if videos:
+            media["video_second_per_grid"] = torch.cat(videos)
         clips = [sample for row in rows for sample in row if "input_features" in sample]
         if clips:
             frames = max(sample["input_features"].shape[-1] for sample in clips)

@@ -71,6 +71,8 @@ class Qwen3VLPlugin:
     video_token = "<|video_pad|>"
     vision_start_token = "<|vision_start|>"
     vision_end_token = "<|vision_end|>"
+    frames_at = 9
+    """Where a video grid's sampled frame indices start (`read_video_grids`)."""
 
     @classmethod
     def load_hf_processor(cls, model_dir: Path, tokenizer: Any, *, trust_remote_code: bool = False) -> Any:
@@ -312,7 +314,7 @@ class Qwen3VLPlugin:
     def frame_times(self, grid: tuple[int, ...]) -> list[float]:
         """Seconds of each sampled frame of a video grid."""
         fps = float(Fraction(grid[7], grid[8]))
-        return [index / fps for index in grid[9:]]
+        return [index / fps for index in grid[self.frames_at :]]
 
     def group_times(self, grid: tuple[int, ...]) -> list[float]:
         """The timestamp of each temporal group, as `Qwen3VLProcessor` computes it: the mean of its first and last
@@ -342,7 +344,7 @@ class Qwen3VLPlugin:
         videos = []
         for path, grid in zip(paths, grids):
             width, height, frame_w, frame_h = grid[3:7]
-            frames = decode_frames(path, list(grid[9:]), timeout_s=self.video_options.timeout_s)
+            frames = decode_frames(path, list(grid[self.frames_at :]), timeout_s=self.video_options.timeout_s)
             if frames.shape[1:3] != (height, width):
                 detail = f"{path} decodes to {frames.shape[2]}x{frames.shape[1]} frames, not its header's"
                 detail += f" {width}x{height}"
@@ -365,9 +367,9 @@ class Qwen3VLPlugin:
         n = t * h * w // self.video_merge_size**2
         times = ", ".join(f"{time:.2f}" for time in self.frame_times(grid))
         return (
-            f"{len(grid) - 9} frames at {times} s ({grid[5]}x{grid[6]} px) -> grid {t}x{h}x{w} patches -> "
+            f"{len(grid) - self.frames_at} frames at {times} s ({grid[5]}x{grid[6]} px) -> grid {t}x{h}x{w} patches -> "
             f"{n} <|video_pad|> in {t} groups, {len(self.video_tokens(grid))} tokens with timestamps"
         )
 
     def video_label(self, grid: tuple[int, ...]) -> str:
-        return "x".join(str(g) for g in grid[:3]) + f" {len(grid) - 9} frames"
+        return "x".join(str(g) for g in grid[:3]) + f" {len(grid) - self.frames_at} frames"

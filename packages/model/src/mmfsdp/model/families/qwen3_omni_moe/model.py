@@ -23,7 +23,8 @@ the vision placeholder, vision DP) and adds only what Omni has on its own:
   its `thinker_config` (`HFFamilyEntry.model_config`), or a bare thinker config. The talker and code2wav tensors
   are not trained and pass through conversions and exports untouched (`adapter.py`).
 
-Videos are not read yet by the data side: the spec declares no `video` and the run has no video pass.
+Videos: `prepare_inputs` passes `video_grid_thw` and `video_second_per_grid` to the positions; a video whose audio
+track is interleaved with its pads (`use_audio_in_video`) is positioned by a call of its own row (`omni_position_ids`).
 
 Shape legend: B batch, S tokens, C clips, M mel bins, T frames.
 """
@@ -63,36 +64,53 @@ __all__ = [
 
 
 def omni_position_ids(
-    get_rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-    input_ids: torch.Tensor,
-    *,
-    audio_start_token_id: int,
-    image_token_id: int,
-    spatial_merge_size: int,
-    image_grid_thw: torch.Tensor | None = None,
-    audio_lengths: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
+    get_rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
+    config: PretrainedConfig, media: dict[str, torch.Tensor | None], attention_mask: torch.Tensor | None = None,
     cu_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[3, B, S]` M-RoPE positions from the thinker's `get_rope_index`: for the batch (`attention_mask`
-    `[B, S]`), or per packed sample of `cu_seq_lens` (over the flattened `B·S` tokens) with that sample's images
-    and clips (`audio_lengths` `[C]`: each clip's mel frames), taken in order; a sample's padding continues its
-    positions."""
+    `[B, S]`), or per packed sample of `cu_seq_lens` (over the flattened `B·S` tokens) with that sample's media,
+    taken in order: `media`'s `image_grid_thw`, `video_grid_thw`, `video_second_per_grid` `[V]` and
+    `audio_lengths` `[C]` (each clip's mel frames), each None where the batch has none; a sample's padding
+    continues its positions.
+
+    A video with its audio track interleaved (`<|vision_start|><|audio_start|>`) needs `use_audio_in_video` in
+    `get_rope_index`, which then misplaces a video without one: so a batch holding such a video is one call per row
+    (per packed sample), each with its own flag."""
+    image_grid_thw, video_grid_thw = media.get("image_grid_thw"), media.get("video_grid_thw")
+    second_per_grids, audio_lengths = media.get("video_second_per_grid"), media.get("audio_lengths")
+    start_ids = (config.vision_start_token_id, config.audio_start_token_id)
+    interleaved = bool(((input_ids[:, :-1] == start_ids[0]) & (input_ids[:, 1:] == start_ids[1])).any())
+    if cu_seq_lens is None and not interleaved:
+        return get_rope_index(
+            input_ids, image_grid_thw, video_grid_thw, attention_mask, False, audio_lengths, second_per_grids
+        )[0]
+    merge = config.vision_config.spatial_merge_size
+    taken = {"image": 0, "video": 0, "clip": 0}
+
+    def positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        images, taken["image"] = _take_grids(image_grid_thw, taken["image"], int((ids == config.image_token_id).sum()), merge)
+        first_video = taken["video"]
+        videos, taken["video"] = _take_grids(video_grid_thw, first_video, int((ids == config.video_token_id).sum()), merge)
+        seconds = second_per_grids[first_video : taken["video"]] if videos is not None and second_per_grids is not None else None
+        first, num_clips = taken["clip"], int((ids == config.audio_start_token_id).sum())
+        if num_clips and (audio_lengths is None or first + num_clips > len(audio_lengths)):
+            raise ValueError(f"a sample has {num_clips} audio clips but the batch's clips run out")
+        taken["clip"] += num_clips
+        clips = audio_lengths[first : first + num_clips] if num_clips else None
+        in_video = bool(((ids[:, :-1] == start_ids[0]) & (ids[:, 1:] == start_ids[1])).any())
+        return get_rope_index(ids, images, videos, mask, in_video, clips, seconds)[0]
+
     if cu_seq_lens is None:
-        return get_rope_index(input_ids, image_grid_thw, None, attention_mask, False, audio_lengths, None)[0]
+        rows = [positions(input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1])
+                for b in range(input_ids.shape[0])]
+        # padding at 0, as the batch's one call leaves it (a row without media alone would count it on)
+        return torch.cat(rows, dim=1) if attention_mask is None else torch.cat(rows, dim=1).masked_fill(attention_mask == 0, 0)
     flat_ids = input_ids.reshape(1, -1)
-    taken = {"image": 0, "clip": 0}
 
     def sample_positions(start: int, end: int) -> torch.Tensor:
         ids = flat_ids[:, start:end]
-        num_images = int((ids == image_token_id).sum())
-        images, taken["image"] = _take_grids(image_grid_thw, taken["image"], num_images, spatial_merge_size)
-        first, num_clips = taken["clip"], int((ids == audio_start_token_id).sum())
-        if num_clips and (audio_lengths is None or first + num_clips > len(audio_lengths)):
-            raise ValueError(f"a packed sample has {num_clips} audio clips but the batch's clips run out")
-        taken["clip"] += num_clips
-        clips = audio_lengths[first : first + num_clips] if num_clips else None
-        return get_rope_index(ids, images, None, torch.ones_like(ids), False, clips, None)[0][:, 0]
+        return positions(ids, torch.ones_like(ids))[:, 0]
 
     return per_packed_sample(input_ids.shape, cu_seq_lens, sample_positions, torch.float, input_ids.device)
 
@@ -100,36 +118,23 @@ def omni_position_ids(
 class Qwen3OmniMoeTrainingMixin(Qwen3VLTrainingMixin):
     """Qwen3-VL's training hooks with Omni's positions (images and audio clips by token id) and its audio kind."""
 
-    media_inputs = {"image": "pixel_values", "audio": "input_features"}
+    media_inputs = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
     media_placeholders = {"audio": "audio_placeholder_features"}
 
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given;
         without packing only where HF's forward computes them (with an attention mask)."""
-        input_ids = kwargs.get("input_ids")
-        position_ids = kwargs.get("position_ids")
-        if input_ids is None or (position_ids is not None and position_ids.dim() == 3):
+        if not self.computes_positions(kwargs) or (cu_seq_lens is None and kwargs.get("attention_mask") is None):
             return kwargs
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return kwargs
-        if cu_seq_lens is None and kwargs.get("attention_mask") is None:
-            return kwargs
-        if kwargs.get("pixel_values_videos") is not None or kwargs.get("use_audio_in_video"):
-            raise ValueError("qwen3_omni_moe does not train on videos yet (the data side reads none)")
+        input_ids = kwargs["input_ids"]
         audio_lengths = kwargs.get("audio_feature_lengths")
         if kwargs.get("feature_attention_mask") is not None:
             audio_lengths = kwargs["feature_attention_mask"].sum(-1)
         kwargs = dict(kwargs)
+        media = {key: kwargs.get(key) for key in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
         kwargs["position_ids"] = omni_position_ids(
-            self.model.get_rope_index,
-            input_ids,
-            audio_start_token_id=self.config.audio_start_token_id,
-            image_token_id=self.config.image_token_id,
-            spatial_merge_size=self.config.vision_config.spatial_merge_size,
-            image_grid_thw=kwargs.get("image_grid_thw"),
-            audio_lengths=audio_lengths,
-            attention_mask=kwargs.get("attention_mask") if cu_seq_lens is None else None,
-            cu_seq_lens=cu_seq_lens,
+            self.model.get_rope_index, input_ids, self.config, {**media, "audio_lengths": audio_lengths},
+            kwargs.get("attention_mask") if cu_seq_lens is None else None, cu_seq_lens,
         )
         return kwargs
 
@@ -244,10 +249,12 @@ class Qwen3OmniMoeTestKit(Qwen3VLMoeTestKit):
 
     def tiny_config(self, *, vocab_size: int = 256, image_token_id: int = 10, **overrides: Any) -> PretrainedConfig:
         """Qwen3-VL's tiny config fields for the thinker plus `audio_config`; the audio pad, start and end tokens
-        are the three ids below the image token (the samples' random text starts above the vision end token)."""
+        are the three ids below the image token (the samples' random text starts above the vision end token);
+        `position_id_per_seconds` 13, the published checkpoints' and the processor's (transformers' config default,
+        25, is Qwen2.5-Omni's)."""
         audio = {**self.tiny_audio_config(), **overrides.pop("audio_config", {})}
         ids = dict(audio_token_id=image_token_id - 3, audio_start_token_id=image_token_id - 2,
-                   audio_end_token_id=image_token_id - 1)
+                   audio_end_token_id=image_token_id - 1, position_id_per_seconds=13)
         return super().tiny_config(vocab_size=vocab_size, image_token_id=image_token_id, audio_config=audio,
                                    **{**ids, **overrides})
 
@@ -287,7 +294,7 @@ class Qwen3OmniMoeEntry(QwenMoeEntryMixin, Qwen3VLEntry):
     vision_modules = ("model.visual", "model.audio_tower")
     """The encoders: the vision tower (first: the memory plan's) and the audio tower, replicated over context
     parallel and run whole."""
-    capabilities = Capabilities(context_parallel=True, packing=True, expert_layout="hf_fused")
+    capabilities = Capabilities(context_parallel=True, packing=True, video=True, expert_layout="hf_fused")
     legacy_module_names = (("visual", "model.visual"), ("audio_tower", "model.audio_tower"), ("model", "model.language_model"))
     """MindSpeed-MM's Qwen3-Omni configs name the modules of its own thinker class (transformers 4's layout:
     `visual`, `audio_tower`, the text model `model`); they are read in this model's names."""

@@ -153,14 +153,20 @@ class Qwen3VLTrainingMixin(TrainingForwardMixin):
 
     media_inputs = {"image": "pixel_values", "video": "pixel_values_videos"}
 
+    @staticmethod
+    def computes_positions(kwargs: dict[str, Any]) -> bool:
+        """Whether `prepare_inputs` makes the M-RoPE positions: from ids, unless 3-D ones are given or a cache is
+        (generation continues HF's own)."""
+        position_ids = kwargs.get("position_ids")
+        if kwargs.get("input_ids") is None or (position_ids is not None and position_ids.dim() == 3):
+            return False
+        return kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+
     def prepare_inputs(self, kwargs: dict[str, Any], cu_seq_lens: torch.Tensor | None) -> dict[str, Any]:
         """M-RoPE `position_ids` `[3, B, S]` for the whole sample (per packed sample), unless 3-D ones are given."""
-        input_ids = kwargs.get("input_ids")
-        position_ids = kwargs.get("position_ids")
-        if input_ids is None or (position_ids is not None and position_ids.dim() == 3):
+        if not self.computes_positions(kwargs):
             return kwargs
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return kwargs
+        input_ids = kwargs["input_ids"]
         types = kwargs.get("mm_token_type_ids")
         if types is None:
             types = mm_token_types(input_ids, self.config.image_token_id, self.config.video_token_id)
