@@ -74,6 +74,19 @@ def test_the_vllm_engine_names_its_python_and_how_to_build_it(tmp_path):
     assert url.url == "127.0.0.1:8000"
 
 
+@pytest.mark.parametrize("column", ["videos", "audios"])
+def test_the_vllm_engine_refuses_prompts_with_videos_or_audio(tmp_path, column):
+    """It sends a prompt's images only: a run whose data reads videos or audio is refused by key before it starts,
+    naming the column; with the hf engine the same data loads."""
+    python = tmp_path / "python"
+    python.write_text("")
+    vllm = ("training.grpo.rollout.engine=vllm", f"training.grpo.rollout.vllm.python={python}")
+    with pytest.raises(ConfigError) as err:
+        _cfg(*vllm, f"data.dataset_param.attr.{column}={column}")
+    assert str(err.value).startswith("training.grpo.rollout.engine") and f"attr.{column}" in str(err.value)
+    assert getattr(_cfg(f"data.dataset_param.attr.{column}={column}").data.dataset_param.attr, column) == column
+
+
 def test_sampling_correction_keys_of_trl_and_verl():
     assert _cfg().training.grpo.correction_terms() == {}  # off by default (TRL's default is on)
     g = _cfg("training.grpo.vllm_importance_sampling_correction=true").training.grpo

@@ -141,6 +141,14 @@ class GRPOObjective(Objective):
         if cfg.data.dataset_param.preprocess_parameters.train_on_prompt:
             raise ConfigError("data.dataset_param.preprocess_parameters.train_on_prompt",
                               "grpo trains on completions only; set it false")
+        attr = cfg.data.dataset_param.attr
+        unsent = [f"attr.{kind}" for kind in ("videos", "audios") if getattr(attr, kind)]
+        if g.rollout.engine == "vllm" and unsent:
+            raise ConfigError(
+                "training.grpo.rollout.engine",
+                f"the vllm engine sends a prompt's images only, and the data reads {' and '.join(unsent)}: use "
+                "engine hf for prompts with videos or audio, or drop those columns",
+            )
         if g.beta and live_reference_kind(t) == "lora" and t.lora.pretrained_lora_path:
             raise ConfigError(
                 "training.grpo.beta",
