@@ -152,7 +152,8 @@ class Qwen3OmniPlugin(Qwen3VLPlugin):
         size = videos_kwargs.get("size")
         if size is not None:
             self.video_size = (size_value(size, "shortest_edge"), size_value(size, "longest_edge"))
-        self.size_source = "the processor's call default" if size is not None else "the video processor's size"
+        self.size_source = (f"transformers default ({type(hf).__name__}.videos_kwargs, over the video processor's)"
+                            if size is not None else "the video processor's size")
         self._video_kwargs["size"] = dict(zip(("shortest_edge", "longest_edge"), self.video_size))
 
         def setting(name: str) -> float:

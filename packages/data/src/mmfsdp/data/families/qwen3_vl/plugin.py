@@ -292,8 +292,8 @@ class Qwen3VLPlugin:
             if len(frames) < self.temporal_patch_size:
                 raise BadSample(
                     "unsupported_video",
-                    f"{path} gives {len(frames)} sampled frame(s) ({info.num_frames} in all); Qwen3-VL needs at least "
-                    f"temporal_patch_size = {self.temporal_patch_size}",
+                    f"{path} gives {len(frames)} sampled frame(s) ({info.num_frames} in all); the {self.name} plugin "
+                    f"needs at least temporal_patch_size = {self.temporal_patch_size}",
                 )
             width, height = scale_to_pixel_limits(info.width, info.height, frame_max, self.video_options.min_pixels)
             if width < 1 or height < 1:
@@ -302,8 +302,8 @@ class Qwen3VLPlugin:
             try:
                 resized_h, resized_w = self.video_resize(len(frames), height, width)
             except ValueError as err:
-                detail = f"{path} is {info.width}x{info.height}, which the Qwen3-VL video processor cannot resize"
-                detail += f" ({err})"
+                detail = f"{path} is {info.width}x{info.height}, which the {self.name} plugin's video resize cannot"
+                detail += f" handle ({err})"
                 raise BadSample("unsupported_video", detail) from None
             t = -(-len(frames) // self.temporal_patch_size)
             patches = (t, resized_h // self.video_patch_size, resized_w // self.video_patch_size)
