@@ -25,6 +25,9 @@ answer -> ground truth; image and text-only rows mixed), the tiny Qwen3-VL in fp
   order, `mmfsdp.train.grpo_sampling`); without resampling (`max_resample_rounds: 0`) on FSDP2 2, the rank whose
   prompts are all text-only at step 3 keeps no group and runs a filler micro-batch (the same collectives, exactly
   zero loss and gradient): its tokens are the only difference from the one-process run, counted exactly;
+- Qwen3-Omni (router aux loss on) on the audio rows of `tests/parity.py` as prompts (clips, images, videos with
+  their audio tracks interleaved, text only): generation's and training's log-probabilities agree, and FSDP2 2 =
+  one process;
 - balanced steps (`data.dataloader_param.balance`: every rank's kept completions planned over the ranks by the cost
   model, some trained on the rank that did not generate them) on FSDP2 2 = one process without balance, and with a
   token budget and dynamic sampling = the 1-process dynamic run.
@@ -59,12 +62,24 @@ BASE = {
     "training.grpo.reward_funcs": f"[accuracy, '{USER_REWARD}']",
     "training.grpo.log_completions_interval": 1,
 }
+OMNI = ROOT / "examples" / "qwen3omni-tiny" / "config.yaml"
+OMNI_SETTINGS = {
+    "model.model_name_or_path": str(OMNI.parent / "assets"),
+    "data.dataset_param.preprocess_parameters.model_name_or_path": str(OMNI.parent / "assets"),
+    "features.loss_cfg.router_aux_loss_coef": 0.5,
+    "training.seed": 1240,
+}
+"""Qwen3-Omni on `tests/parity.py`'s audio rows as prompts (clips, images, videos with their audio tracks, text)."""
 TRL_NAMES = (
     "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
     "completions/max_length", "completions/clipped_ratio", "rewards/accuracy/mean", "rewards/accuracy/std",
     "rewards/shared_letters/mean", "rewards/shared_letters/std", "entropy", "clip_ratio/low_mean",
     "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
 )
+
+
+MEDIA_KEYS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
+"""A prompt's media kinds, by the collator's keys."""
 
 
 class GRPORecord(Probe):
@@ -87,6 +102,7 @@ class GRPORecord(Probe):
     def attach(self, trainer) -> None:
         self.before = _first_weights(trainer)
         self.images: list[list[list[bool]]] = []  # per step, micro-batch and prompt: whether it has an image
+        self.media: list[list[str]] = []  # per step: the kinds of media of this rank's prompts
         self.fillers: list[int] = []  # per step, the tokens of this rank's filler micro-batches (the trainer's count)
         self.budget: list[tuple[int, int, int]] = []  # per step: micro-batches within the budget, run, largest tokens
         self.moved_prompts: list[int] = []  # per step: prompts it trains that its loader did not hand it (balance)
@@ -95,6 +111,8 @@ class GRPORecord(Probe):
 
         def recording(micro_batches):
             self.images.append([["pixel_values" in item for item in mb["prompts"]] for mb in micro_batches])
+            self.media.append(sorted({kind for mb in micro_batches for item in mb["prompts"]
+                                      for kind, key in MEDIA_KEYS.items() if key in item}))
             trained = start_step(micro_batches)
             own = {item["prompt_index"] for mb in micro_batches for item in mb["prompts"]}
             self.moved_prompts.append(sum(item["prompt_index"] not in own for item in objective._generation.prompts))
@@ -114,7 +132,7 @@ class GRPORecord(Probe):
         moved = float((_first_weights(trainer) - self.before).abs().max())
         return {"stats": [dict(r.stats) for r in trainer.history], "moved": moved, "completions": rows,
                 "images": self.images, "fillers": self.fillers, "val": dict(trainer.evaluator.val_stats),
-                "budget": self.budget, "moved_prompts": self.moved_prompts}
+                "budget": self.budget, "moved_prompts": self.moved_prompts, "media": self.media}
 
 
 def _text_only_rank_step(*ranks) -> bool:
@@ -225,6 +243,9 @@ CASES = [
     Case("grpo_val_ref", 1, QWEN, {**BASE, **VALIDATION}, dataset="shapes", probes=(GRPORecord,)),
     Case("grpo_val_fsdp2", 2, QWEN, {**BASE, **VALIDATION, "training.micro_batch_size": 1}, "grpo_val_ref",
          dataset="shapes", probes=(GRPORecord,), layout={"dp": 2}),
+    Case("grpo_omni_ref", 1, OMNI, {**BASE, **OMNI_SETTINGS}, dataset="audio", probes=(GRPORecord,)),
+    Case("grpo_omni_fsdp2", 2, OMNI, {**BASE, **OMNI_SETTINGS, "training.micro_batch_size": 1}, "grpo_omni_ref",
+         dataset="audio", probes=(GRPORecord,), layout={"dp": 2}),
 ]
 
 
@@ -246,6 +267,18 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
     assert {"step", "prompt", "completion", "solution", "reward", "advantage"} <= set(rows[0])
     assert any(row["prompt"].startswith("<image>") for row in rows)
     assert any("<image>" not in row["prompt"] for row in rows)
+
+
+def test_grpo_on_audio_and_video_prompts(tmp_path_factory):
+    """Qwen3-Omni on prompts with clips, images and videos with their audio tracks: the rollouts' sampling
+    log-probabilities equal the trainer's (the positions of a video's interleaved track agree between generation and
+    training) and every kind of media is generated from (its DP-2 run equals it: `test_grpo_layout_matches_...`)."""
+    cases = [c for c in CASES if c.name == "grpo_omni_ref"]
+    record = run_cases(cases, tmp_path_factory.mktemp("grpo"), session_dir(tmp_path_factory))["grpo_omni_ref"]["grpo"][0]
+    assert {kind for step in record["media"] for kind in step} == {"image", "video", "audio"}, record["media"]
+    for step, stats in enumerate(record["stats"], start=1):
+        assert_within(stats["rollout/logprob_diff_max"], 1e-5, f"step {step} rollout/logprob_diff_max")
+    assert record["moved"] > 0
 
 
 def test_sampling_correction_runs_and_logs(tmp_path_factory):
