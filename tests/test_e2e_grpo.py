@@ -269,6 +269,7 @@ def test_grpo_one_process_trains_and_logs_trl_metrics(tmp_path_factory):
     assert any("<image>" not in row["prompt"] for row in rows)
 
 
+@pytest.mark.slow
 def test_grpo_on_audio_and_video_prompts(tmp_path_factory):
     """Qwen3-Omni on prompts with clips, images and videos with their audio tracks: the rollouts' sampling
     log-probabilities equal the trainer's (the positions of a video's interleaved track agree between generation and
