@@ -305,6 +305,7 @@ def _fsdp_audio_vs_images(rank: int, world_size: int, _) -> tuple[float, float, 
     return float(total), float(clip_grad_norm(list(model.parameters()), 1e9)), order
 
 
+@pytest.mark.slow  # two spawned gloo processes (~7 s): the full suite runs it, the quick tier does not
 def test_fsdp2_ranks_with_a_clip_and_with_an_image_run_their_encoders_in_one_order():
     """A rank with a clip and no image and a rank with an image and no clip run the audio tower, then the vision
     tower (a real pass or a placeholder), and two processes give one process's loss and grad norm."""
