@@ -117,10 +117,10 @@ def _assert_packed_equals_alone(ours, packed, samples) -> None:
 
 
 def _video_rows(config, track: bool):
-    """Four rows: a video (2 temporal groups of 4 tokens; with `track`, its 64-frame audio track interleaved) after
+    """Four rows: a video (2 temporal groups of 4 tokens; with `track`, its 32-frame audio track interleaved) after
     an image; a clip then a video (its track, if any, the row's second clip); an image and a clip; text only.
     Every clip's frames are a multiple of 8, so that a clip's features do not depend on its call (`_samples`)."""
-    frames = 64 if track else 0
+    frames = 32 if track else 0
     return [
         [omni_sample(config, 40, [(4, 4)], videos=[(2, 4, 4, frames)], seed=11)],
         [omni_sample(config, 44, [], [32], videos=[(2, 4, 2, frames)], seed=12)],
