@@ -80,7 +80,10 @@ def omni_position_ids(
     image_grid_thw, video_grid_thw = media.get("image_grid_thw"), media.get("video_grid_thw")
     second_per_grids, audio_lengths = media.get("video_second_per_grid"), media.get("audio_lengths")
     start_ids = (config.vision_start_token_id, config.audio_start_token_id)
-    interleaved = bool(((input_ids[:, :-1] == start_ids[0]) & (input_ids[:, 1:] == start_ids[1])).any())
+    # only a batch with videos can hold an interleaved track: no host read of the ids for the others
+    interleaved = video_grid_thw is not None and bool(
+        ((input_ids[:, :-1] == start_ids[0]) & (input_ids[:, 1:] == start_ids[1])).any()
+    )
     if cu_seq_lens is None and not interleaved:
         return get_rope_index(
             input_ids, image_grid_thw, video_grid_thw, attention_mask, False, audio_lengths, second_per_grids
