@@ -1,11 +1,14 @@
-"""`SwapAdamW` (`training.optimizer: adamw_swap`) is AdamW, bit for bit, with its moments on the host.
+"""`ShardAdamW` (the trainer's AdamW: updated on the local shards) and `SwapAdamW` (`training.optimizer:
+adamw_swap`, the same with its moments on the host) are AdamW, bit for bit.
 
 Single process: the same updates as `torch.optim.AdamW` for foreach, for-loop and
 fused settings, any number of buckets, and the standard state-dict layout.
-Two gloo ranks with FSDP2: 10 steps give bitwise the losses of AdamW; between
-steps every moment is a DTensor whose local shard lives on the host (pinned
-where CUDA exists); a DCP checkpoint written at step 5 resumes into `SwapAdamW`
-and into `AdamW` with the losses of steps 6-10 of the uninterrupted run.
+Two gloo ranks with FSDP2: 10 steps of `ShardAdamW` give bitwise the parameters and
+moments of `AdamW` dispatched through DTensor (fused and foreach), and of `SwapAdamW`
+the losses of AdamW; between steps every moment is a DTensor (with the parameter's
+placements), whose local shard lives on the host (pinned where CUDA exists) for
+`SwapAdamW`; a DCP checkpoint written at step 5 resumes into `SwapAdamW`, `ShardAdamW`
+and `AdamW` with the losses of steps 6-10 of the uninterrupted run.
 """
 
 import pytest
@@ -16,14 +19,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from mmfsdp.parallel import FSDPPlanConfig, MeshPlan, ParallelConfig, SwapAdamW, apply_fsdp, build_parallel_dims
+from mmfsdp.parallel import (
+    FSDPPlanConfig, MeshPlan, ParallelConfig, ShardAdamW, SwapAdamW, apply_fsdp, build_parallel_dims,
+)
 from mmfsdp.parallel.testing import run_distributed
 
 STEPS, RESUME_AT, DIM = 10, 5, 16
 
 
 @pytest.mark.parametrize("settings", [{"foreach": True}, {"foreach": False}, {"fused": True}, {"foreach": True, "amsgrad": True}])
-@pytest.mark.parametrize("swap_times", [1, 3, 100])
+@pytest.mark.parametrize("swap_times", [None, 1, 3, 100])  # None: ShardAdamW
 def test_single_process_updates_equal_adamw(settings, swap_times):
     torch.manual_seed(0)
     shapes = [(7, 5), (3,), (11, 4), (2, 2, 2)]
@@ -32,7 +37,8 @@ def test_single_process_updates_equal_adamw(settings, swap_times):
     ours = [p.clone().requires_grad_() for p in start]
     groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]  # noqa: E731
     reference = torch.optim.AdamW(groups(ref), lr=1e-2, **settings)
-    swap = SwapAdamW(groups(ours), lr=1e-2, swap_times=swap_times, **settings)
+    swap = (ShardAdamW(groups(ours), lr=1e-2, **settings) if swap_times is None
+            else SwapAdamW(groups(ours), lr=1e-2, swap_times=swap_times, **settings))
     for _ in range(4):
         for a, b in zip(ref, ours):
             a.grad = torch.randn_like(a)
@@ -63,7 +69,7 @@ class _Net(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def _build(kind: str, world_size: int):
+def _build(kind: str, world_size: int, **settings):
     torch.manual_seed(0)
     model = _Net()
     dims = build_parallel_dims(MeshPlan.from_config(ParallelConfig(), world_size), "cpu")
@@ -71,9 +77,12 @@ def _build(kind: str, world_size: int):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    settings = settings or {"foreach": True}
     if kind == "adamw":
-        return model, torch.optim.AdamW(groups, lr=1e-2, foreach=True)
-    return model, SwapAdamW(groups, lr=1e-2, foreach=True, swap_times=3)
+        return model, torch.optim.AdamW(groups, lr=1e-2, **settings)
+    if kind == "shard":
+        return model, ShardAdamW(groups, lr=1e-2, **settings)
+    return model, SwapAdamW(groups, lr=1e-2, swap_times=3, **settings)
 
 
 def _train(model, optimizer, rank: int, steps: range, check_host: bool = False) -> list[float]:
@@ -109,14 +118,37 @@ def _swap_worker(rank: int, world_size: int, ckpt_dir: str):
     _train(model, optimizer, rank, range(RESUME_AT))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
-    for kind in ("swap", "adamw"):
+    for kind in ("swap", "shard", "adamw"):
         model, optimizer = _build(kind, world_size)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         results[f"resumed_{kind}"] = _train(model, optimizer, rank, range(RESUME_AT, STEPS), check_host=kind == "swap")
+    results["shard_equal"] = {name: _shard_equals_adamw(rank, world_size, settings)
+                              for name, settings in (("fused", {"fused": True}), ("foreach", {"foreach": True}))}
     return results
+
+
+def _shard_equals_adamw(rank: int, world_size: int, settings: dict) -> bool:
+    """10 steps of `ShardAdamW` and of `AdamW` (DTensor dispatch) from the same start: every parameter and moment
+    bitwise equal, the moments DTensors with the parameter's placements."""
+    runs = []
+    for kind in ("adamw", "shard"):
+        model, optimizer = _build(kind, world_size, **settings)
+        losses = _train(model, optimizer, rank, range(STEPS))
+        runs.append((losses, model, optimizer))
+    (ref_losses, ref_model, ref_opt), (losses, model, optimizer) = runs
+    assert losses == ref_losses and losses[0] != losses[-1]
+    for (name, ref), param in zip(ref_model.named_parameters(), model.parameters()):
+        assert isinstance(param, DTensor) and torch.equal(ref.to_local(), param.to_local()), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            got, expected = optimizer.state[param][key], ref_opt.state[ref][key]
+            if key != "step":
+                assert isinstance(got, DTensor) and got.placements == param.placements, (name, key)
+                got, expected = got.to_local(), expected.to_local()
+            assert torch.equal(got, expected), (name, key)
+    return True
 
 
 def test_fsdp2_swap_equals_adamw_and_resumes_through_dcp(tmp_path):
@@ -124,5 +156,7 @@ def test_fsdp2_swap_equals_adamw_and_resumes_through_dcp(tmp_path):
     for rank_result in results:
         assert rank_result["swap"] == rank_result["adamw"], "per-step losses must be bitwise equal"
         assert rank_result["resumed_swap"] == rank_result["swap"][RESUME_AT:]
+        assert rank_result["resumed_shard"] == rank_result["swap"][RESUME_AT:]
         assert rank_result["resumed_adamw"] == rank_result["swap"][RESUME_AT:]
+        assert rank_result["shard_equal"] == {"fused": True, "foreach": True}
     assert len(results[0]["swap"]) == STEPS and results[0]["swap"][0] != results[0]["swap"][-1]

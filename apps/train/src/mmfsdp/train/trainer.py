@@ -94,9 +94,11 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.optim.Optimizer:
-    """AdamW (or `adamw_swap`: `mmfsdp.parallel.SwapAdamW`, the same maths with host-resident moments) over the
-    trained parameters (`Trainable.parameters`); decay on matrices only; torch's fused kernel on every device (on
-    the CPU about 4x faster than foreach for the same update: one pass over the parameters and states)."""
+    """AdamW over the trained parameters (`Trainable.parameters`), decay on matrices only: `ShardAdamW`, torch's
+    AdamW applied to each DTensor's local shard (the same bits as DTensor's dispatch without its per-process
+    sharding propagation over the whole parameter list), or `adamw_swap`: `SwapAdamW`, the same maths with
+    host-resident moments; torch's fused kernel on every device (on the CPU about 4x faster than foreach for the
+    same update: one pass over the parameters and states)."""
     decay, no_decay = [], []
     for param in Trainable.parameters(model):
         (decay if param.ndim >= 2 else no_decay).append(param)
@@ -109,7 +111,9 @@ def build_optimizer(model: torch.nn.Module, cfg, device_type: str) -> torch.opti
         from mmfsdp.parallel import SwapAdamW
 
         return SwapAdamW(groups, swap_times=cfg.swap_optimizer_times, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    from mmfsdp.parallel import ShardAdamW
+
+    return ShardAdamW(groups, **kwargs)
 
 
 class Trainer:

@@ -17,8 +17,9 @@ The trainer uses this package in this order:
    (first of all) compiles each matched block's forward with `torch.compile`.
    MoE families first shard their experts over the `ep` mesh with
    `apply_expert_parallel` (token dispatch by all-to-all, `experts_forward`).
-4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients, and
-   `SwapAdamW` (`training.optimizer: adamw_swap`) keeps AdamW's moments on the host.
+4. In the loop, `clip_grad_norm` on the sharded (DTensor) gradients, `ShardAdamW` (AdamW updating each
+   DTensor's local shard with torch's fused kernel), and `SwapAdamW` (`training.optimizer: adamw_swap`), the same
+   with AdamW's moments on the host.
 
 Context parallel lives in `mmfsdp.parallel.cp` and uses the `cp`, `ring` and
 `ulysses` groups of `ParallelDims`.
@@ -66,6 +67,7 @@ _LAZY = {
     "ModulePattern": "mmfsdp.parallel.patterns",
     "compile_module_pattern": "mmfsdp.parallel.patterns",
     "match_module_names": "mmfsdp.parallel.patterns",
+    "ShardAdamW": "mmfsdp.parallel.shard_adamw",
     "SwapAdamW": "mmfsdp.parallel.swap_optimizer",
 }
 
@@ -110,5 +112,6 @@ __all__ = [
     "ActivationOffload",
     "apply_activation_offload",
     "is_offloaded",
+    "ShardAdamW",
     "SwapAdamW",
 ]

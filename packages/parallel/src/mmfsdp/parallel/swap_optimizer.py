@@ -39,33 +39,19 @@ from `torch.cuda` / `torch.npu`.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import math
 from collections import deque
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam as functional_adam
-from torch.optim.optimizer import _get_scalar_dtype
+
+from mmfsdp.parallel.shard_adamw import MOMENT_KEYS, ShardAdamW, like_param, local_tensor
 
 __all__ = ["SwapAdamW", "MOMENT_KEYS"]
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _MAX_IN_FLIGHT = 2
-_ADAM_KEYWORDS = set(inspect.signature(functional_adam).parameters)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` wrapped as a DTensor with `param`'s mesh and placements (or `local` itself for a plain tensor)."""
-    if isinstance(param, DTensor):
-        return DTensor(local, param._spec, requires_grad=False)
-    return local
+_local = local_tensor
 
 
 class _Streams:
@@ -103,8 +89,9 @@ class _Streams:
             torch.accelerator.set_stream(previous)
 
 
-class SwapAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` with `exp_avg` / `exp_avg_sq` in (pinned) host memory, updated in `swap_times` buckets."""
+class SwapAdamW(ShardAdamW):
+    """`ShardAdamW` (AdamW on the local shards) with `exp_avg` / `exp_avg_sq` in (pinned) host memory, updated
+    in `swap_times` buckets."""
 
     def __init__(self, params: Any, *args: Any, swap_times: int = 16, **kwargs: Any):
         if swap_times < 1:
@@ -114,23 +101,10 @@ class SwapAdamW(torch.optim.AdamW):
         self._streams: dict[torch.device, _Streams] = {}
 
     # -- state -------------------------------------------------------------------------------
-    def _host_buffer(self, param: torch.Tensor) -> torch.Tensor:
+    def _moment_buffer(self, param: torch.Tensor) -> torch.Tensor:
         local = _local(param)
         pin = local.device.type != "cpu"
         return torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-
-    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[param]
-        if state:
-            return
-        local = _local(param)
-        if group["capturable"] or group["fused"]:
-            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=local.device)
-        else:
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-        keys = MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
-        for key in keys:
-            state[key] = _like_param(param, self._host_buffer(param))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like `AdamW`, but keep the moments in this optimizer's host buffers."""
@@ -152,7 +126,7 @@ class SwapAdamW(torch.optim.AdamW):
                     if value is old:
                         self.state[param][name] = old
                         continue
-                    buffer = _local(old) if old is not None else self._host_buffer(param)
+                    buffer = _local(old) if old is not None else self._moment_buffer(param)
                     source = _local(value)
                     if source.shape != buffer.shape:
                         raise ValueError(
@@ -160,7 +134,7 @@ class SwapAdamW(torch.optim.AdamW):
                             f"the parameter's shard is {tuple(buffer.shape)}"
                         )
                     buffer.copy_(source)
-                    self.state[param][name] = _like_param(param, buffer)
+                    self.state[param][name] = like_param(param, buffer)
 
     # -- step --------------------------------------------------------------------------------
     def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -176,50 +150,15 @@ class SwapAdamW(torch.optim.AdamW):
             filled += _local(param).numel()
         return buckets
 
-    def _adam_kwargs(self, group: dict[str, Any]) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        kwargs = dict(
-            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
-            has_complex=False, decoupled_weight_decay=group.get("decoupled_weight_decay", True),
-        )
-        return {key: value for key, value in kwargs.items() if key in _ADAM_KEYWORDS}
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for param in params:
-                if param.grad.is_sparse:
-                    raise RuntimeError("SwapAdamW does not support sparse gradients")
-                if torch.is_complex(param):
-                    raise RuntimeError("SwapAdamW does not support complex parameters")
-                self._init_state(param, group)
-            keys = MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
-            kwargs = self._adam_kwargs(group)
-            device = _local(params[0]).device
-            if device.type == "cpu":
-                for bucket in self._buckets(params):
-                    self._update(bucket, [[_local(self.state[p][k]) for p in bucket] for k in keys], kwargs, group)
-            else:
-                self._streamed_step(params, keys, kwargs, group, device)
-        return loss
-
-    def _update(self, bucket, moments, kwargs, group) -> None:
-        exp_avgs, exp_avg_sqs = moments[0], moments[1]
-        max_exp_avg_sqs = moments[2] if group["amsgrad"] else []
-        functional_adam(
-            [_local(p) for p in bucket], [_local(p.grad) for p in bucket], exp_avgs, exp_avg_sqs,
-            max_exp_avg_sqs, [self.state[p]["step"] for p in bucket], **kwargs,
-        )
+    def _group_step(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        keys = self._moment_keys(group)
+        kwargs = self._adam_kwargs(group)
+        device = _local(params[0]).device
+        if device.type == "cpu":
+            for bucket in self._buckets(params):
+                self._update(bucket, [[_local(self.state[p][k]) for p in bucket] for k in keys], kwargs, group)
+        else:
+            self._streamed_step(params, keys, kwargs, group, device)
 
     def _streamed_step(self, params, keys, kwargs, group, device: torch.device) -> None:
         if device not in self._streams:
