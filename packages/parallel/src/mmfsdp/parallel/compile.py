@@ -21,13 +21,19 @@ Order in `parallelize`: compile, then activation checkpointing, activation offlo
 - LoRA: the adapters are injected before, so they are part of the compiled block.
 - Chunk loss: `lm_head` is not a block and stays eager.
 
-Variable lengths: with `dynamic=None` (torch.compile's default, the config's) the first call specialises on its
-shapes and the first call with another length recompiles once with the dimensions that changed symbolic (the
-sequence; a batch of one row, or a new input such as an image the first time, may add one more), after which rows
-of every length run that graph. `dynamic=True` makes every dimension symbolic from the first call, hidden sizes
-too: the tiny Qwen3-VL's first compiled step took 27 s with it and 5 s + 3.6 s (the one recompile) without, on a
-2-core CPU (aot_eager), and the kernels cannot specialise on sizes that never change. `CompileTimer` logs, once
-per process, how long the first compiled call took (tracing and code generation of the first block).
+Variable lengths: a block's token dimension changes with every micro-batch (padding-free rows, packing, CP
+shards), so with `dynamic=None` (torch.compile's default, the config's) each block is first traced with that
+dimension symbolic: before every call the token dimension of the block's first tensor argument (the hidden states,
+`(..., tokens, hidden)`) and every dimension of the other tensor arguments of the same size (position embeddings,
+position ids, masks) is marked `maybe_mark_dynamic` (a hint: where the block's code needs the size, dynamo
+specialises it and recompiles later as before). Without the hint dynamo specialises the first call on its length
+and recompiles at the first other length: two traces where one does (the tiny Qwen3-VL on 2 CPU processes, aot_eager:
+5.3 s + 8.8 s for the first two steps before, one trace at the first step now). A batch of one row, or a new input
+such as an image the first time, may still add a graph, after which rows of every length run those graphs.
+`dynamic=True` makes every dimension symbolic from the first call, hidden sizes too: the tiny Qwen3-VL's first
+compiled step took 27 s with it, and the kernels cannot specialise on sizes that never change; `dynamic=False`
+recompiles for every new length. `_FirstCallTimer` logs, once per process, how long the first compiled call took
+(tracing and code generation of the first block).
 """
 
 from __future__ import annotations
@@ -67,14 +73,46 @@ class _FirstCallTimer:
         return out
 
 
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among `values` and the tuples / lists in them (one level: position embeddings' `(cos, sin)`)."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+def mark_token_dims(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Hint dynamo that the token dimension is dynamic: dimension -2 of the first tensor argument (the block's
+    hidden states, `(..., tokens, hidden)`) and each dimension of the other tensor arguments with that size, except
+    where the size is also the hidden size (ambiguous: left to dynamo's automatic dynamic shapes)."""
+    tensors = _tensors((*args, *kwargs.values()))
+    if not tensors or tensors[0].ndim < 2:
+        return
+    first = tensors[0]
+    tokens, hidden = first.shape[-2], first.shape[-1]
+    if tokens == hidden:
+        return
+    for tensor in tensors:
+        dims = [d for d, size in enumerate(tensor.shape) if size == tokens]
+        if dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+
+
 class _CompiledForward:
-    """The compiled forward of one module (marks the module as compiled for `is_compiled`)."""
+    """The compiled forward of one module (marks the module as compiled for `is_compiled`); with `dynamic=None`
+    each call's token dimensions are marked dynamic first (`mark_token_dims`)."""
 
     def __init__(self, forward: Callable[..., Any], backend: str, dynamic: bool | None):
         self.original = forward
+        self.mark = dynamic is None
         self.compiled = _FirstCallTimer(torch.compile(forward, backend=backend, dynamic=dynamic), backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mark:
+            mark_token_dims(args, kwargs)
         return self.compiled(*args, **kwargs)
 
 
