@@ -2,7 +2,8 @@
 
     uv run python examples/qwen3vl-dpo-tiny/run.py [KEY=VALUE ...]
 
-Two ordinary runs of `uv run apps/train` (2 CPU processes each, as the configs say), one after the other. The
+Two ordinary runs of `uv run apps/train` (2 CPU processes each, as the configs say), one after the other, each
+forked from this script after it imported the app once (`examples/two_stage.py`). The
 overrides go to both stages, except `sft:KEY=VALUE` / `dpo:KEY=VALUE` (to that stage only: e.g. each stage's own
 `data.dataset_param.basic_parameters.dataset_dir`) and `training.output_dir=DIR` (default
 `outputs/qwen3vl-dpo-tiny`), which is the root of both: the SFT stage writes `DIR/sft` (its checkpoint in
@@ -18,82 +19,22 @@ stay), a stage stopped half-way resumes from its last checkpoint, so the script 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))  # examples/two_stage.py
+
+from two_stage import run_stages  # noqa: E402
+
 DEFAULT_OUT = "outputs/qwen3vl-dpo-tiny"
 
 
-STAGES = ("sft", "dpo")
-
-
-def split_overrides(overrides: list[str]) -> tuple[Path, list[str]]:
-    """(the output root, the other overrides); an override without `=` is an error."""
-    out, rest = Path(DEFAULT_OUT), []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"run.py: expected KEY=VALUE, got {item!r}")
-        if key == "training.output_dir":
-            out = Path(value)
-        else:
-            rest.append(item)
-    return out, rest
-
-
-def for_stage(overrides: list[str], stage: str) -> list[str]:
-    """The overrides of one stage: the shared ones and its own `<stage>:KEY=VALUE`, in order."""
-    mine = []
-    for item in overrides:
-        prefix, sep, rest = item.partition(":")
-        if sep and prefix in STAGES:
-            if prefix == stage:
-                mine.append(rest)
-        else:
-            mine.append(item)
-    return mine
-
-
-def sft_iters(overrides: list[str]) -> int:
-    """The SFT stage's `training.train_iters` (its HF export is `<save>/hf/iter_<that>`)."""
-    iters = yaml.safe_load((HERE / "sft.yaml").read_text())["training"]["train_iters"]
-    for item in for_stage(overrides, "sft"):
-        key, _, value = item.partition("=")
-        if key == "training.train_iters":
-            iters = int(value)
-    return iters
-
-
-def stage_commands(out: Path, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """The two training commands: SFT into `out/sft`, then DPO from its HF export into `out/dpo`."""
-    sft_dir, dpo_dir = out / "sft", out / "dpo"
-    export = sft_dir / "ckpt" / "hf" / f"iter_{sft_iters(overrides):07d}"
-    app = ["uv", "run", "apps/train"]
-    sft = [*app, str(HERE / "sft.yaml"), *for_stage(overrides, "sft"), f"training.output_dir={sft_dir}",
-           f"training.save={sft_dir}/ckpt"]
-    dpo = [*app, str(HERE / "dpo.yaml"), *for_stage(overrides, "dpo"), f"training.output_dir={dpo_dir}",
-           f"training.save={dpo_dir}/ckpt"]
-    return sft, [*dpo, f"training.load={export}"]
-
-
 def main(argv: list[str] | None = None) -> int:
-    out, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
-    out = out if out.is_absolute() else ROOT / out
-    result: dict = {}
-    for name, cmd in zip(STAGES, stage_commands(out, overrides)):
-        print("$ " + " ".join(cmd), flush=True)
-        start = time.monotonic()
-        rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
-        result[f"{name}_wall_s"] = round(time.monotonic() - start, 1)
-        if rc:
-            print(f"run.py: the {name} stage failed (exit status {rc})", file=sys.stderr)
-            return rc
+    ran = run_stages(HERE, "dpo", DEFAULT_OUT, sys.argv[1:] if argv is None else argv)
+    if isinstance(ran, int):
+        return ran
+    out, result = ran
     sft_eval = json.loads((out / "sft" / "eval.json").read_text())
     dpo_eval = json.loads((out / "dpo" / "eval.json").read_text())
     result = {**dpo_eval, "sft_accuracy": sft_eval["accuracy"], **result}

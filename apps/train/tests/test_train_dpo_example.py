@@ -1,4 +1,5 @@
-"""examples/qwen3vl-dpo-tiny: both stages' configs pass `--check`, and its driver and answer counter (no training)."""
+"""examples/qwen3vl-dpo-tiny: both stages' configs pass `--check`, and its answer counter (no training; its driver:
+test_train_two_stage_examples.py)."""
 
 import importlib.util
 from pathlib import Path
@@ -35,27 +36,6 @@ def test_the_stages_pass_check(capsys, tmp_path, stage):
                  f"training.save={tmp_path / 'ckpt'}", cache, *load, "--nproc-per-node", "2"])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0 and "check passed: 2 processes" in captured.out, captured.err[-2000:]
-
-
-def test_run_py_chains_the_stages_through_the_hf_export(tmp_path):
-    run = _module("run")
-    out, rest = run.split_overrides(["training.seed=2", f"training.output_dir={tmp_path}", "training.train_iters=7"])
-    assert out == tmp_path and rest == ["training.seed=2", "training.train_iters=7"]
-    sft, dpo = run.stage_commands(out, rest)
-    assert sft[-2:] == [
-        f"training.output_dir={tmp_path / 'sft'}",
-        f"training.save={tmp_path}/sft/ckpt",
-    ]
-    assert dpo[-3:] == [f"training.output_dir={tmp_path / 'dpo'}", f"training.save={tmp_path}/dpo/ckpt",
-                        f"training.load={tmp_path / 'sft' / 'ckpt' / 'hf' / 'iter_0000007'}"]  # fmt: skip
-    assert "training.seed=2" in sft and "training.seed=2" in dpo
-    assert run.sft_iters([]) == 200  # sft.yaml's, the iteration dpo.yaml's training.load names
-    sft, dpo = run.stage_commands(out, ["sft:training.train_iters=5", "dpo:training.seed=3", "training.lr=1"])
-    assert "training.train_iters=5" in sft and "training.train_iters=5" not in dpo and dpo[-1].endswith("iter_0000005")
-    assert "training.seed=3" in dpo and "training.seed=3" not in sft
-    assert "training.lr=1" in sft and "training.lr=1" in dpo
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
-        run.split_overrides(["training.seed"])
 
 
 @pytest.mark.parametrize(

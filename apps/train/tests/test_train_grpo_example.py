@@ -1,6 +1,5 @@
-"""examples/qwen3vl-grpo-tiny: both stages' configs pass `--check`, and its driver chains them (no training)."""
+"""examples/qwen3vl-grpo-tiny: both stages' configs pass `--check` (its driver: test_train_two_stage_examples.py)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,6 @@ from mmfsdp.train.cli import main
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "qwen3vl-grpo-tiny"
 ASSETS = ROOT / "examples" / "qwen3vl-tiny" / "assets"
-
-
-def _run_module():
-    spec = importlib.util.spec_from_file_location("grpo_example_run", EXAMPLE / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _hf_export(path: Path) -> Path:
@@ -35,19 +27,6 @@ def test_the_stages_pass_check(capsys, tmp_path, stage):
                  f"training.save={tmp_path / 'ckpt'}", cache, *load, "--nproc-per-node", "2"])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0 and "check passed: 2 processes" in captured.out, captured.err[-2000:]
-
-
-def test_run_py_chains_the_stages_through_the_hf_export(tmp_path):
-    run = _run_module()
-    out, rest = run.split_overrides(["training.seed=2", f"training.output_dir={tmp_path}", "training.train_iters=7"])
-    assert out == tmp_path and rest == ["training.seed=2", "training.train_iters=7"]
-    sft, grpo = run.stage_commands(out, rest)
-    assert sft[-2:] == [f"training.output_dir={tmp_path / 'sft'}", f"training.save={tmp_path}/sft/ckpt"]
-    assert grpo[-3:] == [f"training.output_dir={tmp_path / 'grpo'}", f"training.save={tmp_path}/grpo/ckpt",
-                         f"training.load={tmp_path / 'sft' / 'ckpt' / 'hf' / 'iter_0000007'}"]  # fmt: skip
-    assert run.sft_iters([]) == 300  # sft.yaml's, the iteration grpo.yaml's training.load names
-    sft, grpo = run.stage_commands(out, ["sft:training.train_iters=5", "grpo:training.seed=3"])
-    assert "training.train_iters=5" in sft and grpo[-1].endswith("iter_0000005") and "training.seed=3" not in sft
 
 
 def test_policy_accuracy_takes_the_argmax_over_the_tokens_the_engine_samples():
