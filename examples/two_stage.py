@@ -3,8 +3,8 @@ a second stage (DPO or GRPO) that starts from SFT's HF export.
 
 Each stage is an ordinary run of the app, `uv run apps/train CONFIG KEY=VALUE ...` (the command is printed before it
 starts, so it can be run by hand the same way). The stages run one after the other, each in a process forked from the
-script after it has imported the app once (`mmfsdp.train.cli.main` with the stage's arguments, exactly what
-`apps/train` runs): the second stage does not start and import a second interpreter. On a host with an accelerator
+script after it has imported the app once (`mmfsdp.train.cli.fork_main`: the app's `main` with the stage's
+arguments, exactly what `apps/train` runs): the second stage does not start and import a second interpreter. On a host with an accelerator
 nothing here touches its driver before the fork (importing torch does not), and the app starts its ranks there as
 always (torchrun's way, fresh processes).
 
@@ -17,9 +17,6 @@ what any run does (`mmfsdp.train.start`): a finished stage says so and exits 0, 
 
 from __future__ import annotations
 
-import atexit
-import importlib
-import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -75,50 +72,19 @@ def stage_commands(example: Path, second: str, out: Path, overrides: list[str]) 
     return commands
 
 
-def _app_stage(args: list[str]) -> None:
-    """The forked stage: the app's `main` with `args`, as `uv run apps/train ARGS` from the repository root runs it
-    (its working directory and `sys.argv`, which the app's torchrun path starts ranks with); its exit status the
-    process's; atexit handlers run (a multiprocessing child ends with `os._exit`, which skips them)."""
-    import os
-
-    from mmfsdp.train.cli import main
-
-    os.chdir(ROOT)
-    sys.argv = [str(ROOT / "apps" / "train"), *args]
-    try:
-        code = main(args)
-    finally:
-        atexit._run_exitfuncs()
-    sys.exit(code)
-
-
-def _preload() -> None:
-    """Import what the app's launcher imports before it starts ranks (`RANK_PRELOAD`), once for both stages."""
-    from mmfsdp.train.cli import RANK_PRELOAD
-
-    for name in RANK_PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # the stage imports it itself if it needs it
-            pass
-
-
 def run_stages(example: Path, second: str, default_out: str, argv: list[str]) -> tuple[Path, dict[str, float]] | int:
     """Run both stages; (the output root, each stage's wall seconds as `<stage>_wall_s`), or the exit status of
     the stage that failed."""
+    from mmfsdp.train.cli import fork_main
+
     out, overrides = split_overrides(argv, default_out)
-    _preload()
-    context = multiprocessing.get_context("fork")
     walls: dict[str, float] = {}
     for stage, args in stage_commands(example, second, out, overrides):
         print("$ uv run apps/train " + " ".join(args), flush=True)
         started = time.monotonic()
-        process = context.Process(target=_app_stage, args=(args,), name=f"{stage} stage")
-        process.start()
-        process.join()
+        code = fork_main(args, cwd=ROOT)
         walls[f"{stage}_wall_s"] = round(time.monotonic() - started, 1)
-        if process.exitcode:
-            code = process.exitcode if process.exitcode > 0 else 128 - process.exitcode
+        if code:
             print(f"run.py: the {stage} stage failed (exit status {code})", file=sys.stderr)
             return code
     return out, walls

@@ -12,9 +12,10 @@ run three ways (five with the `*_no_direct` runs), one after the other, each on 
   `Qwen3VLForConditionalGeneration` (SDPA), `fully_shard` on every decoder layer and the root, AdamW (torch's default,
   foreach), grad-norm clipping at 1.0, a `torch.utils.data.DataLoader` with a `DistributedSampler` whose collate pads
   each micro-batch to its longest row (mmfsdp's tokenised rows, so both see the same tokens), `model(**inputs,
-  labels=labels)` — launched by `torch.multiprocessing.spawn`;
-- `mmfsdp`: the real app (`python apps/train CONFIG --nproc-per-node N`) on a config that names only the model and
-  the data: every other key at its default;
+  labels=labels)` — its ranks forked by `torch.multiprocessing.start_processes`;
+- `mmfsdp`: the real app (`python apps/train CONFIG --nproc-per-node N`, run by `mmfsdp.train.cli.fork_main`: forked
+  from this process, which imported it once) on a config that names only the model and the data: every other key at
+  its default;
 - `mmfsdp_best`: the same with the settings that make it fastest here (`--best-preset compile`, the default: each
   decoder layer compiled with inductor and `reshard_after_forward: false`; `balance`: each step's samples balanced
   over the ranks under a token budget; `packing`: rows packed to about a padded micro-batch's tokens — on the
@@ -242,8 +243,9 @@ def run_plain(config_path: Path, args, out: Path) -> dict:
 
     result = out / "plain.json"
     result.unlink(missing_ok=True)
-    mp.spawn(_plain_rank, args=(args.nproc, free_port(), str(config_path), vars(args), str(result)),
-             nprocs=args.nproc, join=True)
+    # forked, as the app's CPU launcher forks its ranks: neither run pays an interpreter start per rank
+    mp.start_processes(_plain_rank, args=(args.nproc, free_port(), str(config_path), vars(args), str(result)),
+                       nprocs=args.nproc, join=True, start_method="fork")
     return json.loads(result.read_text())
 
 
@@ -254,14 +256,18 @@ def run_app(config_path: Path, overrides: list[str], args, output_dir: Path) -> 
     """The app on `config_path` + `overrides`; its per-step records from `metrics.jsonl`."""
     if output_dir.exists():
         shutil.rmtree(output_dir)
-    cmd = [sys.executable, str(APP), str(config_path), *overrides, "--nproc-per-node", str(args.nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    from mmfsdp.train.cli import fork_main
+
+    app_args = [str(config_path), *overrides, "--nproc-per-node", str(args.nproc)]
+    log = output_dir.with_name(output_dir.name + ".console.log")
+    code = fork_main(app_args, cwd=ROOT, log=log)  # `python apps/train ARGS`, forked: no interpreter start per run
+    output = log.read_text(errors="replace")
+    if code != 0:
+        raise SystemExit(f"{sys.executable} {APP} {' '.join(app_args)} failed (exit status {code}):\n{output[-6000:]}")
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{"num_tokens": r["num_tokens"], "step_time_s": r["step_time_s"],
               "flops": r["tflops"] * r["step_time_s"] * args.nproc * 1e12} for r in records]
-    compile_lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines()
+    compile_lines = [line.strip() for line in output.splitlines()
                      if "compile: " in line and ("first compiled" in line or "modules compiled" in line)]
     return {"steps": steps, "log": compile_lines[:3]}
 

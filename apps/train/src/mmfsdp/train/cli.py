@@ -355,11 +355,7 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> in
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch's OpenMP runtime loads, which reads it once
     family = _family_module(model_id)
-    for name in RANK_PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    preload_app()
     if family:
         importlib.import_module(family)
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
@@ -423,3 +419,54 @@ def _run_agent(run) -> int:
         print(f"training failed: {what}{hang}; the other ranks were stopped; see the messages above", file=sys.stderr)
         return 1
     return 0
+
+
+def preload_app() -> None:
+    """Import what the launcher imports before it starts ranks (`RANK_PRELOAD`); a module that fails is skipped."""
+    import importlib
+
+    for name in RANK_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def _forked_main(argv: list[str], cwd: str | None, log: str | None) -> None:
+    """The child of `fork_main`: `main(argv)` as `apps/train ARGV` runs it, its exit status the process's."""
+    import atexit
+
+    if log is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = [str(Path(__file__).with_name("__main__.py")), *argv]  # what the torchrun path starts ranks with
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()  # a multiprocessing child ends with os._exit, which skips them
+    sys.exit(code)
+
+
+def fork_main(argv: list[str], *, cwd: str | os.PathLike | None = None, log: str | os.PathLike | None = None) -> int:
+    """Run the app with `argv` (`uv run apps/train ARGV`) in a child forked from this process, after importing
+    what its launcher imports (`preload_app`, once per process): a driver that runs the app several times (the
+    two-stage examples, the benchmarks) starts one interpreter and imports torch and transformers once, not once
+    per run. `cwd`: the child's working directory; `log`: a file that gets its stdout and stderr (else this
+    process's). Nothing here touches an accelerator's driver (importing torch does not), so the app starts its
+    ranks as it always does on that host. Returns the exit status (128 + N for a child killed by signal N)."""
+    import multiprocessing
+
+    preload_app()
+    process = multiprocessing.get_context("fork").Process(
+        target=_forked_main, args=(list(argv), None if cwd is None else os.fspath(cwd),
+                                   None if log is None else os.fspath(log)), name="apps/train")
+    process.start()
+    process.join()
+    code = process.exitcode or 0
+    return code if code >= 0 else 128 - code
