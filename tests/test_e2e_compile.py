@@ -15,10 +15,11 @@ batch (relative difference <= 1e-5) on the same tokens:
 The shapes rows mix text-only and image rows, and micro-batches are padding-free (the default: a micro-batch's
 samples end to end in one row), so the length of a micro-batch changes from step to step: the compiled runs must
 not recompile for every new length (packed attention runs outside the graphs, `mmfsdp.model.attention._sdpa_varlen`),
-nor, in the MoE run, for the routing (the experts' dispatch runs outside them, `experts_forward`). torch.compile's
-automatic dynamic shapes (`features.compile_plan.dynamic: null`, the default) specialise the first step and recompile
-once for each dimension the first time it changes (the sequence at step 2; in the Ulysses run one more at step 3),
-after which every length runs those graphs. The number of graphs dynamo compiled is read after every step
+nor, in the MoE run, for the routing (the experts' dispatch runs outside them, `experts_forward`). With
+`features.compile_plan.dynamic: null` (the default) each block's token dimension is marked dynamic before its first
+trace (`mmfsdp.parallel.compile.mark_token_dims`); the pieces after a graph break recompile once for each dimension
+the first time it changes (the sequence at step 2; in the Ulysses run one more at step 3), after which every length
+runs those graphs. The number of graphs dynamo compiled is read after every step
 (`torch._dynamo.utils.counters`): steps 4-5 add none, and the run compiles at most a few graphs in all.
 
 The tests use torch.compile's `aot_eager` backend (traced and run through AOTAutograd, no code generation). Inductor

@@ -7,7 +7,5 @@ __all__ = ["LlavaAdapter"]
 
 
 class LlavaAdapter(RenameAdapter):
-    model_id = "llava"
-    hf_model_types = ("llava",)
-    architectures = ("LlavaForConditionalGeneration",)
-    renames = ORIGINAL_VLM_RENAMES
+    model_id, hf_model_types = "llava", ("llava",)
+    architectures, renames = ("LlavaForConditionalGeneration",), ORIGINAL_VLM_RENAMES

@@ -25,10 +25,8 @@ class MistralTemplate(Template):
 
     name = "mistral"
     default_plugin = "pixtral"
-    bos_id = ControlTokens("<s>")
-    eos_id = ControlTokens("</s>")
-    system_ids = ControlTokens("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
-    user_ids = ControlTokens("[INST]", "[/INST]")
+    bos_id, eos_id = ControlTokens("<s>"), ControlTokens("</s>")
+    system_ids, user_ids = ControlTokens("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), ControlTokens("[INST]", "[/INST]")
 
     def parts(self, conversation: Conversation, media: MediaBlocks) -> list[Part]:
         prompt = self.train_on_prompt

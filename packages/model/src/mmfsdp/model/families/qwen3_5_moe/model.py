@@ -86,7 +86,5 @@ class Qwen3_5MoeTestKit(Qwen3_5TestKit):
 class Qwen3_5MoeEntry(QwenMoeEntryMixin, Qwen3_5Entry):
     """Qwen3.5's vision tower + hybrid decoder with sparse MLPs (routed experts and a gated shared expert)."""
 
-    config_class = Qwen3_5MoeConfig
-    model_class = Qwen3_5MoeForConditionalGenerationFSDP
-    costs = Qwen3_5MoeCosts()
-    testkit = Qwen3_5MoeTestKit()
+    config_class, model_class = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGenerationFSDP
+    costs, testkit = Qwen3_5MoeCosts(), Qwen3_5MoeTestKit()
