@@ -37,8 +37,11 @@ def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], std
     import atexit
     import runpy
 
+    from mmfsdp.parallel.testing import fork_ranks_from_here
+
     if new_session:
         os.setsid()
+    fork_ranks_from_here()  # the script's `run_distributed` ranks fork from it: its imports are done
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, path in ((1, stdout), (2, stderr)):

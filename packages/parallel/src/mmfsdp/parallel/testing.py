@@ -42,6 +42,7 @@ import traceback
 from typing import Any, Callable
 
 __all__ = [
+    "fork_ranks_from_here",
     "rank_may_start_processes",
     "run_distributed", "free_port", "preload_for_ranks", "forkserver_context", "record_margin", "assert_within",
     "MARGINS_ENV",
@@ -116,8 +117,33 @@ def preload_for_ranks(*modules: str) -> None:
     _PRELOAD.extend(module for module in modules if module not in _PRELOAD)
 
 
+_FORKED_WITH_IMPORTS = False
+"""Set in a process forked from a forkserver that had imported `_PRELOAD` (`fork_ranks_from_here`)."""
+
+
+def fork_ranks_from_here() -> None:
+    """Mark this process as forked from a preloaded forkserver (`tests/toolrun.py` calls it in the script processes
+    it forks): its ranks are then forked from it directly while it is single-threaded and has no accelerator
+    context, instead of from a forkserver of its own, which would start a fresh interpreter and import torch again
+    (2.5-6 s of CPU per script). Its children get the same imports either way."""
+    global _FORKED_WITH_IMPORTS
+    _FORKED_WITH_IMPORTS = True
+
+
+def _may_fork_directly() -> bool:
+    import threading
+
+    if not _FORKED_WITH_IMPORTS or threading.active_count() != 1 or any(m not in sys.modules for m in _PRELOAD):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
 def forkserver_context() -> mp.context.BaseContext:
-    """The multiprocessing context whose forkserver has imported `_PRELOAD` (one per process, started on first use)."""
+    """The multiprocessing context whose forkserver has imported `_PRELOAD` (one per process, started on first use);
+    in a process marked by `fork_ranks_from_here`, while it may, the fork context (this process's imports)."""
+    if _may_fork_directly():
+        return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process first starts its forkserver
     return ctx
