@@ -81,16 +81,21 @@ def _script(cmd: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def run(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
-        fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run the app to its end (in `env`, default this process's environment); a non-zero exit fails the test with
-    the output's tail. `python SCRIPT ...` runs forked from the test ranks' forkserver, its imports done
+def attempt(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run the app to its end (in `env`, default this process's environment), whatever its exit status (a test of
+    a run that must fail). `python SCRIPT ...` runs forked from the test ranks' forkserver, its imports done
     (`toolrun.run_tool`: the same process but for the interpreter start); `fresh` starts an interpreter for it."""
     script = None if fresh else _script(cmd)
     if script is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    else:
-        proc = run_tool(*script, timeout=timeout, env=env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return run_tool(*script, timeout=timeout, env=env)
+
+
+def run(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+        fresh: bool = False) -> subprocess.CompletedProcess:
+    """`attempt`, and a non-zero exit fails the test with the output's tail."""
+    proc = attempt(cmd, timeout, env, fresh)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

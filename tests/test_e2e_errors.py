@@ -6,7 +6,6 @@ is raised on every rank and must be printed once (the checkpoint itself is writt
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +77,7 @@ def test_strict_bad_row_through_the_app_is_one_line(tmp_path):
         f"{BASIC}.cache_dir": tmp_path / "cache", f"{BASIC}.strict": "true", "training.micro_batch_size": 1,
         "training.train_iters": 1, "training.output_dir": tmp_path / "out",
     }
-    proc = subprocess.run(apprun.command(TINY, items), capture_output=True, text=True, timeout=220, cwd=apprun.ROOT)
+    proc = apprun.attempt(apprun.command(TINY, items), timeout=220)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Traceback" not in output, output[-4000:]
@@ -105,8 +104,7 @@ def test_a_pickle_in_rank_0_pt_is_one_line_printed_once(tmp_path):
     listing["files"]["rank_0.pt"] = rank_file.stat().st_size  # the marker rewritten too: only the load can tell
     marker.write_text(json.dumps(listing))
 
-    second = subprocess.run(apprun.command(TINY, {**items, "training.train_iters": 2}), capture_output=True,
-                            text=True, timeout=180, cwd=apprun.ROOT)
+    second = apprun.attempt(apprun.command(TINY, {**items, "training.train_iters": 2}), timeout=180)
     output = second.stdout + second.stderr
     assert second.returncode != 0
     assert "Traceback" not in output and "weights_only" not in output, output[-4000:]

@@ -124,7 +124,7 @@ def test_a_locked_save_directory_stops_a_second_run(data, tmp_path):
     since = "2026-12-02 10:00:00 UTC"
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": "first run"}
     (out / "ckpt" / LOCK_FILENAME).write_text(json.dumps(owner))
-    proc = subprocess.run(_command(data, out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = apprun.attempt(_command(data, out), timeout=300)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -144,7 +144,7 @@ def test_a_stale_lock_is_taken_over_and_an_error_on_every_rank_is_printed_once(d
     # launcher's own check cannot see before the ranks start.
     diverge = {"training.lr": 1.0e30, "training.lr_min": 0.0, "training.lr_decay_style": "constant",
                "training.lr_warmup_ratio": 0.0}
-    proc = subprocess.run(_command(data, out, **diverge), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = apprun.attempt(_command(data, out, **diverge), timeout=300)
     assert proc.returncode == 1
     notices = [l for l in proc.stdout.splitlines() if "took over a stale lock" in l]
     assert len(notices) == 1 and f"PID {dead.pid} is not running" in notices[0], proc.stdout[-2000:]

@@ -10,12 +10,12 @@ import importlib.util
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import apprun
+from toolrun import run_tool
 from mmfsdp.train.cli import main
 
 ROOT = apprun.ROOT
@@ -27,8 +27,8 @@ _spec.loader.exec_module(magistral_config)
 
 
 def _app(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(apprun.APP), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    """`python apps/train ARGS` from the repository root, forked with its imports done (`toolrun`)."""
+    return run_tool(apprun.APP, list(args), timeout=timeout)
 
 
 STEPS = 10

@@ -36,8 +36,8 @@ The pieces and where they run:
   (`parallel.collective_timeout_s`) is the guard. It is armed by the beat after
   each completed step (and after each save); micro-batch beats refresh it.
   When the hung rank exits, sibling ranks of its launcher that are stopped
-  (SIGSTOP, state T) are SIGKILLed by a helper it forks, just after its own exit
-  (so the agent reads the hang's exit code first): they cannot act on the
+  (SIGSTOP, state T) are SIGKILLed by a helper it forks, a second after its own exit
+  (so the agent reads the hang's exit code first, also on a loaded machine): they cannot act on the
   agent's SIGTERM, and the agent would wait 30 s for them before its own SIGKILL.
 - `take_save_lock()` — the `mmfsdp.ckpt.SaveDirLock` on `training.save`, taken
   by the launcher (or global rank 0 under an external torchrun), released at
@@ -80,6 +80,8 @@ LAUNCHER_PID_ENV = "MMFSDP_LAUNCHER_PID"
 SAVE_LOCKED_ENV = "MMFSDP_SAVE_LOCKED"
 WATCH_PARENT_ENV = "MMFSDP_WATCH_PARENT"
 HANG_EXIT_CODE = 124
+_AGENT_POLL_GRACE_S = 1.0
+"""How long after a hung rank's exit its helper waits before it kills stopped siblings (`_exit_after_hang`)."""
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _POLL_S = 1.0
@@ -290,6 +292,9 @@ def _exit_after_hang() -> None:
             parent, deadline = os.getppid(), time.monotonic() + 5.0
             while os.getppid() == parent and time.monotonic() < deadline:
                 time.sleep(0.005)
+            # the agent polls its ranks every 0.1 s: on a loaded machine it may not have run since this rank
+            # exited, and a poll that finds both ended may report the killed one (-9) instead of the hang
+            time.sleep(_AGENT_POLL_GRACE_S)
             _kill_stopped(stopped)
             os._exit(0)
     os._exit(HANG_EXIT_CODE)
