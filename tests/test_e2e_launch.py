@@ -38,8 +38,7 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_config_error_under_the_apps_launcher_is_printed_once(tmp_path):
-    proc = subprocess.run(apprun.command(TINY, {"bad.key": 1, "training.output_dir": tmp_path / "out"}),
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = apprun.attempt(apprun.command(TINY, {"bad.key": 1, "training.output_dir": tmp_path / "out"}), timeout=120)
     assert proc.returncode == 2
     assert [line for line in _output(proc) if line.strip()] == [
         "config error: bad: unknown key; valid keys here: parallel, data, model, features, training, tools"]
