@@ -19,8 +19,8 @@ forward immediately, so that changes no real step's peak. The peak over what
 was held *before* the step (counting the weight gradient in both) is reported
 too, as `peak_over_start_mb`.
 
-Time: one more subprocess runs the two variants alternately, `--repeats`
-rounds after a warm-up of each, and reports each variant's fastest round (the
+Time: this process then runs the two variants alternately (no memory is
+measured in it), `--repeats` rounds after a warm-up of each, and reports each variant's fastest round (the
 estimate least disturbed by other load on a shared machine) and its median.
 
     uv run python tools/bench/chunk_loss.py                       # CPU, Magistral vocab, hidden 1024, 4096 tokens
@@ -165,7 +165,7 @@ def main() -> None:
     # glibc would otherwise hand freed large blocks out again from its heap without returning them,
     # and the resident set would over-count; a fixed mmap threshold maps and unmaps every large tensor.
     memory = {variant: _subprocess(f"memory-{variant}", {"MALLOC_MMAP_THRESHOLD_": "131072"}) for variant in VARIANTS}
-    timing = _subprocess("time")
+    timing = _measure_time(args)
     for variant in VARIANTS:
         m, t = memory[variant], timing[variant]
         print(
