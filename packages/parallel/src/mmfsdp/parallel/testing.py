@@ -136,7 +136,7 @@ def _may_fork_directly() -> bool:
     if not _FORKED_WITH_IMPORTS or threading.active_count() != 1 or any(m not in sys.modules for m in _PRELOAD):
         return False
     torch = sys.modules.get("torch")
-    return torch is None or not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    return torch is None or not torch.cuda.is_initialized()  # asks no driver (is_available may initialise one)
 
 
 def forkserver_context() -> mp.context.BaseContext:
