@@ -2,11 +2,11 @@
 a second stage (DPO or GRPO) that starts from SFT's HF export.
 
 Each stage is an ordinary run of the app, `uv run apps/train CONFIG KEY=VALUE ...` (the command is printed before it
-starts, so it can be run by hand the same way). The stages run one after the other, each in a process forked from the
-script after it has imported the app once (`mmfsdp.train.cli.fork_main`: the app's `main` with the stage's
-arguments, exactly what `apps/train` runs): the second stage does not start and import a second interpreter. On a host with an accelerator
-nothing here touches its driver before the fork (importing torch does not), and the app starts its ranks there as
-always (torchrun's way, fresh processes).
+starts, so it can be run by hand the same way). The stages run one after the other, each in a process forked from
+the script after it has imported the app once (`mmfsdp.train.cli.fork_main`: the app's `main` with the stage's
+arguments, exactly what `apps/train` runs): the second stage does not start and import a second interpreter. On a
+host with an accelerator nothing here touches its driver before the fork (importing torch does not), and the app
+starts its ranks there as always (torchrun's way, fresh processes).
 
 Overrides (`KEY=VALUE`) go to both stages, `<stage>:KEY=VALUE` to that stage only, and `training.output_dir=DIR` is
 the root of both: the SFT stage writes `DIR/sft` (its checkpoint in `DIR/sft/ckpt`, the HF export in
