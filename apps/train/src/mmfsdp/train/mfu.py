@@ -7,12 +7,13 @@ all-reduce), and `scalars` turns a step's sum into the record's numbers:
 
 - `tflops`: achieved model TFLOP/s per device, `3 × forward FLOPs / step time / world size`;
 - `mfu`: that over the peak of one device (`mmfsdp.parallel.peak`: `tools.peak_tflops`, the device table, or on a
-  CPU a GEMM timed once at start);
+  CPU a GEMM timed once on this machine);
 - `hfu` (with `parallel.recompute`): the same with the recomputed forward of the layers counted.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from mmfsdp.config import get_logger
 from mmfsdp.model.flops import ForwardFlops, count_forward, sample_lengths
 from mmfsdp.parallel.dtypes import dtype_name
-from mmfsdp.parallel.peak import device_name, measure_gemm_tflops, table_peak_tflops
+from mmfsdp.parallel.peak import (cached_peak, device_name, measure_gemm_tflops, measured_peak_key, peak_cache_path,
+                                  store_peak, table_peak_tflops)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -33,18 +35,29 @@ log = get_logger("mmfsdp.train")
 
 
 def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> tuple[float, str]:
-    """Peak TFLOP/s of one device and where it comes from. A measured peak is the mean over all ranks, which time
-    their GEMMs at the same moment (a collective: every rank calls this)."""
+    """Peak TFLOP/s of one device and where it comes from. A device the table does not know is measured: rank 0's
+    file of earlier measurements (`mmfsdp.parallel.peak.cached_peak`) decides for every rank (one broadcast);
+    without an entry every rank times its GEMMs at the same moment and the mean of the ranks is used and stored."""
     if configured is not None:
         return configured, "tools.peak_tflops"
     name = device_name(device)
     peak = None if device.type == "cpu" else table_peak_tflops(name, dtype)
     if peak is not None:
         return peak, f"the table's {name} {dtype_name(dtype)}"
+    distributed = dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    key = measured_peak_key(device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    cached = torch.tensor([cached_peak(key) or 0.0], dtype=torch.float64, device=device)
+    if distributed:
+        dist.broadcast(cached, src=0)
+    if cached.item() > 0:
+        return cached.item(), f"measured on this machine earlier ({peak_cache_path()}: delete it to measure again)"
     measured = torch.tensor([measure_gemm_tflops(device, dtype)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
+    if distributed:
         dist.all_reduce(measured)
-        measured /= dist.get_world_size()
+        measured /= world
+    if not distributed or dist.get_rank() == 0:
+        store_peak(key, float(measured))
     return float(measured), f"measured by a 512x512 {dtype_name(dtype)} GEMM on {name}, mean of the ranks"
 
 

@@ -12,7 +12,7 @@ our spelling before `build` sees it (`mmfsdp.config.foreign`).
 """
 
 from mmfsdp.config.log import current_rank, get_logger, warn_once
-from mmfsdp.config.registry import Registry
+from mmfsdp.config.registry import Registry, installed_entry_points
 from mmfsdp.config.core import (
     ConfigError,
     ConfigErrors,
@@ -25,4 +25,4 @@ from mmfsdp.config.core import (
 )
 from mmfsdp.config.foreign import Alias, ForeignKey, Ignored, Translate, Translated, foreign_entries, load_translated, translate
 
-__all__ = ["Alias", "ForeignKey", "Ignored", "Translate", "Translated", "foreign_entries", "load_translated", "translate", "Registry", "current_rank", "get_logger", "warn_once", "ConfigError", "ConfigErrors", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]
+__all__ = ["Alias", "ForeignKey", "Ignored", "Translate", "Translated", "foreign_entries", "load_translated", "translate", "Registry", "installed_entry_points", "current_rank", "get_logger", "warn_once", "ConfigError", "ConfigErrors", "apply_overrides", "build", "load_yaml", "parse_override", "to_dict", "dump_yaml"]

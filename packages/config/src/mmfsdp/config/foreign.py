@@ -47,11 +47,12 @@ import difflib
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Mapping, Union, get_args, get_origin
 
 import yaml
 
-from mmfsdp.config.core import ConfigError, load_yaml, parent_section, parse_override
+from mmfsdp.config.core import (SAFE_LOADER, ConfigError, field_types, load_yaml, parent_section, parse_override,
+                                safe_dump)
 
 __all__ = [
     "Alias",
@@ -140,7 +141,7 @@ def _table(cls: type) -> dict[str, ForeignKey]:
 def foreign_entries(cls: type, path: str = "") -> list[tuple[str, ForeignKey]]:
     """(their key path, entry) of every table under `cls`, depth first: what docs/migration.md must list."""
     out = [(_join(path, key), entry) for key, entry in _table(cls).items()]
-    hints = get_type_hints(cls)
+    hints = field_types(cls)
     for name in (f.name for f in dataclasses.fields(cls)):
         sub = _section_type(hints[name])
         if sub is not None:
@@ -164,7 +165,7 @@ class _Walk:
         self.renamed: list[tuple[str, str]] = []
 
     def section(self, cls: type, mapping: dict[str, Any], path: str) -> None:
-        hints = get_type_hints(cls)
+        hints = field_types(cls)
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
         table = _table(cls)
         for key in [k for k in mapping if k not in fields]:  # theirs first: a Translate sees the raw siblings
@@ -225,7 +226,7 @@ class _Walk:
 
 
 def _yaml_scalar(value: Any) -> str:
-    return yaml.safe_dump(value).strip().removesuffix("...").strip()
+    return safe_dump(value).strip().removesuffix("...").strip()
 
 
 def _put(data: dict[str, Any], root_path: str, source: str, target: str, value: Any) -> None:
@@ -324,7 +325,7 @@ def _anchored_top_level_keys(text: str) -> tuple[str, ...]:
     depth = 0  # 1 = inside the top-level mapping
     expect_key = True
     key: str | None = None
-    for event in yaml.parse(text):
+    for event in yaml.parse(text, Loader=SAFE_LOADER):
         opens = isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
         closes = isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent))
         if depth == 1 and not closes:

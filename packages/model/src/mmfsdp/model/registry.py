@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmfsdp.config import Registry
+from mmfsdp.config import Registry, installed_entry_points
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -29,9 +29,7 @@ _REGISTRY: Registry[object] = Registry("model id", "model.model_id")
 
 
 def _declared_families() -> dict[str, EntryPoint]:
-    from importlib.metadata import entry_points
-
-    return {point.name: point for point in entry_points(group=FAMILY_ENTRY_POINT_GROUP)}
+    return {point.name: point for point in installed_entry_points(FAMILY_ENTRY_POINT_GROUP)}
 
 
 def installed_model_ids() -> list[str]:

@@ -9,19 +9,27 @@ does not know, or a peak the user knows better, is given by `tools.peak_tflops`.
 A CPU has no table entry (nor has an accelerator the table does not match): its peak is measured once at start by
 timing a square GEMM in the compute dtype (`measure_gemm_tflops`), on every rank at the same time so that ranks
 sharing cores share them as during training. That is the GEMM rate this machine reaches, not a datasheet number:
-the MFU of a CPU run says how far the step is from doing nothing but large matmuls.
+the MFU of a CPU run says how far the step is from doing nothing but large matmuls. The measured rate is kept in
+a file of this machine (`peak_cache_path`, keyed by `measured_peak_key`: processor, dtype, threads, ranks on the
+machine, torch version), so later runs of the same shape read it instead of timing again, and their MFU numbers
+share one denominator; delete the file to measure again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import time
+from pathlib import Path
 
 import torch
 
 from mmfsdp.parallel.device import synchronize
 
-__all__ = ["PEAK_TFLOPS", "device_name", "measure_gemm_tflops", "table_peak_tflops"]
+__all__ = ["PEAK_TFLOPS", "cached_peak", "device_name", "measure_gemm_tflops", "measured_peak_key", "peak_cache_path",
+           "store_peak", "table_peak_tflops"]
 
 PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
     # (name pattern, bf16/fp16 dense tensor core, fp32 without TF32), TFLOP/s per device
@@ -76,3 +84,56 @@ def measure_gemm_tflops(device: torch.device, dtype: torch.dtype, *, size: int =
         elapsed = time.perf_counter() - started
         if elapsed >= seconds:
             return 2 * size**3 * done / elapsed / 1e12
+
+
+def peak_cache_path() -> Path:
+    """The file of measured peaks: `$XDG_CACHE_HOME/mmfsdp/peak_tflops.json` (default `~/.cache/...`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mmfsdp" / "peak_tflops.json"
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_peak_key(device: torch.device, dtype: torch.dtype, local_ranks: int) -> str:
+    """What a measured peak depends on: the device (and the processor for a CPU), the dtype, this process's threads,
+    how many ranks share the machine while they time (`local_ranks`) and torch's version."""
+    name = device_name(device)
+    where = f"{name} ({_processor()})" if device.type == "cpu" else name
+    return (f"{where} | {str(dtype).removeprefix('torch.')} | {torch.get_num_threads()} threads | "
+            f"{local_ranks} ranks | torch {torch.__version__}")
+
+
+def cached_peak(key: str) -> float | None:
+    """The peak stored under `key`, None when there is none (or the file cannot be read)."""
+    try:
+        value = json.loads(peak_cache_path().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def store_peak(key: str, tflops: float) -> None:
+    """Add `key: tflops` to the file (written whole to a temporary file, then renamed over it: a reader never
+    sees half a file); a file that cannot be written is left as it is."""
+    path = peak_cache_path()
+    try:
+        try:
+            table = json.loads(path.read_text())
+            table = table if isinstance(table, dict) else {}
+        except (OSError, ValueError):
+            table = {}
+        table[key] = tflops
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, path)
+    except OSError:
+        pass
