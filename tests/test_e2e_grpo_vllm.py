@@ -9,6 +9,9 @@ The tiny Qwen3-VL (fp32, one process, CPU), synthetic shapes as prompts (image a
   difference engine vs trainer is logged every step;
 - the server killed (SIGKILL) mid-run: the run exits non-zero with one `rollout.engine vllm` error line within
   60 s, no server process is left, and the last checkpoint is whole (its tracker names a checkpoint that opens).
+  That run samples (temperature 1, so the weights move) with `rollout.sync_interval: 2`: step 1 syncs and its
+  engine log-probs equal the trainer's, step 2 does not sync (`time/sync_s` 0, `rollout/weights_lag` 1) and its
+  completions come from step 1's weights, whose log-probs differ from the updated policy's by far more.
 
 Marked `vllm` and `slow`: it needs the vLLM environment (`uv run python tools/vllm_env/setup.py`).
 """
@@ -97,7 +100,9 @@ def test_server_killed_mid_run_stops_the_run(tmp_path):
     from mmfsdp.ckpt.layout import resolve_checkpoint
 
     out = tmp_path / "run"
-    items = _items(tmp_path, out, "vllm", steps=40, **{"training.save": out / "ckpt", "training.save_interval": 1})
+    items = _items(tmp_path, out, "vllm", steps=40, **{"training.save": out / "ckpt", "training.save_interval": 1,
+                                                       "training.grpo.temperature": 1.0,
+                                                       "training.grpo.rollout.sync_interval": 2})
     proc = subprocess.Popen(command(QWEN, items, nproc=1), cwd=ROOT, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
@@ -121,3 +126,7 @@ def test_server_killed_mid_run_stops_the_run(tmp_path):
     assert not [p for p in _servers(proc.pid)], "a server outlived its run"
     path, iteration = resolve_checkpoint(out / "ckpt")
     assert iteration >= 2 and read_dcp_metadata(path).state_dict_metadata
+    logged = {r["step"]: r for r in records(out) if "loss" in r}
+    assert [logged[s]["rollout/weights_lag"] for s in (1, 2)] == [0, 1]
+    assert logged[1]["time/sync_s"] > 0 and logged[2]["time/sync_s"] == 0
+    assert logged[1]["rollout/logprob_diff_max"] <= 1e-4 < 1e-2 < logged[2]["rollout/logprob_diff_max"], logged

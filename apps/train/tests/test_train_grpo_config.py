@@ -43,6 +43,7 @@ def test_grpo_reads_prompts_with_trl_keys():
         ("training.grpo.rollout.engine=sglang", "training.grpo.rollout.engine"),
         ("training.grpo.rollout.vllm.launch=false", "training.grpo.rollout.vllm.url"),
         ("training.grpo.rollout.vllm.request_timeout_s=0", "training.grpo.rollout.vllm.request_timeout_s"),
+        ("training.grpo.rollout.sync_interval=2", "training.grpo.rollout.sync_interval"),  # the hf engine
         ("training.grpo.max_resample_rounds=-1", "training.grpo.max_resample_rounds"),
         ("training.grpo.filter_groups={max_num_gen_batches: 0}", "training.grpo.filter_groups.max_num_gen_batches"),
         ("training.grpo.filter_groups={metric: acc}", "training.grpo.filter_groups.metric"),
@@ -72,6 +73,10 @@ def test_the_vllm_engine_names_its_python_and_how_to_build_it(tmp_path):
     url = _cfg("training.grpo.rollout.engine=vllm", "training.grpo.rollout.vllm.launch=false",
                "training.grpo.rollout.vllm.url=127.0.0.1:8000").training.grpo.rollout.vllm
     assert url.url == "127.0.0.1:8000"
+    vllm = ("training.grpo.rollout.engine=vllm", f"training.grpo.rollout.vllm.python={python}")
+    assert _cfg(*vllm, "training.grpo.rollout.sync_interval=4").training.grpo.rollout.sync_interval == 4
+    with pytest.raises(ConfigError, match="training.grpo.rollout.sync_interval: must be >= 1"):
+        _cfg(*vllm, "training.grpo.rollout.sync_interval=0")
 
 
 @pytest.mark.parametrize("column", ["videos", "audios"])

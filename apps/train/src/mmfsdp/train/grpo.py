@@ -209,6 +209,8 @@ class GRPOObjective(Objective):
         self.engine = engine
         self.reference = reference
         self.step = ctx.step
+        self._synced = False  # whether this process has synced the engine yet (`rollout.sync_interval`)
+        self._lag = 0  # optimizer steps between the policy and the engine's weights at the last generation
         self.draw_step = ctx.draw_step
         self.micro_batch_size = ctx.cfg.training.micro_batch_size
         self.budget = ctx.cfg.training.micro_batch_tokens
@@ -323,14 +325,29 @@ class GRPOObjective(Objective):
         self._extremes = torch.tensor([float("inf"), float("-inf")] * 2, device=self.device)
         return [plan.batch for plan in self._plans]
 
+    def _sync_engine(self, number: int) -> None:
+        """Hand the engine the policy's weights before generation batch `number` when `rollout.sync_interval` says
+        (batches 1, 1 + k, ...), and always at a process's first batch: a resumed run's engine holds no older
+        weights, so a resume between two syncs generates from the resumed ones (a warning)."""
+        interval = self.g.rollout.sync_interval
+        if self._synced and ((number - 1) % interval or self.engine.weights_version == self.step - 1):
+            return  # between syncs, or the engine has these weights already (a validation synced them)
+        if not self._synced and (number - 1) % interval and self.rank == 0:
+            log.warning(f"rollout: resumed at generation batch {number}, between two weight syncs "
+                        f"(rollout.sync_interval {interval}): the engine starts from the resumed weights, where the "
+                        f"uninterrupted run's held those of batch {number - (number - 1) % interval}")
+        started = time.perf_counter()
+        self.engine.sync_weights(self.model, self.step - 1)
+        self._sync_s = time.perf_counter() - started
+        self._synced = True
+
     def _generate(self, micro_batches: list[dict[str, Any]]) -> tuple[Generation, list[Round], list[tuple]]:
         """Steps 1-3 of the module docstring, in rounds with dynamic sampling (`mmfsdp.train.grpo_sampling`): the
         generation batch, its rounds and this rank's kept groups (round, position) for the completions log."""
         G, dp = self.g.num_generations, self.dims.dp_size
         number = (self.step - 1) // self.g.num_iterations + 1
-        started = time.perf_counter()
-        self.engine.sync_weights(self.model, self.step - 1)
-        self._sync_s = time.perf_counter() - started
+        self._sync_engine(number)
+        self._lag = self.step - 1 - self.engine.weights_version
         rounds: list[Round] = []
 
         def next_round(r: int) -> tuple[list[tuple], torch.Tensor]:
@@ -562,6 +579,7 @@ class GRPOObjective(Objective):
         return {**self._stats, **policy, "clip_ratio/low_min": low[0], "clip_ratio/high_max": high[0],
                 "rollout/logprob_diff_max": diff_max, "rollout/logprob_diff_mean": diff_mean,
                 **sync_stats(self.engine, self._sync_s, self.device),
+                "rollout/weights_lag": torch.tensor(float(self._lag), device=self.device),
                 "time/generate_s": torch.tensor(generate_s, device=self.device),
                 "time/reward_s": torch.tensor(reward_s, device=self.device)}, reductions
 

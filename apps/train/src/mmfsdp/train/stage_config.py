@@ -78,6 +78,8 @@ class RolloutConfig:
     """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`); vllm = a vLLM server in its own process and environment, its weights synced every step (`mmfsdp.model.vllm_rollout`, docs/rl.md ("Rollout engines"))."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM server (with `engine: vllm`)."""
+    sync_interval: int = 1
+    """Generation batches per weight sync of an engine in another process (vllm): it receives the policy's weights before generation batches 1, 1 + k, 1 + 2k, ... and generates those between with the weights of its last sync, up to k − 1 batches older than the policy (off-policy rollouts: correct them with `tis_cap`; `rollout/weights_lag` logs the optimizer steps between the two). 1 = every batch. The hf engine generates from the live weights: 1 there."""
 
     foreign_keys: ClassVar[dict[str, ForeignKey]] = {
         "tis_cap": Translate(
@@ -92,6 +94,11 @@ class RolloutConfig:
     }
 
     def __post_init__(self) -> None:
+        if self.sync_interval < 1:
+            raise ConfigError("sync_interval", f"must be >= 1, got {self.sync_interval}")
+        if self.engine == "hf" and self.sync_interval != 1:
+            raise ConfigError("sync_interval", f"is {self.sync_interval}, but engine hf generates from the live "
+                                               "weights (no copy to sync): set 1, or use engine: vllm")
         v = self.vllm
         if self.engine == "vllm" and v.launch and not Path(v.python).is_file():
             raise ConfigError("vllm.python", f"{v.python} does not exist: build the vLLM environment with `uv run "
