@@ -37,11 +37,13 @@ def _run_script(script: str, args: list[str], cwd: str, env: dict[str, str], std
     import atexit
     import runpy
 
+    from mmfsdp.parallel.device import freeze_startup_heap
     from mmfsdp.parallel.testing import fork_ranks_from_here
 
     if new_session:
         os.setsid()
     fork_ranks_from_here()  # the script's `run_distributed` ranks fork from it: its imports are done
+    freeze_startup_heap()  # and no full garbage collection walks them (mmfsdp.parallel.device)
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, path in ((1, stdout), (2, stderr)):

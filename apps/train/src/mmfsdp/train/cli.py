@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = [str(path), *args.overrides]
         if args.rank_start == "exec" or (args.rank_start == "auto" and _device_type() != "cpu"):
             return _launch(world_size, worker_args)
-        return _launch_forked(world_size, worker_args, cfg.model.model_id)
+        return _launch_forked(world_size, worker_args, cfg.model.model_id,
+                              ("peft",) if cfg.training.lora.enable else ())
     from mmfsdp.train.trainer import run
 
     return run(cfg)
@@ -326,6 +327,8 @@ RANK_PRELOAD = (
     "mmfsdp.train.trainer",
     "mmfsdp.train.check",
     "mmfsdp.train.evaluate",
+    "mmfsdp.model.parallelize",  # the FSDP2 plan, checkpointing and the trainer's optimizer (imported at build)
+    "mmfsdp.parallel.shard_adamw",
     # a processor's class checks import it (its tokenizer may be any of the allowed classes), ~0.5 s; it needs the
     # optional mistral-common package, so a failed import is skipped
     "transformers.tokenization_mistral_common",
@@ -336,12 +339,13 @@ test suite's rank forkserver preloads the same (conftest.py). A module that fail
 imports it itself if it needs it, as multiprocessing's forkserver preload does)."""
 
 
-def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> int:
+def _launch_forked(world_size: int, worker_args: list[str], model_id: str, extra: tuple[str, ...] = ()) -> int:
     """Start `world_size` local ranks through torch's elastic launcher, forked from this process.
 
-    This launcher first imports torch, transformers, the trainer and the config's model family, then the
-    elastic agent (torchrun's: rendezvous, failure handling, SIGTERM to the ranks on a failure) forks
-    each rank from that state: a rank starts in about a second instead of re-importing for ten or more.
+    This launcher first imports torch, transformers, the trainer, the config's model family and `extra` (PEFT
+    for a LoRA run: ~0.2 s a rank), then the elastic agent (torchrun's: rendezvous, failure handling, SIGTERM to
+    the ranks on a failure) forks each rank from that state: a rank starts in about a second instead of
+    re-importing for ten or more.
     The ranks are this process's children, as with torchrun, so `guard_rank` and the other supervision
     hold unchanged. Used on CPU-only hosts (`--rank-start auto`): nothing has touched an accelerator
     driver there, which a forked rank could not use again.
@@ -356,8 +360,8 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str) -> in
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch's OpenMP runtime loads, which reads it once
     family = _family_module(model_id)
     preload_app()
-    if family:
-        importlib.import_module(family)
+    for module in (family, *extra) if family else extra:
+        importlib.import_module(module)
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
@@ -422,7 +426,8 @@ def _run_agent(run) -> int:
 
 
 def preload_app() -> None:
-    """Import what the launcher imports before it starts ranks (`RANK_PRELOAD`); a module that fails is skipped."""
+    """Import what the launcher imports before it starts ranks (`RANK_PRELOAD`; a module that fails is skipped), then
+    freeze the heap (`freeze_startup_heap`)."""
     import importlib
 
     for name in RANK_PRELOAD:
@@ -430,6 +435,9 @@ def preload_app() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    from mmfsdp.parallel.device import freeze_startup_heap
+
+    freeze_startup_heap()  # the ranks fork from here: none of them scans these imports in a full collection
 
 
 def _forked_main(argv: list[str], cwd: str | None, log: str | None) -> None:

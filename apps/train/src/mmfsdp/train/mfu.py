@@ -51,7 +51,7 @@ def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: fl
     if distributed:
         dist.broadcast(cached, src=0)
     if cached.item() > 0:
-        return cached.item(), f"measured on this machine earlier ({peak_cache_path()}: delete it to measure again)"
+        return cached.item(), f"measured on this machine earlier, kept in {peak_cache_path()}: delete it to measure again"
     measured = torch.tensor([measure_gemm_tflops(device, dtype)], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(measured)

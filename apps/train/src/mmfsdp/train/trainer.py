@@ -57,6 +57,7 @@ from mmfsdp.parallel import (
     clip_grad_norm,
     detect_device_type,
     device_for_local_rank,
+    freeze_startup_heap,
     init_process_group,
     use_deterministic,
 )
@@ -434,7 +435,9 @@ def set_intra_op_threads() -> int:
 def start_rank(cfg: Config) -> str:
     """This rank's device type, with deterministic algorithms when `training.deterministic` asks (before the
     process group: HCCL reads its switch when it starts) and the process group joined (an existing one is kept);
-    torch's intra-op threads as `OMP_NUM_THREADS` says (`set_intra_op_threads`)."""
+    torch's intra-op threads as `OMP_NUM_THREADS` says (`set_intra_op_threads`). What the rank has imported so far
+    is moved out of the garbage collector's sight (`freeze_startup_heap`)."""
+    freeze_startup_heap()
     log.info("torch intra-op threads per rank: %d (OMP_NUM_THREADS=%s)", set_intra_op_threads(),
              os.environ.get("OMP_NUM_THREADS", "unset"))
     device_type = detect_device_type()

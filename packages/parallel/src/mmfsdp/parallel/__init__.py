@@ -47,6 +47,7 @@ _LAZY = {
     "reset_peak_memory": "mmfsdp.parallel.device",
     "synchronize": "mmfsdp.parallel.device",
     "use_deterministic": "mmfsdp.parallel.device",
+    "freeze_startup_heap": "mmfsdp.parallel.device",
     "DTYPES": "mmfsdp.parallel.dtypes",
     "dtype_name": "mmfsdp.parallel.dtypes",
     "apply_expert_parallel": "mmfsdp.parallel.expert_parallel",
@@ -75,6 +76,7 @@ _LAZY = {
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
+    "freeze_startup_heap",
     "ParallelConfig",
     "FSDPPlanConfig",
     "RecomputePlanConfig",

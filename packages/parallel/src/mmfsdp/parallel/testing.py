@@ -163,6 +163,9 @@ def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tu
         import torch
         import torch.distributed as dist
 
+        from mmfsdp.parallel.device import freeze_startup_heap
+
+        freeze_startup_heap()  # the forkserver's imports: no full collection walks them in every rank
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn = _load_function(path, name)
