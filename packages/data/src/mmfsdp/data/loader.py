@@ -339,6 +339,7 @@ class StatefulDataLoader:
     def _end_epoch(self) -> None:
         counts = self.bad_row_counts
         if self._yielded_in_epoch == 0:
+            self.close()
             top = top_reason(counts)
             advice = f". Fix: {BAD_REASON_ADVICE[top]}" if top else ""
             raise DataError(
@@ -365,7 +366,7 @@ class StatefulDataLoader:
             if self._iter is None:
                 self._start_iter()
             try:
-                batch, bad = next(self._iter)
+                batch, bad = self._next_item()
             except StopIteration:
                 self._end_epoch()
                 continue
@@ -375,6 +376,15 @@ class StatefulDataLoader:
                 continue
             self._yielded_in_epoch += 1
             return batch
+
+    def _next_item(self) -> tuple[dict[str, Any] | None, Counter]:
+        try:
+            return next(self._iter)
+        except StopIteration:
+            raise
+        except BaseException:  # a worker's error (strict's DataError, an interrupt): its workers stop with it
+            self.close()
+            raise
 
     def next_step(self, num_micro_batches: int) -> list[dict[str, Any]]:
         """The micro-batches of the next optimizer step: `num_micro_batches` of them in the fixed layout; in
@@ -394,7 +404,7 @@ class StatefulDataLoader:
             self._start_iter()
         batches = []
         for _ in range(count):
-            batch, bad = next(self._iter)
+            batch, bad = self._next_item()
             self.batch_in_epoch += 1
             self._runtime_bad.update(bad)
             if batch is not None:
@@ -409,8 +419,13 @@ class StatefulDataLoader:
         return [b if b is not None else _masked(kept[0]) for b in batches]
 
     def close(self) -> None:
-        """Stop the worker processes (a later `next` starts new ones where this left off)."""
-        self._iter = None
+        """Stop the worker processes now (a later `next` starts new ones where this left off). Dropping the
+        iterator alone leaves them to its finaliser, which may run only at a later garbage collection, somewhere
+        else in the program: each then waits for its workers."""
+        iterator, self._iter = self._iter, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()
 
     # ------------------------------------------------------------ state
 
