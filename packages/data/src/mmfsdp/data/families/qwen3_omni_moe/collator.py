@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from mmfsdp.data.collators import register_collator
 from mmfsdp.data.families.qwen3_vl.collator import Qwen3VLCollator
@@ -37,9 +37,10 @@ class Qwen3OmniCollator(Qwen3VLCollator):
         videos = [sample["video_second_per_grid"] for row in rows for sample in row if "video_second_per_grid" in sample]
         if videos:
             media["video_second_per_grid"] = torch.cat(videos)
-        clips = [sample for row in rows for sample in row if "input_features" in sample]
-        if clips:
-            frames = max(sample["input_features"].shape[-1] for sample in clips)
-            for key in ("input_features", "feature_attention_mask"):
-                media[key] = torch.cat([F.pad(s[key], (0, frames - s[key].shape[-1])) for s in clips])
+        features = [clip.T for row in rows for s in row if "input_features" in s for clip in s["input_features"]]
+        if features:  # [frames, feature_size] each, zero-padded at the end to the longest: [clips, feature_size, T]
+            media["input_features"] = pad_sequence(features, batch_first=True).transpose(1, 2).contiguous()
+            media["feature_attention_mask"] = pad_sequence(
+                [mask for row in rows for s in row if "input_features" in s for mask in s["feature_attention_mask"]],
+                batch_first=True)
         return media
