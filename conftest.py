@@ -10,7 +10,6 @@ Two workers already fill the cores, so each test process (and every rank it spaw
 environment) computes on one thread unless OMP_NUM_THREADS says otherwise; the app's launcher does the same.
 """
 
-import gc
 import json
 import os
 from pathlib import Path
@@ -21,8 +20,8 @@ from mmfsdp.parallel.testing import preload_for_ranks  # noqa: E402
 from mmfsdp.train.cli import RANK_PRELOAD  # noqa: E402
 
 # what the ranks of `run_distributed` import once, in the forkserver they fork from: what the app's launcher
-# imports before it forks its ranks, every model family, PEFT (the LoRA runs') and PyAV (the audio and video rows')
-preload_for_ranks(*RANK_PRELOAD, "mmfsdp.model.all_families", "mmfsdp.ckpt", "peft", "av")
+# imports before it forks its ranks, and every model family
+preload_for_ranks(*RANK_PRELOAD, "mmfsdp.model.all_families", "mmfsdp.ckpt")
 
 FILE_SECONDS = Path(__file__).resolve().parent / "tests" / "file_seconds.json"
 RECORD_ENV = "MMFSDP_RECORD_FILE_SECONDS"
@@ -49,14 +48,6 @@ def pytest_collection_modifyitems(config, items):
             return 0.0
 
     items.sort(key=lambda item: (-seconds(item), order[item]))
-
-
-def pytest_collection_finish(session):
-    """The collected suite (torch, transformers, every test module: millions of objects) leaves the garbage
-    collector's sight after one last full collection (`gc.freeze`): the full collections a test's allocations trip
-    then walk only what tests create (each walk of the whole heap is a few tenths of a second)."""
-    gc.collect()
-    gc.freeze()
 
 
 def pytest_runtest_logreport(report):
