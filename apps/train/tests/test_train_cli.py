@@ -1,4 +1,6 @@
-"""The command line: options anywhere, sizes for --device-memory."""
+"""The command line: options anywhere, sizes for --device-memory, the launcher's one failure line."""
+
+import os
 
 import pytest
 
@@ -34,3 +36,36 @@ def test_entry_exits_with_mains_code_after_freezing_the_heap(monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         cli.entry()
     assert exit_.value.code == 3 and calls == ["main", "freeze"]
+
+
+class _Failure:
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+
+class _AgentError(Exception):
+    def __init__(self, failures):
+        super().__init__("child failed")
+        self.failures = {rank: _Failure(code) for rank, code in failures.items()}
+
+
+@pytest.mark.parametrize("failures,report,hint", [
+    ({0: 124}, False, True),  # the hung rank's own exit code
+    ({1: -9}, True, True),  # the agent saw the stopped rank (killed) end first; the hang report says what happened
+    ({1: -9}, False, False),  # killed, and no rank reported a hang
+])
+def test_the_failure_line_names_a_hang_by_its_code_or_its_report(tmp_path, capsys, failures, report, hint):
+    from mmfsdp.train.cli import _run_agent
+
+    def run():
+        if report:
+            (tmp_path / "hang_rank0.txt").write_text("[rank 0] no progress for 10 s\n")
+        raise _AgentError(failures)
+
+    (tmp_path / "hang_rank1.txt").write_text("an earlier run's report\n")  # older than this launch: not counted
+    os.utime(tmp_path / "hang_rank1.txt", (1.0, 1.0))
+    assert _run_agent(run, tmp_path) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    rank, code = next(iter(failures.items()))
+    assert line.startswith(f"training failed: rank {rank} exited with code {code}")
+    assert ("no progress: see hang_rank*.txt" in line) == hint, line

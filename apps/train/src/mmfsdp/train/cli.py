@@ -279,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     if not under_torchrun and world_size > 1:
         worker_args = [str(path), *args.overrides]
         if args.rank_start == "exec" or (args.rank_start == "auto" and _device_type() != "cpu"):
-            return _launch(world_size, worker_args)
+            return _launch(world_size, worker_args, cfg.training.output_dir)
         return _launch_forked(world_size, worker_args, cfg.model.model_id,
-                              ("peft",) if cfg.training.lora.enable else ())
+                              ("peft",) if cfg.training.lora.enable else (), cfg.training.output_dir)
     from mmfsdp.train.trainer import run
 
     return run(cfg)
@@ -297,7 +297,7 @@ def entry() -> None:
     raise SystemExit(code)
 
 
-def _launch(world_size: int, worker_args: list[str]) -> int:
+def _launch(world_size: int, worker_args: list[str], output_dir: str | None = None) -> int:
     """Start `world_size` local ranks of this same command through torch's elastic launcher (torchrun's way:
     a fresh interpreter per rank)."""
     from torch.distributed.run import main as torchrun_main
@@ -310,7 +310,7 @@ def _launch(world_size: int, worker_args: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     launch_args = ["--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0", script, *worker_args]
-    return _run_agent(lambda: torchrun_main(launch_args))
+    return _run_agent(lambda: torchrun_main(launch_args), output_dir)
 
 
 RANK_PRELOAD = (
@@ -339,7 +339,8 @@ test suite's rank forkserver preloads the same (conftest.py). A module that fail
 imports it itself if it needs it, as multiprocessing's forkserver preload does)."""
 
 
-def _launch_forked(world_size: int, worker_args: list[str], model_id: str, extra: tuple[str, ...] = ()) -> int:
+def _launch_forked(world_size: int, worker_args: list[str], model_id: str, extra: tuple[str, ...] = (),
+                   output_dir: str | None = None) -> int:
     """Start `world_size` local ranks through torch's elastic launcher, forked from this process.
 
     This launcher first imports torch, transformers, the trainer, the config's model family and `extra` (PEFT
@@ -367,7 +368,7 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str, extra
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
     )
-    return _run_agent(lambda: elastic_launch(config, _forked_rank)(worker_args))
+    return _run_agent(lambda: elastic_launch(config, _forked_rank)(worker_args), output_dir)
 
 
 def _family_module(model_id: str) -> str | None:
@@ -403,13 +404,26 @@ def _forked_rank(worker_args: list[str]) -> None:
         os._exit(code)
 
 
-def _run_agent(run) -> int:
-    """Run the elastic agent; a failed rank is one line (the rank already printed its error)."""
+def _hang_reports(output_dir: str | os.PathLike | None, since: float) -> list[str]:
+    """The `hang_rank<r>.txt` reports ranks of this launch wrote (newer than `since`), by name."""
+    if not output_dir:
+        return []
+    try:
+        return sorted(path.name for path in Path(output_dir).glob("hang_rank*.txt") if path.stat().st_mtime >= since)
+    except OSError:
+        return []
+
+
+def _run_agent(run, output_dir: str | os.PathLike | None = None) -> int:
+    """Run the elastic agent; a failed rank is one line (the rank already printed its error). A rank that made no
+    progress is named by its exit code or, where the agent saw another rank end first (the stopped rank it
+    killed), by the report it wrote in `output_dir`."""
     from mmfsdp.train import supervise
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):  # its per-rank failure report repeats what the rank printed
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    started = time.time() - 1.0  # file times are coarser than the clock on some filesystems
     try:
         run()
     except Exception as err:  # the failing rank already printed its error
@@ -419,7 +433,8 @@ def _run_agent(run) -> int:
             return CONFIG_ERROR_EXIT_CODE  # rank 0 printed the check's problems; nothing more to say
         first = [item for item in failed if item[1] > 0] or failed
         what = ", ".join(f"rank {rank} exited with code {code}" for rank, code in first) or str(err).splitlines()[0]
-        hang = " (no progress: see hang_rank*.txt in training.output_dir)" if any(c == supervise.HANG_EXIT_CODE for _, c in first) else ""
+        hung = any(c == supervise.HANG_EXIT_CODE for _, c in first) or _hang_reports(output_dir, started)
+        hang = " (no progress: see hang_rank*.txt in training.output_dir)" if hung else ""
         print(f"training failed: {what}{hang}; the other ranks were stopped; see the messages above", file=sys.stderr)
         return 1
     return 0
