@@ -363,6 +363,11 @@ def _launch_forked(world_size: int, worker_args: list[str], model_id: str, extra
     preload_app()
     for module in (family, *extra) if family else extra:
         importlib.import_module(module)
+    # the ranks fork from here: none of them scans these imports in a full collection (the launcher's own process
+    # only: `fork_main` runs this in its child, never in the process that calls it, e.g. a test worker)
+    from mmfsdp.parallel.device import freeze_startup_heap
+
+    freeze_startup_heap()
     os.environ[supervise.LAUNCHER_PID_ENV] = str(os.getpid())  # ranks exit when this process is gone
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
@@ -441,8 +446,7 @@ def _run_agent(run, output_dir: str | os.PathLike | None = None) -> int:
 
 
 def preload_app() -> None:
-    """Import what the launcher imports before it starts ranks (`RANK_PRELOAD`; a module that fails is skipped), then
-    freeze the heap (`freeze_startup_heap`)."""
+    """Import what the launcher imports before it starts ranks (`RANK_PRELOAD`); a module that fails is skipped."""
     import importlib
 
     for name in RANK_PRELOAD:
@@ -450,9 +454,6 @@ def preload_app() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    from mmfsdp.parallel.device import freeze_startup_heap
-
-    freeze_startup_heap()  # the ranks fork from here: none of them scans these imports in a full collection
 
 
 def _forked_main(argv: list[str], cwd: str | None, log: str | None) -> None:
