@@ -59,17 +59,11 @@ TIGHTEST = 10
 
 def machine() -> dict[str, str]:
     """The CPU's model name (/proc/cpuinfo, else `platform.processor()`), the platform and torch's version."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
-    return {"cpu": cpu or platform.processor() or platform.machine(), "platform": platform.platform(),
+    from mmfsdp.parallel.peak import processor_name
+
+    return {"cpu": processor_name(), "platform": platform.platform(),
             "torch": torch.__version__, "cores": str(os.cpu_count())}
 
 

@@ -50,8 +50,8 @@ def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, configured: fl
     cached = torch.tensor([cached_peak(key) or 0.0], dtype=torch.float64, device=device)
     if distributed:
         dist.broadcast(cached, src=0)
-    if cached.item() > 0:
-        return cached.item(), f"measured on this machine earlier, kept in {peak_cache_path()}: delete it to measure again"
+    if (value := cached.item()) > 0:
+        return value, f"measured on this machine earlier, kept in {peak_cache_path()}: delete it to measure again"
     measured = torch.tensor([measure_gemm_tflops(device, dtype)], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(measured)

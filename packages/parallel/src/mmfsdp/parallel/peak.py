@@ -29,7 +29,7 @@ import torch
 from mmfsdp.parallel.device import synchronize
 
 __all__ = ["PEAK_TFLOPS", "cached_peak", "device_name", "measure_gemm_tflops", "measured_peak_key", "peak_cache_path",
-           "store_peak", "table_peak_tflops"]
+           "processor_name", "store_peak", "table_peak_tflops"]
 
 PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
     # (name pattern, bf16/fp16 dense tensor core, fp32 without TF32), TFLOP/s per device
@@ -91,7 +91,8 @@ def peak_cache_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mmfsdp" / "peak_tflops.json"
 
 
-def _processor() -> str:
+def processor_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else `platform.processor()` or the machine type."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -106,7 +107,7 @@ def measured_peak_key(device: torch.device, dtype: torch.dtype, local_ranks: int
     """What a measured peak depends on: the device (and the processor for a CPU), the dtype, this process's threads,
     how many ranks share the machine while they time (`local_ranks`) and torch's version."""
     name = device_name(device)
-    where = f"{name} ({_processor()})" if device.type == "cpu" else name
+    where = f"{name} ({processor_name()})" if device.type == "cpu" else name
     return (f"{where} | {str(dtype).removeprefix('torch.')} | {torch.get_num_threads()} threads | "
             f"{local_ranks} ranks | torch {torch.__version__}")
 
