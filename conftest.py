@@ -20,8 +20,12 @@ from mmfsdp.parallel.testing import preload_for_ranks  # noqa: E402
 from mmfsdp.train.cli import RANK_PRELOAD  # noqa: E402
 
 # what the ranks of `run_distributed` import once, in the forkserver they fork from: what the app's launcher
-# imports before it forks its ranks, and every model family
-preload_for_ranks(*RANK_PRELOAD, "mmfsdp.model.all_families", "mmfsdp.ckpt")
+# imports before it forks its ranks, every model family, and what ranks of the suite import besides: pytest (each
+# rank loads its test module, which imports it: ~0.35 s a rank), PEFT (LoRA runs) and the pattern matcher that
+# AOTAutograd's graph clean-up imports (compiled runs). Measured by sampling every process of the suite: 15, 6
+# and 4 CPU-seconds of imports in ranks.
+preload_for_ranks(*RANK_PRELOAD, "mmfsdp.model.all_families", "mmfsdp.ckpt", "pytest", "peft",
+                  "torch._inductor.pattern_matcher")
 
 FILE_SECONDS = Path(__file__).resolve().parent / "tests" / "file_seconds.json"
 RECORD_ENV = "MMFSDP_RECORD_FILE_SECONDS"

@@ -69,3 +69,30 @@ def test_the_failure_line_names_a_hang_by_its_code_or_its_report(tmp_path, capsy
     rank, code = next(iter(failures.items()))
     assert line.startswith(f"training failed: rank {rank} exited with code {code}")
     assert ("no progress: see hang_rank*.txt" in line) == hint, line
+
+
+def test_rendezvous_events_are_named_from_the_frame_as_torch_names_them():
+    """`_cheap_rendezvous_event_names` swaps torch's `get_method_name` (`inspect.stack()[depth].function`, which
+    reads back every frame's source) for `_frame_name`: the same name at every depth, and the same fallback."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from mmfsdp.train.cli import _cheap_rendezvous_event_names, _frame_name
+
+    def torchs(depth=2):  # torch's definition
+        stack = inspect.stack()
+        return stack[depth].function if len(stack) > depth else "no_method_name"
+
+    def caller_of_record(depth):
+        return record(depth)
+
+    def record(depth):
+        return torchs(depth), _frame_name(depth)
+
+    for depth in (2, 3, 4):
+        ours_vs_torch = caller_of_record(depth)
+        assert ours_vs_torch[0] == ours_vs_torch[1], (depth, ours_vs_torch)
+    assert _frame_name(10_000) == torchs(10_000) == "no_method_name"
+    _cheap_rendezvous_event_names()
+    assert dynamic_rendezvous.get_method_name is _frame_name

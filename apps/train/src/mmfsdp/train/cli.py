@@ -419,12 +419,35 @@ def _hang_reports(output_dir: str | os.PathLike | None, since: float) -> list[st
         return []
 
 
+def _frame_name(depth: int = 2) -> str:
+    """`dynamic_rendezvous.get_method_name`'s answer (the name of the function `depth` frames above this one)
+    read from the frame itself."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
+def _cheap_rendezvous_event_names() -> None:
+    """torch's dynamic rendezvous names every event it records after its caller, found through `inspect.stack()`:
+    the source of every frame read back and `inspect.getmodule` run over all of `sys.modules` (thousands of
+    modules once torch and transformers are imported), twice per event. Sampling the test suite's processes put
+    ~50 CPU-seconds there, about a second per launch of a tiny run. The same name, from the frame."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = _frame_name
+
+
 def _run_agent(run, output_dir: str | os.PathLike | None = None) -> int:
     """Run the elastic agent; a failed rank is one line (the rank already printed its error). A rank that made no
     progress is named by its exit code or, where the agent saw another rank end first (the stopped rank it
     killed), by the report it wrote in `output_dir`."""
     from mmfsdp.train import supervise
 
+    _cheap_rendezvous_event_names()
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):  # its per-rank failure report repeats what the rank printed
             logging.getLogger(name).setLevel(logging.CRITICAL)
