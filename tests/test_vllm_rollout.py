@@ -74,7 +74,10 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
     process, address, authkey = launch_vllm_server(
         _vllm_python(), str(export.path), architecture=adapter.architectures[0], max_model_len=512,
         log_path=tmp_path / "server.log")
-    engine = VLLMRolloutEngine(address, authkey, adapter=adapter, media_token_ids=media_ids, process=process)
+    # 256 KiB chunks: every sync streams many (and one tensor larger than a chunk), so the server loads views of
+    # chunk files it may still hold when it acknowledges them, which must then not be overwritten
+    engine = VLLMRolloutEngine(address, authkey, adapter=adapter, media_token_ids=media_ids, process=process,
+                               chunk_bytes=256 << 10)
     hf = HFRolloutEngine(model, pad_token_id=processor.tokenizer.pad_token_id or 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
@@ -100,6 +103,9 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
             assert diffs.max() < 1e-3
             seen.append([r.completion_ids for r in ours])
         assert seen[0] != seen[-1]  # the training moved the greedy tokens: the sync carried them
+        pool = engine._chunks
+        print(f"chunks: {pool.sent} sent through {pool.files} files, {pool.held} still held when acknowledged")
+        assert pool.sent >= 3 * 8 and pool.files < pool.sent / 2  # streamed, and the files reused
 
         # LoRA: the server gets the merged weights (W + (alpha / r) B A); random B, so the adapters matter
         from mmfsdp.model.lora import LoraConfig, apply_lora, init_lora_adapters

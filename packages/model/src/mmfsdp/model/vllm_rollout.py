@@ -182,6 +182,78 @@ def _parse(address: str):
     return (host, int(port)) if sep and not address.startswith("/") else address
 
 
+class _Chunk:
+    """One shared-memory file a sync writes its tensors into, mapped for the whole life of the engine."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = path, size
+        with open(path, "wb") as f:
+            f.truncate(size)
+        fd = os.open(path, os.O_RDWR)
+        try:  # kept from sync to sync: a page is zeroed and faulted in once, when a sync first writes it
+            self.buffer = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.buffer.close()
+        self.path.unlink(missing_ok=True)
+
+
+class _ChunkPool:
+    """Rank 0's chunk files (`_Chunk`): a file goes back into use only once the server no longer maps any of its
+    bytes (the server loads straight from the chunk, and may hold a tensor of it until the tensor's layer is
+    complete: `vllm_server.Server.load`). Usually one file serves every chunk of every sync; a file the server
+    still maps after a finished sync is dropped (unlinked: its memory lives as long as the server's mapping)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: list[_Chunk] = []
+        self.lent: list[_Chunk] = []
+        directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self._prefix = directory / f"mmfsdp-vllm-{os.getpid()}-{secrets.token_hex(4)}"
+        self.files = 0
+        """Files made so far."""
+        self.sent = 0
+        """Chunks handed to the server so far."""
+        self.held = 0
+        """Chunks the server still mapped when it acknowledged them."""
+
+    def take(self, nbytes: int) -> _Chunk:
+        for i, chunk in enumerate(self.free):
+            if chunk.size >= nbytes:
+                return self.free.pop(i)
+        self.files += 1
+        return _Chunk(Path(f"{self._prefix}-{self.files}"), max(self.size, nbytes))
+
+    def put_back(self, chunk: _Chunk) -> None:
+        if chunk.size > self.size:  # an outsized one-off
+            chunk.close()
+        else:
+            self.free.append(chunk)
+
+    def lend(self, chunk: _Chunk) -> None:
+        self.lent.append(chunk)
+        self.sent += 1
+
+    def settle(self, busy: list[str], done: bool) -> None:
+        """The server's answer: `busy`, the files it still maps; `done`, the sync is over."""
+        held = set(busy)
+        self.held += str(self.lent[-1].path) in held if self.lent else 0
+        for chunk in list(self.lent):
+            if str(chunk.path) not in held:
+                self.lent.remove(chunk)
+                self.put_back(chunk)
+            elif done:
+                self.lent.remove(chunk)
+                chunk.close()
+
+    def close(self) -> None:
+        for chunk in self.free + self.lent:
+            chunk.close()
+        self.free, self.lent = [], []
+
+
 class VLLMRolloutEngine:
     """Rollouts from a vLLM server (module docstring): a `RolloutEngine`. Rank 0 gives `address` and `authkey`
     (the other ranks' are unused); `process` is a server this engine launched (killed by `close`)."""
@@ -196,6 +268,7 @@ class VLLMRolloutEngine:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._weights_version = 0
+        self._chunks = _ChunkPool(chunk_bytes)
         self.last_sync: dict[str, float] = {}
         """Rank 0's last sync: `seconds`, `bytes`, `gbps`."""
         self._conn: Connection | None = None
@@ -255,49 +328,45 @@ class VLLMRolloutEngine:
         plans = merged_plans(self.adapter, state)
         rank0, error = self._rank() == 0, None
         started, total = time.perf_counter(), 0
-        path = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / (
-            f"mmfsdp-vllm-{os.getpid()}-{secrets.token_hex(4)}")
-        buffer: mmap.mmap | None = None
+        chunk: _Chunk | None = self._chunks.take(0) if rank0 else None
         table: list[list[Any]] = []
         offset = 0
-        try:
-            if rank0:
-                with open(path, "wb") as f:
-                    f.truncate(self.chunk_bytes)
-                fd = os.open(path, os.O_RDWR)
-                buffer = mmap.mmap(fd, self.chunk_bytes)
-                os.close(fd)
-            for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
-                if not rank0 or error is not None:
-                    continue
-                for hf_name, piece in plans[name].pieces(full.detach()).items():
-                    piece = piece.to("cpu").contiguous()
-                    nbytes = piece.numel() * piece.element_size()
-                    if offset + nbytes > len(buffer) and table:
-                        error = self._send_chunk(path, table, None)
-                        table, offset = [], 0
-                    if nbytes > len(buffer):
-                        buffer.resize(nbytes)
-                    torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
-                        piece.reshape(-1).view(torch.uint8))
-                    table.append([hf_name, str(piece.dtype).removeprefix("torch."), list(piece.shape), offset])
-                    offset, total = offset + nbytes, total + nbytes
-            if rank0 and error is None:
-                error = self._send_chunk(path, table, version)
-        finally:
-            if buffer is not None:
-                buffer.close()
-                path.unlink(missing_ok=True)
+        for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
+            if not rank0 or error is not None:
+                continue
+            for hf_name, piece in plans[name].pieces(full.detach()).items():
+                piece = piece.to("cpu").contiguous()
+                nbytes = piece.numel() * piece.element_size()
+                if offset + nbytes > chunk.size and table:
+                    error = self._send_chunk(chunk, table, None)
+                    chunk, table, offset = self._chunks.take(nbytes), [], 0
+                    if error is not None:
+                        break
+                if nbytes > chunk.size:  # a tensor larger than a chunk: a file of its size
+                    self._chunks.put_back(chunk)
+                    chunk = self._chunks.take(nbytes)
+                torch.frombuffer(chunk.buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
+                    piece.reshape(-1).view(torch.uint8))
+                table.append([hf_name, str(piece.dtype).removeprefix("torch."), list(piece.shape), offset])
+                offset, total = offset + nbytes, total + nbytes
+        if rank0 and error is None:
+            error = self._send_chunk(chunk, table, version)
+        elif chunk is not None:
+            self._chunks.put_back(chunk)
         self._share(error)
         self._weights_version = version
         seconds = time.perf_counter() - started
         self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0}
 
-    def _send_chunk(self, path: Path, table: list[list[Any]], version: int | None) -> str | None:
+    def _send_chunk(self, chunk: "_Chunk", table: list[list[Any]], version: int | None) -> str | None:
+        """Hand `chunk` to the server; the files the server's answer lists as still mapped stay out of use (all of
+        them, if there is no answer)."""
+        self._chunks.lend(chunk)
         try:
-            self._call({"op": "load", "path": str(path), "tensors": table, "version": version})
+            reply = self._call({"op": "load", "path": str(chunk.path), "tensors": table, "version": version})
         except VLLMServerError as e:
             return str(e)
+        self._chunks.settle(reply.get("busy", []), done=version is not None)
         return None
 
     # -- generation -----------------------------------------------------------------------------------------
@@ -354,7 +423,9 @@ class VLLMRolloutEngine:
         return per_rank
 
     def close(self) -> None:
-        """Close the connection; stop a server this engine launched (waiting at most 10 s, then killing it)."""
+        """Close the connection; stop a server this engine launched (waiting at most 10 s, then killing it);
+        remove the chunk files."""
+        self._chunks.close()
         if self._conn is not None:
             try:
                 if self.process is not None:

@@ -15,9 +15,9 @@ different torch versions), answered by `{"ok": True, ...}` or `{"ok": False, "er
 - `{"op": "load", "path": P, "tensors": [[hf_name, dtype, shape, offset], ...], "version": v | None}`: one chunk
   of a weight sync: the named tensors lie in the shared-memory file P at byte `offset` (dtype a torch dtype name).
   The first chunk starts vLLM's in-place reload (`reload_weights`: the model's own `load_weights`, HF checkpoint
-  names, then its post-load processing); each chunk is acknowledged once read, and the next one is read into the
-  same reload; the chunk with `version` is the last: the reload finishes and the server's weights version becomes
-  v.
+  names, then its post-load processing); each chunk is acknowledged once read (`busy`: the chunk files whose bytes
+  the reload still holds, which the client must not overwrite yet), and the next one is read into the same reload;
+  the chunk with `version` is the last: the reload finishes and the server's weights version becomes v.
 - `{"op": "generate", "version": v, "sampling": {...}, "requests": [...]}`: refused unless v is the server's
   weights version (a stale engine is never used silently). Each request is one completion: `prompt_token_ids`
   (media placeholders collapsed to one token per image, vLLM expands them), `images` (encoded files' bytes) and
@@ -40,7 +40,11 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Listener
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map a chunk's pages in one call, not one page fault per 4 KiB page read (Linux)."""
 
 
 def _address(text: str):
@@ -90,22 +94,41 @@ class Server:
         """One weight sync: vLLM's in-place reload (`reload_weights`: the model's `load_weights`, then its
         post-load processing, and the encoder and multimodal caches reset) over a stream of chunks: after a chunk's
         tensors are consumed it is acknowledged and the next `load` message read from `conn`, until the one that
-        carries `version`."""
+        carries `version`.
+
+        The tensors are views of the chunk's shared memory, not copies: `load_weights` copies each into the model
+        once (the copy out of the chunk is the one read a sync needs). vLLM may hold a view until its layer is
+        complete, past the chunk's acknowledgement, so every acknowledgement lists the chunk files some view still
+        maps (`busy`, from a weak reference to each file's mapping, which the views keep alive): the client writes
+        the next chunk into another file and reuses a busy one only once a later answer no longer lists it."""
         import torch
+
+        mapped: dict[str, weakref.ref] = {}
+
+        def busy() -> list[str]:
+            for path in [path for path, ref in mapped.items() if ref() is None]:
+                del mapped[path]
+            return sorted(mapped)
 
         def tensors(message):
             while True:
-                with open(message["path"], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-                    data = torch.frombuffer(buffer, dtype=torch.uint8)
-                    for name, dtype, shape, offset in message["tensors"]:
-                        dt = getattr(torch, dtype)
-                        nbytes = math.prod(shape) * dt.itemsize
-                        # a copy: the reload may keep a tensor until its layer is complete, the chunk is reused
-                        yield name, data[offset:offset + nbytes].view(dt).view(shape).clone()
-                    del data
+                end = max((offset + math.prod(shape) * getattr(torch, dtype).itemsize
+                           for _, dtype, shape, offset in message["tensors"]), default=0)
+                with open(message["path"], "r+b") as f:  # writable, shared: a loader's in-place op cannot fault
+                    size = os.fstat(f.fileno()).st_size
+                    buffer = mmap.mmap(f.fileno(), min(size, -(-max(end, 1) // mmap.PAGESIZE) * mmap.PAGESIZE),
+                                       flags=mmap.MAP_SHARED | _POPULATE)  # the bytes in use only
+                mapped[message["path"]] = weakref.ref(buffer)
+                data = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps `buffer` alive while a view lives
+                del buffer
+                for name, dtype, shape, offset in message["tensors"]:
+                    dt = getattr(torch, dtype)
+                    nbytes = math.prod(shape) * dt.itemsize
+                    yield name, data[offset:offset + nbytes].view(dt).view(shape)
+                del data
                 if message.get("version") is not None:
                     return
-                conn.send({"ok": True, "version": self.version})
+                conn.send({"ok": True, "version": self.version, "busy": busy()})
                 message = conn.recv()
                 if message.get("op") != "load":
                     raise RuntimeError(f"expected the next weight chunk, got {message.get('op')!r}")
@@ -115,7 +138,7 @@ class Server:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(message),
                                                           "is_checkpoint_format": True})
         self.version = int(last[0]["version"])
-        return {"version": self.version}
+        return {"version": self.version, "busy": busy()}
 
     def generate(self, message) -> dict:
         from PIL import Image
