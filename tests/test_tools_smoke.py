@@ -113,6 +113,11 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
         ("--smoke",),
         {"share_cost_cp2": NUMBER, "time_ratio_cp2": NUMBER, "bytes_ratio_cp2": NUMBER, "vision_ratio_cp2": NUMBER},
     ),
+    "tools/suite_profile.py": (
+        ("--smoke", "--top", "5"),
+        {"pytest_exit": int, "wall_s": NUMBER, "busy_cpu_s": NUMBER, "sampled_cpu_s": NUMBER, "files": list,
+         "self": list},
+    ),
     "tools/suite_timings.py": (
         ("--smoke",),
         {"wall_s": NUMBER, "pytest_exit": int, "files": int, "sum_s": NUMBER, "longest": dict},
@@ -140,6 +145,7 @@ environment; elsewhere `-m "not vllm"` deselects it, and without the environment
 
 HELPERS = {
     "tools/bench/_smoke.py": "imported by the bench scripts: their `--smoke` flag",
+    "tools/suite_profile/sitecustomize.py": "loaded by every process tools/suite_profile.py runs: the sampler",
     **{
         f"tools/bench/_gpu_check/{name}.py": "imported by tools/bench/gpu_check.py: its sections and their helpers"
         for name in (
@@ -186,6 +192,11 @@ def _check_probe(result: dict, tmp: Path) -> None:
     assert "unavailable" in result["backends"]["flash_attention_2"]  # no CPU kernel
 
 
+def _check_suite_profile(result: dict, tmp: Path) -> None:
+    assert result["pytest_exit"] == 0 and result["sampled_cpu_s"] > 0
+    assert "tests/test_import_graph.py" in dict(result["files"])  # the samples are charged to the test that ran
+
+
 def _check_suite_timings(result: dict, tmp: Path) -> None:
     assert result["pytest_exit"] == 0 and result["files"] == 1 and result["written"] is None
 
@@ -212,6 +223,7 @@ CHECKS = {
     "tools/bench/data_throughput.py": _check_data_throughput,
     "tools/data/llava_instruct_to_mllm.py": _check_llava,
     "tools/probe/vision_attention.py": _check_probe,
+    "tools/suite_profile.py": _check_suite_profile,
     "tools/suite_timings.py": _check_suite_timings,
     "tools/tolerance_margins.py": _check_tolerance_margins,
 }
