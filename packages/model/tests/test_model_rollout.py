@@ -6,6 +6,7 @@ greedy = argmax; and 2 gloo ranks under FSDP2, one with text-only prompts and on
 process."""
 
 import dataclasses
+import os
 import pickle
 
 import pytest
@@ -319,3 +320,39 @@ def test_fsdp_ranks_with_different_prompts_generate_what_one_process_does():
             )
         split = [result[model_id, "split"]["longest"] for result in per_rank]
         assert split[0] != split[1] and max(split) < FSDP_SAMPLING.max_new_tokens, (model_id, split)
+
+
+def test_the_vllm_chunk_pool_never_reuses_a_file_the_server_still_maps(tmp_path):
+    """`_ChunkPool` (the vLLM engine's weight-sync files): a file the server's answer lists as still mapped is not
+    handed out again until an answer no longer lists it; one still listed when the sync is over is removed; the
+    files of an engine whose process is gone are removed when the next engine starts."""
+    import subprocess
+    import sys
+
+    from mmfsdp.model import vllm_rollout
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"mmfsdp-vllm-{dead.pid}-abcd-1"
+    mine = tmp_path / f"mmfsdp-vllm-{os.getpid()}-abcd-1"
+    stale.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    pool = vllm_rollout._ChunkPool(1 << 12, tmp_path)
+    assert not stale.exists() and mine.exists()  # a live process's files are kept
+
+    first = pool.take(0)
+    pool.lend(first)
+    pool.settle([str(first.path)], done=False)  # the server still holds views of it
+    second = pool.take(100)
+    assert second.path != first.path and pool.files == 2
+    pool.lend(second)
+    pool.settle([], done=False)  # both released
+    assert {c.path for c in pool.free} == {first.path, second.path}
+    third = pool.take(1 << 13)  # larger than a chunk: a file of its own, dropped once used
+    assert third.size == 1 << 13 and pool.files == 3
+    pool.lend(third)
+    pool.settle([str(third.path)], done=True)  # still mapped after the sync: never reused, removed
+    assert not third.path.exists() and third not in pool.free
+    assert pool.held == 2 and pool.sent == 3
+    pool.close()
+    assert not first.path.exists() and not second.path.exists()

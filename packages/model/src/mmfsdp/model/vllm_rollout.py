@@ -182,6 +182,24 @@ def _parse(address: str):
     return (host, int(port)) if sep and not address.startswith("/") else address
 
 
+_CHUNK_PREFIX = "mmfsdp-vllm-"
+
+
+def _remove_stale_chunks(directory: Path) -> None:
+    """Remove the chunk files of engines whose process is gone (killed before its `close`): a file in `/dev/shm`
+    holds its memory until it is removed."""
+    for path in directory.glob(f"{_CHUNK_PREFIX}*"):
+        pid = path.name[len(_CHUNK_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
 class _Chunk:
     """One shared-memory file a sync writes its tensors into, mapped for the whole life of the engine."""
 
@@ -206,12 +224,14 @@ class _ChunkPool:
     complete: `vllm_server.Server.load`). Usually one file serves every chunk of every sync; a file the server
     still maps after a finished sync is dropped (unlinked: its memory lives as long as the server's mapping)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, directory: Path | None = None):
         self.size = size
         self.free: list[_Chunk] = []
         self.lent: list[_Chunk] = []
-        directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self._prefix = directory / f"mmfsdp-vllm-{os.getpid()}-{secrets.token_hex(4)}"
+        if directory is None:
+            directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        _remove_stale_chunks(directory)
+        self._prefix = directory / f"{_CHUNK_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.files = 0
         """Files made so far."""
         self.sent = 0
@@ -331,36 +351,41 @@ class VLLMRolloutEngine:
         chunk: _Chunk | None = self._chunks.take(0) if rank0 else None
         table: list[list[Any]] = []
         offset = 0
-        for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
-            if not rank0 or error is not None:
-                continue
-            for hf_name, piece in plans[name].pieces(full.detach()).items():
-                piece = piece.to("cpu").contiguous()
-                nbytes = piece.numel() * piece.element_size()
-                if offset + nbytes > chunk.size and table:
-                    error = self._send_chunk(chunk, table, None)
-                    chunk, table, offset = self._chunks.take(nbytes), [], 0
-                    if error is not None:
-                        break
-                if nbytes > chunk.size:  # a tensor larger than a chunk: a file of its size
-                    self._chunks.put_back(chunk)
-                    chunk = self._chunks.take(nbytes)
-                torch.frombuffer(chunk.buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
-                    piece.reshape(-1).view(torch.uint8))
-                table.append([hf_name, str(piece.dtype).removeprefix("torch."), list(piece.shape), offset])
-                offset, total = offset + nbytes, total + nbytes
-        if rank0 and error is None:
-            error = self._send_chunk(chunk, table, version)
-        elif chunk is not None:
-            self._chunks.put_back(chunk)
+        try:
+            for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
+                if not rank0 or error is not None:
+                    continue
+                for hf_name, piece in plans[name].pieces(full.detach()).items():
+                    piece = piece.to("cpu").contiguous()
+                    nbytes = piece.numel() * piece.element_size()
+                    if offset + nbytes > chunk.size and table:
+                        sent, chunk = chunk, None
+                        error = self._send_chunk(sent, table, None)
+                        if error is not None:
+                            break
+                        chunk, table, offset = self._chunks.take(nbytes), [], 0
+                    if nbytes > chunk.size:  # a tensor larger than a chunk: a file of its size
+                        self._chunks.put_back(chunk)
+                        chunk = None
+                        chunk = self._chunks.take(nbytes)
+                    torch.frombuffer(chunk.buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
+                        piece.reshape(-1).view(torch.uint8))
+                    table.append([hf_name, str(piece.dtype).removeprefix("torch."), list(piece.shape), offset])
+                    offset, total = offset + nbytes, total + nbytes
+            if rank0 and error is None:
+                sent, chunk = chunk, None
+                error = self._send_chunk(sent, table, version)
+        finally:
+            if chunk is not None:  # not handed over (an error before): back into the pool
+                self._chunks.put_back(chunk)
         self._share(error)
         self._weights_version = version
         seconds = time.perf_counter() - started
         self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0}
 
     def _send_chunk(self, chunk: "_Chunk", table: list[list[Any]], version: int | None) -> str | None:
-        """Hand `chunk` to the server; the files the server's answer lists as still mapped stay out of use (all of
-        them, if there is no answer)."""
+        """Hand `chunk` to the server; the files its answer lists as still mapped stay out of use (a server that
+        answers without the list copies what it reads: nothing is held)."""
         self._chunks.lend(chunk)
         try:
             reply = self._call({"op": "load", "path": str(chunk.path), "tensors": table, "version": version})
