@@ -34,3 +34,21 @@ def test_tensors_come_back_after_the_ranks_exit():
     out = run_distributed(_returns_tensors, 2)
     assert [o["rank"] for o in out] == [0, 1]
     assert torch.equal(out[1]["t"], torch.tensor([1.0, 1.0]))
+
+
+def _dies_on_rank_one(rank, world_size):
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)  # killed, in effect: no traceback, nothing reported
+    time.sleep(100)  # rank 0 waits on nothing that would notice
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_run_at_once():
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 failed:\nexited with code 3 before reporting"):
+        run_distributed(_dies_on_rank_one, 2, timeout=120)
+    assert time.monotonic() - started < 30  # not the 120 s timeout, nor rank 0's 100 s

@@ -38,6 +38,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -179,6 +180,28 @@ def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tu
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _dead_or_late(procs, values: dict, results, deadline: float, timeout: float) -> tuple[int, str] | None:
+    """While no rank reported: a rank that exited without reporting (killed, or dead before `_child` ran: e.g. a
+    script without a `__main__` guard), or the timeout passed; None to go on waiting. What a rank put before it
+    exited is read first (`values` filled in)."""
+    for rank, proc in enumerate(procs):
+        if rank in values or proc.exitcode is None:
+            continue
+        try:
+            while True:  # its result may still be on its way
+                got, status, payload = results.get(timeout=1.0)
+                if status == "error":
+                    return got, payload
+                values[got] = payload
+        except queue.Empty:
+            pass
+        if rank not in values:
+            return rank, f"exited with code {proc.exitcode} before reporting (its output is above)"
+    if time.monotonic() >= deadline:
+        return -1, f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(len(procs))) - set(values))}"
+    return None
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -204,17 +227,18 @@ def run_distributed(
         proc.start()
     values: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
     try:
-        while len(values) < world_size:
+        while len(values) < world_size and failure is None:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
-                failure = (-1, f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(values))}")
-                break
+                failure = _dead_or_late(procs, values, results, deadline, timeout)
+                continue
             if status == "error":
                 failure = (rank, payload)
-                break
-            values[rank] = payload
+            else:
+                values[rank] = payload
     finally:
         if failure is not None:
             for proc in procs:
