@@ -365,8 +365,8 @@ class VLLMRolloutEngine:
                             break
                         chunk, table, offset = self._chunks.take(nbytes), [], 0
                     if nbytes > chunk.size:  # a tensor larger than a chunk: a file of its size
-                        self._chunks.put_back(chunk)
-                        chunk = None
+                        small, chunk = chunk, None
+                        self._chunks.put_back(small)
                         chunk = self._chunks.take(nbytes)
                     torch.frombuffer(chunk.buffer, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
                         piece.reshape(-1).view(torch.uint8))

@@ -112,8 +112,10 @@ class Server:
 
         def tensors(message):
             while True:
-                end = max((offset + math.prod(shape) * getattr(torch, dtype).itemsize
-                           for _, dtype, shape, offset in message["tensors"]), default=0)
+                items = [(name, getattr(torch, dtype), shape, offset)
+                         for name, dtype, shape, offset in message["tensors"]]
+                sizes = [math.prod(shape) * dt.itemsize for _, dt, shape, _ in items]
+                end = max((item[3] + nbytes for item, nbytes in zip(items, sizes)), default=0)
                 with open(message["path"], "r+b") as f:  # writable, shared: a loader's in-place op cannot fault
                     size = os.fstat(f.fileno()).st_size
                     buffer = mmap.mmap(f.fileno(), min(size, -(-max(end, 1) // mmap.PAGESIZE) * mmap.PAGESIZE),
@@ -121,9 +123,7 @@ class Server:
                 mapped[message["path"]] = weakref.ref(buffer)
                 data = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps `buffer` alive while a view lives
                 del buffer
-                for name, dtype, shape, offset in message["tensors"]:
-                    dt = getattr(torch, dtype)
-                    nbytes = math.prod(shape) * dt.itemsize
+                for (name, dt, shape, offset), nbytes in zip(items, sizes):
                     yield name, data[offset:offset + nbytes].view(dt).view(shape)
                 del data
                 if message.get("version") is not None:
