@@ -145,7 +145,7 @@ def _tied_keys(model) -> set[str]:
 def _fsdp_steps(rank: int, world_size: int, model_ids: list[str]) -> dict[str, list[tuple[float, float]]]:
     """Per family: (loss, grad norm) of `STEPS` AdamW steps of 2 micro-batches (the first with images, the second
     text-only) — 1 process runs both, 2 processes one each — FSDP2 through the entry's `parallelize`."""
-    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims, clip_grad_norm
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, ShardAdamW, build_parallel_dims, clip_grad_norm
 
     parallel_cfg = ParallelConfig()
     dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
@@ -157,7 +157,7 @@ def _fsdp_steps(rank: int, world_size: int, model_ids: list[str]) -> dict[str, l
         torch.manual_seed(0)
         model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
         entry.parallelize(model, parallel_cfg, dims)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        optimizer = ShardAdamW(model.parameters(), lr=1e-3, foreach=True)  # the trainer's AdamW, on local shards
         history = []
         for step in range(STEPS):
             mine = range(rank * per_rank, (rank + 1) * per_rank)

@@ -279,7 +279,7 @@ def _ep_steps(rank: int, world_size: int) -> list[tuple[float, float]]:
     the second text-only): 1 process runs both, 2 processes one each with expert parallel 2."""
     import torch.distributed as dist
 
-    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims, clip_grad_norm
+    from mmfsdp.parallel import MeshPlan, ParallelConfig, ShardAdamW, build_parallel_dims, clip_grad_norm
 
     parallel_cfg = ParallelConfig(expert_parallel_size=world_size)
     dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
@@ -288,7 +288,7 @@ def _ep_steps(rank: int, world_size: int) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     model = entry.model_class._from_config(config, attn_implementation="mmfsdp_sdpa")
     entry.parallelize(model, parallel_cfg, dims)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = ShardAdamW(model.parameters(), lr=1e-3, foreach=True)  # the trainer's AdamW
     per_rank, history = 2 // world_size, []
     for step in range(2):
         mine = range(rank * per_rank, (rank + 1) * per_rank)

@@ -24,7 +24,9 @@ from mmfsdp.model import compute_loss_weights, get_model_entry, shift_labels
 from mmfsdp.model.families.mistral3.model import Mistral3ForConditionalGenerationFSDP
 from mmfsdp.model.testing import model_inputs, rel_diff
 from mmfsdp.model.families.mistral3.testing import image_token_count, tiny_batch
-from mmfsdp.parallel import FSDPPlanConfig, MeshPlan, ParallelConfig, apply_activation_checkpointing, apply_fsdp, build_parallel_dims
+from mmfsdp.parallel import (
+    FSDPPlanConfig, MeshPlan, ParallelConfig, ShardAdamW, apply_activation_checkpointing, apply_fsdp, build_parallel_dims,
+)
 from mmfsdp.parallel.testing import record_margin, run_distributed
 
 TOL = 1e-5
@@ -121,7 +123,7 @@ def _train(model, steps, *, loss_type, group=None, world_size=1):
 
     Returns the per-step losses and the gradients of the first step.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS, foreach=True)
+    optimizer = ShardAdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS, foreach=True)  # the trainer's AdamW
     losses, first_grads = [], None
     for micro_batches in steps:
         targets = [shift_labels(mb["labels"], mb.get("cu_seq_lens")) for mb in micro_batches]

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mmfsdp.config import ConfigError
+from mmfsdp.parallel.dtensor_detach import dtensor_detach_without_propagation
 from mmfsdp.parallel.patterns import match_module_names
 
 __all__ = [
@@ -124,7 +125,8 @@ def shard_experts(
             local = param.detach()[start : start + num_local].clone()
             if mesh is not None:
                 local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
-            setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+            with dtensor_detach_without_propagation():  # nn.Parameter detaches its DTensor
+                setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
     module.num_experts = num_experts
     module.ep_rank = ep_rank
     module.ep_size = ep_size

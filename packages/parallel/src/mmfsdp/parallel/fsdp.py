@@ -66,6 +66,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from mmfsdp.config import ConfigError, get_logger, warn_once
 from mmfsdp.parallel.config import FSDPPlanConfig
 from mmfsdp.parallel.direct_comm import install_direct_comm
+from mmfsdp.parallel.dtensor_detach import dtensor_detach_without_propagation
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.patterns import match_module_names
 
@@ -150,16 +151,17 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
     sharded = group_small_modules(matched, num_params, plan.min_group_params, root_mesh)
     last = sharded[-1][0] if sharded else None
     direct = 0
-    for names, mesh in sorted(sharded, key=lambda item: item[0][0].count("."), reverse=True):
-        modules = [model.get_submodule(name) for name in names]
-        kept = {"reshard_after_forward": False} if names is last else {}
-        fully_shard(modules[0] if len(modules) == 1 else modules, **{**options(mesh), **kept})
-        if names is last or mesh.device_type == "cpu":
-            for module in modules:  # after FSDP2's own pre-forward hook (prepended): the copy-out is done
-                module.register_forward_pre_hook(_free_all_gather_buffer)
-        # a list of modules shares one FSDP2 state: its first module sets the group's collectives
-        direct += plan.direct_cpu_comm and install_direct_comm(modules[0], mesh.get_group(mesh.ndim - 1))
-    fully_shard(model, **{**options(root_mesh), "reshard_after_forward": False})
+    with dtensor_detach_without_propagation():  # FSDP2 wraps every parameter: no sharding propagation for that
+        for names, mesh in sorted(sharded, key=lambda item: item[0][0].count("."), reverse=True):
+            modules = [model.get_submodule(name) for name in names]
+            kept = {"reshard_after_forward": False} if names is last else {}
+            fully_shard(modules[0] if len(modules) == 1 else modules, **{**options(mesh), **kept})
+            if names is last or mesh.device_type == "cpu":
+                for module in modules:  # after FSDP2's own pre-forward hook (prepended): the copy-out is done
+                    module.register_forward_pre_hook(_free_all_gather_buffer)
+            # a list of modules shares one FSDP2 state: its first module sets the group's collectives
+            direct += plan.direct_cpu_comm and install_direct_comm(modules[0], mesh.get_group(mesh.ndim - 1))
+        fully_shard(model, **{**options(root_mesh), "reshard_after_forward": False})
     if root_mesh.device_type == "cpu":
         model.register_forward_pre_hook(_free_all_gather_buffer)
     direct += plan.direct_cpu_comm and install_direct_comm(model, root_mesh.get_group(root_mesh.ndim - 1))
