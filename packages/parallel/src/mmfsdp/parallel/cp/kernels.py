@@ -57,16 +57,19 @@ def register_ring_kernel(device_type: str, kernel: AttentionKernel) -> None:
 
 
 def get_ring_kernel(device_type: str) -> AttentionKernel:
-    """The kernel registered for `device_type`, else the built-in one."""
-    if device_type in _KERNELS:
-        return _KERNELS[device_type]
+    """The kernel registered for `device_type`, else the built-in one.
+
+    The built-in one is made on each call (a small record of two functions), not stored: this runs inside
+    compiled decoder layers, and a table filled by their first call fails dynamo's guard on it at the second,
+    which recompiled every layer once more (`tests/test_e2e_compile.py`'s Ulysses and Ring runs)."""
+    kernel = _KERNELS.get(device_type)
+    if kernel is not None:
+        return kernel
     if device_type not in _DEFAULTS:
         raise NotImplementedError(
             f"no ring-attention kernel for device type {device_type!r}; register one with register_ring_kernel"
         )
-    kernel = _DEFAULTS[device_type]()
-    _KERNELS[device_type] = kernel
-    return kernel
+    return _DEFAULTS[device_type]()
 
 
 def _segments(cu: tuple[int, ...]) -> list[tuple[int, int]]:
