@@ -10,7 +10,8 @@ Yet `detach` decides nothing: its output is the input's local tensor detached, w
 shape, stride, placements and mesh). Inside `dtensor_detach_without_propagation()`, DTensor's dispatcher returns
 that directly, through its table of custom op handlers (the hook torch itself uses for `convolution`,
 `is_same_size`, `as_strided`, ...); on leaving, the table is as it was. The same 300 parameters: 0.05 s. Values,
-specs and autograd are unchanged (`tests/test_parallel_fsdp.py` compares a model sharded with and without it).
+specs and autograd are unchanged (`packages/parallel/tests/test_parallel_dtensor_detach.py` compares a model sharded
+with and without it).
 On a torch without the table it does nothing.
 """
 
