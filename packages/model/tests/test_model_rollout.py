@@ -268,11 +268,24 @@ the loop."""
 
 def _fsdp_rollouts(rank: int, world_size: int) -> dict:
     """Per family, FSDP2 through the family's `parallelize`: round "split": rank 0 generates the text-only prompts,
-    rank 1 the image prompts; round "one rank": rank 0 none, rank 1 all. Returns the rollouts (as dicts), the
-    number of model forwards and this rank's longest completion per round."""
-    from mmfsdp.parallel import MeshPlan, ParallelConfig, build_parallel_dims
+    rank 1 the image prompts; round "one rank": rank 0 none, rank 1 all; then "split" again with the groups
+    gathered for each forward (`gather_weights=False`), gathered once (the default), per forward. Returns the
+    rollouts (as dicts), the number of model forwards and of FSDP2 all-gathers, and this rank's longest completion
+    per round."""
+    from mmfsdp.parallel import FSDPPlanConfig, MeshPlan, ParallelConfig, build_parallel_dims
+    from mmfsdp.parallel.direct_comm import DirectAllGather
 
-    parallel_cfg = ParallelConfig()
+    gathers = []
+    counted = DirectAllGather.__call__
+
+    def counting(self, *args, **kwargs):
+        gathers.append(1)
+        return counted(self, *args, **kwargs)
+
+    DirectAllGather.__call__ = counting  # the FSDP2 all-gather of a gloo group (`direct_cpu_comm`, the default)
+    # one group per layer, as a real model's plan gives (these tiny models would otherwise be one root group, which
+    # FSDP2 keeps gathered after forward anyway)
+    parallel_cfg = ParallelConfig(fsdp_plan=FSDPPlanConfig(min_group_params=0))
     dims = build_parallel_dims(MeshPlan.from_config(parallel_cfg, world_size), "cpu")
     out = {}
     for model_id in FAMILIES:
@@ -281,15 +294,18 @@ def _fsdp_rollouts(rank: int, world_size: int) -> dict:
         get_model_entry(model_id).parallelize(model, parallel_cfg, dims)
         forwards = []
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
-        engine = HFRolloutEngine(model)
-        mine = {"split": [requests[1], requests[3]] if rank == 0 else [requests[0], requests[2]],
-                "one rank": [] if rank == 0 else requests}
-        for name, subset in mine.items():
+        split = [requests[1], requests[3]] if rank == 0 else [requests[0], requests[2]]
+        rounds = [("split", True, split), ("one rank", True, [] if rank == 0 else requests),
+                  ("split, per forward", False, split), ("split again", True, split),
+                  ("per forward again", False, split)]
+        for name, gather, subset in rounds:
             forwards.clear()
-            rollouts = engine.generate(subset, FSDP_SAMPLING, step=3)
+            gathers.clear()
+            rollouts = HFRolloutEngine(model, gather_weights=gather).generate(subset, FSDP_SAMPLING, step=3)
             out[model_id, name] = {
                 "rollouts": [dataclasses.asdict(r) for r in rollouts],
                 "forwards": len(forwards),
+                "gathers": len(gathers),
                 "longest": max((len(r.completion_ids) for r in rollouts), default=0),
             }
     return out
@@ -320,6 +336,18 @@ def test_fsdp_ranks_with_different_prompts_generate_what_one_process_does():
             )
         split = [result[model_id, "split"]["longest"] for result in per_rank]
         assert split[0] != split[1] and max(split) < FSDP_SAMPLING.max_new_tokens, (model_id, split)
+        for result in per_rank:
+            names = ("split", "split, per forward", "split again", "per forward again")
+            once, each, again, each_again = (result[model_id, name] for name in names)
+            # the same completions; gathered once per generate, each group is all-gathered once; per forward, the
+            # groups FSDP2 reshards after forward again at every decode step; the settings come back after a span
+            assert once["rollouts"] == each["rollouts"] == again["rollouts"] == each_again["rollouts"], model_id
+            assert once["forwards"] == each["forwards"] > 1, model_id
+            assert each["gathers"] >= once["gathers"] + each["forwards"] - 1, (model_id, once, each)
+            # (after a per-forward round the groups FSDP2 keeps after forward, the root and the last, are still
+            # gathered: "split again" gathers the others only; every span ends with all groups resharded)
+            assert again["gathers"] <= once["gathers"] and each_again["gathers"] == each["gathers"], (
+                model_id, [r["gathers"] for r in (once, each, again, each_again)])
 
 
 def test_the_vllm_chunk_pool_never_reuses_a_file_the_server_still_maps(tmp_path):

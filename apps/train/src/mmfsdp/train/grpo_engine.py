@@ -62,7 +62,8 @@ def build_rollout_engine(ctx, media_token_ids: frozenset[int]) -> Any:
     """The engine of `training.grpo.rollout.engine` for the policy of `ctx` (an `ObjectiveContext`)."""
     rollout = ctx.cfg.training.grpo.rollout
     if rollout.engine == "hf":
-        return HFRolloutEngine(ctx.model, pad_token_id=ctx.train_dataset.processor.pad_token_id)
+        return HFRolloutEngine(ctx.model, pad_token_id=ctx.train_dataset.processor.pad_token_id,
+                               gather_weights=rollout.gather_weights)
     v, adapter = rollout.vllm, get_state_dict_adapter(ctx.cfg.model.model_id)
     process, address, authkey, error = None, v.url, None, None
     if v.launch:

@@ -78,6 +78,8 @@ class RolloutConfig:
     """Who generates the completions: hf = inside the training processes from the live FSDP2 model (`mmfsdp.model.rollout.HFRolloutEngine`); vllm = a vLLM server in its own process and environment, its weights synced every step (`mmfsdp.model.vllm_rollout`, docs/rl.md ("Rollout engines"))."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM server (with `engine: vllm`)."""
+    gather_weights: bool = True
+    """hf engine: all-gather each FSDP2 group once per generation batch and keep the whole model gathered while it decodes (TRL's `ds3_gather_for_generation`, verl's hf rollout); false: gather for each forward, one group at a time as in training: one all-gather per group per generated token, for a model whose unsharded weights do not fit beside the training state."""
     sync_interval: int = 1
     """Generation batches per weight sync of an engine in another process (vllm): it receives the policy's weights before generation batches 1, 1 + k, 1 + 2k, ... and generates those between with the weights of its last sync, up to k − 1 batches older than the policy (off-policy rollouts: correct them with `tis_cap`; `rollout/weights_lag` logs the optimizer steps between the two). 1 = every batch. The hf engine generates from the live weights: 1 there."""
 

@@ -39,8 +39,10 @@ shapes), so tokens agree unless a draw falls within rounding of a tie.
 4. The cache rows are repeated per generation (`Cache.reorder_cache`, a row gather for every kind of cache layer,
    linear attention included): a prompt is encoded once however many completions it gets.
 5. Decode: one forward per step for all rows (a row that stopped keeps stepping, its tokens discarded), sampling
-   on the device. Under FSDP2 every forward all-gathers the parameters, so every rank must make the same number
-   of forwards: once per step the ranks all-reduce (MIN over the group) whether all their rows have stopped, and
+   on the device. Under FSDP2 the prefill all-gathers each group once and the groups stay gathered through the
+   decode steps (`gather_weights`, the default: `mmfsdp.parallel.fsdp_gathered`; with it off, every forward
+   gathers them again, one group at a time); every forward still runs FSDP2's hooks, so every rank must make the
+   same number of forwards: once per step the ranks all-reduce (MIN over the group) whether all their rows have stopped, and
    all stop together when every rank is done or at `max_new_tokens`. That one-element all-reduce and the `.item()`
    reading it are the loop's only host synchronisation, a small constant per step (generation, not a training
    hot path); before the loop, one more checks the requests on every rank (all raise together) and the prompts'
@@ -69,11 +71,14 @@ Shape legend: P prompts, R rows (generations), V vocabulary, S prompt length.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from mmfsdp.parallel.fsdp import fsdp_gathered
 
 if TYPE_CHECKING:
     from torch import nn
@@ -323,9 +328,13 @@ class HFRolloutEngine:
     """Generation inside the training processes from the live model (module docstring): a `RolloutEngine`.
 
     `model` is a family model (`TrainingForwardMixin`), sharded by FSDP2 or not; `group` is the process group
-    whose ranks generate together (default: the world when a process group exists, else none)."""
+    whose ranks generate together (default: the world when a process group exists, else none). `gather_weights`:
+    each FSDP2 group is all-gathered once per `generate` and kept gathered while decoding (`fsdp_gathered`: the
+    whole unsharded model in memory meanwhile); False: gathered for each forward, one group at a time, as in
+    training (one all-gather per group per generated token)."""
 
-    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None, pad_token_id: int = 0):
+    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None, pad_token_id: int = 0,
+                 gather_weights: bool = True):
         backend = getattr(model.config, "_attn_implementation", None)
         if backend in _NO_PADDING_MASK:
             raise ValueError(
@@ -335,6 +344,7 @@ class HFRolloutEngine:
         self.model = model
         self.group = group
         self.pad_token_id = pad_token_id
+        self.gather_weights = gather_weights
         self._weights_version = 0
 
     @property
@@ -396,30 +406,32 @@ class HFRolloutEngine:
         was_training = model.training
         model.eval()
         try:
-            outputs = model(**batch, use_cache=True, logits_to_keep=1)
-            cache = outputs.cache
-            cache.reorder_cache(rows_P)
-            logits = outputs.logits[:, -1].index_select(0, rows_P)
-            del outputs, batch
-            num_rows = len(prompt_of_row)
-            tokens = torch.zeros(num_rows, sampling.max_new_tokens, dtype=torch.long, device=device)
-            logprobs = torch.zeros(num_rows, sampling.max_new_tokens, dtype=torch.float32, device=device)
-            stopped = torch.full((num_rows,), placeholder, dtype=torch.bool, device=device)
-            lengths = torch.full((num_rows,), sampling.max_new_tokens, dtype=torch.long, device=device)
-            for t in range(sampling.max_new_tokens):
-                if t > 0:
-                    mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
-                    positions = positions + 1
-                    logits = model(
-                        input_ids=tokens[:, t - 1 : t], attention_mask=mask, position_ids=positions, cache=cache,
-                        use_cache=True,
-                    ).logits[:, -1]
-                tokens[:, t], logprobs[:, t] = sample_tokens(logits, sampling, keys_R, t)
-                ends = torch.isin(tokens[:, t], stop_ids) & ~stopped
-                lengths = torch.where(ends, t + 1, lengths)
-                stopped |= ends
-                if t + 1 == sampling.max_new_tokens or self._all_ranks(stopped.all()):
-                    break
+            with fsdp_gathered(model) if self.gather_weights else contextlib.nullcontext():
+                # each FSDP2 group gathered once, for the prefill and every decode step after it
+                outputs = model(**batch, use_cache=True, logits_to_keep=1)
+                cache = outputs.cache
+                cache.reorder_cache(rows_P)
+                logits = outputs.logits[:, -1].index_select(0, rows_P)
+                del outputs, batch
+                num_rows = len(prompt_of_row)
+                tokens = torch.zeros(num_rows, sampling.max_new_tokens, dtype=torch.long, device=device)
+                logprobs = torch.zeros(num_rows, sampling.max_new_tokens, dtype=torch.float32, device=device)
+                stopped = torch.full((num_rows,), placeholder, dtype=torch.bool, device=device)
+                lengths = torch.full((num_rows,), sampling.max_new_tokens, dtype=torch.long, device=device)
+                for t in range(sampling.max_new_tokens):
+                    if t > 0:
+                        mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
+                        positions = positions + 1
+                        logits = model(
+                            input_ids=tokens[:, t - 1 : t], attention_mask=mask, position_ids=positions, cache=cache,
+                            use_cache=True,
+                        ).logits[:, -1]
+                    tokens[:, t], logprobs[:, t] = sample_tokens(logits, sampling, keys_R, t)
+                    ends = torch.isin(tokens[:, t], stop_ids) & ~stopped
+                    lengths = torch.where(ends, t + 1, lengths)
+                    stopped |= ends
+                    if t + 1 == sampling.max_new_tokens or self._all_ranks(stopped.all()):
+                        break
         finally:
             model.train(was_training)
         if placeholder:

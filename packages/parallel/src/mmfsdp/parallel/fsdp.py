@@ -56,6 +56,8 @@ Frozen parameters elsewhere are sharded like the others and get no gradient.
 from __future__ import annotations
 
 import inspect
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +72,7 @@ from mmfsdp.parallel.dtensor_detach import dtensor_detach_without_propagation
 from mmfsdp.parallel.dtypes import DTYPES
 from mmfsdp.parallel.patterns import match_module_names
 
-__all__ = ["apply_fsdp", "apply_fsdp_groups", "group_small_modules", "FSDPGroup"]
+__all__ = ["apply_fsdp", "apply_fsdp_groups", "fsdp_gathered", "group_small_modules", "FSDPGroup"]
 
 _KEY = "parallel.fsdp_plan"
 
@@ -173,6 +175,37 @@ def apply_fsdp_groups(model: nn.Module, plan: FSDPPlanConfig, groups: list[FSDPG
         f", direct gloo exchanges on {direct} groups" if direct else "",
     )
     return model
+
+
+@contextlib.contextmanager
+def fsdp_gathered(model: nn.Module) -> Iterator[None]:
+    """Inside, every FSDP2 group of `model` that a forward gathers stays gathered until the span ends: many forwards
+    in a row (the hf rollout engine's one per generated token) all-gather each group once, not once per forward.
+
+    Each FSDP module is told not to reshard after forward (`set_reshard_after_forward(False, recurse=False)`); on
+    leaving, every module is resharded (`reshard()`: its unsharded parameters freed) and its groups' previous
+    post-forward setting restored, so training steps after the span gather as planned (the root and the last
+    group kept, the others resharded per `reshard_after_forward`). The values are FSDP2's all-gathers either way;
+    the memory inside is the whole unsharded model, as TRL's `ds3_gather_for_generation` and verl's hf rollout
+    hold it. A model without FSDP2 modules, or a torch whose FSDP2 keeps these settings elsewhere, runs as is."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        saved = [(state, state._auto_reshard_after_forward,
+                  [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups])
+                 for state in (m._get_fsdp_state() for m in modules)]
+    except AttributeError:  # another torch's FSDP2 internals: gather per forward, as without the span
+        saved, modules = [], []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for group, mesh_info in groups:
+                group.post_forward_mesh_info = mesh_info
 
 
 def _free_all_gather_buffer(module: nn.Module, args) -> None:
