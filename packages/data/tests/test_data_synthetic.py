@@ -75,16 +75,9 @@ def test_tiny_processor_loads_offline(tmp_path):
     assert json.loads(Path(tmp_path / "tiny" / "processor_config.json").read_text())["spatial_merge_size"] == 2
 
 
-def _prepare(raw: dict) -> None:
-    from mmfsdp.config import build
-    from mmfsdp.data import DataConfig, prepare_dataset
-
-    prepare_dataset(build(DataConfig, raw, "data"))
-
-
 def test_prepare_dataset_from_several_ranks_at_once(tmp_path):
     from mmfsdp.config import build
-    from mmfsdp.data import DataConfig, build_dataset, build_processor
+    from mmfsdp.data import DataConfig, build_dataset, build_processor, prepare_dataset
 
     raw = {
         "dataset_param": {
@@ -94,14 +87,22 @@ def test_prepare_dataset_from_several_ranks_at_once(tmp_path):
             "synthetic": {"num_train": 12, "num_eval": 4, "image_size": 32, "patch_size": 4},
         }
     }
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_prepare, args=(raw,)) for _ in range(3)]
+    cfg = build(DataConfig, raw, "data")
+    # fresh interpreters (spawn), not forks of this test process: a fork inherits its other threads' locks (Arrow's
+    # pools among them) and once hung in `datasets`' writer, every child waiting for the whole timeout
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=prepare_dataset, args=(cfg,)) for _ in range(3)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(120)
+    try:
+        for p in procs:
+            p.join(180)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert [p.exitcode for p in procs] == [0, 0, 0]
-    cfg = build(DataConfig, raw, "data")
     assert len(build_dataset(cfg, build_processor(cfg), "train")) == 12
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
