@@ -55,8 +55,8 @@ Frozen parameters elsewhere are sharded like the others and get no gradient.
 
 from __future__ import annotations
 
-import inspect
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
