@@ -256,3 +256,43 @@ def test_sdpa_runs_each_packed_sequence_alone_as_the_block_mask_does(causal, bat
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for grad, ref_grad in zip(grads, ref_grads):
         assert_close(grad, ref_grad, TOL, "gradient")
+
+
+def test_compiled_packed_sdpa_is_one_graph_for_every_set_of_lengths():
+    """Under `torch.compile` packed self-attention is one opaque op in the block's graph (`mmfsdp::packed_sdpa`):
+    no graph break, no new graph for new sequence lengths or a new number of sequences (dimensions marked dynamic
+    as `mmfsdp.parallel.compile.mark_token_dims` marks them), and the outputs and gradients of the eager path."""
+    from torch._dynamo.utils import counters
+
+    from mmfsdp.model.attention import sdpa_attention
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2
+        training = False
+
+    def block(q, k, v, cu):
+        out, _ = sdpa_attention(Attn(), q * 1.5, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, scaling=0.3)
+        return out.sin()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    # a tail after the last boundary, more sequences, and a sequence crossing the rows (the masked path in the op)
+    for batch_size, seq_len, cu in [(2, 8, [0, 3, 8, 11]), (2, 10, [0, 2, 7, 10, 14, 20]), (2, 9, [0, 5, 12, 18])]:
+        q, k, v = (torch.randn(batch_size, heads, seq_len, 8, generator=generator, requires_grad=True)
+                   for heads in (4, 2, 2))
+        cu_seq_lens = torch.tensor(cu, dtype=torch.int32)
+        for x in (q, k, v):
+            torch._dynamo.maybe_mark_dynamic(x, 2)
+        torch._dynamo.maybe_mark_dynamic(cu_seq_lens, 0)
+        out, ref = compiled(q, k, v, cu_seq_lens), block(q, k, v, cu_seq_lens)
+        assert_close(out, ref, TOL, f"output, lengths {cu}")
+        weights = torch.randn(out.shape, generator=generator)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+        for name, grad, ref_grad in zip("qkv", grads, ref_grads):
+            assert_close(grad, ref_grad, TOL, f"d{name}, lengths {cu}")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -40,12 +40,11 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from mmfsdp.config import ConfigError
-from mmfsdp.model.batch_plan import BATCH_PLAN_KEY, host_bounds, row_segments
+from mmfsdp.model.batch_plan import BATCH_PLAN_KEY, segments_of
 from mmfsdp.model.config import ATTENTION_BACKEND_NAMES
 
 __all__ = [
@@ -126,23 +125,6 @@ def _repeat_kv(x_BKLD: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BKLD if groups == 1 else x_BKLD.repeat_interleave(groups, dim=1)
 
 
-_segments_of = WeakIdKeyDictionary()  # cu_seq_lens tensor -> ((B, S, version), segments)
-
-
-def _row_segments(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> list[tuple[int, int]] | None:
-    """The `[start, end)` token ranges of the packed sequences over the flattened `B·S` tokens (tokens after the
-    last boundary form one more, as in `varlen_block_mask`); None when one would cross a row.
-
-    A call without the micro-batch's plan (`mmfsdp.model.batch_plan`): every layer gets the same `cu_seq_lens`
-    tensor, so it is read to the host once, not once per layer."""
-    cached = _segments_of.get(cu_seq_lens)
-    if cached is not None and cached[0] == (batch_size, seq_len, cu_seq_lens._version):
-        return cached[1]
-    segments = row_segments(host_bounds(cu_seq_lens), batch_size, seq_len)
-    _segments_of[cu_seq_lens] = ((batch_size, seq_len, cu_seq_lens._version), segments)
-    return segments
-
-
 def _split_segments(x_BHSD: torch.Tensor, segments: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Each packed sequence of `x` as an `[H, L, D]` view, in order: the rows unbound, each row split at its
     sequence boundaries (their backward is one `stack` and one `cat` per row, not a full-size zero tensor per
@@ -182,21 +164,100 @@ def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causa
 
 @torch.compiler.disable
 def _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs):
-    """Packed sdpa, eager under `torch.compile` (`features.compile`): it loops over the sequence lengths (host
-    numbers: the micro-batch plan's `attention_segments`), which a traced graph would specialise on (a new graph
-    for every new set of lengths); left out, a compiled block runs one graph before and one after it whatever
-    the lengths."""
+    """Packed sdpa, eager under `torch.compile` (`features.compile`) for the calls the packed-sdpa op does not take
+    (`_compiled_packed_sdpa`): it loops over the sequence lengths (host numbers: the micro-batch plan's
+    `attention_segments`), which a traced graph would specialise on; left out, a compiled block runs one graph
+    before and one after it whatever the lengths."""
     causal = _is_causal(module, kwargs)
     batch_size, _, q_len, _ = query.shape
     same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
     if same and plan is not None and cu_q is plan.cu_seq_lens and (batch_size, q_len) == (plan.batch_size, plan.seq_len):
         segments = plan.attention_segments
     else:
-        segments = _row_segments(cu_q, batch_size, q_len) if same else None
+        segments = segments_of(cu_q, batch_size, q_len) if same else None
     if segments is not None:
         return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
     attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+class _Heads:
+    """What transformers' sdpa function reads of the attention module, inside the packed-sdpa op."""
+
+    __slots__ = ("num_key_value_groups", "is_causal")
+
+    def __init__(self, groups: int, causal: bool):
+        self.num_key_value_groups, self.is_causal = groups, causal
+
+
+def _packed_sdpa_eager(query, key, value, cu_seq_lens, causal: bool, scaling: float | None, groups: int):
+    """Packed self-attention of `[B, H, S, D]` inputs by `cu_seq_lens` (the sdpa backend's maths), `[B, S, H, D]`
+    out; the segments come from the micro-batch's plan (registered with its `cu_seq_lens`) or one host read."""
+    module = _Heads(groups, causal)
+    batch_size, _, q_len, _ = query.shape
+    segments = segments_of(cu_seq_lens, batch_size, q_len)
+    if segments is not None:
+        return _sdpa_per_sequence(module, query, key, value, segments, causal, scaling=scaling)[0]
+    mask = varlen_block_mask(cu_seq_lens, cu_seq_lens, batch_size, q_len, q_len, causal=causal)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=scaling)[0]
+
+
+@torch.library.custom_op("mmfsdp::packed_sdpa", mutates_args=())
+def _packed_sdpa_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                    causal: bool, scaling: float | None, groups: int) -> torch.Tensor:
+    return _packed_sdpa_eager(query, key, value, cu_seq_lens, causal, scaling, groups)
+
+
+@_packed_sdpa_op.register_fake
+def _(query, key, value, cu_seq_lens, causal, scaling, groups):
+    batch_size, num_heads, q_len, _ = query.shape
+    return query.new_empty(batch_size, q_len, num_heads, value.shape[-1])
+
+
+@torch.library.custom_op("mmfsdp::packed_sdpa_backward", mutates_args=())
+def _packed_sdpa_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             cu_seq_lens: torch.Tensor, causal: bool, scaling: float | None,
+                             groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # torch.func's vjp, not torch.autograd: a custom op's body runs below the autograd dispatch key
+    _, vjp = torch.func.vjp(lambda q, k, v: _packed_sdpa_eager(q, k, v, cu_seq_lens, causal, scaling, groups),
+                            query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@_packed_sdpa_backward_op.register_fake
+def _(grad, query, key, value, cu_seq_lens, causal, scaling, groups):
+    return tuple(x.new_empty(x.shape) for x in (query, key, value))
+
+
+def _packed_sdpa_setup(ctx, inputs, output) -> None:
+    query, key, value, cu_seq_lens, causal, scaling, groups = inputs
+    ctx.save_for_backward(query, key, value, cu_seq_lens)
+    ctx.args = (causal, scaling, groups)
+
+
+def _packed_sdpa_grad(ctx, grad):
+    query, key, value, cu_seq_lens = ctx.saved_tensors
+    grads = torch.ops.mmfsdp.packed_sdpa_backward(grad, query, key, value, cu_seq_lens, *ctx.args)
+    return (*grads, None, None, None, None)
+
+
+_packed_sdpa_op.register_autograd(_packed_sdpa_grad, setup_context=_packed_sdpa_setup)
+
+
+def _compiled_packed_sdpa(module, query, key, value, cu_q, cu_k, kwargs):
+    """Under `torch.compile`: packed self-attention as one opaque op (`mmfsdp::packed_sdpa`) inside the block's
+    graph, so the block compiles as one graph for every set of lengths (its lengths are read inside the op, from
+    the plan); None where the call needs more than the op takes (the eager `_sdpa_varlen` then runs, a graph break).
+    Its backward recomputes the attention of the saved inputs (one more attention forward per compiled layer)."""
+    dropout = kwargs.get("dropout", 0.0)
+    if (cu_k is not cu_q or query.shape[2] != key.shape[2] or not isinstance(dropout, (int, float)) or dropout
+            or any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "sliding_window"))):
+        return None
+    causal = _is_causal(module, kwargs)
+    scaling = kwargs.get("scaling")
+    out = torch.ops.mmfsdp.packed_sdpa(query, key, value, cu_q, causal, None if scaling is None else float(scaling),
+                                       int(getattr(module, "num_key_value_groups", 1)))
+    return out, None
 
 
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
@@ -205,6 +266,10 @@ def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     plan = kwargs.get(BATCH_PLAN_KEY)
     cu_q, cu_k = _pop_varlen(kwargs)
     if cu_q is not None:
+        if torch.compiler.is_compiling():
+            out = _compiled_packed_sdpa(module, query, key, value, cu_q, cu_k, kwargs)
+            if out is not None:
+                return out
         return _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 

@@ -28,11 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mmfsdp.model.host_syncs import host_side
 from mmfsdp.parallel.cp import RingHalves, ring_halves, to_device_async
 
-__all__ = ["BATCH_PLAN_KEY", "HOST_INPUT_KEYS", "BatchPlan", "host_bounds", "row_segments"]
+__all__ = ["BATCH_PLAN_KEY", "HOST_INPUT_KEYS", "BatchPlan", "host_bounds", "row_segments", "segments_of"]
 
 BATCH_PLAN_KEY = "mmfsdp_batch_plan"
 """The decoder keyword that carries the `BatchPlan` to every layer."""
@@ -59,6 +60,21 @@ def row_segments(bounds: Sequence[int], batch_size: int, seq_len: int) -> list[t
     segments = [(start, end) for start, end in zip(cuts, cuts[1:]) if end > start]
     if any(start // seq_len != (end - 1) // seq_len for start, end in segments):
         return None
+    return segments
+
+
+_SEGMENTS = WeakIdKeyDictionary()  # cu_seq_lens tensor -> ((B, S, version), segments)
+
+
+def segments_of(cu_seq_lens: torch.Tensor, batch_size: int, seq_len: int) -> list[tuple[int, int]] | None:
+    """`row_segments` of a `cu_seq_lens` tensor, read to the host once per tensor: a plan's device copy was
+    registered with its host segments when the plan was made (no read at all), and a call without a plan gets the
+    same tensor in every layer."""
+    cached = _SEGMENTS.get(cu_seq_lens)
+    if cached is not None and cached[0] == (batch_size, seq_len, cu_seq_lens._version):
+        return cached[1]
+    segments = row_segments(host_bounds(cu_seq_lens), batch_size, seq_len)
+    _SEGMENTS[cu_seq_lens] = ((batch_size, seq_len, cu_seq_lens._version), segments)
     return segments
 
 
@@ -93,6 +109,7 @@ class BatchPlan:
             self.max_length = int(max(lengths) if max_length is None else max_length)
             self.attention_segments = row_segments(self.bounds, batch_size, seq_len)
             self.cu_seq_lens = to_device_async(torch.tensor(self.bounds, dtype=torch.int32), self.device)
+        _SEGMENTS[self.cu_seq_lens] = ((batch_size, seq_len, self.cu_seq_lens._version), self.attention_segments)
 
     def plan_context_parallel(self, layout: Any) -> None:
         """The ring attention's halves of this rank's layout (`CPLayout`), when there is a ring."""

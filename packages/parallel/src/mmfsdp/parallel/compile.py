@@ -87,7 +87,8 @@ def _tensors(values: Any) -> list[torch.Tensor]:
 def mark_token_dims(args: tuple, kwargs: dict[str, Any]) -> None:
     """Hint dynamo that the token dimension is dynamic: dimension -2 of the first tensor argument (the block's
     hidden states, `(..., tokens, hidden)`) and each dimension of the other tensor arguments with that size, except
-    where the size is also the hidden size (ambiguous: left to dynamo's automatic dynamic shapes)."""
+    where the size is also the hidden size (ambiguous: left to dynamo's automatic dynamic shapes); and the length
+    of a 1-D integer tensor (a packed batch's `cu_seq_lens`, whose length is the number of samples plus one)."""
     tensors = _tensors((*args, *kwargs.values()))
     if not tensors or tensors[0].ndim < 2:
         return
@@ -97,6 +98,8 @@ def mark_token_dims(args: tuple, kwargs: dict[str, Any]) -> None:
         return
     for tensor in tensors:
         dims = [d for d, size in enumerate(tensor.shape) if size == tokens]
+        if tensor.ndim == 1 and not tensor.is_floating_point():
+            dims = [0]  # a packed batch's sample bounds (`cu_seq_lens`): one more than its number of samples
         if dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
