@@ -142,20 +142,26 @@ def _cp_attention(original: str):
         plan = kwargs.pop(BATCH_PLAN_KEY, None)
         if kwargs.get("dropout") or kwargs.get("sliding_window") is not None:
             raise NotImplementedError("context parallel attention supports neither attention dropout nor a sliding window")
-        out_BSHD = context_parallel_attention(
-            query_BHSD.transpose(1, 2),
-            key_BKSD.transpose(1, 2),
-            value_BKSD.transpose(1, 2),
-            context.layout,
-            ring_group=context.ring_group,
-            ulysses_group=context.ulysses_group,
-            causal=True,
-            scale=kwargs.get("scaling"),
-            halves=None if plan is None else plan.ring_halves,
-        )
-        return out_BSHD, None
+        halves = None if plan is None else plan.ring_halves
+        attend = _ring_attention_eager if context.layout.ring_size > 1 else _context_parallel_attention
+        return attend(query_BHSD, key_BKSD, value_BKSD, context, kwargs.get("scaling"), halves), None
 
     return attention
+
+
+def _context_parallel_attention(query_BHSD, key_BKSD, value_BKSD, context: CPContext, scale, halves):
+    """`context_parallel_attention` of HF's attention layout."""
+    return context_parallel_attention(
+        query_BHSD.transpose(1, 2), key_BKSD.transpose(1, 2), value_BKSD.transpose(1, 2), context.layout,
+        ring_group=context.ring_group, ulysses_group=context.ulysses_group, causal=True, scale=scale, halves=halves,
+    )
+
+
+_ring_attention_eager = torch.compiler.disable(_context_parallel_attention)
+"""With a ring (Ring or Hybrid), the attention runs eagerly under `torch.compile` (`features.compile`): one graph
+break per layer. Traced, the ring's steps (point-to-point exchanges, per-step index selects, the merge) broke a layer
+into ~6 graphs (the tiny Mistral3 at Ring 2: 15 graphs, 4 now). Ulysses alone stays traced (its all-to-alls are
+traced collectives: 3 graphs, 6 with this)."""
 
 
 def cp_attention_name(original: str) -> str:

@@ -11,8 +11,11 @@ Order in `parallelize`: compile, then activation checkpointing, activation offlo
 - Recompute (`apply_activation_checkpointing`): the checkpoint wraps the compiled forward, so backward recomputes by
   calling the same compiled function; the saved activations are dropped as without compile.
 - HSDP: as FSDP2; the replicas' all-reduce is FSDP2's, outside the blocks.
-- Context parallel: Ulysses / Ring attention run inside the block through the attention interface; their
-  collectives are not traced (a graph break around each), so they run as in eager mode.
+- Context parallel: Ulysses / Ring attention run inside the block through the attention interface; Ulysses'
+  all-to-alls are traced, a ring's attention runs eagerly as a whole (`torch.compiler.disable`, one graph break
+  per layer: `mmfsdp.model.context_parallel`).
+- Packed attention (`cu_seq_lens`): one opaque op in the block's graph (`mmfsdp::packed_sdpa`), whatever the
+  lengths (`mmfsdp.model.attention`).
 - Expert parallel (and MoE at EP 1): the experts module's forward (`experts_forward`) is `torch.compiler.disable`d,
   a graph break in each MoE layer: its dispatch (tokens per expert, all-to-all splits, the experts' row counts) is
   data-dependent, and a traced one would recompile for every new routing. The router before it and the residual
