@@ -276,3 +276,26 @@ def test_model_copies_keep_their_own_decoder_hook(config):
     a, b, _ = _samples(config)
     batch = qwen3_vl_batch([[a, b]], seq_len=40, packing=True)
     assert_close(_train_forward(twin, batch)[0], _train_forward(ours, batch)[0], TOL, "copy vs original training forward")
+
+
+def test_compiled_layers_train_compiled_and_generate_eagerly(config):
+    """`features.compile`'s blocks: a KV-cached call (generation: evaluation's answers, the RL stage's embedded
+    engine) runs the original forward, so `generate` compiles nothing and returns the eager model's tokens; the
+    training forward (no cache) runs the compiled graph, with the eager model's loss."""
+    from torch._dynamo.utils import counters
+
+    from mmfsdp.parallel.compile import apply_compile
+
+    torch.manual_seed(0)
+    model = ENTRY.model_class._from_config(config, attn_implementation="mmfsdp_sdpa").eval()
+    ids = torch.stack([qwen3_vl_sample(config, 12, seed=seed)["input_ids"] for seed in (1, 2)])  # text only
+    expected_tokens = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    expected_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert apply_compile(model, ["model.language_model.layers.{*}"], backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=5, do_sample=False), expected_tokens)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert rel_diff(loss, expected_loss) <= TOL

@@ -33,6 +33,10 @@ specialises it and recompiles later as before). Without the hint dynamo speciali
 and recompiles at the first other length: two traces where one does (the tiny Qwen3-VL on 2 CPU processes, aot_eager:
 5.3 s + 8.8 s for the first two steps before, one trace at the first step now). A batch of one row, or a new input
 such as an image the first time, may still add a graph, after which rows of every length run those graphs.
+Generation (evaluation's greedy answers, the RL stage's embedded rollout engine) calls the blocks with a KV cache
+(`cache`; `past_key_values` in older transformers): those calls run the original forward. Traced, the cache's update specialises on the layer's
+index and the cache's length: every layer of a tiny Qwen3-VL compiled again for `generate`, and a deep model hit
+dynamo's recompile limit (8) before falling back to eager anyway.
 `dynamic=True` makes every dimension symbolic from the first call, hidden sizes too: the tiny Qwen3-VL's first
 compiled step took 27 s with it, and the kernels cannot specialise on sizes that never change; `dynamic=False`
 recompiles for every new length. `_FirstCallTimer` logs, once per process, how long the first compiled call took
@@ -107,6 +111,10 @@ def mark_token_dims(args: tuple, kwargs: dict[str, Any]) -> None:
             torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
 
+_CACHE_KEYS = ("cache", "past_key_values", "past_key_value")
+"""The KV cache's keyword in a decoder layer's call, as transformers' versions name it."""
+
+
 class _CompiledForward:
     """The compiled forward of one module (marks the module as compiled for `is_compiled`); with `dynamic=None`
     each call's token dimensions are marked dynamic first (`mark_token_dims`)."""
@@ -117,6 +125,8 @@ class _CompiledForward:
         self.compiled = _FirstCallTimer(torch.compile(forward, backend=backend, dynamic=dynamic), backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get(name) is not None for name in _CACHE_KEYS):
+            return self.original(*args, **kwargs)  # a KV-cached (generation) call: eager, module docstring
         if self.mark:
             mark_token_dims(args, kwargs)
         return self.compiled(*args, **kwargs)
