@@ -5,7 +5,7 @@
     uv run python tools/tolerance_margins.py --from margins.jsonl  # summarise earlier records, run nothing
     uv run python tools/tolerance_margins.py --smoke              # one small file (CI's check that the tool works)
 
-It runs `python -m pytest` with `MMFSDP_RECORD_MARGINS` set: every numeric parity check of the suite
+It runs pytest (in this process) with `MMFSDP_RECORD_MARGINS` set: every numeric parity check of the suite
 (`mmfsdp.parallel.testing.record_margin`, through `assert_within`, `mmfsdp.model.testing.assert_close` and the end
 to end tests' `apprun.close`) appends its measured relative difference and its bound there. It prints the machine
 (the CPU's model name, the platform, torch's version), then per test its tightest check, the lowest margin
@@ -23,8 +23,6 @@ import json
 import math
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -104,6 +102,25 @@ def table(rows: list[dict], top: int) -> str:
     return "\n".join(lines)
 
 
+def _pytest(pytest_args: list[str], records: Path) -> int:
+    """pytest with `pytest_args` from the repository root, recording margins to `records`: in this process (its
+    interpreter start and imports already paid; xdist workers, when the arguments ask for them, inherit the
+    variable), the working directory and the variable restored after."""
+    import pytest
+
+    cwd, previous = os.getcwd(), os.environ.get(MARGINS_ENV)
+    os.environ[MARGINS_ENV] = str(records)
+    os.chdir(ROOT)
+    try:
+        return int(pytest.main(list(pytest_args)))
+    finally:
+        os.chdir(cwd)
+        if previous is None:
+            os.environ.pop(MARGINS_ENV, None)
+        else:
+            os.environ[MARGINS_ENV] = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/tolerance_margins.py",
@@ -122,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.source is None:
             pytest_args = SMOKE_ARGS + args.pytest_args if args.smoke else (args.pytest_args or PARITY)
             started = time.perf_counter()
-            code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT,
-                                   env={**os.environ, MARGINS_ENV: str(path)})
+            code = _pytest(pytest_args, path)
             wall = time.perf_counter() - started
         records = read_records(path)
     rows = tightest_per_test(records)
