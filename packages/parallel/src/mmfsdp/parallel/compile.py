@@ -34,9 +34,9 @@ and recompiles at the first other length: two traces where one does (the tiny Qw
 5.3 s + 8.8 s for the first two steps before, one trace at the first step now). A batch of one row, or a new input
 such as an image the first time, may still add a graph, after which rows of every length run those graphs.
 Generation (evaluation's greedy answers, the RL stage's embedded rollout engine) calls the blocks with a KV cache
-(`cache`; `past_key_values` in older transformers): those calls run the original forward. Traced, the cache's update specialises on the layer's
-index and the cache's length: every layer of a tiny Qwen3-VL compiled again for `generate`, and a deep model hit
-dynamo's recompile limit (8) before falling back to eager anyway.
+(`cache`; `past_key_values` in older transformers): those calls run the original forward. Traced, the cache's
+update specialises on the layer's index and the cache's length: every layer of a tiny Qwen3-VL compiled again for
+`generate`, and a deep model hit dynamo's recompile limit (8) before falling back to eager anyway.
 `dynamic=True` makes every dimension symbolic from the first call, hidden sizes too: the tiny Qwen3-VL's first
 compiled step took 27 s with it, and the kernels cannot specialise on sizes that never change; `dynamic=False`
 recompiles for every new length. `_FirstCallTimer` logs, once per process, how long the first compiled call took
