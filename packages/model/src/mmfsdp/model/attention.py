@@ -163,7 +163,7 @@ def _sdpa_per_sequence(module, query_BHSD, key_BKSD, value_BKSD, segments, causa
 
 
 @torch.compiler.disable
-def _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs):
+def _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs):
     """Packed sdpa, eager under `torch.compile` (`features.compile`) for the calls the packed-sdpa op does not take
     (`_compiled_packed_sdpa`): it loops over the sequence lengths (host numbers: the micro-batch plan's
     `attention_segments`), which a traced graph would specialise on; left out, a compiled block runs one graph
@@ -171,10 +171,7 @@ def _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs):
     causal = _is_causal(module, kwargs)
     batch_size, _, q_len, _ = query.shape
     same = q_len == key.shape[2] and (cu_k is cu_q or torch.equal(cu_q, cu_k))
-    if same and plan is not None and cu_q is plan.cu_seq_lens and (batch_size, q_len) == (plan.batch_size, plan.seq_len):
-        segments = plan.attention_segments
-    else:
-        segments = segments_of(cu_q, batch_size, q_len) if same else None
+    segments = segments_of(cu_q, batch_size, q_len) if same else None  # a plan's: registered, no read
     if segments is not None:
         return _sdpa_per_sequence(module, query, key, value, segments, causal, **kwargs)
     attention_mask = varlen_block_mask(cu_q, cu_k, batch_size, q_len, key.shape[2], causal=causal)
@@ -263,14 +260,13 @@ def _compiled_packed_sdpa(module, query, key, value, cu_q, cu_k, kwargs):
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention; packed self-attention runs per sequence, other packed inputs get a
     block-diagonal mask."""
-    plan = kwargs.get(BATCH_PLAN_KEY)
     cu_q, cu_k = _pop_varlen(kwargs)
     if cu_q is not None:
         if torch.compiler.is_compiling():
             out = _compiled_packed_sdpa(module, query, key, value, cu_q, cu_k, kwargs)
             if out is not None:
                 return out
-        return _sdpa_varlen(module, query, key, value, cu_q, cu_k, plan, **kwargs)
+        return _sdpa_varlen(module, query, key, value, cu_q, cu_k, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 

@@ -42,10 +42,10 @@ shapes), so tokens agree unless a draw falls within rounding of a tie.
    on the device. Under FSDP2 the prefill all-gathers each group once and the groups stay gathered through the
    decode steps (`gather_weights`, the default: `mmfsdp.parallel.fsdp_gathered`; with it off, every forward
    gathers them again, one group at a time); every forward still runs FSDP2's hooks, so every rank must make the
-   same number of forwards: once per step the ranks all-reduce (MIN over the group) whether all their rows have stopped, and
-   all stop together when every rank is done or at `max_new_tokens`. That one-element all-reduce and the `.item()`
-   reading it are the loop's only host synchronisation, a small constant per step (generation, not a training
-   hot path); before the loop, one more checks the requests on every rank (all raise together) and the prompts'
+   same number of forwards: once per step the ranks all-reduce (MIN over the group) whether all their rows have
+   stopped, and all stop together when every rank is done or at `max_new_tokens`. That one-element all-reduce and
+   the `.item()` reading it are the loop's only host synchronisation, a small constant per step (generation, not a
+   training hot path); before the loop, one more checks the requests on every rank (all raise together) and the prompts'
    positions are computed on the host side of the family's hook; the tokens and log-probs reach the host once,
    at the end.
 A stop token ends its completion and is part of it (with its log-prob), as in TRL's completion mask. Completion
