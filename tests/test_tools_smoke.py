@@ -102,7 +102,8 @@ SMOKE: dict[str, tuple[tuple[str, ...], dict[str, type | tuple[type, ...]]]] = {
     "tools/bench/rollout.py": (
         ("--smoke",),
         {"hf_tokens_per_s": NUMBER, "vllm_tokens_per_s": NUMBER, "vllm_over_hf": NUMBER, "sync_s": NUMBER,
-         "sync_gbps": NUMBER, "copy_s": NUMBER, "sync_over_copy_time": NUMBER, "targets_met": bool},
+         "sync_gbps": NUMBER, "copy_s": NUMBER, "sync_over_copy_time": NUMBER, "server_reload_s": NUMBER,
+         "kernel_s": NUMBER, "kernel_floor_over_copy_time": NUMBER, "target_reachable": bool, "targets_met": bool},
     ),
     "tools/bench/train_throughput.py": (
         ("--smoke", "--out", "{tmp}"),

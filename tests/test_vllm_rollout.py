@@ -101,6 +101,7 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
                   f"{sync['gbps']:.3f} GB/s; logprob diff mean {diffs.mean():.2e} max {diffs.max():.2e}; "
                   f"completions {[r.completion_ids for r in ours]}")
             assert diffs.max() < 1e-3
+            assert 0 < sync["reload_s"] <= sync["seconds"]  # the server's share, reported with its answer
             seen.append([r.completion_ids for r in ours])
         assert seen[0] != seen[-1]  # the training moved the greedy tokens: the sync carried them
         pool = engine._chunks

@@ -114,11 +114,13 @@ def _free_port() -> int:
 
 def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None = None, dtype: str = "float32",
                        max_model_len: int = 2048, seed: int = 0, startup_timeout_s: float = 600.0, dummy: bool = False,
-                       log_path: str | os.PathLike | None = None) -> tuple[subprocess.Popen, str, bytes]:
+                       log_path: str | os.PathLike | None = None,
+                       time_kernels: bool = False) -> tuple[subprocess.Popen, str, bytes]:
     """Start `vllm_server.py` with `python` on the HF directory `model_dir` and wait until it accepts a
     connection. Returns (process, address, authkey); its output goes to `log_path`. `dummy`: random weights (the
     first sync sends every checkpoint tensor) -- not for Qwen-VL on vLLM 0.32: its vision input normalisation
-    (`FusedMMInputNorm`) holds mean and std as parameters no checkpoint carries, which dummy loading randomises."""
+    (`FusedMMInputNorm`) holds mean and std as parameters no checkpoint carries, which dummy loading randomises.
+    `time_kernels`: the server times vLLM's kernel repacking in each sync (measurement: `tools/bench/rollout.py`)."""
     if not Path(python).exists():
         raise VLLMServerError(f"no Python at {python}: build the vLLM environment (uv run python "
                               "tools/vllm_env/setup.py) or set rollout.vllm.python")
@@ -129,6 +131,8 @@ def launch_vllm_server(python: str, model_dir: str, *, architecture: str | None 
         command += ["--architecture", architecture]
     if dummy:
         command.append("--dummy")
+    if time_kernels:
+        command.append("--time-kernels")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -290,7 +294,9 @@ class VLLMRolloutEngine:
         self._weights_version = 0
         self._chunks = _ChunkPool(chunk_bytes)
         self.last_sync: dict[str, float] = {}
-        """Rank 0's last sync: `seconds`, `bytes`, `gbps`."""
+        """Rank 0's last sync: `seconds`, `bytes`, `gbps`; the server's `reload_s` (and `kernel_s` from a server
+        started with `time_kernels`) when it reports them."""
+        self._server_timing: dict[str, float] = {}
         self._conn: Connection | None = None
         if self._rank() == 0:
             if address is None or authkey is None:
@@ -348,6 +354,7 @@ class VLLMRolloutEngine:
         plans = merged_plans(self.adapter, state)
         rank0, error = self._rank() == 0, None
         started, total = time.perf_counter(), 0
+        self._server_timing = {}
         chunk: _Chunk | None = self._chunks.take(0) if rank0 else None
         table: list[list[Any]] = []
         offset = 0
@@ -381,7 +388,8 @@ class VLLMRolloutEngine:
         self._share(error)
         self._weights_version = version
         seconds = time.perf_counter() - started
-        self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0}
+        self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0,
+                          **self._server_timing}
 
     def _send_chunk(self, chunk: "_Chunk", table: list[list[Any]], version: int | None) -> str | None:
         """Hand `chunk` to the server; the files its answer lists as still mapped stay out of use (a server that
@@ -392,6 +400,7 @@ class VLLMRolloutEngine:
         except VLLMServerError as e:
             return str(e)
         self._chunks.settle(reply.get("busy", []), done=version is not None)
+        self._server_timing = {k: float(reply[k]) for k in ("reload_s", "kernel_s") if k in reply}
         return None
 
     # -- generation -----------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ different torch versions), answered by `{"ok": True, ...}` or `{"ok": False, "er
   The first chunk starts vLLM's in-place reload (`reload_weights`: the model's own `load_weights`, HF checkpoint
   names, then its post-load processing); each chunk is acknowledged once read (`busy`: the chunk files whose bytes
   the reload still holds, which the client must not overwrite yet), and the next one is read into the same reload;
-  the chunk with `version` is the last: the reload finishes and the server's weights version becomes v.
+  the chunk with `version` is the last: the reload finishes and the server's weights version becomes v. Its
+  answer carries `reload_s` (seconds from the first chunk's arrival to the reload's end, waits for the client's
+  next chunks included) and, with `--time-kernels`, `kernel_s` (the part vLLM's CPU backend spent preparing its
+  matmul kernels: repacking each linear layer's weight into a oneDNN handle, redone after every weight change).
 - `{"op": "generate", "version": v, "sampling": {...}, "requests": [...]}`: refused unless v is the server's
   weights version (a stale engine is never used silently). Each request is one completion: `prompt_token_ids`
   (media placeholders collapsed to one token per image, vLLM expands them), `images` (encoded files' bytes) and
@@ -74,11 +77,35 @@ def _quiet_thread_pinning() -> None:
         torch.set_num_threads = lambda threads: None
 
 
+def _time_kernel_preparation() -> list[float] | None:
+    """Measurement only (`--time-kernels`, the rollout benchmark): wrap vLLM's CPU linear-kernel dispatch
+    (`dispatch_cpu_unquantized_gemm`, which its linear and LM-head layers import when their weights are loaded
+    and which repacks the weight into a oneDNN handle) to add its seconds to the returned counter. None when this
+    vLLM has no such function (nothing is wrapped)."""
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return None
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    utils.dispatch_cpu_unquantized_gemm = timed
+    return spent
+
+
 class Server:
     def __init__(self, args):
         import vllm
 
         self.vllm = vllm
+        self.kernel_seconds = _time_kernel_preparation() if args.time_kernels else None
         overrides = {"architectures": [args.architecture]} if args.architecture else None
         self.llm = vllm.LLM(
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
@@ -135,10 +162,14 @@ class Server:
                 last[0] = message
 
         last = [message]
+        started, kernel_before = time.perf_counter(), (self.kernel_seconds or [0.0])[0]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(message),
                                                           "is_checkpoint_format": True})
         self.version = int(last[0]["version"])
-        return {"version": self.version, "busy": busy()}
+        timing = {"reload_s": time.perf_counter() - started}
+        if self.kernel_seconds is not None:
+            timing["kernel_s"] = self.kernel_seconds[0] - kernel_before
+        return {"version": self.version, "busy": busy(), **timing}
 
     def generate(self, message) -> dict:
         from PIL import Image
@@ -211,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-images", type=int, default=4, help="most images per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-kernels", action="store_true",
+                        help="measurement: report the seconds vLLM spends repacking linear kernels in each sync")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
     authkey = bytes.fromhex(os.environ.get("VLLM_SERVER_AUTHKEY", ""))
