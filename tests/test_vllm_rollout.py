@@ -120,13 +120,31 @@ def test_vllm_engine_greedy_equals_hf_engine_after_0_1_5_steps(tmp_path):
         ours, theirs = engine.generate(requests, sampling, step=6), hf.generate(requests, sampling, step=6)
         assert [r.completion_ids for r in ours] == [r.completion_ids for r in theirs], ("lora", ours, theirs)
         assert [r.completion_ids for r in ours] != seen[-1], "the adapters should change the greedy tokens"
+        full = engine.last_sync
+        assert full["skipped"] == 0  # the base weights froze after the last sync: sent once more, now held
+        # LoRA steps: only the adapted layers' groups change (the decoder's self_attn blocks); the rest is frozen,
+        # held by the server and not sent. The adapted q/v travel with their k (vLLM fuses them into qkv_proj and
+        # reloads that layer whole): a k left out would be garbage in vLLM, and its tokens would differ from hf's.
+        lora_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+        for _ in range(3):
+            _train_step(model, lora_optimizer, text_only)
+        engine.sync_weights(model, version=7)
+        hf.sync_weights(model, version=7)
+        ours, theirs = engine.generate(requests, sampling, step=7), hf.generate(requests, sampling, step=7)
+        assert [r.completion_ids for r in ours] == [r.completion_ids for r in theirs], ("lora steps", ours, theirs)
+        lora_seen = [r.completion_ids for r in ours]
         sync = engine.last_sync
-        print(f"LoRA (merged): sync {sync['seconds']:.3f} s, {sync['bytes'] / 1e6:.1f} MB, {sync['gbps']:.3f} GB/s")
+        print(f"LoRA (merged): full sync {full['bytes'] / 1e6:.2f} MB ({full['tensors']:.0f} tensors) in "
+              f"{full['seconds']:.3f} s; after 3 steps {sync['bytes'] / 1e6:.2f} MB ({sync['tensors']:.0f} sent, "
+              f"{sync['skipped']:.0f} held) in {sync['seconds']:.3f} s; tokens {lora_seen}")
+        assert sync["skipped"] > 0 and sync["bytes"] < full["bytes"] / 2
+        diffs = torch.cat([(torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs() for a, b in zip(ours, theirs)])
+        assert diffs.max() < 1e-3
 
         os.kill(process.pid, signal.SIGKILL)  # the server dies mid-run: a clear error, quickly
         started = time.monotonic()
         with pytest.raises(VLLMServerError, match="vLLM server"):
-            engine.generate(requests, sampling, step=7)
+            engine.generate(requests, sampling, step=8)
         assert time.monotonic() - started < 60
     finally:
         engine.close()

@@ -11,7 +11,11 @@ by rank 0 (`launch_vllm_server`) or already running; rank 0 alone talks to it ov
    server serves the base model without adapters); rank 0 copies it into a shared-memory file (`/dev/shm`) of
    `chunk_bytes` and, when the chunk is full, sends the server the chunk's table and waits while the server loads
    it through the vLLM model's `load_weights`. The last chunk carries `version`: only then does the server's
-   weights version change. Rank 0 broadcasts the outcome so every rank raises together on a failure.
+   weights version change. Rank 0 broadcasts the outcome so every rank raises together on a failure. After the
+   first sync, a group of tensors (`sync_groups`: those of one module's children, which an engine may fuse)
+   none of which can change (`changing_tensors`: frozen, and held by the server since a sync) is neither
+   gathered nor sent: with LoRA, only the adapted blocks' merged weights travel; with a frozen vision tower,
+   not the tower.
 2. `generate(requests, sampling, step)`: the ranks' requests are gathered on rank 0, which sends one completion
    per (prompt, generation) with its seed (`row_keys(seed, step, prompt, generation)`: the same key as the hf
    engine's draws, so a completion depends on its prompt and indices, not on the layout; vLLM's sampler draws
@@ -56,11 +60,13 @@ SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 """The server module, run by path with the vLLM environment's Python."""
 
 
-def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor],
+                   only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """`state` (`get_model_state_dict(model)`) whole, one tensor at a time, under the names weights files give them
     (`mmfsdp.ckpt.lora.stored_key`): a LoRA layer's `x.base_layer.weight` as `x.weight` with its adapters merged in,
-    `W + (alpha / r) · B · A` (fp32, stored in W's dtype), the adapter tensors themselves left out. Every rank must
-    iterate it: a sharded tensor's `full_tensor()` is a collective."""
+    `W + (alpha / r) · B · A` (fp32, stored in W's dtype), the adapter tensors themselves left out; with `only`,
+    the tensors of those names only (the others are not gathered). Every rank must iterate it with the same
+    `only`: a sharded tensor's `full_tensor()` is a collective."""
     from torch.distributed.tensor import DTensor
 
     from mmfsdp.ckpt.lora import ADAPTER_NAME, adapter_keys, is_adapter_key, stored_key
@@ -71,7 +77,7 @@ def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator
 
     layers = lora_layers(model)
     for key, value in state.items():
-        if is_adapter_key(key):
+        if is_adapter_key(key) or (only is not None and stored_key(key) not in only):
             continue
         full = whole(value)
         module = key.removesuffix(".base_layer.weight")
@@ -81,6 +87,37 @@ def merged_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator
             scale = float(layers[module].scaling[ADAPTER_NAME])
             full = (full.float() + scale * (b @ a)).to(full.dtype)
         yield stored_key(key), full
+
+
+def changing_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """Whether each tensor `merged_tensors` yields can change in training, by name: a parameter that requires grad,
+    a LoRA layer's merged weight whose base or adapters do; a frozen parameter cannot. A name that is not a
+    parameter (a buffer) counts as changing."""
+    from mmfsdp.ckpt.lora import adapter_keys, stored_key
+    from mmfsdp.model.lora import lora_layers
+
+    params = dict(model.named_parameters())
+    layers = lora_layers(model)
+    changing: dict[str, bool] = {}
+    for key in state:
+        name = stored_key(key)
+        if name is None:
+            continue
+        module = key.removesuffix(".base_layer.weight")
+        keys = (key, *adapter_keys(module)) if module != key and module in layers else (key,)
+        changing[name] = any(k not in params or params[k].requires_grad for k in keys)
+    return changing
+
+
+def sync_groups(names: Iterator[str] | list[str]) -> dict[str, list[str]]:
+    """Tensor names grouped by the parent of the module that owns them (`a.b.self_attn.q_proj.weight` ->
+    `a.b.self_attn`): what an engine may fuse into one layer (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`,
+    a MoE block's experts) lies within one group, and its in-place reload needs every tensor of a layer it loads
+    (vLLM's rebuilds a layer on fresh memory: a part left out would be garbage). A partial sync sends whole groups."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(name.rsplit(".", 2)[0] if name.count(".") >= 2 else "", []).append(name)
+    return groups
 
 
 def merged_plans(adapter: StateDictAdapter, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -294,9 +331,11 @@ class VLLMRolloutEngine:
         self._weights_version = 0
         self._chunks = _ChunkPool(chunk_bytes)
         self.last_sync: dict[str, float] = {}
-        """Rank 0's last sync: `seconds`, `bytes`, `gbps`; the server's `reload_s` (and `kernel_s` from a server
-        started with `time_kernels`) when it reports them."""
+        """Rank 0's last sync: `seconds`, `bytes`, `gbps`, `tensors` sent and `skipped` (frozen ones the server
+        holds); the server's `reload_s` (and `kernel_s` from a server started with `time_kernels`) when reported."""
         self._server_timing: dict[str, float] = {}
+        self._constant: set[str] = set()
+        """Names of frozen tensors whose current value the server holds (after a sync, every frozen one)."""
         self._conn: Connection | None = None
         if self._rank() == 0:
             if address is None or authkey is None:
@@ -352,6 +391,13 @@ class VLLMRolloutEngine:
 
         state = get_model_state_dict(model)
         plans = merged_plans(self.adapter, state)
+        changing = changing_tensors(model, state)
+        # The server holds the current value of every frozen tensor it was sent (or skipped) at an earlier sync:
+        # a group with nothing that changed since is not gathered or sent (a frozen vision tower, the layers LoRA
+        # does not adapt). The first sync sends everything. Every rank decides the same (`only` is collective).
+        only = {name for group in sync_groups(list(changing)).values()
+                if any(changing[n] or n not in self._constant for n in group) for name in group}
+        partial = len(only) < len(changing)
         rank0, error = self._rank() == 0, None
         started, total = time.perf_counter(), 0
         self._server_timing = {}
@@ -359,7 +405,7 @@ class VLLMRolloutEngine:
         table: list[list[Any]] = []
         offset = 0
         try:
-            for name, full in merged_tensors(model, state):  # every rank: the collectives of `full_tensor`
+            for name, full in merged_tensors(model, state, only):  # every rank: the collectives of `full_tensor`
                 if not rank0 or error is not None:
                     continue
                 for hf_name, piece in plans[name].pieces(full.detach()).items():
@@ -367,7 +413,7 @@ class VLLMRolloutEngine:
                     nbytes = piece.numel() * piece.element_size()
                     if offset + nbytes > chunk.size and table:
                         sent, chunk = chunk, None
-                        error = self._send_chunk(sent, table, None)
+                        error = self._send_chunk(sent, table, None, partial)
                         if error is not None:
                             break
                         chunk, table, offset = self._chunks.take(nbytes), [], 0
@@ -381,22 +427,30 @@ class VLLMRolloutEngine:
                     offset, total = offset + nbytes, total + nbytes
             if rank0 and error is None:
                 sent, chunk = chunk, None
-                error = self._send_chunk(sent, table, version)
+                error = self._send_chunk(sent, table, version, partial)
         finally:
             if chunk is not None:  # not handed over (an error before): back into the pool
                 self._chunks.put_back(chunk)
-        self._share(error)
+        try:
+            self._share(error)
+        except VLLMServerError:
+            self._constant = set()  # a reload that failed part-way may have left any layer behind: resend all
+            raise
         self._weights_version = version
+        self._constant = {name for name, moves in changing.items() if not moves}
         seconds = time.perf_counter() - started
         self.last_sync = {"seconds": seconds, "bytes": float(total), "gbps": total / seconds / 1e9 if total else 0.0,
+                          "tensors": float(len(only)), "skipped": float(len(changing) - len(only)),
                           **self._server_timing}
 
-    def _send_chunk(self, chunk: "_Chunk", table: list[list[Any]], version: int | None) -> str | None:
+    def _send_chunk(self, chunk: "_Chunk", table: list[list[Any]], version: int | None,
+                    partial: bool) -> str | None:
         """Hand `chunk` to the server; the files its answer lists as still mapped stay out of use (a server that
         answers without the list copies what it reads: nothing is held)."""
         self._chunks.lend(chunk)
         try:
-            reply = self._call({"op": "load", "path": str(chunk.path), "tensors": table, "version": version})
+            reply = self._call({"op": "load", "path": str(chunk.path), "tensors": table, "version": version,
+                                "partial": partial})
         except VLLMServerError as e:
             return str(e)
         self._chunks.settle(reply.get("busy", []), done=version is not None)

@@ -12,7 +12,8 @@ Protocol: `multiprocessing.connection` (a TCP `host:port` or a Unix socket path)
 different torch versions), answered by `{"ok": True, ...}` or `{"ok": False, "error": "..."}`:
 
 - `{"op": "info"}` -> `version`, `pid`, `vllm`.
-- `{"op": "load", "path": P, "tensors": [[hf_name, dtype, shape, offset], ...], "version": v | None}`: one chunk
+- `{"op": "load", "path": P, "tensors": [[hf_name, dtype, shape, offset], ...], "version": v | None,
+  "partial": bool}`: one chunk
   of a weight sync: the named tensors lie in the shared-memory file P at byte `offset` (dtype a torch dtype name).
   The first chunk starts vLLM's in-place reload (`reload_weights`: the model's own `load_weights`, HF checkpoint
   names, then its post-load processing); each chunk is acknowledged once read (`busy`: the chunk files whose bytes
@@ -21,6 +22,9 @@ different torch versions), answered by `{"ok": True, ...}` or `{"ok": False, "er
   answer carries `reload_s` (seconds from the first chunk's arrival to the reload's end, waits for the client's
   next chunks included) and, with `--time-kernels`, `kernel_s` (the part vLLM's CPU backend spent preparing its
   matmul kernels: repacking each linear layer's weight into a oneDNN handle, redone after every weight change).
+  `partial`: the sync leaves out whole layers the server already holds (frozen ones); vLLM keeps them, and would
+  log a warning for each such layer and one listing their tensors every sync: the server mutes those two loggers'
+  warnings for that reload (a first, full sync keeps them).
 - `{"op": "generate", "version": v, "sampling": {...}, "requests": [...]}`: refused unless v is the server's
   weights version (a stale engine is never used silently). Each request is one completion: `prompt_token_ids`
   (media placeholders collapsed to one token per image, vLLM expands them), `images` (encoded files' bytes) and
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import math
 import mmap
 import os
@@ -162,9 +167,19 @@ class Server:
                 last[0] = message
 
         last = [message]
+        muted = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
+                 for name in ("layerwise", "inplace")]
+        levels = [logger.level for logger in muted]
+        if message.get("partial"):
+            for logger in muted:
+                logger.setLevel(logging.ERROR)
         started, kernel_before = time.perf_counter(), (self.kernel_seconds or [0.0])[0]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(message),
-                                                          "is_checkpoint_format": True})
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(message),
+                                                              "is_checkpoint_format": True})
+        finally:
+            for logger, level in zip(muted, levels):
+                logger.setLevel(level)
         self.version = int(last[0]["version"])
         timing = {"reload_s": time.perf_counter() - started}
         if self.kernel_seconds is not None:
