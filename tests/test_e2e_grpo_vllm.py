@@ -129,4 +129,5 @@ def test_server_killed_mid_run_stops_the_run(tmp_path):
     logged = {r["step"]: r for r in records(out) if "loss" in r}
     assert [logged[s]["rollout/weights_lag"] for s in (1, 2)] == [0, 1]
     assert logged[1]["time/sync_s"] > 0 and logged[2]["time/sync_s"] == 0
+    assert logged[1]["rollout/sync_mb"] > 3 and logged[2]["rollout/sync_mb"] == 0  # the tiny model: 3.4 MB
     assert logged[1]["rollout/logprob_diff_max"] <= 1e-4 < 1e-2 < logged[2]["rollout/logprob_diff_max"], logged

@@ -102,10 +102,12 @@ def build_rollout_engine(ctx, media_token_ids: frozenset[int]) -> Any:
 
 def sync_stats(engine, seconds: float, device: torch.device) -> dict[str, torch.Tensor]:
     """`time/sync_s` (rank 0's: the ranks sync in lockstep) and, for an engine that copies the weights (vllm),
-    `rollout/sync_gbps`: the bytes it sent over those seconds."""
+    `rollout/sync_mb` and `rollout/sync_gbps`: the bytes it sent (after the first sync, the groups that can have
+    changed) and over those seconds; 0 on a step that did not sync."""
     stats = {"time/sync_s": torch.tensor(seconds, device=device)}
     last = getattr(engine, "last_sync", None)
     if last is not None:
+        stats["rollout/sync_mb"] = torch.tensor(last.get("bytes", 0.0) / 1e6 if seconds else 0.0, device=device)
         stats["rollout/sync_gbps"] = torch.tensor(last.get("gbps", 0.0) if seconds else 0.0, device=device)
     return stats
 
