@@ -1,9 +1,12 @@
 """GRPO with `training.grpo.rollout.engine: vllm` through the app, against the same run with the hf engine.
 
-The tiny Qwen3-VL (fp32, one process, CPU), synthetic shapes as prompts (image and text-only rows), 3 steps:
+The tiny Qwen3-VL (fp32, CPU), synthetic shapes as prompts (image and text-only rows), 3 steps:
 
-- at temperature 0 (greedy generation, log-probs of the raw logits) the vllm run's completions equal the hf run's
-  at every step (`completions.jsonl`; a prompt's generations are all the same, so the advantages and losses are 0
+- at temperature 0 (greedy generation, log-probs of the raw logits) the vllm run, on 2 FSDP2 processes (rank 1's
+  prompts and weight shards reach the server through rank 0), completes rank 0's prompts as the one-process hf
+  run does at every step (`completions.jsonl`, rank 0's), the engine's log-probs of both ranks' completions equal
+  the trainer's within 1e-4, and with the vision tower frozen (both runs) the later syncs leave it out
+  (`rollout/sync_mb`); a prompt's generations are all the same, so the advantages and losses are 0
   and the steps do not move the weights: the equality of engines on weights that change is
   `tests/test_vllm_rollout.py`'s, after 0, 1 and 5 optimizer steps), the losses agree within 1e-5 and the log-prob
   difference engine vs trainer is logged every step;
@@ -74,13 +77,18 @@ def _servers(pid: int) -> list[int]:
 
 
 def test_vllm_engine_run_equals_hf_engine_run(tmp_path):
-    outs = {}
-    for engine in ("hf", "vllm"):
+    # the vllm run on 2 FSDP2 processes (rank 1's prompts and weights reach the server through rank 0), the hf run
+    # on one, the same 2 prompts a step; the vision tower frozen in both: the vllm run's later syncs leave it out
+    outs, layouts = {}, {"hf": (1, 2), "vllm": (2, 1)}
+    for engine, (nproc, micro) in layouts.items():
         outs[engine] = tmp_path / engine
-        run(command(QWEN, _items(tmp_path, outs[engine], engine), nproc=1), timeout=900)
+        items = _items(tmp_path, outs[engine], engine, **{"training.micro_batch_size": micro,
+                                                          "model.freeze": "[model.visual]"})
+        run(command(QWEN, items, nproc=nproc), timeout=900)
     completions = {engine: _completions(out) for engine, out in outs.items()}
-    assert sorted(completions["hf"]) == [1, 2, 3]
-    assert completions["vllm"] == completions["hf"]
+    assert sorted(completions["hf"]) == sorted(completions["vllm"]) == [1, 2, 3]
+    for step, rows in completions["vllm"].items():  # rank 0's prompts (completions.jsonl): the same completions
+        assert rows and all(row in completions["hf"][step] for row in rows), (step, rows, completions["hf"][step])
     for rows in completions["hf"].values():  # greedy: a prompt's two generations are the same
         by_prompt = {}
         for prompt, completion in rows:
@@ -92,7 +100,10 @@ def test_vllm_engine_run_equals_hf_engine_run(tmp_path):
         assert abs(vllm[step]["loss"] - hf[step]["loss"]) <= 1e-5 * max(1.0, abs(hf[step]["loss"])), (step, hf, vllm)
         print(f"step {step}: loss hf {hf[step]['loss']:.8f} vllm {vllm[step]['loss']:.8f}; logprob diff mean "
               f"{vllm[step]['rollout/logprob_diff_mean']:.2e} max {vllm[step]['rollout/logprob_diff_max']:.2e}; "
-              f"sync {vllm[step]['time/sync_s']:.3f} s {vllm[step]['rollout/sync_gbps']:.3f} GB/s")
+              f"sync {vllm[step]['time/sync_s']:.3f} s {vllm[step]['rollout/sync_mb']:.3f} MB "
+              f"{vllm[step]['rollout/sync_gbps']:.3f} GB/s")
+        assert vllm[step]["rollout/logprob_diff_max"] <= 1e-4  # both ranks' completions (a max over ranks)
+    assert vllm[1]["rollout/sync_mb"] > vllm[2]["rollout/sync_mb"] == vllm[3]["rollout/sync_mb"] > 0
 
 
 def test_server_killed_mid_run_stops_the_run(tmp_path):
