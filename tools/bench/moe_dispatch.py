@@ -10,7 +10,9 @@ router on the same `--tokens` hidden states and differs only in the experts:
 
 with EP 1 (no process group) in this process, on the same weights. Outputs and
 all gradients (input, router, experts) are checked against `hf` first. Time: the
-variants run alternately, `--repeats` rounds after that check (the warm-up), and each
+variants run alternately, `--repeats` rounds after that check (the warm-up; a round
+times a variant's step as the mean over at least 50 ms of steps, so a step shorter
+than the CPU clock's tick is not read as 0), and each
 reports its fastest round (least disturbed by other load) and its median, in
 wall-clock time and, on the CPU, in this process's CPU time; `speedup_vs_hf` is
 `hf` over the faster of ours in CPU time on the CPU (steadier on a shared
@@ -132,13 +134,18 @@ class _Variants:
         self.block.zero_grad(set_to_none=True)
         return values
 
-    def time(self, name: str) -> tuple[float, float]:
-        """Wall-clock and this process's CPU seconds of one step."""
+    def time(self, name: str, min_seconds: float = 0.05) -> tuple[float, float]:
+        """Wall-clock and this process's CPU seconds of one step: the mean over as many steps as take `min_seconds`
+        of wall time (at least one), so a step shorter than the CPU clock's tick (a few ms on some kernels) is not
+        read as 0 CPU seconds."""
+        steps = 0
         _synchronize(self.device)
         start, start_cpu = time.perf_counter(), time.process_time()
-        self.step(name)
-        _synchronize(self.device)
-        return time.perf_counter() - start, time.process_time() - start_cpu
+        while steps == 0 or time.perf_counter() - start < min_seconds:
+            self.step(name)
+            _synchronize(self.device)
+            steps += 1
+        return (time.perf_counter() - start) / steps, (time.process_time() - start_cpu) / steps
 
 
 def _check_equal(variants: _Variants) -> dict[str, float]:
@@ -204,8 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     best_cpu = {name: min(values) for name, values in cpu_seconds.items()}
     ours = min(best[name] for name in variants.names[1:])
     ours_cpu = min(best_cpu[name] for name in variants.names[1:])
-    # on a shared CPU the process's CPU time is the steadier measure; on an accelerator only wall time means anything
-    speedup = best_cpu["hf"] / ours_cpu if variants.device.type == "cpu" else best["hf"] / ours
+    # on a shared CPU the process's CPU time is the steadier measure (while its clock saw every variant run); on an
+    # accelerator only wall time means anything
+    by_cpu = variants.device.type == "cpu" and min(best_cpu.values()) > 0
+    speedup = best_cpu["hf"] / ours_cpu if by_cpu else best["hf"] / ours
 
     _log("sharding the experts on 4 gloo ranks (EP 2 and EP 4)")
     preload_for_ranks(*RANK_MODULES)
