@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a smoke test
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: do not pin cores
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: one import of vLLM
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report (a CPU probe in a subprocess, a post)
     import torch
     import transformers
     import vllm

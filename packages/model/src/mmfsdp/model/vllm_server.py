@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: apply_model
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM's usage report (a thread that probes the CPU in a subprocess and posts to vLLM's stats server): a
+    # training job's rollout server does not phone home unless the user sets VLLM_NO_USAGE_STATS=0
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     Server(args).serve(_address(args.address), authkey)
