@@ -57,6 +57,7 @@ from mmfsdp.parallel import (
     clip_grad_norm,
     detect_device_type,
     device_for_local_rank,
+    enable_fault_stacks,
     freeze_startup_heap,
     init_process_group,
     use_deterministic,
@@ -436,7 +437,9 @@ def start_rank(cfg: Config) -> str:
     """This rank's device type, with deterministic algorithms when `training.deterministic` asks (before the
     process group: HCCL reads its switch when it starts) and the process group joined (an existing one is kept);
     torch's intra-op threads as `OMP_NUM_THREADS` says (`set_intra_op_threads`). What the rank has imported so far
-    is moved out of the garbage collector's sight (`freeze_startup_heap`)."""
+    is moved out of the garbage collector's sight (`freeze_startup_heap`). A rank that dies on a signal prints
+    every thread's Python stack into the launcher's log first (`enable_fault_stacks`)."""
+    enable_fault_stacks()
     freeze_startup_heap()
     log.info("torch intra-op threads per rank: %d (OMP_NUM_THREADS=%s)", set_intra_op_threads(),
              os.environ.get("OMP_NUM_THREADS", "unset"))

@@ -48,6 +48,7 @@ _LAZY = {
     "synchronize": "mmfsdp.parallel.device",
     "use_deterministic": "mmfsdp.parallel.device",
     "freeze_startup_heap": "mmfsdp.parallel.device",
+    "enable_fault_stacks": "mmfsdp.parallel.device",
     "DTYPES": "mmfsdp.parallel.dtypes",
     "dtype_name": "mmfsdp.parallel.dtypes",
     "apply_expert_parallel": "mmfsdp.parallel.expert_parallel",
@@ -78,6 +79,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "freeze_startup_heap",
+    "enable_fault_stacks",
     "ParallelConfig",
     "FSDPPlanConfig",
     "RecomputePlanConfig",

@@ -13,9 +13,12 @@ cyclic garbage collector off the objects a process starts with.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import importlib
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -35,6 +38,7 @@ __all__ = [
     "synchronize",
     "use_deterministic",
     "freeze_startup_heap",
+    "enable_fault_stacks",
 ]
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
@@ -176,6 +180,15 @@ def use_deterministic(device_type: str) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def enable_fault_stacks() -> None:
+    """A process that dies on a signal (a segmentation fault in an extension, glibc's abort on a corrupted heap)
+    prints every thread's Python stack to its stderr first (`faulthandler`, to the process's own fd 2: a launcher's
+    log or a test's output keeps it): where a rank died, not only that it did. Nothing when there is no real
+    stderr to print to."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 def freeze_startup_heap() -> None:

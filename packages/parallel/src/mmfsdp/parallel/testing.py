@@ -30,7 +30,6 @@ on a machine. Spawned ranks inherit the variable and the test id, so a check mad
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import importlib.util
 import io
 import json
@@ -161,14 +160,13 @@ def _child(rank: int, world_size: int, port: int, path: str, name: str, args: tu
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    # a rank that dies on a signal (SIGSEGV, glibc's SIGABRT on a corrupted heap) prints every thread's Python
-    # stack to stderr first, which the test's output keeps: where it died, not only that it did
-    faulthandler.enable(all_threads=True)
     try:
         import torch
         import torch.distributed as dist
 
-        from mmfsdp.parallel.device import freeze_startup_heap
+        from mmfsdp.parallel.device import enable_fault_stacks, freeze_startup_heap
+
+        enable_fault_stacks()  # a rank that dies on a signal prints its stacks into the test's output
 
         freeze_startup_heap()  # the forkserver's imports: no full collection walks them in every rank
         torch.set_num_threads(1)
