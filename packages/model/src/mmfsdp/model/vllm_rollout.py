@@ -41,7 +41,7 @@ import tempfile
 import time
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,7 @@ def changing_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
     return changing
 
 
-def sync_groups(names: Iterator[str] | list[str]) -> dict[str, list[str]]:
+def sync_groups(names: Iterable[str]) -> dict[str, list[str]]:
     """Tensor names grouped by the parent of the module that owns them (`a.b.self_attn.q_proj.weight` ->
     `a.b.self_attn`): what an engine may fuse into one layer (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`,
     a MoE block's experts) lies within one group, and its in-place reload needs every tensor of a layer it loads
@@ -395,7 +395,7 @@ class VLLMRolloutEngine:
         # The server holds the current value of every frozen tensor it was sent (or skipped) at an earlier sync:
         # a group with nothing that changed since is not gathered or sent (a frozen vision tower, the layers LoRA
         # does not adapt). The first sync sends everything. Every rank decides the same (`only` is collective).
-        only = {name for group in sync_groups(list(changing)).values()
+        only = {name for group in sync_groups(changing).values()
                 if any(changing[n] or n not in self._constant for n in group) for name in group}
         partial = len(only) < len(changing)
         rank0, error = self._rank() == 0, None
